@@ -1,0 +1,48 @@
+"""The `gyre` command. Each subcommand lives in its own module, imported only when it runs,
+so `gyre --help` is fast and a missing optional dependency only breaks its own command.
+
+A subcommand module provides ``add_arguments(parser)`` and ``run(args) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "engine": ("gyre.engine.cli", "serve a model over SGLang's RL HTTP subset (embedded engine)"),
+    "proxy": ("gyre.proxy.cli", "run the token-in/token-out OpenAI-compatible proxy"),
+    "make-model": ("gyre.engine.tiny_model", "build the embedded tiny Qwen-style model offline"),
+    "inspect": ("gyre.traj.inspect", "summarise an HDF5 trajectory shard, draw one execution's tree"),
+    "plan": ("gyre.sim.plan", "sweep cell layouts and schemes for a workload (for HPC admins)"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gyre", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    argv = sys.argv[1:] if argv is None else argv
+    wanted = argv[0] if argv and not argv[0].startswith("-") else None
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == wanted:
+            mod = importlib.import_module(module)
+            mod.add_arguments(p)
+            p.set_defaults(_run=mod.run)
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 0 if args.command is None else 2
+    from gyre.config import ConfigError
+
+    try:
+        return int(args._run(args) or 0)
+    except ConfigError as e:
+        print(f"gyre {args.command}: configuration error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""One typed configuration for a Gyre run: a TOML file plus ``section.key=value`` overrides.
+
+Every section is a dataclass; a field's ``metadata`` may carry ``choices``, ``min`` and ``max``.
+Validation names the key, the bad value and what is allowed, so a user on a shared cluster can
+fix a config without reading code. This module is the only place that reads the environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, of the wrong type, or out of range."""
+
+
+def _f(default: Any, *, choices: tuple | None = None, min: float | None = None,
+       max: float | None = None, help: str = "") -> Any:
+    meta = {"choices": choices, "min": min, "max": max, "help": help}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class RunConfig:
+    name: str = _f("gyre", help="run name, used in directory and job names")
+    dir: str = _f("runs/gyre", help="run directory (private to the user, 0700)")
+    seed: int = _f(0, min=0)
+
+
+@dataclass
+class ModelConfig:
+    path: str = _f("", help="model directory (transformers layout); empty = the embedded tiny model")
+    tiny_dir: str = _f("", help="where the embedded tiny model is built; empty = ~/.cache/gyre/tiny-qwen")
+
+
+@dataclass
+class EngineConfig:
+    backend: str = _f("embedded", choices=("embedded", "sglang"))
+    host: str = _f("127.0.0.1")
+    port: int = _f(30000, min=0, max=65535)
+    endpoints: int = _f(1, min=1, help="engine endpoints started by `gyre rollout` on one machine")
+    max_running_requests: int = _f(64, min=1)
+    max_new_tokens_cap: int = _f(4096, min=1, help="hard cap on max_new_tokens per request")
+    max_body_bytes: int = _f(8 << 20, min=1024)
+    request_timeout_s: float = _f(600.0, min=0.001)
+    connect_retries: int = _f(3, min=0)
+
+
+@dataclass
+class ProxyConfig:
+    host: str = _f("127.0.0.1")
+    port: int = _f(8000, min=0, max=65535)
+    max_body_bytes: int = _f(8 << 20, min=1024, help="largest request body accepted (bytes)")
+    default_max_tokens: int = _f(512, min=1)
+    max_tokens_cap: int = _f(4096, min=1)
+    request_retries: int = _f(3, min=0, help="times a call is retried on another endpoint")
+
+
+@dataclass
+class StoreConfig:
+    dir: str = _f("", help="shard directory; empty = <run.dir>/shards")
+    compression: str = _f("gzip", choices=("gzip", "lzf", "none"))
+    compression_level: int = _f(4, min=0, max=9)
+    chunk_tokens: int = _f(1 << 16, min=256)
+    hdf5_locking: bool = _f(False, help="HDF5 file locking; off by default for parallel filesystems")
+    executions_per_shard: int = _f(64, min=1)
+
+
+@dataclass
+class SelectionConfig:
+    k: str = _f("5", help="trajectories per execution: an integer, 'all' or 'main'")
+    role_priority: list = _f(["main", "subagent:*", "compactor"])
+
+
+@dataclass
+class TrainConfig:
+    backend: str = _f("embedded", choices=("embedded", "megatron"))
+    lr: float = _f(1e-4, min=0.0)
+    micro_batch_tokens: int = _f(4096, min=16)
+    layout: str = _f("tree", choices=("tree", "expanded"))
+    advantage: str = _f("grpo", choices=("grpo", "rloo", "reward"))
+    clip_low: float = _f(0.2, min=0.0)
+    clip_high: float = _f(0.28, min=0.0)
+    staleness: int = _f(0, min=0)
+
+
+@dataclass
+class SchedConfig:
+    scheme: str = _f("E", choices=("E", "A", "C"))
+    cells: int = _f(2, min=1)
+    cell_nodes: int = _f(4, min=1)
+    gpus_per_node: int = _f(8, min=0)
+    staleness: int = _f(0, min=0)
+    rollout_cells_async: int = _f(1, min=0, help="rollout pool size for scheme A")
+
+
+@dataclass
+class SimConfig:
+    preset: str = _f("nl2repo", help="workload preset or a trace file path")
+    steps: int = _f(48, min=1)
+    nodes: int = _f(32, min=1)
+
+
+@dataclass
+class HarnessConfig:
+    suite: str = _f("builtin", help="task suite: 'builtin' or a directory in NL2RepoBench layout")
+    command: list = _f(["{python}", "-m", "gyre.harness.reference_agent"],
+                       help="harness argv; placeholders {prompt} {prompt_file} {workspace} {task_dir} {python}")
+    group_size: int = _f(2, min=1, help="executions per task (G)")
+    concurrency: int = _f(4, min=1, help="harnesses running at once (N)")
+    timeout_s: float = _f(600.0, min=0.1)
+    kill_grace_s: float = _f(5.0, min=0.0)
+    cpu_limit_s: int = _f(0, min=0, help="RLIMIT_CPU per execution; 0 = none")
+    memory_limit_mb: int = _f(0, min=0, help="RLIMIT_AS per execution; 0 = none")
+
+
+@dataclass
+class EvalConfig:
+    timeout_s: float = _f(300.0, min=0.1)
+    workers: int = _f(2, min=1)
+    executor: str = _f("pool", choices=("pool", "submitit-local", "submitit-slurm"))
+
+
+@dataclass
+class GyreConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    selection: SelectionConfig = field(default_factory=SelectionConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sched: SchedConfig = field(default_factory=SchedConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
+    harness: HarnessConfig = field(default_factory=HarnessConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def shard_dir(self) -> Path:
+        return Path(self.store.dir) if self.store.dir else Path(self.run.dir) / "shards"
+
+
+def _coerce(key: str, value: Any, typ: Any) -> Any:
+    """Convert a TOML or command-line value to the field's type, or raise naming the key."""
+    origin = typing.get_origin(typ) or typ
+    if origin is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+    elif origin is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value, 0)
+            except ValueError:
+                pass
+    elif origin is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif origin is str:
+        if isinstance(value, (str, int)) and not isinstance(value, bool):
+            return str(value)
+    elif origin is list:
+        if isinstance(value, list):
+            return value
+        if isinstance(value, str):
+            return [v.strip() for v in value.split(",") if v.strip()]
+    else:  # pragma: no cover - only the types above are used
+        return value
+    raise ConfigError(f"{key}: expected {getattr(origin, '__name__', origin)}, got {value!r}")
+
+
+def _check(key: str, value: Any, meta: dict) -> None:
+    choices, lo, hi = meta.get("choices"), meta.get("min"), meta.get("max")
+    if choices is not None and value not in choices:
+        raise ConfigError(f"{key}: {value!r} is not allowed; choose one of {', '.join(map(str, choices))}")
+    if lo is not None and value < lo:
+        raise ConfigError(f"{key}: {value!r} is below the minimum {lo}")
+    if hi is not None and value > hi:
+        raise ConfigError(f"{key}: {value!r} is above the maximum {hi}")
+
+
+def _apply(obj: Any, data: dict, prefix: str) -> None:
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    hints = typing.get_type_hints(type(obj))
+    for name, value in data.items():
+        key = f"{prefix}{name}"
+        if name not in fields:
+            raise ConfigError(f"{key}: unknown key; known keys here: {', '.join(sorted(fields))}")
+        current = getattr(obj, name)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{key}: expected a table [{key}], got {value!r}")
+            _apply(current, value, key + ".")
+            continue
+        coerced = _coerce(key, value, hints[name])
+        _check(key, coerced, dict(fields[name].metadata))
+        setattr(obj, name, coerced)
+
+
+def _parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected section.key=value, e.g. engine.port=30001")
+    key, raw = text.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) < 2 or not all(parts):
+        raise ConfigError(f"override {text!r}: expected section.key=value, e.g. engine.port=30001")
+    try:  # accept TOML literals (numbers, booleans, arrays, quoted strings); else a bare string
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return parts, value
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> GyreConfig:
+    """Load ``path`` (TOML; None = defaults), then apply ``section.key=value`` overrides."""
+    cfg = GyreConfig()
+    if path is not None:
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"config file {p} does not exist") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
+        _apply(cfg, data, "")
+    for text in overrides or []:
+        parts, value = _parse_override(text)
+        nested: dict = {}
+        cur = nested
+        for part in parts[:-1]:
+            cur = cur.setdefault(part, {})
+        cur[parts[-1]] = value
+        _apply(cfg, nested, "")
+    return cfg
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def env(name: str, default: str | None = None) -> str | None:
+    """The one sanctioned read of the process environment (Slurm, MPI, user overrides)."""
+    return os.environ.get(name, default)
+
+
+def default_tiny_dir(cfg: GyreConfig) -> Path:
+    if cfg.model.tiny_dir:
+        return Path(cfg.model.tiny_dir)
+    base = env("GYRE_CACHE") or str(Path(env("HOME") or "/tmp") / ".cache" / "gyre")
+    return Path(base) / "tiny-qwen"
