@@ -1,0 +1,37 @@
+# Gyre: every target does its own set-up on a fresh machine.
+PY        ?= python3
+VENV      ?= .venv
+BIN       := $(VENV)/bin
+# CPU machines take the local CPU wheel; a GPU site sets TORCH_SPEC (e.g. TORCH_SPEC=torch==2.8.0).
+TORCH_SPEC ?= torch==2.13.0
+STAMP     := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install test demo bench bench-nl2repo clean-venv
+
+$(STAMP): setup.cfg pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e '.[dev,mpich]'
+	$(BIN)/gyre make-model
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+
+demo: install
+	$(BIN)/gyre demo
+
+bench: install
+	@set -e; for b in benchmarks/bench_*.py; do \
+	  case $$b in *_gpu.py) continue;; esac; \
+	  echo "== $$b"; $(BIN)/python $$b; done
+
+bench-nl2repo: install
+	$(BIN)/python benchmarks/bench_nl2repo.py
+
+clean-venv:
+	rm -rf $(VENV)

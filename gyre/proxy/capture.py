@@ -1,0 +1,129 @@
+"""Per-execution capture: turn an OpenAI request into exact input ids, record the call.
+
+Token truth (ARCHITECTURE.md invariant 1): the request's messages are walked down the
+execution's tree; matched messages reuse the stored ids, assistant messages that the proxy itself
+returned reuse the sampled ids wherever they reappear (after a compaction, in a sub-agent), and
+only genuinely new messages are rendered and tokenized.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from gyre.proxy.chat import Message, render_body
+from gyre.traj.record import ExecutionRecord
+from gyre.traj.tree import ROOT, CallRecord, Segment, TrajectoryTree
+
+
+class Renderer:
+    """ChatML segments over a `tokenizers.Tokenizer` (the model's own tokenizer.json)."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.im_end = self._special("<|im_end|>")
+        self.eos = self._special("<|endoftext|>")
+        self.newline = self.encode("\n")
+        self.assistant_head = self.encode("<|im_start|>assistant\n")
+
+    def _special(self, text: str) -> int:
+        tid = self.tok.token_to_id(text)
+        if tid is None:
+            raise ValueError(f"tokenizer has no {text} token; Gyre's proxy renders ChatML (Qwen format)")
+        return tid
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+    def stop_ids(self) -> list[int]:
+        return [self.im_end, self.eos]
+
+
+@dataclass
+class PreparedCall:
+    segments: list[Segment]
+    prompt_tokens: list[int]
+    input_ids: list[int]
+    n_reused: int  # messages whose ids came from the tree or from earlier outputs
+
+
+@dataclass
+class ExecutionSession:
+    record: ExecutionRecord
+    api_key: str
+    # assistant message key -> output ids the proxy returned for it (most recent sample)
+    generated: dict[str, list[int]] = field(default_factory=dict)
+    ended: bool = False
+    in_flight: int = 0
+
+    @property
+    def tree(self) -> TrajectoryTree:
+        return self.record.tree
+
+
+def tools_salt(tools: list[dict]) -> str:
+    if not tools:
+        return ""
+    return hashlib.blake2b(json.dumps(tools, sort_keys=True, ensure_ascii=False).encode(), digest_size=16).hexdigest()
+
+
+def prepare_call(r: Renderer, session: ExecutionSession, messages: list[Message], tools: list[dict]) -> PreparedCall:
+    tree = session.tree
+    salt = tools_salt(tools)
+    segments: list[Segment] = []
+    parent, matching, is_open, prev_tool, reused = ROOT, True, False, False, 0
+    for i, msg in enumerate(messages):
+        key = msg.key(salt if i == 0 else "")
+        if matching:
+            nid = tree.find_child(parent, key)
+            if nid is not None:
+                node = tree.nodes[nid]
+                segments.append(Segment(key, node.tokens, node.message_role))
+                parent, reused = nid, reused + 1
+                is_open = msg.role == "tool" or (node.is_target and int(node.tokens[-1]) != r.im_end)
+                prev_tool = msg.role == "tool"
+                continue
+            matching = False
+        continues_tool_turn = msg.role == "tool" and prev_tool
+        prefix = ([r.im_end] if is_open and not continues_tool_turn else []) + (r.newline if i > 0 else [])
+        out_ids = session.generated.get(key) if msg.role == "assistant" else None
+        if out_ids is not None:  # a message this proxy sampled: its exact ids, never a re-encoding
+            toks = prefix + r.assistant_head + out_ids
+            is_open, reused = (out_ids[-1] != r.im_end) if out_ids else True, reused + 1
+        else:
+            toks = prefix + r.encode(render_body(msg, tools, i == 0, prev_tool))
+            is_open = msg.role == "tool"
+        segments.append(Segment(key, toks, msg.role))
+        prev_tool = msg.role == "tool"
+    prompt = ([r.im_end] if is_open else []) + r.newline + r.assistant_head
+    input_ids = [int(t) for s in segments for t in s.tokens] + prompt
+    return PreparedCall(segments, prompt, input_ids, reused)
+
+
+def record_call(session: ExecutionSession, prepared: PreparedCall, reply: Message, output_ids: list[int],
+                logprobs: list[float], *, agent_role: str, weight_version: str, endpoint: str,
+                finish_reason: str, t_start: float) -> CallRecord:
+    key = reply.key()
+    rec = session.tree.add_call(
+        prepared.segments, key, prepared.prompt_tokens, output_ids, logprobs, agent_role=agent_role,
+        weight_version=weight_version, policy_version=policy_version_of(weight_version),
+        endpoint=endpoint, finish_reason=finish_reason, t_start=t_start, t_end=time.time())
+    session.generated[key] = list(output_ids)
+    return rec
+
+
+def policy_version_of(weight_version: str) -> int:
+    try:
+        return int(weight_version)
+    except (TypeError, ValueError):
+        return -1
+
+
+def new_api_key() -> str:
+    return "gyre-" + secrets.token_urlsafe(24)

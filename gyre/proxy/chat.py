@@ -1,0 +1,165 @@
+"""ChatML rendering (Qwen format, tools included) one message at a time, and output parsing.
+
+The proxy tokenizes message by message so that a message already seen reuses its stored ids
+(ARCHITECTURE.md invariant 1). Every boundary between segments sits next to a special or added
+token (``<|im_start|>``, ``<|im_end|>``, ``</tool_response>``), so tokenizing segment by segment
+gives the same ids as tokenizing the whole rendered conversation.
+
+Segment convention (Qwen2.5 template, cut at message boundaries):
+- message i > 0 starts with the closing of message i-1 when that one is still *open*
+  (``<|im_end|>``), then ``\\n``; the first message has neither;
+- a message body is ``<|im_start|>{role}\\n{content}<|im_end|>``, except tool results: consecutive
+  tool messages share one ``user`` turn of ``<tool_response>`` blocks, so a tool message is left
+  open and the next non-tool message closes it;
+- a sampled assistant message is ``<|im_start|>assistant\\n`` + the output ids; it is open when
+  the output did not end with ``<|im_end|>`` (cut by length);
+- the generation prompt is ``[close]\\n<|im_start|>assistant\\n``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_TOOL_SYSTEM = "You are a helpful assistant."
+_TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+class MessageError(ValueError):
+    """A request message does not follow the OpenAI chat contract."""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # canonical JSON text of the arguments object
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str
+    content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+
+    def key(self, salt: str = "") -> str:
+        """Identity of the message as the model saw it (ids and names do not render)."""
+        payload = json.dumps([self.role, self.content, [(t.name, t.arguments) for t in self.tool_calls], salt],
+                             ensure_ascii=False, separators=(",", ":"))
+        return hashlib.blake2b(payload.encode(), digest_size=16).hexdigest()
+
+
+def _content_text(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts: only text renders for a text model
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise MessageError(f"{where}.content[{j}]: only {{'type': 'text', 'text': str}} parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise MessageError(f"{where}.content: expected a string, a list of text parts or null, got {type(content).__name__}")
+
+
+def canonical_arguments(args: Any, where: str) -> str:
+    """Arguments as canonical JSON text, so a client that re-serialises them still matches."""
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            return args  # kept verbatim: the model may have produced non-JSON arguments
+    if not isinstance(args, dict):
+        raise MessageError(f"{where}.function.arguments: expected a JSON object or its text")
+    return json.dumps(args, ensure_ascii=False, sort_keys=True)
+
+
+def parse_messages(raw: Any) -> list[Message]:
+    if not isinstance(raw, list) or not raw:
+        raise MessageError("messages: expected a non-empty list of message objects")
+    out = []
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise MessageError(f"{where}: expected an object, got {type(m).__name__}")
+        role = m.get("role")
+        if role == "developer":
+            role = "system"
+        if role not in ("system", "user", "assistant", "tool"):
+            raise MessageError(f"{where}.role: {role!r} is not one of system, user, assistant, tool")
+        calls = []
+        raw_calls = m.get("tool_calls") or []
+        if role == "assistant" and not isinstance(raw_calls, list):
+            raise MessageError(f"{where}.tool_calls: expected a list")
+        for j, tc in enumerate(raw_calls if role == "assistant" else []):
+            fn = tc.get("function") if isinstance(tc, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise MessageError(f"{where}.tool_calls[{j}]: expected {{'function': {{'name': str, 'arguments': str}}}}")
+            calls.append(ToolCall(fn["name"], canonical_arguments(fn.get("arguments", "{}"), f"{where}.tool_calls[{j}]")))
+        out.append(Message(role, _content_text(m.get("content"), where), tuple(calls)))
+    return out
+
+
+def tools_system_suffix(tools: list[dict]) -> str:
+    lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return ("\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+            f"{lines}\n</tools>\n\nFor each function call, return a json object with function name "
+            "and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+
+def validate_tools(tools: Any) -> list[dict]:
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise MessageError("tools: expected a list of {'type': 'function', 'function': {...}}")
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or not isinstance(t.get("function"), dict) or not isinstance(t["function"].get("name"), str):
+            raise MessageError(f"tools[{i}]: expected {{'type': 'function', 'function': {{'name': str, ...}}}}")
+    return tools
+
+
+def render_body(msg: Message, tools: list[dict], first: bool, prev_was_tool: bool) -> str:
+    """Text of one message's segment after the separator (see module docstring)."""
+    if msg.role == "tool":
+        head = "" if prev_was_tool else "<|im_start|>user\n"
+        return f"{head}<tool_response>\n{msg.content}\n</tool_response>"
+    content = msg.content
+    if msg.role == "system" and first and tools:
+        content = content + tools_system_suffix(tools)
+    if msg.role == "assistant" and msg.tool_calls:
+        blocks = "\n".join('<tool_call>\n{"name": %s, "arguments": %s}\n</tool_call>'
+                           % (json.dumps(t.name, ensure_ascii=False), t.arguments) for t in msg.tool_calls)
+        content = f"{content}\n{blocks}" if content else blocks
+    return f"<|im_start|>{msg.role}\n{content}<|im_end|>"
+
+
+@dataclass
+class ParsedOutput:
+    content: str | None
+    tool_calls: list[ToolCall]
+
+
+def parse_output(text: str) -> ParsedOutput:
+    """Split model output into content and tool calls; unreadable calls stay plain content."""
+    text = text.replace("<|im_end|>", "").replace("<|endoftext|>", "")
+    blocks = _TOOL_CALL_RE.findall(text)
+    calls = []
+    for b in blocks:
+        try:
+            obj = json.loads(b)
+            name, args = obj["name"], obj.get("arguments", {})
+            if not isinstance(name, str) or not isinstance(args, (dict, str)):
+                raise TypeError
+            calls.append(ToolCall(name, canonical_arguments(args, "output")))
+        except (ValueError, KeyError, TypeError, MessageError):
+            return ParsedOutput(text, [])
+    if calls:
+        rest = _TOOL_CALL_RE.sub("", text).strip()
+        return ParsedOutput(rest or None, calls)
+    return ParsedOutput(text, [])

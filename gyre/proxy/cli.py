@@ -1,0 +1,61 @@
+"""`gyre proxy`: serve the token-in/token-out proxy in front of one or more engine endpoints."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import secrets
+import sys
+from pathlib import Path
+
+from gyre.config import default_tiny_dir, env, load_config
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML configuration file")
+    p.add_argument("--engine", action="append", required=True, metavar="URL",
+                   help="engine endpoint (repeat for several); SGLang or `gyre engine`")
+    p.add_argument("--model", help="model directory holding tokenizer.json (default: the embedded tiny model)")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--admin-key", help="key for the admin routes (default: $GYRE_ADMIN_KEY or a new one, printed)")
+    p.add_argument("--engine-api-key", help="key the engines require (default: $GYRE_ENGINE_API_KEY)")
+    p.add_argument("overrides", nargs="*", help="section.key=value configuration overrides")
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from tokenizers import Tokenizer
+
+    from gyre.engine.router import Router
+    from gyre.engine.tiny_model import ensure_tiny_model, model_identity
+    from gyre.proxy.server import Proxy, create_app, start_site
+
+    cfg = load_config(args.config, args.overrides)
+    model_dir = Path(args.model or cfg.model.path or ensure_tiny_model(default_tiny_dir(cfg)))
+    tok_file = model_dir / "tokenizer.json"
+    if not tok_file.is_file():
+        print(f"gyre proxy: {tok_file} not found; --model must be a directory with the model's tokenizer.json",
+              file=sys.stderr)
+        raise SystemExit(2)
+    admin_key = args.admin_key or env("GYRE_ADMIN_KEY") or secrets.token_urlsafe(24)
+    router = Router(args.engine, api_key=args.engine_api_key or env("GYRE_ENGINE_API_KEY"))
+    proxy = Proxy(router, Tokenizer.from_file(str(tok_file)), identity=model_identity(model_dir),
+                  default_max_tokens=cfg.proxy.default_max_tokens, max_tokens_cap=cfg.proxy.max_tokens_cap)
+    app = create_app(proxy, admin_key=admin_key, max_body_bytes=cfg.proxy.max_body_bytes)
+    runner, port = await start_site(app, args.host or cfg.proxy.host, cfg.proxy.port if args.port is None else args.port)
+    if not (args.admin_key or env("GYRE_ADMIN_KEY")):
+        print(f"GYRE_PROXY_ADMIN_KEY {admin_key}", flush=True)
+    print(f"GYRE_PROXY_LISTENING http://{args.host or cfg.proxy.host}:{port}", flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+        await router.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        asyncio.run(serve(args))
+    except KeyboardInterrupt:
+        pass
+    return 0
