@@ -76,8 +76,36 @@ class StoreConfig:
 
 @dataclass
 class SelectionConfig:
-    k: str = _f("5", help="trajectories per execution: an integer, 'all' or 'main'")
-    role_priority: list = _f(["main", "subagent:*", "compactor"])
+    k: str = _f("5", help="trajectories per execution: a positive integer K (the K best leaves by "
+                          "role priority), 'all' (every leaf) or 'main' (every leaf of role 'main')")
+    role_priority: list = _f(["main", "subagent:*", "compactor"],
+                             help="agent-role glob patterns, best first; unmatched roles rank last")
+
+    MODES = ("all", "main")
+    _ALIASES = {"main-only": "main", "main_only": "main"}
+
+    @classmethod
+    def parse_k(cls, value: Any) -> int | str:
+        """``selection.k`` as an int K >= 1, 'all' or 'main', or ConfigError naming the key."""
+        text = str(value).strip().lower() if not isinstance(value, bool) else ""
+        text = cls._ALIASES.get(text, text)
+        if text in cls.MODES:
+            return text
+        if text.isdigit() and int(text) >= 1:
+            return int(text)
+        raise ConfigError(f"selection.k: {value!r} is not allowed; use a positive integer, "
+                          f"'all' or 'main'")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Validate here, not in __post_init__: load_config sets fields after construction.
+        if name == "k":
+            value = str(self.parse_k(value))
+        elif name == "role_priority":
+            if isinstance(value, str) or not all(isinstance(p, str) and p.strip() for p in value):
+                raise ConfigError(f"selection.role_priority: {value!r} must be a list of non-empty "
+                                  f"role patterns, e.g. ['main', 'subagent:*', 'compactor']")
+            value = [p.strip() for p in value]
+        super().__setattr__(name, value)
 
 
 @dataclass
@@ -90,6 +118,18 @@ class TrainConfig:
     clip_low: float = _f(0.2, min=0.0)
     clip_high: float = _f(0.28, min=0.0)
     staleness: int = _f(0, min=0)
+    clip: bool = _f(True, help="PPO-style ratio clipping with clip_low/clip_high; false = plain IS ratio")
+    staleness_weights: list = _f([], help="loss weight per policy lag [w0, w1, ...]; lags past the "
+                                      "list are masked; empty = weight 1 for every admitted lag")
+    grad_clip: float = _f(1.0, min=0.0, help="clip the global grad norm to this; 0 = no clipping")
+    weight_decay: float = _f(0.0, min=0.0)
+    adam_beta1: float = _f(0.9, min=0.0, max=1.0)
+    adam_beta2: float = _f(0.999, min=0.0, max=1.0)
+    adam_eps: float = _f(1e-8, min=0.0)
+    dtype: str = _f("auto", choices=("auto", "float32", "bfloat16"),
+                    help="training dtype; auto = bfloat16 on CUDA, float32 on CPU")
+    export_dir: str = _f("", help="where weights are exported for the engines; empty = <run.dir>/weights")
+    checkpoint_dir: str = _f("", help="trainer checkpoints; empty = <run.dir>/checkpoints")
 
 
 @dataclass
@@ -113,20 +153,32 @@ class SimConfig:
 class HarnessConfig:
     suite: str = _f("builtin", help="task suite: 'builtin' or a directory in NL2RepoBench layout")
     command: list = _f(["{python}", "-m", "gyre.harness.reference_agent"],
-                       help="harness argv; placeholders {prompt} {prompt_file} {workspace} {task_dir} {python}")
+                       help="harness argv; placeholders {prompt} {prompt_file} {workspace} {task_dir} "
+                            "{python} {execution_id}")
     group_size: int = _f(2, min=1, help="executions per task (G)")
     concurrency: int = _f(4, min=1, help="harnesses running at once (N)")
     timeout_s: float = _f(600.0, min=0.1)
     kill_grace_s: float = _f(5.0, min=0.0)
     cpu_limit_s: int = _f(0, min=0, help="RLIMIT_CPU per execution; 0 = none")
     memory_limit_mb: int = _f(0, min=0, help="RLIMIT_AS per execution; 0 = none")
+    pass_env: list = _f(["PATH", "HOME", "LANG", "LC_ALL", "TZ", "USER", "LOGNAME", "TMPDIR", "TERM", "SHELL"],
+                        help="variables of Gyre's environment a harness sees; nothing else leaks to it")
+    env: list = _f([], help="extra KEY=VALUE variables for the harness, e.g. MSWEA_CONFIGURED=true")
 
 
 @dataclass
 class EvalConfig:
-    timeout_s: float = _f(300.0, min=0.1)
-    workers: int = _f(2, min=1)
+    timeout_s: float = _f(300.0, min=0.1, help="time limit for all test commands of one evaluation")
+    workers: int = _f(2, min=1, help="evaluations running at once")
     executor: str = _f("pool", choices=("pool", "submitit-local", "submitit-slurm"))
+    scratch_dir: str = _f("", help="where workspaces are copied for scoring; empty = the system temp dir")
+    keep_scratch: bool = _f(False, help="keep the scored copy (for debugging a score)")
+    max_output_mb: int = _f(64, min=1, help="largest file (log included) a test command may write")
+    remove_conftest: bool = _f(False, help="also delete the candidate's conftest.py files (NL2RepoBench keeps them)")
+    submitit_dir: str = _f("", help="submitit job folder; empty = <run.dir>/eval-jobs")
+    slurm_partition: str = _f("", help="partition for submitit-slurm evaluation jobs")
+    slurm_cpus_per_task: int = _f(2, min=1)
+    slurm_mem_gb: int = _f(8, min=1)
 
 
 @dataclass
