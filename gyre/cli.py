@@ -15,13 +15,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("gyre.engine.cli", "serve a model over SGLang's RL HTTP subset (embedded engine)"),
     "proxy": ("gyre.proxy.cli", "run the token-in/token-out OpenAI-compatible proxy"),
     "make-model": ("gyre.engine.tiny_model", "build the embedded tiny Qwen-style model offline"),
+    "rollout": ("gyre.rollout", "run G executions per task through the proxy, evaluate them, write shards"),
     "inspect": ("gyre.traj.inspect", "summarise an HDF5 trajectory shard, draw one execution's tree"),
     "plan": ("gyre.sim.plan", "sweep cell layouts and schemes for a workload (for HPC admins)"),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gyre", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="gyre", description="Gyre: Slurm-native online RL for LLM agents on xLong tasks.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     argv = sys.argv[1:] if argv is None else argv
     wanted = argv[0] if argv and not argv[0].startswith("-") else None

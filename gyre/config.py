@@ -67,10 +67,16 @@ class ProxyConfig:
 @dataclass
 class StoreConfig:
     dir: str = _f("", help="shard directory; empty = <run.dir>/shards")
-    compression: str = _f("gzip", choices=("gzip", "lzf", "none"))
-    compression_level: int = _f(4, min=0, max=9)
-    chunk_tokens: int = _f(1 << 16, min=256)
-    hdf5_locking: bool = _f(False, help="HDF5 file locking; off by default for parallel filesystems")
+    # benchmarks/results/store.json: "none" writes at ~0.6x numpy.save + fsync (~0.3x of a
+    # page-cache-only numpy.save) with the shard ~0.97x the raw size (tables always deflated);
+    # gzip level 1 halves the size but writes ~10x slower on a 2-core head; lzf needs a plugin
+    # outside h5py (HDFView cannot read it)
+    compression: str = _f("none", choices=("gzip", "lzf", "none"),
+                          help="filter for the tokens/logprobs arrays (tables are always gzip)")
+    compression_level: int = _f(1, min=0, max=9, help="gzip level when compression = gzip")
+    chunk_tokens: int = _f(1 << 16, min=256, help="HDF5 chunk of the tokens/logprobs arrays (elements)")
+    hdf5_locking: bool = _f(False, help="HDF5 file locking; off by default: Lustre/GPFS mounts "
+                                        "without flock make HDF5 fail to open files")
     executions_per_shard: int = _f(64, min=1)
 
 
@@ -154,7 +160,8 @@ class HarnessConfig:
     suite: str = _f("builtin", help="task suite: 'builtin' or a directory in NL2RepoBench layout")
     command: list = _f(["{python}", "-m", "gyre.harness.reference_agent"],
                        help="harness argv; placeholders {prompt} {prompt_file} {workspace} {task_dir} "
-                            "{python} {execution_id}")
+                            "{python} {execution_id} {base_url}")
+    tasks: list = _f([], help="names of the suite's tasks to run; empty = all")
     group_size: int = _f(2, min=1, help="executions per task (G)")
     concurrency: int = _f(4, min=1, help="harnesses running at once (N)")
     timeout_s: float = _f(600.0, min=0.1)

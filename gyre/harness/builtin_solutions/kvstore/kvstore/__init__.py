@@ -1,0 +1,3 @@
+from .store import Store
+
+__all__ = ["Store"]

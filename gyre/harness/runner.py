@@ -1,0 +1,251 @@
+"""Run any command as one execution of a black-box harness.
+
+Layout under the run directory (all folders 0700, private to the user):
+
+    <run_dir>/workspaces/<execution_id>/   the harness's working directory, holding start.md
+    <run_dir>/logs/<execution_id>/         harness.stdout, harness.stderr (the evaluator's log too)
+
+The harness runs in its own process group (its sub-processes included), with the configured
+argv and environment. At the wall-clock limit the whole group gets SIGTERM, then SIGKILL after the
+grace period. Workspaces are never deleted here except by ``cleanup_workspaces``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from gyre.harness import proc
+from gyre.harness.tasks import Task
+
+STATUSES = ("done", "failed", "crashed", "timeout", "stopped")
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
+_PLACEHOLDER = re.compile(r"\{(prompt|prompt_file|workspace|task_dir|python|execution_id|base_url)\}")
+# Exit statuses a shell reports for a child killed by these signals (128 + N): still a crash.
+_CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGILL, signal.SIGFPE,
+                  signal.SIGKILL, signal.SIGXCPU}
+
+
+class WorkspaceExists(FileExistsError):
+    """An execution id was reused: its workspace is kept, so a new execution needs a new id."""
+
+
+@dataclass
+class Limits:
+    timeout_s: float = 600.0
+    kill_grace_s: float = 5.0
+    cpu_s: int = 0  # RLIMIT_CPU, 0 = none
+    memory_mb: int = 0  # RLIMIT_AS, 0 = none
+
+
+@dataclass
+class ExecutionResult:
+    execution_id: str
+    task: str
+    status: str  # done | failed | crashed | timeout | stopped
+    returncode: int | None
+    signal: str | None  # the signal that ended it, where one did
+    started_at: float  # unix time
+    duration_s: float
+    workspace: str
+    log_dir: str
+    error: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def check_execution_id(execution_id: str) -> str:
+    if not _ID.fullmatch(execution_id or ""):
+        raise ValueError(f"execution id {execution_id!r}: use letters, digits, '.', '_' and '-' "
+                         "(not starting with '.' or '-'), at most 200 characters")
+    return execution_id
+
+
+def private_dir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, 0o700)  # mkdir's mode is filtered by the umask; chmod is not
+    return path
+
+
+def workspace_path(run_dir: str | os.PathLike, execution_id: str) -> Path:
+    return Path(run_dir) / "workspaces" / check_execution_id(execution_id)
+
+
+def log_dir_path(run_dir: str | os.PathLike, execution_id: str) -> Path:
+    return Path(run_dir) / "logs" / check_execution_id(execution_id)
+
+
+def prepare_workspace(run_dir: str | os.PathLike, execution_id: str, task: Task) -> tuple[Path, Path]:
+    """A fresh private workspace holding the task's start.md, and its log folder."""
+    run = private_dir(Path(run_dir))
+    ws = workspace_path(run, execution_id)
+    private_dir(run / "workspaces")
+    try:
+        ws.mkdir(mode=0o700)
+    except FileExistsError:
+        raise WorkspaceExists(f"workspace {ws} exists; workspaces are kept, use a new execution id") from None
+    os.chmod(ws, 0o700)
+    shutil.copyfile(task.prompt_file, ws / "start.md")
+    logs = private_dir(run / "logs")
+    return ws, private_dir(logs / execution_id)
+
+
+def expand_argv(command: Sequence[str], values: Mapping[str, str]) -> list[str]:
+    """Replace the known ``{placeholders}``; other braces (JSON in an argument) stay as written."""
+    if not command:
+        raise ValueError("harness.command is empty")
+    return [_PLACEHOLDER.sub(lambda m: values[m.group(1)], str(arg)) for arg in command]
+
+
+def classify(returncode: int | None, we_signalled: str | None) -> tuple[str, str | None]:
+    """(status, signal name) from how the process ended and whether we killed it."""
+    if returncode is None:
+        return "failed", None
+    if returncode < 0:
+        name = proc.signal_name(-returncode)
+        return (we_signalled, name) if we_signalled else ("crashed", name)
+    if we_signalled:
+        return we_signalled, None  # it caught our SIGTERM and exited by itself
+    if returncode == 0:
+        return "done", None
+    if returncode > 128 and (returncode - 128) in {int(s) for s in _CRASH_SIGNALS}:
+        return "crashed", proc.signal_name(returncode - 128)
+    return "failed", None
+
+
+class _Running:
+    """One live execution, so that the pool can stop it."""
+
+    def __init__(self, process: asyncio.subprocess.Process):
+        self.process = process
+        self.reason: str | None = None  # "timeout" or "stopped" once we signal it
+        self.done = asyncio.Event()
+
+    async def terminate(self, reason: str, grace_s: float) -> None:
+        if self.reason is None:
+            self.reason = reason
+        proc.kill_group(self.process.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(asyncio.shield(self.process.wait()), grace_s)
+        except asyncio.TimeoutError:
+            pass
+        proc.kill_group(self.process.pid, signal.SIGKILL)
+
+
+class HarnessPool:
+    """Runs executions, at most ``concurrency`` at once, each as its own process group."""
+
+    def __init__(self, run_dir: str | os.PathLike, command: Sequence[str], *, concurrency: int = 4,
+                 limits: Limits | None = None, pass_env: Sequence[str] = ("PATH", "HOME", "LANG"),
+                 extra_env: Mapping[str, str] | None = None):
+        self.run_dir = Path(run_dir).absolute()  # the harness runs elsewhere: its paths must not be relative
+        self.command = list(command)
+        self.limits = limits or Limits()
+        self.concurrency = concurrency
+        self.pass_env = list(pass_env)
+        self.extra_env = dict(extra_env or {})
+        self._slots = asyncio.Semaphore(concurrency)
+        self._running: set[_Running] = set()
+        self._stopping = False
+        self.max_running_seen = 0
+
+    @classmethod
+    def from_config(cls, cfg) -> "HarnessPool":
+        h = cfg.harness
+        limits = Limits(h.timeout_s, h.kill_grace_s, h.cpu_limit_s, h.memory_limit_mb)
+        return cls(cfg.run.dir, h.command, concurrency=h.concurrency, limits=limits,
+                   pass_env=h.pass_env, extra_env=proc.parse_env_list(h.env))
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    async def run_execution(self, task: Task, execution_id: str, *, api_key: str, base_url: str,
+                            extra_env: Mapping[str, str] | None = None) -> ExecutionResult:
+        """Run one execution to its end and return how it ended. Raises WorkspaceExists for a reused
+        id and RuntimeError once stop_all() was called; a harness that cannot even start is a
+        ``failed`` execution with its error."""
+        async with self._slots:
+            if self._stopping:
+                raise RuntimeError("the harness pool is stopping; no new executions")
+            ws, logs = prepare_workspace(self.run_dir, execution_id, task)
+            return await self._run(task, execution_id, ws, logs, api_key, base_url, extra_env or {})
+
+    async def _run(self, task, execution_id, ws, logs, api_key, base_url, extra_env) -> ExecutionResult:
+        values = {"prompt": task.prompt, "prompt_file": str(ws / "start.md"), "workspace": str(ws),
+                  "task_dir": str(task.dir), "python": sys.executable, "execution_id": execution_id,
+                  "base_url": base_url}
+        env = proc.child_env(self.pass_env, {**self.extra_env, **extra_env})
+        env.update(OPENAI_BASE_URL=base_url, OPENAI_API_KEY=api_key, GYRE_WORKSPACE=str(ws),
+                   GYRE_TASK_DIR=str(task.dir), GYRE_EXECUTION_ID=execution_id)
+        lim = self.limits
+        started, t0 = time.time(), time.monotonic()
+
+        def result(status, rc=None, sig=None, error=None):
+            return ExecutionResult(execution_id, task.name, status, rc, sig, started,
+                                   time.monotonic() - t0, str(ws), str(logs), error)
+
+        try:
+            argv = proc.with_limits(expand_argv(self.command, values), cpu_s=lim.cpu_s, memory_mb=lim.memory_mb)
+            with open(logs / "harness.stdout", "wb") as out, open(logs / "harness.stderr", "wb") as err:
+                process = await asyncio.create_subprocess_exec(
+                    *argv, cwd=ws, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=err,
+                    start_new_session=True)
+        except (OSError, ValueError) as e:  # not found, not executable, argv too long, bad command
+            return result("failed", error=f"cannot start the harness: {e}")
+        run = _Running(process)
+        self._running.add(run)
+        self.max_running_seen = max(self.max_running_seen, len(self._running))
+        try:
+            try:
+                await asyncio.wait_for(asyncio.shield(process.wait()), lim.timeout_s)
+            except asyncio.TimeoutError:
+                await run.terminate("timeout", lim.kill_grace_s)
+            except asyncio.CancelledError:  # the caller gave up on it: leave nothing running
+                await asyncio.shield(run.terminate("stopped", lim.kill_grace_s))
+                raise
+            rc = await process.wait()
+            proc.kill_group(process.pid, signal.SIGKILL)  # what it left running in its group
+            status, sig = classify(rc, run.reason)
+            error = f"wall-clock limit of {lim.timeout_s:g}s reached" if status == "timeout" else None
+            return result(status, rc, sig, error)
+        finally:
+            self._running.discard(run)
+            run.done.set()
+
+    async def stop_all(self, grace_s: float | None = None) -> None:
+        """Refuse new executions and end the running ones (SIGTERM, then SIGKILL after the grace
+        period); their run_execution calls return with status ``stopped``."""
+        self._stopping = True
+        grace = self.limits.kill_grace_s if grace_s is None else grace_s
+        runs = list(self._running)
+        await asyncio.gather(*(r.terminate("stopped", grace) for r in runs))
+        await asyncio.gather(*(r.done.wait() for r in runs))
+
+    def kill_all_now(self) -> None:
+        """SIGKILL every running execution's group, synchronously (for a signal handler or atexit)."""
+        self._stopping = True
+        for r in list(self._running):
+            r.reason = r.reason or "stopped"
+            proc.kill_group(r.process.pid, signal.SIGKILL)
+
+
+def cleanup_workspaces(run_dir: str | os.PathLike, execution_ids: Sequence[str]) -> list[str]:
+    """Delete the workspaces of the given executions (those whose shards are written), nothing
+    else; returns the ids whose workspace was removed."""
+    removed = []
+    for eid in execution_ids:
+        ws = workspace_path(run_dir, eid)
+        if ws.is_dir() and not ws.is_symlink():
+            shutil.rmtree(ws)
+            removed.append(eid)
+    return removed

@@ -1,0 +1,266 @@
+"""`gyre rollout`: run G executions per task of a suite through the proxy, evaluate, write shards.
+
+One process plays the head on one machine: it starts M engine endpoints (embedded by default),
+the router and the proxy, then runs the harness pool. Each finished execution is ended at the
+proxy (its key revoked, its tree handed over), scored from its workspace off the critical path,
+and buffered for the next shard. Ctrl-C / SIGTERM stops the harnesses, writes everything that
+was recorded (stopped executions with status ``stopped``) and exits; ``--resume`` skips every
+(task, member) whose execution already finished, and reruns stopped ones under a new attempt id.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+import re
+import secrets
+import signal
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gyre.config import GyreConfig, default_tiny_dir, load_config
+
+FINISHED = ("done", "failed", "crashed", "timeout")  # statuses that end an execution for good
+_ATTEMPT = re.compile(r"^(?P<base>.+)-a(?P<n>\d+)$")
+
+
+@dataclass
+class Planned:
+    task: object          # gyre.harness.tasks.Task
+    member: int           # index within the task's group of G executions
+    attempt: int = 0
+
+    @property
+    def base_id(self) -> str:
+        return f"{self.task.name}-g{self.member}"
+
+    @property
+    def execution_id(self) -> str:
+        return f"{self.base_id}-a{self.attempt}"
+
+
+@dataclass
+class RolloutSummary:
+    executions: dict[str, int] = field(default_factory=dict)   # by status
+    calls: int = 0
+    tokens: int = 0
+    rewards: list[float] = field(default_factory=list)
+    unscorable: int = 0
+    shards: list[str] = field(default_factory=list)
+    skipped_resume: int = 0
+    seconds: float = 0.0
+    per_task: dict[str, list[float]] = field(default_factory=dict)
+
+
+def plan(tasks, group_size: int, previous: dict[str, tuple[str, int]]) -> tuple[list[Planned], int]:
+    """Executions still to run. ``previous`` maps base id -> (last status, last attempt)."""
+    todo, skipped = [], 0
+    for task in tasks:
+        for g in range(group_size):
+            p = Planned(task, g)
+            status, attempt = previous.get(p.base_id, (None, -1))
+            if status in FINISHED:
+                skipped += 1
+                continue
+            p.attempt = attempt + 1
+            todo.append(p)
+    return todo, skipped
+
+
+def select_tasks(tasks: list, names: list[str]) -> list:
+    if not names:
+        return tasks
+    known = {t.name for t in tasks}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        from gyre.config import ConfigError
+        raise ConfigError(f"harness.tasks: {unknown} not in the suite; available: {', '.join(sorted(known))}")
+    return [t for t in tasks if t.name in names]
+
+
+def previous_executions(shard_dir: Path) -> dict[str, tuple[str, int]]:
+    """Base id -> (status, attempt) of the latest attempt already in shards."""
+    from gyre.traj.store import iter_executions
+
+    seen: dict[str, tuple[str, int]] = {}
+    if not shard_dir.exists():
+        return seen
+    for rec in iter_executions(shard_dir):
+        m = _ATTEMPT.match(rec.execution_id)
+        base, n = (m["base"], int(m["n"])) if m else (rec.execution_id, 0)
+        if base not in seen or n >= seen[base][1]:
+            seen[base] = (rec.status, n)
+    return seen
+
+
+class Rollout:
+    def __init__(self, cfg: GyreConfig, *, progress: bool = True):
+        self.cfg = cfg
+        self.progress = progress
+        self.summary = RolloutSummary()
+        self._buffer: list = []
+        self._stop = asyncio.Event()
+        self.started = asyncio.Event()  # set once engines, router and proxy serve (tests, tooling)
+        self.router = self.proxy = None
+
+    def stop(self) -> None:
+        """Stop as on SIGTERM: harnesses are ended, what was recorded is written."""
+        self._stop.set()
+
+    async def run(self, resume: bool = False) -> RolloutSummary:
+        from gyre.engine.launch import start_engine
+        from gyre.engine.router import Router
+        from gyre.engine.tiny_model import ensure_tiny_model, load_tokenizer, model_identity
+        from gyre.harness.evaluator import EvaluatorPool
+        from gyre.harness.runner import HarnessPool, private_dir
+        from gyre.harness.tasks import load_suite
+        from gyre.proxy.server import Proxy, create_app, start_site
+        from gyre.traj.store import ShardWriter
+
+        cfg, t0 = self.cfg, time.monotonic()
+        run_dir = private_dir(Path(cfg.run.dir))
+        shard_dir = private_dir(cfg.shard_dir())
+        tasks = select_tasks(load_suite(cfg.harness.suite), cfg.harness.tasks)
+        previous = previous_executions(shard_dir) if resume else {}
+        if not resume and previous_executions(shard_dir):
+            raise SystemExit(f"gyre rollout: {shard_dir} already holds shards; pass --resume to continue that run "
+                             f"or choose another run.dir")
+        todo, self.summary.skipped_resume = plan(tasks, cfg.harness.group_size, previous)
+        model_dir = Path(cfg.model.path or ensure_tiny_model(default_tiny_dir(cfg)))
+        identity = model_identity(model_dir)
+        writer = ShardWriter.from_config(cfg.store, shard_dir, shard_identity(identity))
+        engine_key = secrets.token_urlsafe(24)  # the job's secret: engines accept nothing else
+
+        with contextlib.ExitStack() as stack:
+            engines = [stack.enter_context(start_engine(model_dir=model_dir, api_key=engine_key))
+                       for _ in range(cfg.engine.endpoints)]
+            router = Router([e.url for e in engines], api_key=engine_key, timeout_s=cfg.engine.request_timeout_s)
+            proxy = Proxy(router, load_tokenizer(model_dir), identity=identity,
+                          default_max_tokens=cfg.proxy.default_max_tokens, max_tokens_cap=cfg.proxy.max_tokens_cap)
+            runner, port = await start_site(create_app(proxy, admin_key=secrets.token_urlsafe(24),
+                                                       max_body_bytes=cfg.proxy.max_body_bytes),
+                                            cfg.proxy.host, cfg.proxy.port)
+            base_url = f"http://{cfg.proxy.host}:{port}/v1"
+            self.router, self.proxy = router, proxy
+            self.started.set()
+            pool = HarnessPool.from_config(cfg)
+            evaluators = EvaluatorPool.from_config(cfg)
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, self._stop.set)
+            bar = self._bar(len(todo))
+            try:
+                jobs = [asyncio.create_task(self._one(p, proxy, pool, evaluators, base_url, writer, bar)) for p in todo]
+                stopper = asyncio.create_task(self._stop.wait())
+                pending = set(jobs)
+                while pending and not self._stop.is_set():
+                    _, pending = await asyncio.wait(pending | {stopper}, return_when=asyncio.FIRST_COMPLETED)
+                    pending.discard(stopper)
+                if self._stop.is_set():
+                    await pool.stop_all()
+                await asyncio.gather(*jobs, return_exceptions=True)
+                stopper.cancel()
+                self._flush(writer, force=True)
+            finally:
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(sig)
+                if bar is not None:
+                    bar.close()
+                evaluators.shutdown(wait=True)
+                await runner.cleanup()
+                await router.close()
+        self.summary.seconds = time.monotonic() - t0
+        return self.summary
+
+    async def _one(self, p: Planned, proxy, pool, evaluators, base_url: str, writer, bar) -> None:
+        eid = p.execution_id
+        key = proxy.register(eid, task=p.task.name, group=0)  # one query = one group of G executions
+        try:
+            result = await pool.run_execution(p.task, eid, api_key=key, base_url=base_url)
+            status, workspace, error = result.status, result.workspace, result.error
+        except RuntimeError as e:  # the pool is stopping: this execution never started
+            status, workspace, error = "stopped", "", str(e)
+        rec = proxy.end(eid, status)
+        rec.workspace = workspace
+        if status in FINISHED:
+            ev = await evaluators.evaluate(p.task, workspace, status)
+            rec.reward = float("nan") if ev.reward is None else float(ev.reward)
+            rec.reward_source, rec.passed, rec.total = ev.source, ev.passed, ev.total
+            if ev.reward is None:
+                self.summary.unscorable += 1
+            else:
+                self.summary.rewards.append(rec.reward)
+                self.summary.per_task.setdefault(p.task.name, []).append(rec.reward)
+        else:
+            rec.reward_source = f"not-evaluated: {status}" + (f" ({error})" if error else "")
+        st = rec.tree.stats()
+        self.summary.executions[status] = self.summary.executions.get(status, 0) + 1
+        self.summary.calls += st.calls
+        self.summary.tokens += st.unique_tokens
+        self._buffer.append(rec)
+        self._flush(writer)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(calls=self.summary.calls, reward=f"{_mean(self.summary.rewards):.3f}")
+
+    def _flush(self, writer, force: bool = False) -> None:
+        if self._buffer and (force or len(self._buffer) >= self.cfg.store.executions_per_shard):
+            path = writer.write(self._buffer)
+            self.summary.shards.append(str(path))
+            self._buffer = []
+
+    def _bar(self, total: int):
+        if not self.progress:
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc="executions", unit="exec", file=sys.stderr)
+
+
+def shard_identity(identity: dict) -> dict:
+    """The model identity as shard attributes name it."""
+    return {"model": identity.get("model_hash", ""), "tokenizer": identity.get("tokenizer_hash", ""),
+            "model_name": identity.get("name", "")}
+
+
+def _mean(xs: list[float]) -> float:
+    return statistics.fmean(xs) if xs else math.nan
+
+
+def print_summary(s: RolloutSummary, cfg: GyreConfig) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"gyre rollout: {cfg.run.dir}", show_header=False)
+    t.add_column("what", style="bold")
+    t.add_column("value")
+    spread = statistics.pstdev(s.rewards) if len(s.rewards) > 1 else 0.0
+    rows = [("tasks", len(s.per_task)), ("executions", sum(s.executions.values())),
+            ("by status", ", ".join(f"{k} {v}" for k, v in sorted(s.executions.items())) or "-"),
+            ("calls", s.calls), ("tokens (unique)", s.tokens),
+            ("reward mean / std", f"{_mean(s.rewards):.3f} / {spread:.3f}"),
+            ("timeouts", s.executions.get("timeout", 0)), ("unscorable", s.unscorable),
+            ("skipped (resume)", s.skipped_resume), ("shards", len(s.shards)), ("time", f"{s.seconds:.1f} s")]
+    for k, v in rows:
+        t.add_row(k, str(v))
+    Console(stderr=False).print(t)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML configuration file")
+    p.add_argument("--resume", action="store_true", help="continue a stopped run in the same run.dir")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("overrides", nargs="*", help="section.key=value configuration overrides")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    ro = Rollout(cfg, progress=not args.no_progress)
+    summary = asyncio.run(ro.run(resume=args.resume))
+    print_summary(summary, cfg)
+    return 130 if ro._stop.is_set() else 0

@@ -1,0 +1,225 @@
+"""The evaluator scores retained workspaces the NL2RepoBench way."""
+
+import asyncio
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from gyre.harness.evaluator import (PACKAGING_FILES, EvalOptions, EvaluatorPool, evaluate_workspace,
+                                    parse_pytest_summary)
+from gyre.harness.tasks import BUILTIN_DIR, load_suite, load_task
+
+SOLUTIONS = Path(BUILTIN_DIR).parent / "builtin_solutions"
+TASKS = {t.name: t for t in load_suite("builtin")}
+
+
+@pytest.fixture
+def opts(tmp_path):
+    return EvalOptions(timeout_s=60, scratch_dir=str(tmp_path / "scratch"))
+
+
+def workspace(tmp_path, files: dict | None = None, solution: str | None = None) -> Path:
+    ws = tmp_path / "ws"
+    ws.mkdir(parents=True, exist_ok=True)
+    if solution:
+        shutil.copytree(SOLUTIONS / solution, ws, dirs_exist_ok=True)
+    for rel, text in (files or {}).items():
+        (ws / rel).parent.mkdir(parents=True, exist_ok=True)
+        (ws / rel).write_text(text)
+    return ws
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_reference_solution_scores_one(tmp_path, opts, name):
+    ev = evaluate_workspace(TASKS[name], workspace(tmp_path, solution=name), "done", opts, tmp_path / "eval.log")
+    assert (ev.reward, ev.passed, ev.total, ev.source) == (1.0, TASKS[name].test_case_count,
+                                                           TASKS[name].test_case_count, "tests"), ev
+    assert ev.error is None and ev.log_path == str(tmp_path / "eval.log")
+    assert "passed" in Path(ev.log_path).read_text()
+    assert not list((tmp_path / "scratch").iterdir()), "the scratch copy is removed"
+
+
+def test_partial_solutions_score_partially(tmp_path, opts):
+    roman = (SOLUTIONS / "roman" / "roman.py").read_text().split("_TABLE")[0]
+    roman += "\ndef from_roman(s):\n    raise NotImplementedError\n"
+    ev = evaluate_workspace(TASKS["roman"], workspace(tmp_path, {"roman.py": roman}), "done", opts)
+    assert (ev.passed, ev.total) == (18, 44) and ev.reward == pytest.approx(18 / 44)
+    literal_only = ("class PatternError(ValueError):\n    pass\n\n"
+                    "def fullmatch(p, t):\n    return p == t\n\ndef search(p, t):\n    return p in t\n")
+    ev = evaluate_workspace(TASKS["minire"], workspace(tmp_path / "m", {"minire.py": literal_only}), "done", opts)
+    assert (ev.passed, ev.total) == (16, 49)
+
+
+def test_passes_are_summed_over_commands(tmp_path, opts):
+    ws = workspace(tmp_path, solution="kvstore")
+    (ws / "kvstore" / "__main__.py").unlink()  # the store works, the command line does not
+    ev = evaluate_workspace(TASKS["kvstore"], ws, "done", opts)
+    assert len(TASKS["kvstore"].test_commands) == 2
+    assert (ev.passed, ev.total) == (9, 14) and 0 < ev.reward < 1
+
+
+def test_empty_workspace_scores_zero(tmp_path, opts):
+    ev = evaluate_workspace(TASKS["fizzbuzz"], workspace(tmp_path), "failed", opts)
+    assert (ev.reward, ev.passed, ev.source) == (0.0, 0, "tests")
+
+
+@pytest.mark.parametrize("status,source", [("timeout", "tests-after-timeout"), ("crashed", "tests-after-crash"),
+                                           ("done", "tests"), ("failed", "tests")])
+def test_status_names_the_source_and_scores_alike(tmp_path, opts, status, source):
+    ev = evaluate_workspace(TASKS["fizzbuzz"], workspace(tmp_path, solution="fizzbuzz"), status, opts)
+    assert (ev.source, ev.reward) == (source, 1.0)
+
+
+def test_image_only_task_is_unscorable_not_zero(tmp_path, opts):
+    d = tmp_path / "suite" / "six"
+    d.mkdir(parents=True)
+    (d / "start.md").write_text("Implement six.")
+    (d / "test_commands.json").write_text('["pip install -e .", "pytest test_six.py"]')
+    (d / "test_case_count.txt").write_text("199")
+    (d / "test_files.json").write_text('["test_six.py"]')
+    (d.parent / "gyre-suite.json").write_text('{"image": "ghcr.io/multimodal-art-projection/nl2repobench/{task}:1.0"}')
+    task = load_suite(d.parent)[0]
+    ev = evaluate_workspace(task, workspace(tmp_path, {"six.py": "x = 1"}), "done", opts)
+    assert ev.reward is None and ev.source == "unscorable" and ev.total == 199
+    assert ev.error == "cannot be scored locally: needs image ghcr.io/multimodal-art-projection/nl2repobench/six:1.0"
+
+
+def test_packaging_and_candidate_tests_are_replaced(tmp_path, opts):
+    # The candidate ships its own always-passing tests, a pytest.ini that would only collect them,
+    # and packaging files: all go before the task's tests are added.
+    files = {f"sub/{name}" if i % 2 else name: "" for i, name in enumerate(sorted(PACKAGING_FILES))}
+    files.update({
+        "pytest.ini": "[pytest]\naddopts = -k nothing_matches\n",
+        "setup.py": "raise SystemExit('setup.py must not run')\n",
+        "tests/test_fake.py": "import pytest\n\n@pytest.mark.parametrize('i', range(100))\n"
+                              "def test_fake(i):\n    pass\n",
+        "tests/conftest.py": "",
+        "keep_me.py": "",
+    })
+    ws = workspace(tmp_path, files)
+    ev = evaluate_workspace(TASKS["fizzbuzz"], ws, "done", opts, tmp_path / "eval.log")
+    assert (ev.reward, ev.passed) == (0.0, 0), ev
+    log = (tmp_path / "eval.log").read_text()
+    for name in files:
+        if name != "keep_me.py" and not name.startswith("tests/"):
+            assert f"removed packaging file {name}" in log
+    assert "removed candidate test path tests" in log and "added test path tests" in log
+    assert "keep_me.py" not in log and (ws / "tests" / "test_fake.py").exists(), "the workspace itself is untouched"
+    # The same workspace with a solution scores fully: only the task's 9 tests counted, not 100.
+    (ws / "fizzbuzz.py").write_text((SOLUTIONS / "fizzbuzz" / "fizzbuzz.py").read_text())
+    ev = evaluate_workspace(TASKS["fizzbuzz"], ws, "done", opts)
+    assert (ev.reward, ev.passed) == (1.0, 9)
+
+
+def test_hostile_workspace(tmp_path, opts):
+    # A link out of the workspace where the tests go, a FIFO, and a link loop must neither touch
+    # files outside nor hang the evaluator.
+    outside = tmp_path / "outside"
+    (outside / "tests").mkdir(parents=True)
+    (outside / "tests" / "precious.txt").write_text("keep")
+    ws = workspace(tmp_path, solution="fizzbuzz")
+    os.symlink(outside / "tests", ws / "tests")
+    os.symlink(outside, ws / "escape")
+    os.symlink(ws / "loop", ws / "loop")
+    os.mkfifo(ws / "pipe")
+    t0 = time.monotonic()
+    ev = evaluate_workspace(TASKS["fizzbuzz"], ws, "done", opts)
+    assert time.monotonic() - t0 < 30
+    assert ev.reward == 1.0, ev
+    assert (outside / "tests" / "precious.txt").read_text() == "keep"
+
+
+def test_evaluation_time_limit_kills_the_tests(tmp_path):
+    marker = tmp_path / "child.pid"
+    ws = workspace(tmp_path, {"fizzbuzz.py": f"import os, time\nopen({str(marker)!r}, 'w').write(str(os.getpid()))\n"
+                                             "time.sleep(1000)\n"})
+    t0 = time.monotonic()
+    ev = evaluate_workspace(TASKS["fizzbuzz"], ws, "timeout",
+                            EvalOptions(timeout_s=2, kill_grace_s=0.5, scratch_dir=str(tmp_path / "s")))
+    assert time.monotonic() - t0 < 15
+    assert (ev.reward, ev.source) == (0.0, "tests-after-timeout")
+    assert "time limit" in ev.error
+    assert process_gone(int(marker.read_text()))
+
+
+def process_gone(pid: int, within_s: float = 5.0) -> bool:
+    """Dead or a zombie (whoever adopted it may not have reaped it yet)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_missing_workspace_is_an_evaluator_error(tmp_path, opts):
+    ev = evaluate_workspace(TASKS["fizzbuzz"], tmp_path / "gone", "done", opts)
+    assert ev.reward is None and ev.source == "eval-error" and "does not exist" in ev.error
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("....\n4 passed in 0.02s\n", {"passed": 4, "failed": 0, "errors": 0}),
+    ("==== 1 failed, 2 passed, 1 skipped, 3 warnings in 1.20s ====", {"passed": 2, "failed": 1, "errors": 0}),
+    ("\x1b[32m3 passed\x1b[0m, \x1b[31m2 errors\x1b[0m in 0.5s", {"passed": 3, "failed": 0, "errors": 2}),
+    ("1 error in 0.05s", {"passed": 0, "failed": 0, "errors": 1}),
+    ("no tests ran in 0.01s", {"passed": 0, "failed": 0, "errors": 0}),
+    ("print says 7 passed\n2 passed, 1 failed in 0.1s\n", {"passed": 2, "failed": 1, "errors": 0}),
+    ("==== 5 passed in 3.2s (0:00:03) ====", {"passed": 5, "failed": 0, "errors": 0}),
+    ("Killed\n", None),
+    ("", None),
+])
+def test_parse_pytest_summary(text, expected):
+    counts = parse_pytest_summary(text)
+    if expected is None:
+        assert counts is None
+    else:
+        assert {k: counts[k] for k in expected} == expected
+
+
+def test_pool_runs_off_the_critical_path(tmp_path, opts):
+    with EvaluatorPool(opts, workers=2) as pool:
+        futures = [pool.submit(TASKS[n], workspace(tmp_path / n, solution=n), "done") for n in ("fizzbuzz", "lru")]
+        empty = pool.submit(TASKS["roman"], workspace(tmp_path / "e"), "crashed")
+        assert [f.result(60).reward for f in futures] == [1.0, 1.0]
+        assert (empty.result(60).reward, empty.result().source) == (0.0, "tests-after-crash")
+
+        async def both():
+            return await asyncio.gather(pool.evaluate(TASKS["lru"], workspace(tmp_path / "a", solution="lru")),
+                                        pool.evaluate(TASKS["lru"], workspace(tmp_path / "b")))
+        assert [e.reward for e in asyncio.run(both())] == [1.0, 0.0]
+
+
+def test_submitit_local_executor(tmp_path, opts):
+    pool = EvaluatorPool(opts, workers=1, executor="submitit-local", submitit_dir=tmp_path / "jobs")
+    try:
+        ev = pool.submit(TASKS["fizzbuzz"], workspace(tmp_path, solution="fizzbuzz"), "timeout",
+                         tmp_path / "eval.log").result(120)
+    finally:
+        pool.shutdown()
+    assert (ev.reward, ev.source) == (1.0, "tests-after-timeout"), ev
+    assert any((tmp_path / "jobs").iterdir()), "the job ran through submitit"
+
+
+def test_pool_from_config(tmp_path):
+    from gyre.config import load_config
+
+    cfg = load_config(None, [f"run.dir={tmp_path}", "eval.workers=3", "eval.timeout_s=9"])
+    pool = EvaluatorPool.from_config(cfg)
+    assert pool.kind == "pool" and pool.options.timeout_s == 9 and pool._threads._max_workers == 3
+    pool.shutdown()
+    assert load_task(TASKS["lru"].dir).name == "lru"
+
+
+def test_relative_scratch_dir(tmp_path, monkeypatch):
+    ws = workspace(tmp_path, solution="wordcount")
+    monkeypatch.chdir(tmp_path)
+    ev = evaluate_workspace(TASKS["wordcount"], "ws", "done", EvalOptions(scratch_dir="rel-scratch"))
+    assert ev.reward == 1.0, ev
+    assert Path(ev.log_path).is_absolute() and ws.is_dir()

@@ -1,0 +1,134 @@
+"""`gyre rollout` end to end: real engine subprocesses, the proxy, harness subprocesses, the
+evaluator and HDF5 shards, on the builtin suite."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gyre.config import load_config
+from gyre.rollout import FINISHED, Rollout
+from gyre.traj.store import iter_executions
+
+AGENT = ["{python}", "-m", "gyre.harness.reference_agent", "--max-tokens", "32", "--max-turns", "4",
+         "--compact-chars", "600", "--subagent-turn", "1", "--subagent-max-turns", "1"]
+
+
+def cfg_for(run_dir: Path, *extra: str, command: list[str] = AGENT):
+    cmd = "[" + ", ".join(f'"{c}"' for c in command) + "]"
+    return load_config(None, [f"run.dir={run_dir}", "engine.endpoints=2", "harness.group_size=2",
+                              "harness.concurrency=4", 'harness.tasks=["fizzbuzz", "roman"]',
+                              f"harness.command={cmd}", "harness.timeout_s=120", "eval.timeout_s=60", *extra])
+
+
+def records(run_dir: Path):
+    return list(iter_executions(run_dir / "shards"))
+
+
+def test_rollout_writes_evaluated_branching_trees(tmp_path):
+    summary = asyncio.run(Rollout(cfg_for(tmp_path / "run"), progress=False).run())
+    recs = records(tmp_path / "run")
+    assert len(recs) == 4 and summary.executions == {"done": 4}
+    for rec in recs:
+        roles = {c.agent_role for c in rec.tree.calls}
+        assert {"main", "subagent:explorer", "compactor"} <= roles, roles
+        st = rec.tree.stats()
+        assert st.leaves >= 3 and st.expanded_nodes > st.unique_nodes  # sub-agent + compaction branches
+        assert math.isfinite(rec.reward) and rec.reward_source == "tests" and rec.total > 0
+        for call in rec.tree.calls:  # every call's recorded input really is a prefix path of the tree
+            assert len(rec.tree.call_input_ids(call)) == call.n_input
+    assert os.stat(tmp_path / "run").st_mode & 0o077 == 0
+    assert {p.name for p in (tmp_path / "run" / "workspaces").iterdir()} == {r.execution_id for r in recs}
+
+
+def test_hanging_and_crashing_harnesses_are_recorded_and_scored(tmp_path):
+    sleeper = cfg_for(tmp_path / "a", "harness.timeout_s=1.5", "harness.kill_grace_s=0.5",
+                      command=["bash", "-c", "echo 'def fizzbuzz(n): pass' > fizzbuzz.py; sleep 1000"])
+    asyncio.run(Rollout(sleeper, progress=False).run())
+    recs = records(tmp_path / "a")
+    assert {r.status for r in recs} == {"timeout"}
+    assert {r.reward_source for r in recs} == {"tests-after-timeout"}
+    assert all(math.isfinite(r.reward) for r in recs)
+    crasher = cfg_for(tmp_path / "b", command=["bash", "-c", "touch partial.py; kill -SEGV $$"])
+    asyncio.run(Rollout(crasher, progress=False).run())
+    recs = records(tmp_path / "b")
+    assert {r.status for r in recs} == {"crashed"}
+    assert {r.reward_source for r in recs} == {"tests-after-crash"}
+
+
+def test_endpoint_removed_mid_rollout_fails_no_execution(tmp_path):
+    ro = Rollout(cfg_for(tmp_path / "run", "harness.group_size=3", "harness.concurrency=6"), progress=False)
+
+    async def main():
+        task = asyncio.create_task(ro.run())
+        await ro.started.wait()
+        while ro.proxy.calls_total < 4:
+            await asyncio.sleep(0.05)
+        used = [c.endpoint for s in ro.proxy.by_id.values() for c in s.tree.calls]
+        victim = max(set(used), key=used.count)  # an endpoint that is serving executions
+        t_removed = time.time()
+        await ro.router.remove_endpoint(victim, abort=True)
+        return victim, t_removed, await task
+
+    victim, t_removed, summary = asyncio.run(main())
+    recs = records(tmp_path / "run")
+    assert summary.executions == {"done": 6} and len(recs) == 6  # no execution failed
+    calls = [c for r in recs for c in r.tree.calls]
+    assert any(c.endpoint == victim for c in calls)
+    late = [c for c in calls if c.t_end > t_removed + 0.5]
+    assert late and all(c.endpoint != victim for c in late)
+    assert all(c.finish_reason != "abort" for c in calls)
+
+
+def test_sigterm_then_resume_runs_only_the_rest(tmp_path):
+    run_dir = tmp_path / "run"
+    slow_agent = AGENT[:3] + ["--max-turns", "6"] + AGENT[5:]
+    cmd = "[" + ", ".join(f'"{c}"' for c in slow_agent) + "]"
+    args = [sys.executable, "-m", "gyre.cli", "rollout", "--no-progress", f"run.dir={run_dir}", "engine.endpoints=1",
+            "harness.group_size=3", "harness.concurrency=2", 'harness.tasks=["fizzbuzz", "roman"]',
+            f"harness.command={cmd}", "store.executions_per_shard=1"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        if run_dir.joinpath("shards").exists() and any(run_dir.joinpath("shards").glob("*.h5")):
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    first = records(run_dir)
+    done_first = {r.execution_id for r in first if r.status in FINISHED}
+    stopped = [r for r in first if r.status == "stopped"]
+    assert done_first and stopped, [(r.execution_id, r.status) for r in first]
+    assert all(r.reward_source.startswith("not-evaluated") for r in stopped)
+    again = subprocess.run(args + ["--resume"], capture_output=True, text=True, timeout=400)
+    assert again.returncode == 0, again.stdout + again.stderr
+    final = records(run_dir)
+    finished = [r for r in final if r.status in FINISHED]
+    bases = [r.execution_id.rsplit("-a", 1)[0] for r in finished]
+    assert sorted(bases) == sorted({f"{t}-g{g}" for t in ("fizzbuzz", "roman") for g in range(3)})  # each once
+    assert done_first <= {r.execution_id for r in finished}  # nothing finished was rerun
+    assert len(final) == len(first) + (len(finished) - len(done_first))
+
+
+@pytest.mark.skipif(shutil.which("mini") is None, reason="mini-swe-agent is a dev dependency (make install)")
+def test_mini_swe_agent_runs_unmodified_through_the_proxy(tmp_path):
+    mini = ["mini", "-m", "openai/main", "-t", "{prompt}", "-y", "--exit-immediately", "-o", "{workspace}/traj.json",
+            "-c", "mini.yaml", "-c", "model.model_kwargs.api_base={base_url}", "-c", "agent.step_limit=3",
+            "-c", "agent.cost_limit=0", "-c", "model.model_kwargs.max_tokens=24"]
+    cfg = cfg_for(tmp_path / "run", "harness.group_size=1", 'harness.tasks=["fizzbuzz"]',
+                  'harness.env=["MSWEA_CONFIGURED=true", "MSWEA_COST_TRACKING=ignore_errors"]', command=mini)
+    asyncio.run(Rollout(cfg, progress=False).run())
+    (rec,) = records(tmp_path / "run")
+    assert len(rec.tree.calls) >= 2, rec
+    assert {c.agent_role for c in rec.tree.calls} == {"main"}
+    assert rec.tree.stats().leaves >= 1 and math.isfinite(rec.reward)
