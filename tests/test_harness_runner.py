@@ -58,12 +58,16 @@ def test_env_placeholders_and_layout(tmp_path, monkeypatch):
     ws = tmp_path / "run" / "workspaces" / "task-0.a"
     assert res.workspace == str(ws) and (ws / "start.md").read_text() == TASK.prompt
     seen = json.loads((ws / "seen.json").read_text())
-    assert seen["argv"] == [str(ws / "start.md"), str(ws), str(TASK.dir), "task-0.a", PY,
+    public = tmp_path / "run" / "tasks" / TASK.name
+    assert seen["argv"] == [str(ws / "start.md"), str(ws), str(public), "task-0.a", PY,
                             '{"not": "a placeholder"}', "{unknown}", TASK.prompt]
     assert Path(seen["cwd"]) == ws
     env = seen["env"]
     assert env["OPENAI_BASE_URL"] == "http://127.0.0.1:9/v1" and env["OPENAI_API_KEY"] == "key-task-0.a"
-    assert env["GYRE_WORKSPACE"] == str(ws) and env["GYRE_TASK_DIR"] == str(TASK.dir)
+    assert env["GYRE_WORKSPACE"] == str(ws) and env["GYRE_TASK_DIR"] == str(public)
+    # the harness sees the published task files, never the hidden tests
+    assert (public / "start.md").read_text() == TASK.prompt
+    assert not any(p.name == "tests" or p.suffix == ".py" for p in public.rglob("*"))
     assert env["GYRE_EXECUTION_ID"] == "task-0.a" and env["MSWEA_CONFIGURED"] == "true"
     assert env["PER_EXECUTION"] == "1" and env["PATH"] == os.environ["PATH"]
     assert "GYRE_TEST_SECRET" not in env and "HOME" not in env

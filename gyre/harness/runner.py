@@ -16,6 +16,7 @@ import asyncio
 import os
 import re
 import shutil
+import tempfile
 import signal
 import sys
 import time
@@ -97,6 +98,28 @@ def prepare_workspace(run_dir: str | os.PathLike, execution_id: str, task: Task)
     shutil.copyfile(task.prompt_file, ws / "start.md")
     logs = private_dir(run / "logs")
     return ws, private_dir(logs / execution_id)
+
+
+PUBLIC_TASK_FILES = ("start.md", "test_commands.json", "test_case_count.txt", "test_files.json")
+
+
+def public_task_dir(run_dir: str | os.PathLike, task: Task) -> Path:
+    """What a harness may see of its task: the published files, never the hidden tests.
+
+    GYRE_TASK_DIR points here rather than at the suite, so a policy with a shell cannot learn
+    to copy the tests (or a reference solution) that will score it.
+    """
+    dst = private_dir(Path(run_dir) / "tasks") / task.name
+    if not dst.is_dir():
+        tmp = Path(tempfile.mkdtemp(prefix=f".{task.name}-", dir=dst.parent))
+        for name in PUBLIC_TASK_FILES:
+            if (task.dir / name).is_file():
+                shutil.copyfile(task.dir / name, tmp / name)
+        try:
+            os.rename(tmp, dst)
+        except OSError:  # another execution of the same task won the race
+            shutil.rmtree(tmp, ignore_errors=True)
+    return dst
 
 
 def expand_argv(command: Sequence[str], values: Mapping[str, str]) -> list[str]:
@@ -181,12 +204,13 @@ class HarnessPool:
             return await self._run(task, execution_id, ws, logs, api_key, base_url, extra_env or {})
 
     async def _run(self, task, execution_id, ws, logs, api_key, base_url, extra_env) -> ExecutionResult:
+        task_dir = public_task_dir(self.run_dir, task)
         values = {"prompt": task.prompt, "prompt_file": str(ws / "start.md"), "workspace": str(ws),
-                  "task_dir": str(task.dir), "python": sys.executable, "execution_id": execution_id,
+                  "task_dir": str(task_dir), "python": sys.executable, "execution_id": execution_id,
                   "base_url": base_url}
         env = proc.child_env(self.pass_env, {**self.extra_env, **extra_env})
         env.update(OPENAI_BASE_URL=base_url, OPENAI_API_KEY=api_key, GYRE_WORKSPACE=str(ws),
-                   GYRE_TASK_DIR=str(task.dir), GYRE_EXECUTION_ID=execution_id)
+                   GYRE_TASK_DIR=str(task_dir), GYRE_EXECUTION_ID=execution_id)
         lim = self.limits
         started, t0 = time.time(), time.monotonic()
 
