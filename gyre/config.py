@@ -67,7 +67,7 @@ class ProxyConfig:
 @dataclass
 class StoreConfig:
     dir: str = _f("", help="shard directory; empty = <run.dir>/shards")
-    # benchmarks/results/store.json: "none" writes at ~0.6x numpy.save + fsync (~0.3x of a
+    # benchmarks/results/store.json: "none" writes at ~0.6x numpy.save + fsync (0.1-0.35x of a
     # page-cache-only numpy.save) with the shard ~0.97x the raw size (tables always deflated);
     # gzip level 1 halves the size but writes ~10x slower on a 2-core head; lzf needs a plugin
     # outside h5py (HDFView cannot read it)

@@ -1,1 +1,1 @@
-"""gyre.report"""
+"""gyre.report: tables and plots of what a run (or a simulated run) recorded."""

@@ -1,0 +1,77 @@
+"""Scheduler benchmarks: policy decision time at scale, and simulator speed.
+
+- decision_ms_1024: median time of one ``decide(state, now)`` per scheme with 1,024 cells and
+  10,000 running executions (goal: <= 10 ms).
+- sim_events_per_s: events per second of the 48-step, 32-node E0 simulation.
+
+    python benchmarks/bench_sched.py        # writes benchmarks/results/sched.json
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from gyre.sched import SCHEMES, CellView, ClusterState, ExecView, Role, make_policy
+from gyre.sim.scenario import Scenario, hints_for, nl2repo_cluster
+from gyre.sim.workload import Workload
+
+OUT = Path(__file__).resolve().parent / "results" / "sched.json"
+CELLS, RUNNING, REPEAT = 1024, 10_000, 30
+
+
+def big_state(rng: random.Random, now: float, role_mix: str) -> ClusterState:
+    """A mid-step cluster: executions of various ages, admitted work waiting to train."""
+    if role_mix == "colocate":
+        roles = [Role.ROLLOUT] * CELLS
+    else:
+        roles = [Role.ROLLOUT if i < CELLS // 2 else Role.TRAIN for i in range(CELLS)]
+    cells = tuple(CellView(i, r, rng.uniform(0, now - 600)) for i, r in enumerate(roles))
+    running = tuple(ExecView(i, i // 8, 10, rng.uniform(now - 4 * 3600, now), rng.randrange(300),
+                             rng.random() < 0.8) for i in range(RUNNING))
+    return ClusterState(version=10, staleness=2, groups_per_step=1280, group_size=8, cells=cells,
+                        running=running, groups_open=RUNNING // 8 + 100, groups_waiting=40, step_groups=600,
+                        train_tokens_left=3.0e9)
+
+
+def decision_ms() -> dict[str, float]:
+    rng = random.Random(0)
+    now = 10 * 3600.0
+    w = Workload.named("nl2repo", 0)
+    hints = hints_for(nl2repo_cluster(), w)
+    out = {}
+    for scheme in SCHEMES:
+        policy = make_policy(scheme, 2, hints, rollout_cells=CELLS // 2)
+        state = big_state(rng, now, "colocate" if scheme == "C" else "split")
+        times = []
+        for _ in range(REPEAT):
+            t0 = time.perf_counter()
+            policy.decide(state, now)
+            times.append((time.perf_counter() - t0) * 1e3)
+        out[scheme] = round(statistics.median(times), 3)
+    return out
+
+
+def sim_speed() -> dict:
+    r = Scenario("E", 0, nl2repo_cluster(), record=False).run()
+    return {"events": r.events, "wall_s": round(r.wall_s, 3), "events_per_s": round(r.events / r.wall_s)}
+
+
+def main() -> int:
+    d = decision_ms()
+    s = sim_speed()
+    doc = {"decision_ms_1024": d, "decision_setup": {"cells": CELLS, "running_executions": RUNNING,
+                                                     "repeat": REPEAT, "statistic": "median", "goal_ms": 10},
+           "sim_events_per_s": s["events_per_s"], "sim_run": {"label": "E0", "nodes": 32, "steps": 48, **s}}
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(doc, indent=1), encoding="utf-8")
+    print(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

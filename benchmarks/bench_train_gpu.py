@@ -1,0 +1,157 @@
+"""Trainer on one CUDA GPU: bf16 Megatron steps, log-prob agreement, offload/restore timing.
+
+Runs only where a GPU is available (exits 0 with a message otherwise); a few minutes at most.
+Model: a random Qwen2 of ~0.2B parameters built in code (no hub). Measures
+  * steps: Megatron bf16 forward/backward + optimizer step time and tokens/s on a toy batch;
+  * agreement: trainer log-probs of recorded targets vs a transformers forward of the *exported*
+    weights (fp32: should be exact up to kernel rounding; bf16: within bf16 noise);
+  * offload/restore: seconds and bytes per phase, GPU memory before/after, bit-identity after restore.
+Writes benchmarks/results/ablation_gpu.json. `--dry-run` runs the same code on the CPU with a
+tiny model and writes nothing (to check the script itself where no GPU is lent).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from gyre.train.offload import sync  # noqa: E402
+
+OUT = ROOT / "benchmarks" / "results" / "ablation_gpu.json"
+DRY = "--dry-run" in sys.argv
+DEV = "cpu" if DRY else "cuda"
+STEPS, ROWS, SEQ = (2, 2, 64) if DRY else (5, 8, 1024)
+
+
+def model_config():
+    from gyre.train.toy import tiny_qwen2_config
+
+    if DRY:
+        return tiny_qwen2_config()
+    return tiny_qwen2_config(vocab_size=32000, hidden_size=1024, layers=12, heads=16, kv_heads=4,
+                             intermediate_size=2816)
+
+
+def toy_batch(vocab: int):
+    from gyre.train.batch import expanded_batch
+
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(1, vocab, (SEQ - 7 * i,), generator=g).tolist() for i in range(ROWS)]
+    plens = [SEQ // 8] * ROWS
+    old = [[-5.0] * (len(s) - p) for s, p in zip(seqs, plens)]
+    adv = [1.0 if i % 2 == 0 else -1.0 for i in range(ROWS)]
+    return expanded_batch(seqs, plens, old_logprobs=old, advantages=adv,
+                          execution_index=list(range(ROWS)))
+
+
+def trainer(dtype: str, hf_config, hf_state):
+    from gyre.config import TrainConfig
+    from gyre.train.megatron_trainer import MegatronTrainer
+
+    return MegatronTrainer(TrainConfig(backend="megatron", lr=1e-5, dtype=dtype), hf_config, hf_state)
+
+
+def agreement(t, mb, dtype: torch.dtype) -> dict:
+    """Trainer log-probs vs transformers on the exported weights (what an engine would load)."""
+    from transformers import AutoModelForCausalLM
+
+    from gyre.train.loss import token_logprobs
+
+    with tempfile.TemporaryDirectory() as d:
+        t.export_weights(d, weight_version=1)
+        hf = AutoModelForCausalLM.from_pretrained(d, dtype=dtype, attn_implementation="eager").to(DEV).eval()
+    mine = t.logprobs(mb)
+    mb = mb.to(DEV)
+    mask = torch.zeros(mb.attention_mask.shape, dtype=dtype, device=DEV)
+    mask.masked_fill_(mb.attention_mask, torch.finfo(dtype).min)
+    with torch.no_grad():
+        logits = hf(input_ids=mb.input_ids, position_ids=mb.position_ids,
+                    attention_mask=mask, use_cache=False).logits
+    ref = token_logprobs(logits, mb).cpu()
+    diff = (mine - ref).abs()
+    del hf
+    return {"max_abs": float(diff.max()), "mean_abs": float(diff.mean()), "targets": mb.num_targets}
+
+
+def run_steps(t, mb) -> dict:
+    times, stats = [], []
+    for _ in range(STEPS):
+        sync()
+        t0 = time.perf_counter()
+        t.forward_backward(mb)
+        s = t.optimizer_step()
+        sync()
+        times.append(time.perf_counter() - t0)
+        stats.append(s)
+    steady = times[1:] or times
+    return {"step_s": times, "tokens_per_s": mb.num_tokens / (sum(steady) / len(steady)),
+            "loss": [s["loss"] for s in stats], "grad_norm": [s["grad_norm"] for s in stats],
+            "tokens": mb.num_tokens}
+
+
+def _allocated() -> int:
+    return 0 if DRY else torch.cuda.memory_allocated()
+
+
+def offload_cycle(t) -> dict:
+    before = {k: v.clone().cpu() for k, v in t.hf_state_dict().items()}
+    opt_before = [v.clone().cpu() for v in t._optimizer_tensors()]
+    mem0 = _allocated()
+    off = t.offload()
+    mem1 = _allocated()
+    back = t.restore()
+    mem2 = _allocated()
+    identical = all(torch.equal(before[k], v.cpu()) for k, v in t.hf_state_dict().items()) and all(
+        torch.equal(a, b.cpu()) for a, b in zip(opt_before, t._optimizer_tensors()))
+    return {"offload": off, "restore": back, "gpu_bytes_before": mem0, "gpu_bytes_offloaded": mem1,
+            "gpu_bytes_restored": mem2, "bit_identical": identical}
+
+
+def main() -> int:
+    if not torch.cuda.is_available() and not DRY:
+        print("bench_train_gpu: no CUDA device here; nothing measured (the CPU path is covered by "
+              "the test suite)")
+        return 0
+    warnings.filterwarnings("ignore")
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 agreement check means exact fp32
+    torch.backends.cudnn.allow_tf32 = False
+    from gyre.train.toy import random_qwen2
+
+    hf = random_qwen2(model_config(), seed=0, std=0.02)
+    hf_state = {k: v.clone() for k, v in hf.state_dict().items()}
+    n_params = sum(v.numel() for v in hf_state.values())
+    mb = toy_batch(hf.config.vocab_size)
+    result = {"device": "cpu (dry run)" if DRY else torch.cuda.get_device_name(), "torch": torch.__version__,
+              "params": n_params, "batch": {"rows": ROWS, "seq": SEQ, "targets": mb.num_targets}}
+
+    t32 = trainer("float32", hf.config, hf_state)
+    result["agreement_fp32"] = agreement(t32, mb, torch.float32)
+    del t32
+    if not DRY:
+        torch.cuda.empty_cache()
+
+    t = trainer("float32" if DRY else "bfloat16", hf.config, hf_state)
+    result["agreement_bf16_initial"] = agreement(t, mb, torch.bfloat16)
+    result["steps_bf16"] = run_steps(t, mb)
+    result["agreement_bf16_trained"] = agreement(t, mb, torch.bfloat16)
+    result["offload_restore_bf16"] = offload_cycle(t)
+    result["step_after_restore"] = run_steps(t, mb)["loss"][:1]
+
+    print(json.dumps(result, indent=2))
+    if not DRY:
+        OUT.parent.mkdir(parents=True, exist_ok=True)
+        OUT.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

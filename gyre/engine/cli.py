@@ -1,0 +1,93 @@
+"""``gyre engine``: serve one model over SGLang's RL HTTP subset (the embedded engine).
+
+Also runnable as ``python -m gyre.engine.cli`` (what :mod:`gyre.engine.launch` starts). Prints
+``GYRE_ENGINE_LISTENING http://HOST:PORT`` on stdout once it accepts requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model directory (transformers layout); default: model.path, "
+                                                  "else the embedded tiny model (built if absent)")
+    p.add_argument("--host", default=None, help="listen address (default engine.host)")
+    p.add_argument("--port", type=int, default=None, help="listen port, 0 = any free port (default engine.port)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route")
+    p.add_argument("--api-key-file", type=Path, default=None,
+                   help="read the API key from this file (keeps it out of the process list)")
+    p.add_argument("--config", default=None, help="Gyre TOML config file")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="config override, e.g. --set engine.max_body_bytes=4096 (repeatable)")
+    p.add_argument("--weight-version", default="0", help="initial weight_version (default 0)")
+    # One thread by default: the tiny model gains nothing from more, and OpenMP threads that spin
+    # while another process holds a core made decode steps 30x slower on shared 2-core machines.
+    p.add_argument("--prefix-cache-mb", type=int, default=256,
+                   help="memory for finished requests' KV caches reused by later calls (default 256)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1; 0 = torch's default)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from gyre.config import default_tiny_dir, load_config
+
+    cfg = load_config(args.config, args.overrides)
+    api_key = args.api_key
+    if args.api_key_file is not None:
+        api_key = args.api_key_file.read_text(encoding="utf-8").strip()
+    model = args.model or cfg.model.path
+    if not model:
+        from gyre.engine.tiny_model import ensure_tiny_model
+
+        model = ensure_tiny_model(default_tiny_dir(cfg))
+
+    import torch
+
+    from gyre.engine.runtime import Engine
+    from gyre.engine.server import serve
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    from gyre.engine.qwen import ModelFormatError
+
+    try:
+        engine = Engine(model, weight_version=args.weight_version, max_running=cfg.engine.max_running_requests,
+                        max_new_tokens_cap=cfg.engine.max_new_tokens_cap, prefix_cache_mb=args.prefix_cache_mb)
+    except (ModelFormatError, OSError) as e:
+        print(f"gyre engine: cannot serve {model}: {e}", file=sys.stderr)
+        return 2
+    host = args.host if args.host is not None else cfg.engine.host
+    port = args.port if args.port is not None else cfg.engine.port
+
+    async def main() -> None:
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)
+        await serve(engine, host, port, api_key, cfg.engine.max_body_bytes)
+
+    try:
+        asyncio.run(main())
+    except asyncio.CancelledError:
+        pass
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="gyre engine", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    from gyre.config import ConfigError
+
+    try:
+        return run(p.parse_args(argv))
+    except ConfigError as e:
+        print(f"gyre engine: configuration error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

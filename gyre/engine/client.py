@@ -1,0 +1,157 @@
+"""Async client for SGLang's RL HTTP subset; the same code talks to SGLang and the embedded engine.
+
+Retries only when the connection fails (refused, reset, closed before a response): a 4xx/5xx
+answer is the engine's decision and is raised as :class:`EngineError` at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import aiohttp
+
+
+class EngineError(Exception):
+    """An engine answered with an error status, or could not be reached (``status`` None)."""
+
+    def __init__(self, status: int | None, message: str, endpoint: str):
+        super().__init__(f"{endpoint}: {status or 'unreachable'}: {message}")
+        self.status, self.message, self.endpoint = status, message, endpoint
+
+
+class EngineUnreachable(EngineError):
+    """Connecting (or keeping the connection) failed after all retries."""
+
+    def __init__(self, message: str, endpoint: str):
+        super().__init__(None, message, endpoint)
+
+
+@dataclass
+class GenerateResult:
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # stop | length | abort
+    weight_version: str
+    endpoint: str
+    text: str = ""
+    rid: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    meta_info: dict = field(default_factory=dict, repr=False)
+
+
+_CONNECTION_ERRORS = (aiohttp.ClientConnectionError, ConnectionError)
+
+
+class EngineClient:
+    def __init__(self, base_url: str, api_key: str | None = None, timeout_s: float = 600.0,
+                 connect_retries: int = 3, session: aiohttp.ClientSession | None = None,
+                 retry_backoff_s: float = 0.2):
+        self.base_url = base_url.rstrip("/")
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.connect_retries = connect_retries
+        self.retry_backoff_s = retry_backoff_s
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._session = session
+        self._own_session = session is None
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            # No connection cap: the proxy may hold hundreds of concurrent generations.
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            self._own_session = True
+        return self._session
+
+    async def _request(self, method: str, path: str, body: dict | None = None, retries: int | None = None) -> dict:
+        url = self.base_url + path
+        retries = self.connect_retries if retries is None else retries
+        last: Exception | None = None
+        for attempt in range(retries + 1):
+            if attempt:
+                await asyncio.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
+            try:
+                async with self._get_session().request(method, url, json=body, headers=self._headers,
+                                                       timeout=self.timeout) as resp:
+                    raw = await resp.read()
+                    try:
+                        data = await resp.json(content_type=None) if raw else {}
+                    except ValueError:
+                        data = {"error": {"message": raw[:500].decode("utf-8", "replace")}}
+                    if resp.status >= 400:
+                        raise EngineError(resp.status, _message(data, resp.reason), self.base_url)
+                    return data if isinstance(data, dict) else {"value": data}
+            except asyncio.TimeoutError:  # before connection errors: aiohttp's timeouts are both
+                raise EngineError(None, f"{method} {path} timed out after {self.timeout.total} s",
+                                  self.base_url) from None
+            except _CONNECTION_ERRORS as e:
+                last = e
+        raise EngineUnreachable(f"{method} {path} failed after {retries + 1} attempt(s): "
+                                f"{type(last).__name__}: {last}", self.base_url)
+
+    async def generate(self, input_ids: list[int], sampling_params: dict, rid: str | None = None) -> GenerateResult:
+        body = {"input_ids": list(input_ids), "sampling_params": sampling_params, "return_logprob": True}
+        if rid is not None:
+            body["rid"] = rid
+        data = await self._request("POST", "/generate", body)
+        meta = data.get("meta_info", {})
+        triples = meta.get("output_token_logprobs") or []
+        return GenerateResult(
+            output_ids=list(data.get("output_ids", [])), logprobs=[float(t[0]) for t in triples],
+            finish_reason=(meta.get("finish_reason") or {}).get("type", "unknown"),
+            weight_version=str(meta.get("weight_version", "")), endpoint=self.base_url,
+            text=data.get("text", ""), rid=meta.get("id", rid or ""), prompt_tokens=meta.get("prompt_tokens", 0),
+            cached_tokens=meta.get("cached_tokens", 0), meta_info=meta,
+        )
+
+    async def abort(self, rid: str | None = None, abort_all: bool = False) -> dict:
+        body = {"abort_all": True} if abort_all else {"rid": rid}
+        return await self._request("POST", "/abort_request", body)
+
+    async def release_memory(self, tags: list[str] | None = None) -> dict:
+        return await self._request("POST", "/release_memory_occupation", {"tags": tags})
+
+    async def resume_memory(self, tags: list[str] | None = None) -> dict:
+        return await self._request("POST", "/resume_memory_occupation", {"tags": tags})
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> dict:
+        return await self._request("POST", "/update_weights_from_disk",
+                                   {"model_path": str(model_path), "weight_version": weight_version})
+
+    async def flush_cache(self) -> dict:
+        return await self._request("POST", "/flush_cache", {})
+
+    async def health(self) -> bool:
+        try:
+            await self._request("GET", "/health", retries=0)  # a health probe must answer fast
+            return True
+        except EngineError:
+            return False
+
+    async def weight_version(self) -> str:
+        return str((await self._request("GET", "/get_weight_version"))["weight_version"])
+
+    async def model_info(self) -> dict:
+        return await self._request("GET", "/get_model_info")
+
+    async def close(self) -> None:
+        if self._own_session and self._session is not None:
+            await self._session.close()
+        self._session = None
+
+    async def __aenter__(self) -> "EngineClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+def _message(data: dict, default: str) -> str:
+    err = data.get("error") if isinstance(data, dict) else None
+    if isinstance(err, dict) and err.get("message"):
+        return str(err["message"])
+    if isinstance(err, str):
+        return err
+    if isinstance(data, dict) and data.get("message"):
+        return str(data["message"])
+    return default

@@ -1,0 +1,256 @@
+"""A small inference-only forward pass for Qwen2/Llama checkpoints, with a KV cache we own.
+
+Why not ``transformers`` ``model.generate``/``DynamicCache``: its per-call overhead is about
+8 ms per decode step on these CPUs (ours: well under 1 ms for the tiny model), and its cache
+API changes between releases; the engine needs to copy and crop caches for prefix reuse.
+The maths is the transformers one (RMSNorm in float32, rotate-half RoPE, grouped-query
+attention, SiLU-gated MLP); tests compare our log-probs with a transformers forward.
+
+Supported: ``model_type`` qwen2 (q/k/v biases) and llama (``attention_bias``), default RoPE
+(no scaling), no sliding window. Weights are computed in float32 on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+
+class ModelFormatError(ValueError):
+    """The checkpoint cannot be served by this engine (architecture, names or shapes)."""
+
+
+def _rope_theta(cfg: dict) -> float:
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", None):
+        raise ModelFormatError(f"rope type {kind!r} is not supported by the embedded engine (only default)")
+    return float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+class ModelSpec:
+    """The shapes the forward needs, read from ``config.json``."""
+
+    def __init__(self, cfg: dict):
+        kind = cfg.get("model_type")
+        if kind not in ("qwen2", "llama"):
+            raise ModelFormatError(f"model_type {kind!r} is not supported (qwen2 or llama)")
+        if cfg.get("use_sliding_window"):
+            raise ModelFormatError("sliding-window attention is not supported by the embedded engine")
+        self.raw = cfg
+        self.vocab_size = int(cfg["vocab_size"])
+        self.hidden = int(cfg["hidden_size"])
+        self.layers = int(cfg["num_hidden_layers"])
+        self.heads = int(cfg["num_attention_heads"])
+        self.kv_heads = int(cfg.get("num_key_value_heads") or self.heads)
+        self.head_dim = int(cfg.get("head_dim") or self.hidden // self.heads)
+        self.eps = float(cfg.get("rms_norm_eps", 1e-6))
+        self.theta = _rope_theta(cfg)
+        self.max_positions = int(cfg.get("max_position_embeddings", 32768))
+        self.tied = bool(cfg.get("tie_word_embeddings", False))
+        self.qkv_bias = kind == "qwen2" or bool(cfg.get("attention_bias", False))
+        eos = cfg.get("eos_token_id")
+        self.eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        h, d, kv, inter = self.hidden, self.head_dim, self.kv_heads, int(self.raw["intermediate_size"])
+        shapes = {"model.embed_tokens.weight": (self.vocab_size, h), "model.norm.weight": (h,)}
+        if not self.tied:
+            shapes["lm_head.weight"] = (self.vocab_size, h)
+        for i in range(self.layers):
+            p = f"model.layers.{i}."
+            shapes |= {
+                p + "self_attn.q_proj.weight": (self.heads * d, h), p + "self_attn.k_proj.weight": (kv * d, h),
+                p + "self_attn.v_proj.weight": (kv * d, h), p + "self_attn.o_proj.weight": (h, self.heads * d),
+                p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                p + "mlp.down_proj.weight": (h, inter),
+                p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            }
+            if self.qkv_bias:
+                shapes |= {p + "self_attn.q_proj.bias": (self.heads * d,),
+                           p + "self_attn.k_proj.bias": (kv * d,), p + "self_attn.v_proj.bias": (kv * d,)}
+        return shapes
+
+
+def read_spec(model_dir: str | Path) -> ModelSpec:
+    path = Path(model_dir) / "config.json"
+    try:
+        return ModelSpec(json.loads(path.read_text(encoding="utf-8")))
+    except FileNotFoundError:
+        raise ModelFormatError(f"{path} does not exist") from None
+    except (KeyError, TypeError, json.JSONDecodeError) as e:
+        raise ModelFormatError(f"{path}: unreadable config ({e})") from None
+
+
+def load_weights(model_dir: str | Path, spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """All tensors of the directory, checked against the spec's names and shapes, as float32."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ModelFormatError(f"{model_dir}: no *.safetensors file")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors |= load_file(str(f))
+    if spec.tied:
+        tensors.pop("lm_head.weight", None)
+    expected = spec.expected_shapes()
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(n for n in set(tensors) - set(expected) if not n.endswith("rotary_emb.inv_freq"))
+    if missing or extra:
+        raise ModelFormatError(f"{model_dir}: tensor names do not match config.json "
+                               f"(missing {missing[:5]}, unexpected {extra[:5]})")
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            raise ModelFormatError(f"{model_dir}: {name} has shape {tuple(tensors[name].shape)}, expected {shape}")
+    return {n: tensors[n].to(torch.float32).contiguous() for n in expected}
+
+
+class KVCache:
+    """Per-request keys/values, ``[kv_heads, capacity, head_dim]`` per layer, grown by doubling."""
+
+    def __init__(self, spec: ModelSpec, capacity: int = 64):
+        shape = (spec.kv_heads, capacity, spec.head_dim)
+        self.k = [torch.empty(shape) for _ in range(spec.layers)]
+        self.v = [torch.empty(shape) for _ in range(spec.layers)]
+        self.length = 0
+
+    def _reserve(self, n: int) -> None:
+        cap = self.k[0].shape[1]
+        if n <= cap:
+            return
+        new = max(n, 2 * cap)
+        for store in (self.k, self.v):
+            for i, t in enumerate(store):
+                grown = torch.empty((t.shape[0], new, t.shape[2]))
+                grown[:, : self.length] = t[:, : self.length]
+                store[i] = grown
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``k, v`` (``[kv, T, d]``) after the current length; return all keys/values so far."""
+        start, end = self.length, self.length + k.shape[1]
+        if layer == 0:
+            self._reserve(end)
+        self.k[layer][:, start:end] = k
+        self.v[layer][:, start:end] = v
+        return self.k[layer][:, :end], self.v[layer][:, :end]
+
+    def copy(self, length: int) -> "KVCache":
+        """An independent cache holding the first ``length`` positions."""
+        out = KVCache.__new__(KVCache)
+        cap = max(64, 1 << max(0, length - 1).bit_length())
+        out.k = [torch.empty((t.shape[0], cap, t.shape[2])) for t in self.k]
+        out.v = [torch.empty((t.shape[0], cap, t.shape[2])) for t in self.v]
+        for src, dst in ((self.k, out.k), (self.v, out.v)):
+            for s, d in zip(src, dst):
+                d[:, :length] = s[:, :length]
+        out.length = length
+        return out
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class CausalLM:
+    """Forward over a prompt chunk (:meth:`forward`) or a batch of decode steps (:meth:`decode`)."""
+
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor]):
+        self.spec = spec
+        self.w = weights
+        d = spec.head_dim
+        self.inv_freq = 1.0 / (spec.theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "CausalLM":
+        spec = read_spec(model_dir)
+        return cls(spec, load_weights(model_dir, spec))
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.spec)
+
+    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        var = x.pow(2).mean(-1, keepdim=True)
+        return self.w[name] * (x * torch.rsqrt(var + self.spec.eps))
+
+    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    @torch.inference_mode()
+    def forward(self, ids: list[int], cache: KVCache) -> torch.Tensor:
+        """Run ``ids`` after what ``cache`` holds, extend the cache, return logits ``[vocab]``."""
+        s, T, past = self.spec, len(ids), cache.length
+        pos = torch.arange(past, past + T, dtype=torch.float32)
+        freqs = torch.outer(pos, self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        x = self.w["model.embed_tokens.weight"][torch.tensor(ids)]
+        # Query i (absolute position past+i) sees keys 0..past+i; one token needs no mask.
+        mask = None
+        if T > 1:
+            mask = torch.arange(past + T)[None, :] <= (past + torch.arange(T))[:, None]
+        groups = s.heads // s.kv_heads
+        for i in range(s.layers):
+            p = f"model.layers.{i}."
+            h = self._norm(x, p + "input_layernorm.weight")
+            q = self._linear(h, p + "self_attn.q_proj").view(T, s.heads, s.head_dim).transpose(0, 1)
+            k = self._linear(h, p + "self_attn.k_proj").view(T, s.kv_heads, s.head_dim).transpose(0, 1)
+            v = self._linear(h, p + "self_attn.v_proj").view(T, s.kv_heads, s.head_dim).transpose(0, 1)
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            keys, values = cache.append(i, k, v)
+            if groups > 1:
+                keys = keys.repeat_interleave(groups, dim=0)
+                values = values.repeat_interleave(groups, dim=0)
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=1 / math.sqrt(s.head_dim))
+            x = x + self._linear(attn.transpose(0, 1).reshape(T, s.heads * s.head_dim), p + "self_attn.o_proj")
+            h = self._norm(x, p + "post_attention_layernorm.weight")
+            x = x + self._linear(F.silu(self._linear(h, p + "mlp.gate_proj")) * self._linear(h, p + "mlp.up_proj"),
+                                 p + "mlp.down_proj")
+        cache.length = past + T
+        return self._logits(x[-1])
+
+    @torch.inference_mode()
+    def decode(self, tokens: list[int], caches: list[KVCache]) -> torch.Tensor:
+        """One decode step for several sequences at once (token i extends ``caches[i]``).
+        Projections and MLP run batched; attention runs per sequence (lengths differ).
+        Returns logits ``[len(tokens), vocab]``."""
+        s, n = self.spec, len(tokens)
+        pos = torch.tensor([c.length for c in caches], dtype=torch.float32)
+        freqs = pos[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [n, 1, d], broadcast over heads
+        cos, sin = emb.cos(), emb.sin()
+        x = self.w["model.embed_tokens.weight"][torch.tensor(tokens)]
+        groups = s.heads // s.kv_heads
+        scale = 1 / math.sqrt(s.head_dim)
+        for i in range(s.layers):
+            p = f"model.layers.{i}."
+            h = self._norm(x, p + "input_layernorm.weight")
+            q = self._rope(self._linear(h, p + "self_attn.q_proj").view(n, s.heads, s.head_dim), cos, sin)
+            k = self._rope(self._linear(h, p + "self_attn.k_proj").view(n, s.kv_heads, s.head_dim), cos, sin)
+            v = self._linear(h, p + "self_attn.v_proj").view(n, s.kv_heads, s.head_dim)
+            outs = []
+            for j, cache in enumerate(caches):
+                keys, values = cache.append(i, k[j].unsqueeze(1), v[j].unsqueeze(1))
+                if groups > 1:
+                    keys = keys.repeat_interleave(groups, dim=0)
+                    values = values.repeat_interleave(groups, dim=0)
+                outs.append(F.scaled_dot_product_attention(q[j].unsqueeze(1), keys, values, scale=scale))
+            attn = torch.stack(outs).reshape(n, s.heads * s.head_dim)
+            x = x + self._linear(attn, p + "self_attn.o_proj")
+            h = self._norm(x, p + "post_attention_layernorm.weight")
+            x = x + self._linear(F.silu(self._linear(h, p + "mlp.gate_proj")) * self._linear(h, p + "mlp.up_proj"),
+                                 p + "mlp.down_proj")
+        for cache in caches:
+            cache.length += 1
+        return self._logits(x)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        head = self.w["model.embed_tokens.weight"] if self.spec.tied else self.w["lm_head.weight"]
+        return F.linear(self._norm(x, "model.norm.weight"), head)

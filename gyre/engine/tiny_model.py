@@ -1,0 +1,178 @@
+"""The embedded tiny model: a random transformers ``Qwen2ForCausalLM`` built offline in seconds.
+
+``gyre make-model [--out DIR]`` (or :func:`ensure_tiny_model`) writes, atomically (temporary
+directory + rename), a transformers model directory: ``config.json``, ``model.safetensors``,
+``tokenizer.json`` (the committed ``gyre/assets/tokenizer.json``) and ``gyre_identity.json``.
+
+Identity (recorded by everything that uses a model): ``model_hash`` is the sha256 over the
+model's tensors sorted by name; for each tensor it hashes ``name``, its safetensors dtype
+(``F32``...), its shape and its raw little-endian bytes (see :func:`tensors_hash`), so it does
+not depend on file layout or sharding. ``tokenizer_hash`` is the sha256 of ``tokenizer.json``.
+
+The weights are drawn from N(0, 0.15) (biases and norm gains too, around 0 and 1) with a fixed
+seed: a non-tiny std keeps attention far from uniform, so a wrong RoPE, mask or weight layout
+changes logits visibly in tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import tempfile
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from gyre.engine.build_tokenizer import ADDED_TOKENS, ASSET as TOKENIZER_ASSET, SPECIAL_TOKENS
+
+NAME = "gyre-tiny-qwen"
+IDENTITY_FILE = "gyre_identity.json"
+SEED = 20251129
+INIT_STD = 0.15
+# Enough to build config.json; vocab_size is added from the tokenizer.
+TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=32768, rms_norm_eps=1e-6)
+ROPE_THETA = 10000.0
+
+
+def load_tokenizer(model_dir: str | os.PathLike) -> Tokenizer:
+    return Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+
+
+def special_ids(tokenizer: Tokenizer) -> dict[str, int]:
+    """Token text -> id for the ChatML special tokens and the added tool/think tokens present."""
+    out = {}
+    for text in SPECIAL_TOKENS + ADDED_TOKENS:
+        tid = tokenizer.token_to_id(text)
+        if tid is not None:
+            out[text] = tid
+    return out
+
+
+def _safetensors_index(path: Path) -> tuple[int, dict]:
+    """(data start offset, header) of one .safetensors file, read without loading tensors."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return 8 + n, header
+
+
+def tensors_hash(model_dir: str | os.PathLike) -> str:
+    """sha256 over all tensors of the directory's ``*.safetensors`` files, sorted by name."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors file")
+    entries = []
+    for path in files:
+        start, header = _safetensors_index(path)
+        entries += [(name, path, start, info) for name, info in header.items()]
+    h = hashlib.sha256()
+    for name, path, start, info in sorted(entries, key=lambda e: e[0]):
+        h.update(f"{name}\0{info['dtype']}\0{info['shape']}\0".encode())
+        begin, end = info["data_offsets"]
+        with open(path, "rb") as f:
+            f.seek(start + begin)
+            remaining = end - begin
+            while remaining:
+                chunk = f.read(min(remaining, 1 << 24))
+                h.update(chunk)
+                remaining -= len(chunk)
+    return h.hexdigest()
+
+
+def compute_identity(model_dir: str | os.PathLike, name: str | None = None) -> dict:
+    model_dir = Path(model_dir)
+    tok = model_dir / "tokenizer.json"
+    return {
+        "model_hash": tensors_hash(model_dir),
+        "tokenizer_hash": hashlib.sha256(tok.read_bytes()).hexdigest() if tok.exists() else None,
+        "name": name or model_dir.name,
+    }
+
+
+def write_identity(model_dir: str | os.PathLike, name: str | None = None) -> dict:
+    """Compute and store ``gyre_identity.json`` (weight exporters call this after writing)."""
+    ident = compute_identity(model_dir, name)
+    path = Path(model_dir) / IDENTITY_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(ident, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    return ident
+
+
+def model_identity(model_dir: str | os.PathLike, recompute: bool = False) -> dict:
+    """The directory's identity: ``gyre_identity.json`` if present, else computed from the files."""
+    path = Path(model_dir) / IDENTITY_FILE
+    stored = json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
+    if stored and not recompute:
+        return stored
+    return compute_identity(model_dir, name=(stored or {}).get("name"))
+
+
+def _build(dst: Path) -> None:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+    tok = Tokenizer.from_file(str(TOKENIZER_ASSET))
+    ids = special_ids(tok)
+    vocab = -(-tok.get_vocab_size() // 64) * 64
+    config = Qwen2Config(
+        vocab_size=vocab, tie_word_embeddings=False, hidden_act="silu", initializer_range=INIT_STD,
+        rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA}, use_sliding_window=False,
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+        **TINY_SHAPE,
+    )
+    model = Qwen2ForCausalLM(config).to(torch.float32)
+    # Fill every tensor ourselves, in name order, from one generator: the result depends only on
+    # torch's generator, not on transformers' init code (which changes between versions).
+    gen = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32) * INIT_STD
+            p.copy_(noise + 1.0 if name.endswith("norm.weight") else noise)
+    model.save_pretrained(dst)
+    shutil.copyfile(TOKENIZER_ASSET, dst / "tokenizer.json")
+    write_identity(dst, NAME)
+
+
+def ensure_tiny_model(out_dir: str | os.PathLike) -> Path:
+    """Build the tiny model in ``out_dir`` unless a complete one is there; return its path."""
+    out_dir = Path(out_dir)
+    if (out_dir / IDENTITY_FILE).exists():
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        _build(tmp)
+        try:
+            tmp.rename(out_dir)
+        except OSError:
+            # Another process finished first (rename onto a non-empty dir fails): keep theirs.
+            if not (out_dir / IDENTITY_FILE).exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--out", type=Path, default=None,
+                        help="model directory (default: model.tiny_dir, or ~/.cache/gyre/tiny-qwen)")
+    parser.add_argument("--config", default=None, help="Gyre TOML config file")
+
+
+def run(args) -> int:
+    from gyre.config import default_tiny_dir, load_config
+
+    out = args.out or default_tiny_dir(load_config(getattr(args, "config", None)))
+    path = ensure_tiny_model(out)
+    ident = model_identity(path)
+    print(f"{path}  model_hash={ident['model_hash'][:16]}  tokenizer_hash={ident['tokenizer_hash'][:16]}")
+    return 0

@@ -1,0 +1,50 @@
+"""Elastic (E), as the paper describes it.
+
+The rollout side is sized from unfinished rollout work: one rollout cell per `execs_per_cell`
+running (or about to start) executions, and never fewer than one while any runs. Once admitted
+work exists, every other cell moves to training; cells move back when new rollout work starts.
+A cell stays in a role at least `min_dwell_s` unless moving it is needed to keep executions served.
+"""
+
+from __future__ import annotations
+
+from gyre.sched.admission import start_budget
+from gyre.sched.policy import Policy, ceil_div, heading_counts, move
+from gyre.sched.state import ClusterState, Decision, Role
+
+
+class ElasticPolicy(Policy):
+    scheme = "E"
+
+    @property
+    def dwell_s(self) -> float:
+        return self.hints.min_dwell_s
+
+    def rollout_target(self, state: ClusterState, now: float, starting: int) -> int:
+        """Rollout cells wanted; at least one whenever executions run or start."""
+        live = sum(1 for c in state.cells if c.role is not Role.FAILED)
+        work = len(state.running) + starting * state.group_size
+        need = ceil_div(work, self.hints.execs_per_cell * self.hints.cell_scale)
+        r, _ = heading_counts(state.cells)
+        if state.train_tokens_left <= 0:
+            need = max(need, r)  # nothing to train: no reason to leave rollout
+        return min(live, max(need, 1 if work else 0))
+
+    def decide(self, state: ClusterState, now: float) -> Decision:
+        settled_rollout = state.count(Role.ROLLOUT)
+        budget = start_budget(state)
+        # Start only once a settled rollout cell will serve the new executions.
+        starting = budget if settled_rollout else 0
+        target = self.rollout_target(state, now, budget)
+        r, _ = heading_counts(state.cells)
+        running = bool(state.running) or starting > 0
+        if target > r:
+            # An unserved execution overrides the dwell time.
+            dwell = 0.0 if settled_rollout == 0 and (running or budget) else self.dwell_s
+            sw = move(state, now, Role.ROLLOUT, target - r, dwell)
+        elif target < r:
+            sw = move(state, now, Role.TRAIN, r - target, self.dwell_s,
+                      keep_rollout=1 if running else 0)
+        else:
+            sw = []
+        return Decision(tuple(sw), start_groups=starting)

@@ -1,0 +1,48 @@
+"""The two paper baselines: Async (fixed pools) and Colocate (the whole pool switches)."""
+
+from __future__ import annotations
+
+from gyre.sched.admission import oldest_version_key, start_budget
+from gyre.sched.policy import Hints, Policy, move
+from gyre.sched.state import ClusterState, Decision, Role, Switch
+
+
+class AsyncPolicy(Policy):
+    """A fixed rollout pool and a fixed training pool; nothing ever switches."""
+    scheme = "A"
+    admission_key = staticmethod(oldest_version_key)  # baselines get the order that drops least
+
+    def __init__(self, staleness: int = 0, hints: Hints | None = None, rollout_cells: int = 1) -> None:
+        super().__init__(staleness, hints)
+        if rollout_cells < 1:
+            raise ValueError("async needs at least one rollout cell")
+        self.rollout_cells = rollout_cells
+
+    def initial_roles(self, cells: int) -> list[Role]:
+        if self.rollout_cells >= cells:
+            raise ValueError(f"async: {self.rollout_cells} rollout cells leave none of {cells} to train")
+        return [Role.ROLLOUT] * self.rollout_cells + [Role.TRAIN] * (cells - self.rollout_cells)
+
+    def decide(self, state: ClusterState, now: float) -> Decision:
+        return Decision(start_groups=start_budget(state))
+
+
+class ColocatePolicy(Policy):
+    """All cells roll out until a step's batch is complete, then all cells train it."""
+    scheme = "C"
+    admission_key = staticmethod(oldest_version_key)
+
+    def decide(self, state: ClusterState, now: float) -> Decision:
+        live = [c for c in state.cells if c.role is not Role.FAILED]
+        if any(not c.role.settled for c in live):
+            return Decision()  # mid-switch: wait until the whole pool has arrived
+        training = live[0].role is Role.TRAIN if live else False
+        if not training:
+            if state.step_full and state.train_tokens_left > 0:
+                return Decision(tuple(Switch(c.id, Role.TRAIN) for c in live), notes=("batch complete",))
+            return Decision(start_groups=start_budget(state))
+        # Training: stay while the open step's batch is complete (the next one may already be);
+        # a partial batch waits in the queue for the next training phase.
+        if state.step_full:
+            return Decision()
+        return Decision(tuple(Switch(c.id, Role.ROLLOUT) for c in live), notes=("step trained",))

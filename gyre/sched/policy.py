@@ -1,0 +1,90 @@
+"""The policy interface and what every policy shares.
+
+A policy is configured once (scheme, staleness, cost hints) and then only answers
+``decide(state, now) -> Decision``: pure, no I/O, no sleeping, no clock of its own. Both the live
+coordinator and the simulator call it (ARCHITECTURE.md invariant 3).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+from gyre.sched.admission import AdmissionKey, fifo_key
+from gyre.sched.state import CellView, ClusterState, Decision, Role, Switch
+
+
+@dataclass(frozen=True)
+class Hints:
+    """What a policy may assume about costs; the coordinator fills these from config/measurement."""
+    to_train_s: float = 8.52
+    to_rollout_s: float = 3.46
+    push_s: float = 60.0
+    eval_s: float = 60.0
+    execs_per_cell: float = 16.0     # executions one rollout cell serves at near full speed
+    half_load: float = 4.0           # calls per cell where a call runs at half its solo speed
+    ref_load: float = 16.0           # per-cell calls under which durations were measured
+    model_share: float = 0.8         # share of an execution's time spent in model calls
+    cell_scale: float = 1.0          # one cell's throughput in reference cells
+    mean_duration_s: float = 1.93 * 3600
+    duration_sigma: float = 0.36     # spread of log-durations (prior for remaining-work estimates)
+    train_tokens_per_exec: float = 7.0e5
+    train_tokens_per_s: float = 1.0e4  # per cell
+    min_dwell_s: float = 60.0        # a cell stays in a role at least this long (anti-thrash)
+
+
+class Policy:
+    scheme: str = "?"
+    admission_key: AdmissionKey = staticmethod(fifo_key)
+
+    def __init__(self, staleness: int = 0, hints: Hints | None = None) -> None:
+        if staleness < 0:
+            raise ValueError(f"staleness must be >= 0, got {staleness}")
+        self.staleness = staleness
+        self.hints = hints or Hints()
+
+    @property
+    def label(self) -> str:
+        return f"{self.scheme}{self.staleness}"
+
+    def initial_roles(self, cells: int) -> list[Role]:
+        """Roles at job start (no switch cost is paid for these)."""
+        return [Role.ROLLOUT] * cells
+
+    def decide(self, state: ClusterState, now: float) -> Decision:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+def heading_counts(cells: Iterable[CellView]) -> tuple[int, int]:
+    """(rollout, train) counting cells on their way to a role as already there."""
+    r = t = 0
+    for c in cells:
+        h = c.role.heading
+        if h is Role.ROLLOUT:
+            r += 1
+        elif h is Role.TRAIN:
+            t += 1
+    return r, t
+
+
+def move(state: ClusterState, now: float, to: Role, n: int, dwell_s: float,
+         keep_rollout: int = 0) -> list[Switch]:
+    """Switch up to n settled cells to `to`, longest in their role first.
+
+    Cells that entered their role less than dwell_s ago stay, and when leaving rollout at least
+    keep_rollout settled rollout cells remain (so running executions keep being served).
+    """
+    if n <= 0:
+        return []
+    src = Role.ROLLOUT if to is Role.TRAIN else Role.TRAIN
+    pool = sorted((c for c in state.cells if c.role is src and now - c.since >= dwell_s),
+                  key=lambda c: (c.since, c.id))
+    if src is Role.ROLLOUT:
+        settled = sum(1 for c in state.cells if c.role is Role.ROLLOUT)
+        n = min(n, settled - keep_rollout)
+    return [Switch(c.id, to) for c in pool[:max(0, n)]]
+
+
+def ceil_div(a: float, b: float) -> int:
+    return int(math.ceil(a / b - 1e-12)) if a > 0 else 0

@@ -1,0 +1,92 @@
+"""What a scheduling policy sees and what it answers: plain, frozen data.
+
+The live coordinator and the simulator both build a :class:`ClusterState` from what they observe
+and apply the :class:`Decision` that comes back (ARCHITECTURE.md invariant 3). Times are seconds
+on the caller's clock; the policy never reads a clock of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Role(str, Enum):
+    ROLLOUT = "rollout"        # serves inference
+    TRAIN = "train"            # one data-parallel group of the trainer
+    TO_TRAIN = "to_train"      # switching rollout -> train (weights/KV released, trainer joins)
+    TO_ROLLOUT = "to_rollout"  # switching train -> rollout (engine resumes, weights loaded)
+    FAILED = "failed"          # out of service; never assigned
+
+    @property
+    def settled(self) -> bool:
+        return self in (Role.ROLLOUT, Role.TRAIN)
+
+    @property
+    def heading(self) -> "Role":
+        """The role this cell is in or on its way to."""
+        return {Role.TO_TRAIN: Role.TRAIN, Role.TO_ROLLOUT: Role.ROLLOUT}.get(self, self)
+
+
+@dataclass(frozen=True, slots=True)
+class CellView:
+    id: int
+    role: Role
+    since: float  # when the cell entered `role`
+
+
+@dataclass(frozen=True, slots=True)
+class ExecView:
+    """One running execution (started, not yet ended)."""
+    id: int
+    group: int
+    version: int      # policy version of its first call: the oldest that served it
+    started_at: float
+    calls_done: int
+    in_call: bool     # a model call is in flight right now
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterState:
+    """Everything a policy may use. Counts of groups; work in training tokens."""
+    version: int                 # policy version being served (= optimizer steps done)
+    staleness: int               # bound k: a group of version v trains in step s only if s - v <= k
+    groups_per_step: int         # Q: groups one optimizer step consumes
+    group_size: int              # G: executions per group
+    cells: tuple[CellView, ...]
+    running: tuple[ExecView, ...]
+    groups_open: int             # started groups not yet trained or dropped (in-flight budget use)
+    groups_waiting: int          # evaluated groups not yet assigned to a step, still admissible
+    step_groups: int             # groups assigned to the open step so far (<= groups_per_step)
+    train_tokens_left: float     # assigned to the open step and not yet trained
+    train_tokens_done: float = 0.0  # trained so far in the open step
+    starts_blocked: bool = False  # the caller has no more work to start (end of the run)
+
+    def count(self, *roles: Role) -> int:
+        return sum(1 for c in self.cells if c.role in roles)
+
+    @property
+    def step_full(self) -> bool:
+        return self.step_groups >= self.groups_per_step
+
+
+@dataclass(frozen=True, slots=True)
+class Switch:
+    cell: int
+    to: Role  # Role.ROLLOUT or Role.TRAIN
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    switches: tuple[Switch, ...] = ()
+    start_groups: int = 0   # new groups (of G executions each) to start now
+    notes: tuple[str, ...] = field(default=(), compare=False)  # why, for logs; never parsed
+
+
+@dataclass(frozen=True, slots=True)
+class GroupView:
+    """An evaluated group waiting for a training step."""
+    id: int
+    version: int          # oldest policy version that served any of its executions
+    ready_at: float       # when its last execution was evaluated
+    train_tokens: float

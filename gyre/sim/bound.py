@@ -1,0 +1,59 @@
+"""A lower bound on end-to-end time for a workload on a cluster, whatever the policy.
+
+Two limits, the larger wins:
+- work: every cell busy all the time, decoding at the saturated rate of a cell (load -> infinity)
+  and training at full rate, with no switches, plus every step's optimizer step and weight push:
+  (rollout cell-time + training cell-time) / cells + steps * push.
+- arrival (staleness 0 only): step s trains exactly the groups started under version s. A group
+  cannot be ready before its slowest execution has run alone on a cell (solo speed) and been
+  evaluated, and by time x the cells cannot have decoded more than cells * saturated rate * x.
+  So for any x, the training tokens of groups that cannot be ready by x are trained after x on
+  at most every cell: step >= x + those tokens / (all cells' training rate) + push. The bound
+  takes the best x for every step (groups ready by x are credited greedily, which only makes the
+  bound lower). Under k > 0 a policy may reorder which groups train when; only the work limit holds.
+"""
+
+from __future__ import annotations
+
+from gyre.sim.cluster import ClusterModel
+from gyre.sim.workload import GroupSpec, Workload
+
+
+def lower_bound(w: Workload, c: ClusterModel, steps: int, groups_per_step: int, staleness: int) -> float:
+    sat = (c.ref_load + c.half_load) * c.scale  # reference model-seconds a saturated cell serves per second
+    roll = train = arrival = 0.0
+    for s in range(steps):
+        batch = [w.group(i) for i in range(s * groups_per_step, (s + 1) * groups_per_step)]
+        for g in batch:
+            for e in g.execs:
+                roll += e.duration_s * w.model_share / sat
+                train += e.train_tokens / c.train_rate(1)
+        if staleness == 0:
+            arrival += _step_arrival_bound(batch, w.model_share, c, sat) + c.push_s
+    work = (roll + train) / c.cells + steps * c.push_s
+    return max(work, arrival) if staleness == 0 else work
+
+
+def _step_arrival_bound(batch: list[GroupSpec], share: float, c: ClusterModel, sat: float) -> float:
+    solo = c.solo_speed
+    rows = []  # (earliest ready time, decode work in reference-seconds, training tokens)
+    for g in batch:
+        ready = max((e.duration_s * (1 - share) + e.duration_s * share / solo) for e in g.execs) + c.eval_s
+        rows.append((ready, sum(e.duration_s * share for e in g.execs), sum(e.train_tokens for e in g.execs)))
+    rows.sort()
+    total = sum(r[2] for r in rows)
+    full = c.train_rate(c.cells)
+    best = total / full  # x = 0: nothing is ready, everything trains afterwards
+    for x, _, _ in rows:
+        capacity = c.cells * sat * (x - c.eval_s)  # decode work possible before x
+        done = 0.0
+        # Fractional knapsack over the groups that could be ready: most tokens per decode work first.
+        eligible = sorted((r for r in rows if r[0] <= x), key=lambda r: -r[2] / max(r[1], 1e-12))
+        for _, work, tokens in eligible:
+            if capacity <= 0:
+                break
+            take = min(1.0, capacity / work) if work > 0 else 1.0
+            done += tokens * take
+            capacity -= work * take
+        best = max(best, x + (total - done) / full)
+    return best

@@ -1,0 +1,148 @@
+"""`gyre plan`: sweep cell layouts, budgets, staleness and schemes for a workload (for HPC admins).
+
+Prints one table row per (nodes, cell size, scheme, staleness) with the simulated end-to-end
+time, its ratio to the lower bound and utilisation, and marks the recommended layout for each
+node budget. Runs in-process by default; `--executor local` fans the runs out as submitit jobs
+on this machine, `--executor slurm` as Slurm jobs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+from gyre.config import ConfigError
+from gyre.report.tables import plan_table
+from gyre.sched import SCHEMES
+from gyre.sim.cluster import divisors
+from gyre.sim.scenario import ASSUMED, Scenario, nl2repo_cluster
+from gyre.sim.workload import Workload
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _words(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", default="nl2repo", help="preset name or trace file (CSV/JSON)")
+    p.add_argument("--nodes", type=_ints, default=[8, 16, 32], help="node budgets, e.g. 8,16,32")
+    p.add_argument("--cell-nodes", type=_ints, default=[2, 4, 8], help="cell sizes in nodes, e.g. 2,4,8")
+    p.add_argument("--cells", type=_ints, default=None, help="only these cell counts (default: all that fit)")
+    p.add_argument("--staleness", type=_ints, default=[0, 2], help="staleness bounds, e.g. 0,1,2")
+    p.add_argument("--schemes", type=_words, default=["E", "E+", "A", "C"], help=f"any of {','.join(SCHEMES)}")
+    p.add_argument("--steps", type=int, default=48)
+    p.add_argument("--groups-per-step", type=int, default=int(ASSUMED["groups_per_step"]))
+    p.add_argument("--seed", type=int, default=0)
+    for name, default, what in (("to-train-s", ASSUMED["to_train_s"], "rollout->train switch"),
+                                ("to-rollout-s", ASSUMED["to_rollout_s"], "train->rollout switch"),
+                                ("push-s", ASSUMED["push_s"], "optimizer step + weight push"),
+                                ("eval-s", ASSUMED["eval_s"], "evaluation of a workspace")):
+        p.add_argument(f"--{name}", type=float, default=default, help=f"seconds per {what}")
+    p.add_argument("--executor", choices=("inline", "local", "slurm"), default="inline",
+                   help="inline (default), or submitit jobs: local processes or Slurm")
+    p.add_argument("--jobs-dir", default="gyre-plan-jobs", help="submitit log folder")
+    p.add_argument("--partition", default="", help="Slurm partition for --executor slurm")
+    p.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
+
+
+def scenarios(args: argparse.Namespace) -> list[Scenario]:
+    """Validate the sweep and list its runs; a bad parameter raises ConfigError naming it."""
+    for name in ("nodes", "cell_nodes", "staleness"):
+        if not getattr(args, name):
+            raise ConfigError(f"--{name.replace('_', '-')}: give at least one value")
+    if any(n <= 0 for n in args.nodes):
+        raise ConfigError(f"--nodes: node budgets must be positive, got {args.nodes}")
+    if any(c <= 0 for c in args.cell_nodes):
+        raise ConfigError(f"--cell-nodes: cell sizes must be positive, got {args.cell_nodes}")
+    if args.cells is not None and any(c <= 0 for c in args.cells):
+        raise ConfigError(f"--cells: zero or negative cells make no cluster, got {args.cells}")
+    if any(k < 0 for k in args.staleness):
+        raise ConfigError(f"--staleness: must be >= 0, got {args.staleness}")
+    if args.steps < 1 or args.groups_per_step < 1:
+        raise ConfigError("--steps and --groups-per-step must be >= 1")
+    bad = [s for s in args.schemes if s not in SCHEMES]
+    if bad or not args.schemes:
+        raise ConfigError(f"--schemes: unknown {bad or 'none given'}; choose from {', '.join(SCHEMES)}")
+    for name in ("to_train_s", "to_rollout_s", "push_s", "eval_s"):
+        if getattr(args, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')}: times cannot be negative, got {getattr(args, name)}")
+    for n, c in itertools.product(args.nodes, args.cell_nodes):
+        if c > n:
+            raise ConfigError(f"cell size {c} is larger than {n} nodes: that layout has zero cells")
+        if n % c:
+            raise ConfigError(f"cell size {c} does not divide {n} nodes; divisors of {n}: "
+                              f"{', '.join(map(str, divisors(n)))}")
+    Workload.named(args.workload, args.seed)  # fail early on a bad preset or trace
+    out = []
+    for n, c, scheme, k in itertools.product(args.nodes, args.cell_nodes, args.schemes, args.staleness):
+        if args.cells is not None and n // c not in args.cells:
+            continue
+        if scheme == "A" and n // c < 2:
+            continue  # async needs a rollout pool and a training pool
+        cluster = nl2repo_cluster(nodes=n, cell_nodes=c, to_train_s=args.to_train_s,
+                                  to_rollout_s=args.to_rollout_s, push_s=args.push_s, eval_s=args.eval_s)
+        out.append(Scenario(scheme, k, cluster, workload=args.workload, steps=args.steps,
+                            groups_per_step=args.groups_per_step, seed=args.seed, record=False))
+    if not out:
+        raise ConfigError("the sweep is empty: no (nodes, cell size, cells) combination is left")
+    return out
+
+
+def run_one(s: Scenario) -> dict:
+    """One sweep point as a plain row (module level so submitit can pickle it)."""
+    r = s.run()
+    d = r.to_dict()
+    return {k: d[k] for k in ("label", "scheme", "staleness", "nodes", "cells", "cell_size", "hours",
+                              "lower_bound_hours", "ratio_to_lower_bound", "utilisation",
+                              "gpu_hours_used", "gpu_hours_wasted", "switches")} | {
+        "not_admitted": sum(r.not_admitted.values())}
+
+
+def execute(scs: list[Scenario], executor: str, jobs_dir: str = "gyre-plan-jobs", partition: str = "") -> list[dict]:
+    if executor == "inline":
+        return [run_one(s) for s in scs]
+    import submitit  # only the fan-out needs it
+
+    ex = submitit.LocalExecutor(folder=jobs_dir) if executor == "local" else submitit.AutoExecutor(folder=jobs_dir)
+    params = {"timeout_min": 60}
+    if executor == "slurm" and partition:
+        params["slurm_partition"] = partition
+    ex.update_parameters(**params)
+    jobs = ex.map_array(run_one, scs)
+    return [j.result() for j in jobs]
+
+
+def recommend(rows: list[dict]) -> list[dict]:
+    """Mark the fastest run per node budget (fewer switches breaks ties); sort for the table."""
+    rows = sorted(rows, key=lambda r: (r["nodes"], r["hours"], r["switches"]))
+    seen = set()
+    for r in rows:
+        r["recommended"] = r["nodes"] not in seen
+        seen.add(r["nodes"])
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    scs = scenarios(args)
+    print(f"gyre plan: {len(scs)} simulated runs ({args.executor}) of {args.steps} steps, workload {args.workload}",
+          file=sys.stderr)
+    rows = recommend(execute(scs, args.executor, args.jobs_dir, args.partition))
+    print(plan_table(rows))
+    for r in rows:
+        if r["recommended"]:
+            print(f"recommended for {r['nodes']} nodes: {r['cells']} cells of {r['cell_size']} nodes, "
+                  f"{r['label']}: {r['hours']:.1f} h, {r['utilisation']:.0%} busy, "
+                  f"{r['ratio_to_lower_bound']:.2f}x the lower bound")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1), encoding="utf-8")
+    return 0

@@ -1,0 +1,85 @@
+"""What one simulated run reports."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+BUCKETS = ("rollout", "train", "switch", "idle")
+
+
+@dataclass
+class CellStats:
+    cell: int
+    seconds: dict[str, float]            # time in each bucket of BUCKETS; sums to the makespan
+    to_train: int = 0                     # switches rollout -> train
+    to_rollout: int = 0                   # switches train -> rollout
+
+
+@dataclass
+class StepStats:
+    step: int
+    start_s: float                        # previous step's end (0 for the first)
+    end_s: float
+    groups: int
+    staleness_group_mean: float           # mean of s - v over the step's groups
+    staleness_token_mean: float           # the same, weighted by training tokens
+    staleness_max: int
+
+
+@dataclass
+class SimResult:
+    label: str
+    scheme: str
+    staleness: int
+    nodes: int
+    cells: int
+    cell_size: int
+    gpus_per_cell: int
+    steps: int
+    groups_per_step: int
+    group_size: int
+    makespan_s: float
+    lower_bound_s: float
+    cell_stats: list[CellStats]
+    step_stats: list[StepStats]
+    executions_started: int
+    executions_trained: int
+    not_admitted: dict[str, int]          # reason -> executions
+    unserved_s: float                     # time with running executions and no rollout cell
+    events: int
+    wall_s: float
+    # Not serialised: per-execution outcome and the timelines behind the plots.
+    outcomes: dict[int, tuple] = field(default_factory=dict, repr=False)
+    roles: list[list[tuple[float, float, str]]] = field(default_factory=list, repr=False)
+    usage: list[tuple[float, int, int, int, int]] = field(default_factory=list, repr=False)
+
+    @property
+    def hours(self) -> float:
+        return self.makespan_s / 3600.0
+
+    @property
+    def lower_bound_hours(self) -> float:
+        return self.lower_bound_s / 3600.0
+
+    def bucket_total(self, bucket: str) -> float:
+        return sum(c.seconds[bucket] for c in self.cell_stats)
+
+    def gpu_hours(self, *buckets: str) -> float:
+        return sum(self.bucket_total(b) for b in buckets) * self.gpus_per_cell / 3600.0
+
+    @property
+    def utilisation(self) -> float:
+        total = self.makespan_s * self.cells
+        return (self.bucket_total("rollout") + self.bucket_total("train")) / total if total else 0.0
+
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if k not in ("outcomes", "roles", "usage")}
+        d.update(hours=round(self.hours, 3), lower_bound_hours=round(self.lower_bound_hours, 3),
+                 ratio_to_lower_bound=round(self.makespan_s / self.lower_bound_s, 4) if self.lower_bound_s else None,
+                 utilisation=round(self.utilisation, 4),
+                 gpu_hours_used=round(self.gpu_hours("rollout", "train"), 1),
+                 gpu_hours_wasted=round(self.gpu_hours("switch", "idle"), 1),
+                 switches=sum(c.to_train + c.to_rollout for c in self.cell_stats))
+        for c in d["cell_stats"]:
+            c["seconds"] = {k: round(v, 1) for k, v in c["seconds"].items()}
+        return d

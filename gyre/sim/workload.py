@@ -1,0 +1,213 @@
+"""Workloads for the simulator: groups of executions with durations, calls and tokens.
+
+An execution's duration is given at the *reference load* (the per-cell concurrency under which it
+was measured, see ``ClusterModel.ref_load``); a share ``model_share`` of it is waiting on model
+calls and stretches or shrinks with the load on the rollout cells, the rest is tool/environment
+time and does not.
+
+Trace schema (CSV with a header, or JSON: a list of objects, or ``{"executions": [...]}``):
+
+    execution_id  str/int   unique per execution
+    group         str/int   task/group id; executions of one group train together
+    duration_s    float     wall time of the execution (at the load it was recorded under)
+    calls         int       model calls it made
+    tokens        int       tokens it processed (inputs + outputs over all calls)
+    train_tokens  int       optional: tokens it contributes to training (default: ``tokens``)
+
+A later exporter writes this from the execution table of Gyre's HDF5 shards.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from gyre.config import ConfigError
+
+HOUR = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class ExecSpec:
+    duration_s: float      # at the reference load
+    calls: int
+    tokens: float
+    train_tokens: float
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSpec:
+    key: str
+    execs: tuple[ExecSpec, ...]
+
+
+@dataclass(frozen=True)
+class LognormalPreset:
+    """Two-level lognormal: a task factor shared by the group times an execution factor.
+
+    log d = mu + sigma_task * z_task + sigma_exec * z_exec, with mu set so E[d] = mean_duration_s.
+    Calls, tokens and training tokens scale with the duration (longer executions talk more).
+    """
+    name: str
+    mean_duration_s: float
+    sigma_task: float
+    sigma_exec: float
+    mean_calls: float
+    mean_tokens: float
+    mean_train_tokens: float
+    group_size: int
+    model_share: float  # share of an execution's time spent waiting on model calls at reference load
+
+    def __post_init__(self) -> None:
+        for name in ("mean_duration_s", "mean_calls", "mean_tokens", "mean_train_tokens"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"workload {self.name}: {name} must be positive")
+        if self.sigma_task < 0 or self.sigma_exec < 0:
+            raise ConfigError(f"workload {self.name}: sigmas must be >= 0")
+        if self.group_size < 1:
+            raise ConfigError(f"workload {self.name}: group_size must be >= 1")
+        if not 0.0 <= self.model_share <= 1.0:
+            raise ConfigError(f"workload {self.name}: model_share must be within [0, 1]")
+
+    @property
+    def mu(self) -> float:
+        return math.log(self.mean_duration_s) - (self.sigma_task ** 2 + self.sigma_exec ** 2) / 2
+
+    @property
+    def sigma(self) -> float:
+        """Spread of one execution's log-duration (both levels)."""
+        return math.hypot(self.sigma_task, self.sigma_exec)
+
+
+# Fitted to the paper's NL2RepoBench figures (Qwen 3.6 122B): mean rollout 1.93 h; mean over
+# queries of the slowest of G = 8 rollouts 2.96 h; 9.51% of queries with a slowest rollout >= 4 h.
+# sigma_task and sigma_exec are the two fitted shape parameters (Monte Carlo, 400k groups); the
+# preset reproduces 1.93 h / 2.96 h / 9.50%. Hundreds of calls and about 1M tokens per execution,
+# 700K training tokens per rollout (the paper's 2.4T-token run).
+NL2REPO = LognormalPreset(
+    name="nl2repo", mean_duration_s=1.93 * HOUR, sigma_task=0.155, sigma_exec=0.3225,
+    mean_calls=300, mean_tokens=1.0e6, mean_train_tokens=7.0e5, group_size=8, model_share=0.8,
+)
+
+PRESETS = {"nl2repo": NL2REPO}
+
+
+class Workload:
+    """An endless, deterministic supply of groups: group i is the same for a given seed."""
+
+    def __init__(self, groups_fn, group_size: int, model_share: float, name: str,
+                 mean_duration_s: float, sigma: float) -> None:
+        self._fn = groups_fn
+        self.group_size = group_size
+        self.model_share = model_share
+        self.name = name
+        self.mean_duration_s = mean_duration_s
+        self.sigma = sigma  # log-duration spread, a prior for policies' remaining-work estimates
+        self._cache: dict[int, GroupSpec] = {}
+
+    def group(self, i: int) -> GroupSpec:
+        g = self._cache.get(i)
+        if g is None:
+            g = self._cache[i] = self._fn(i)
+        return g
+
+    @classmethod
+    def from_preset(cls, p: LognormalPreset, seed: int) -> "Workload":
+        mu = p.mu
+
+        def make(i: int) -> GroupSpec:
+            rng = np.random.default_rng((seed, i))  # per group: independent of visit order
+            zt = rng.standard_normal()
+            ze = rng.standard_normal(p.group_size)
+            d = np.exp(mu + p.sigma_task * zt + p.sigma_exec * ze)
+            scale = d / p.mean_duration_s
+            execs = tuple(ExecSpec(duration_s=float(di), calls=max(1, int(round(p.mean_calls * s))),
+                                   tokens=float(p.mean_tokens * s),
+                                   train_tokens=float(p.mean_train_tokens * s))
+                          for di, s in zip(d, scale))
+            return GroupSpec(key=f"{p.name}-{i}", execs=execs)
+
+        return cls(make, p.group_size, p.model_share, p.name, p.mean_duration_s, p.sigma)
+
+    @classmethod
+    def from_trace(cls, path: str | Path, model_share: float = NL2REPO.model_share) -> "Workload":
+        """Groups in first-seen order; a run needing more groups than the trace holds wraps around."""
+        rows = read_trace(path)
+        by_group: dict[str, list[ExecSpec]] = {}
+        for r in rows:
+            by_group.setdefault(r["group"], []).append(ExecSpec(
+                r["duration_s"], r["calls"], r["tokens"], r["train_tokens"]))
+        sizes = {len(v) for v in by_group.values()}
+        if len(sizes) != 1:
+            raise ConfigError(f"trace {path}: groups must all have the same size, found sizes {sorted(sizes)}")
+        groups = [GroupSpec(k, tuple(v)) for k, v in by_group.items()]
+        durs = np.array([e.duration_s for g in groups for e in g.execs])
+        logs = np.log(durs)
+        return cls(lambda i: groups[i % len(groups)], sizes.pop(), model_share, Path(path).name,
+                   float(durs.mean()), float(logs.std()) if len(logs) > 1 else 0.0)
+
+    @classmethod
+    def named(cls, preset_or_path: str, seed: int) -> "Workload":
+        if preset_or_path in PRESETS:
+            return cls.from_preset(PRESETS[preset_or_path], seed)
+        if Path(preset_or_path).is_file():
+            return cls.from_trace(preset_or_path)
+        raise ConfigError(f"workload {preset_or_path!r}: not a preset ({', '.join(PRESETS)}) nor a trace file")
+
+
+_FIELDS = ("execution_id", "group", "duration_s", "calls", "tokens")
+
+
+def read_trace(path: str | Path) -> list[dict]:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"trace {p} does not exist") from None
+    if p.suffix.lower() == ".json":
+        data = json.loads(text)
+        raw = data["executions"] if isinstance(data, dict) else data
+    else:
+        raw = list(csv.DictReader(text.splitlines()))
+    if not raw:
+        raise ConfigError(f"trace {p}: no executions")
+    out, seen = [], set()
+    for n, r in enumerate(raw, 1):
+        missing = [f for f in _FIELDS if f not in r or r[f] in ("", None)]
+        if missing:
+            raise ConfigError(f"trace {p} row {n}: missing {', '.join(missing)}")
+        try:
+            row = {"execution_id": str(r["execution_id"]), "group": str(r["group"]),
+                   "duration_s": float(r["duration_s"]), "calls": int(r["calls"]),
+                   "tokens": float(r["tokens"])}
+            tt = r.get("train_tokens")
+            row["train_tokens"] = float(tt) if tt not in (None, "") else row["tokens"]
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"trace {p} row {n}: {e}") from None
+        if row["duration_s"] <= 0 or row["calls"] < 0 or row["tokens"] < 0 or row["train_tokens"] < 0:
+            raise ConfigError(f"trace {p} row {n}: durations must be positive and counts >= 0")
+        if row["execution_id"] in seen:
+            raise ConfigError(f"trace {p} row {n}: duplicate execution_id {row['execution_id']}")
+        seen.add(row["execution_id"])
+        out.append(row)
+    return out
+
+
+def write_trace(path: str | Path, groups: list[GroupSpec]) -> None:
+    """Write groups in the trace schema (CSV or JSON by suffix); the inverse of read_trace."""
+    rows = [{"execution_id": f"{g.key}/{j}", "group": g.key, "duration_s": e.duration_s,
+             "calls": e.calls, "tokens": e.tokens, "train_tokens": e.train_tokens}
+            for g in groups for j, e in enumerate(g.execs)]
+    p = Path(path)
+    if p.suffix.lower() == ".json":
+        p.write_text(json.dumps({"executions": rows}, indent=1), encoding="utf-8")
+    else:
+        with p.open("w", newline="", encoding="utf-8") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)

@@ -1,0 +1,121 @@
+"""The micro-batch contract between materialization (`gyre.traj`) and the trainer.
+
+A row is either *expanded* (one trajectory, causal mask, positions 0..S-1) or *tree-packed*
+(each unique token once, mask = tree ancestry, positions = depth). Targets are a flat list of
+(pred_pos, target_id) pairs, because in a tree one position can predict several next tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class MicroBatch:
+    input_ids: Tensor        # [B, S] long, padded with 0
+    position_ids: Tensor     # [B, S] long: tree depth (packed) or 0..S-1 (expanded)
+    attention_mask: Tensor   # [B, 1, S, S] bool, True = masked (Megatron convention)
+    pred_pos: Tensor         # [T] long: flat index b*S+i of the position predicting each target
+    target_ids: Tensor       # [T] long
+    old_logprobs: Tensor     # [T] float: behaviour log-probs recorded by the engine
+    advantages: Tensor       # [T] float
+    weights: Tensor          # [T] float: 1/(unique targets of its execution)/(executions in step)
+    staleness: Tensor        # [T] long: policy lag of the token's execution
+    execution_index: Tensor  # [T] long
+    temperature: float = 1.0  # engine sampling temperature: logprobs = log_softmax(logits / T)
+
+    @property
+    def num_targets(self) -> int:
+        return int(self.target_ids.numel())
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed by the forward pass: positions that attend to themselves (not padding)."""
+        return int((~self.attention_mask[:, 0].diagonal(dim1=-2, dim2=-1)).sum())
+
+    def to(self, device) -> "MicroBatch":
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return MicroBatch(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in values.items()})
+
+    def validate(self) -> None:
+        """Shape and range checks; a bad batch fails here, not deep inside a forward pass."""
+        B, S = self.input_ids.shape
+        T = self.num_targets
+        if self.position_ids.shape != (B, S) or self.attention_mask.shape != (B, 1, S, S):
+            raise ValueError(f"position_ids {tuple(self.position_ids.shape)} / attention_mask "
+                             f"{tuple(self.attention_mask.shape)} do not match input_ids {(B, S)}")
+        if self.attention_mask.dtype != torch.bool:
+            raise ValueError("attention_mask must be bool (True = masked)")
+        for name in ("pred_pos", "old_logprobs", "advantages", "weights", "staleness",
+                     "execution_index"):
+            if getattr(self, name).shape != (T,):
+                raise ValueError(f"{name} has shape {tuple(getattr(self, name).shape)}, expected ({T},)")
+        if T and (int(self.pred_pos.min()) < 0 or int(self.pred_pos.max()) >= B * S):
+            raise ValueError("pred_pos out of range")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+
+
+def causal_mask(lengths: list[int], seq_len: int) -> Tensor:
+    """[B,1,S,S] bool mask (True = masked): causal within each row, padding masked both ways."""
+    idx = torch.arange(seq_len)
+    allowed = idx[None, :] <= idx[:, None]
+    rows = []
+    for n in lengths:
+        valid = idx < n
+        rows.append(~(allowed & valid[None, :] & valid[:, None]))
+    # fully masked padding rows are fine: Megatron fills with -10000 and the embedded trainer
+    # with the dtype minimum, so their softmax is uniform, never NaN, and no target reads them
+    return torch.stack(rows)[:, None]
+
+
+def per_execution_weights(execution_index: Tensor, num_executions: int | None = None) -> Tensor:
+    """Loss weights for a step: each execution's tokens average to 1/(executions in the step).
+
+    `execution_index` lists the unique target tokens of the *whole step*, so a long execution
+    gets the same total weight as a short one.
+    """
+    counts = torch.bincount(execution_index)
+    n = num_executions if num_executions is not None else int((counts > 0).sum())
+    return 1.0 / counts[execution_index].double() / n
+
+
+def expanded_batch(sequences: list[list[int]], prompt_lens: list[int], *, old_logprobs: list[list[float]],
+                   advantages: list[float], execution_index: list[int],
+                   staleness: list[int] | None = None, temperature: float = 1.0,
+                   weights: Tensor | None = None) -> MicroBatch:
+    """An expanded micro-batch: one row per sequence, its tokens after `prompt_len` are targets.
+
+    Used by tests, benchmarks and simple callers; trees go through `gyre.traj` instead.
+    """
+    B, S = len(sequences), max(map(len, sequences))
+    ids = torch.zeros(B, S, dtype=torch.long)
+    pred, tgt, old, adv, exe, stale = [], [], [], [], [], []
+    for b, seq in enumerate(sequences):
+        ids[b, :len(seq)] = torch.tensor(seq)
+        for j, i in enumerate(range(prompt_lens[b], len(seq))):
+            pred.append(b * S + i - 1)
+            tgt.append(seq[i])
+            old.append(old_logprobs[b][j])
+            adv.append(advantages[b])
+            exe.append(execution_index[b])
+            stale.append(0 if staleness is None else staleness[b])
+    exe_t = torch.tensor(exe, dtype=torch.long)
+    mb = MicroBatch(
+        input_ids=ids,
+        position_ids=torch.arange(S).expand(B, S).clone(),
+        attention_mask=causal_mask([len(s) for s in sequences], S),
+        pred_pos=torch.tensor(pred, dtype=torch.long),
+        target_ids=torch.tensor(tgt, dtype=torch.long),
+        old_logprobs=torch.tensor(old, dtype=torch.float32),
+        advantages=torch.tensor(adv, dtype=torch.float32),
+        weights=(per_execution_weights(exe_t) if weights is None else weights).float(),
+        staleness=torch.tensor(stale, dtype=torch.long),
+        execution_index=exe_t,
+        temperature=temperature,
+    )
+    mb.validate()
+    return mb

@@ -1,0 +1,91 @@
+"""Atomic directory writes, and the transformers/SGLang weight layout the engines load.
+
+A reader (an engine loading new weights, a resumed job) sees either the old directory or the
+complete new one: everything is written into a temporary sibling, fsynced, and renamed into place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+WEIGHTS_FILE = "model.safetensors"
+VERSION_FILE = "gyre_weights.json"
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in sorted(root.rglob("*")) + [root]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_dir(final: str | os.PathLike):
+    """Yield a temporary directory that replaces `final` only if the block completes."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(mode=0o700)
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+        old = None
+        if final.exists():  # rename cannot replace a non-empty directory: move the old one aside
+            old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(final, old)
+        os.replace(tmp, final)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_hf_weights(out_dir: str | os.PathLike, state: dict[str, Tensor], hf_config,
+                     weight_version: int | str) -> Path:
+    """Write `config.json` + `model.safetensors` (+ the version) atomically; returns out_dir."""
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    dtypes = {v.dtype for v in tensors.values()}
+    with atomic_dir(out_dir) as tmp:
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt",
+                                                              "weight_version": str(weight_version)})
+        cfg = hf_config.to_dict()
+        if len(dtypes) == 1:
+            cfg["torch_dtype"] = cfg["dtype"] = str(dtypes.pop()).removeprefix("torch.")
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+        (tmp / VERSION_FILE).write_text(json.dumps({"weight_version": str(weight_version)}))
+    return Path(out_dir)
+
+
+def load_hf_dir(path: str | os.PathLike) -> tuple[object, dict[str, Tensor]]:
+    """(config, state dict) of a transformers model directory with safetensors weights."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    state: dict[str, Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return AutoConfig.from_pretrained(str(path)), state
+
+
+def save_torch_atomic(path_dir: str | os.PathLike, payload: dict, *, filename: str = "state.pt") -> Path:
+    """torch.save `payload` as `path_dir/filename`, the directory replaced atomically."""
+    with atomic_dir(path_dir) as tmp:
+        torch.save(payload, tmp / filename)
+    return Path(path_dir)

@@ -1,0 +1,145 @@
+"""Megatron-Core backend: GPTModel + Megatron DDP + `get_megatron_optimizer` + `finalize_model_grads`.
+
+Data parallel over the default process group (gloo on CPU, nccl on GPU), tensor parallel 1.
+Gradients are *summed* across ranks (see `calculate_per_token_loss` in megatron_model): the loss
+weights of a step already divide by the step's executions, wherever they were computed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from gyre.config import TrainConfig
+from gyre.train.batch import MicroBatch
+from gyre.train.dist import init_megatron
+from gyre.train.offload import HostStash, PhaseTimer
+from gyre.train.trainer import Trainer, _timings, torch_dtype
+
+
+class MegatronTrainer(Trainer):
+    def __init__(self, cfg: TrainConfig, hf_config, hf_state: dict[str, Tensor], *, seed: int = 0) -> None:
+        super().__init__(cfg)
+        init_megatron(seed=seed)
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        from gyre.train.megatron_model import build_gpt_model, load_hf_weights
+
+        self.hf_config = hf_config
+        self.dtype = torch_dtype(cfg.dtype)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+        model = build_gpt_model(hf_config, dtype=self.dtype)
+        load_hf_weights(model, {k: v.to(self.dtype) for k, v in hf_state.items()}, hf_config)
+        model.to(self.device)
+        self.model = model
+        self.ddp = DistributedDataParallel(
+            config=model.config,
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False),
+            module=model)
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay,
+                            adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
+                            clip_grad=cfg.grad_clip, bf16=self.dtype == torch.bfloat16,
+                            params_dtype=self.dtype),
+            [self.ddp])
+        self._offloaded: dict[str, HostStash] | None = None
+
+    # --- hooks --------------------------------------------------------------------------------
+    def _logits(self, mb: MicroBatch) -> Tensor:
+        self.ddp.train(torch.is_grad_enabled())
+        return self.ddp(mb.input_ids, mb.position_ids, mb.attention_mask)
+
+    def _apply_gradients(self) -> float:
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.ddp])  # data-parallel all-reduce (a sum, see module doc)
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise FloatingPointError("optimizer step skipped: non-finite gradients")
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        return float(grad_norm) if grad_norm is not None else float("nan")
+
+    def hf_state_dict(self) -> dict[str, Tensor]:
+        from gyre.train.megatron_model import megatron_to_hf, model_state
+
+        return megatron_to_hf(model_state(self.model), self.hf_config)
+
+    # --- offload ------------------------------------------------------------------------------
+    def _inner_optimizers(self) -> list:
+        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+
+    def _optimizer_tensors(self) -> list[Tensor]:
+        out = []
+        for opt in self._inner_optimizers():
+            for group in opt.optimizer.param_groups:
+                out += group["params"]  # fp32 main params (bf16) or the model params (fp32)
+            out += [v for s in opt.optimizer.state.values() for v in s.values() if isinstance(v, Tensor)]
+        return out
+
+    def offload(self) -> dict:
+        """Params, grad buffers and optimizer state off the accelerator; timings per phase.
+
+        On GPU: Megatron's own RL calls (`optimizer.offload_to_cpu`, `offload_grad_buffers`) plus
+        a host copy of the model params. On CPU those calls move nothing, so the equivalent runs:
+        every storage is copied to a host buffer and released (`HostStash`), grad buffers freed.
+        """
+        if self._offloaded is not None:
+            raise RuntimeError("already offloaded")
+        self._check_between_steps()
+        timer, moved, stashes = PhaseTimer(), {}, {}
+        cuda = self.device.type == "cuda"
+        with timer("optimizer"):
+            if cuda:
+                for opt in self._inner_optimizers():
+                    opt.offload_to_cpu()
+                moved["optimizer"] = 0
+            else:
+                stashes["optimizer"] = HostStash()
+                moved["optimizer"] = stashes["optimizer"].offload(self._optimizer_tensors())
+        with timer("grads"):
+            moved["grads"] = sum(b.grad_data.numel() * b.grad_data.element_size() for b in self.ddp.buffers)
+            self.ddp.offload_grad_buffers(synchronize=cuda, empty_cache=cuda)
+        with timer("params"):
+            stashes["params"] = HostStash()
+            moved["params"] = stashes["params"].offload(
+                p for p in self.model.parameters() if p.device.type == self.device.type)
+        self._offloaded = stashes
+        return _timings(timer, moved)
+
+    def restore(self) -> dict:
+        if self._offloaded is None:
+            raise RuntimeError("not offloaded")
+        timer, moved = PhaseTimer(), {}
+        cuda = self.device.type == "cuda"
+        with timer("params"):
+            moved["params"] = self._offloaded["params"].restore()
+        with timer("grads"):
+            self.ddp.restore_grad_buffers(synchronize=cuda)  # zeroed: offload is between steps
+            moved["grads"] = sum(b.grad_data.numel() * b.grad_data.element_size() for b in self.ddp.buffers)
+        with timer("optimizer"):
+            if cuda:
+                for opt in self._inner_optimizers():
+                    opt.restore_from_cpu()
+                moved["optimizer"] = 0
+            else:
+                moved["optimizer"] = self._offloaded["optimizer"].restore()
+        self._offloaded = None
+        return _timings(timer, moved)
+
+    # --- checkpoint ---------------------------------------------------------------------------
+    def _state(self) -> dict:
+        from gyre.train.megatron_model import model_state
+
+        return {"model": {k: v.cpu() for k, v in model_state(self.model).items()},
+                "optimizer": self.optimizer.state_dict()}
+
+    def _load_state(self, state: dict) -> None:
+        missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise KeyError(f"checkpoint mismatch: missing {missing}, unexpected {unexpected}")
+        self.optimizer.load_state_dict(state["optimizer"])

@@ -1,0 +1,256 @@
+"""The trainer interface the rest of Gyre uses, and the embedded (plain torch) backend.
+
+One seam, two backends (ARCHITECTURE.md invariant 7): `MegatronTrainer` (gyre.train.megatron_trainer)
+for clusters, `EmbeddedTrainer` here for one machine. A step is
+
+    for mb in micro_batches: trainer.forward_backward(mb)   # gradients accumulate (loss is a sum)
+    trainer.optimizer_step()                                # clip, update, zero grads, step += 1
+
+Both start from a transformers model directory (the engine's layout) or an in-memory
+transformers model, and export back to that layout.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from gyre.config import TrainConfig
+from gyre.train.batch import MicroBatch
+from gyre.train.export import load_hf_dir, save_torch_atomic, write_hf_weights
+from gyre.train.loss import policy_loss, token_logprobs
+from gyre.train.offload import HostStash, PhaseTimer
+
+CHECKPOINT_FILE = "trainer.pt"
+_MEAN_STATS = ("ratio_mean", "clip_frac", "logp_mean", "kl_old")  # averaged over targets
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+class Trainer(ABC):
+    """Backend-independent part: loss, step statistics, export and checkpoint files."""
+
+    hf_config: object
+    device: torch.device
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        self.step = 0
+        self._reset_step_stats()
+
+    # --- backend hooks ---------------------------------------------------------------------
+    @abstractmethod
+    def _logits(self, mb: MicroBatch) -> Tensor:
+        """[B, S, V] logits of the current policy."""
+
+    @abstractmethod
+    def _apply_gradients(self) -> float:
+        """Reduce, clip and apply the accumulated gradients, zero them; returns the grad norm."""
+
+    @abstractmethod
+    def hf_state_dict(self) -> dict[str, Tensor]:
+        """The current weights in transformers naming and layout."""
+
+    @abstractmethod
+    def offload(self) -> dict:
+        """Release accelerator memory (params, grads, optimizer state) between steps; returns
+        seconds per phase (`params_s`, `grads_s`, `optimizer_s`, `total_s`) and `bytes` moved."""
+
+    @abstractmethod
+    def restore(self) -> dict:
+        """Undo `offload` bit-identically; returns timings like `offload`."""
+
+    def _check_between_steps(self) -> None:
+        # gradients of a half-done step are not carried over a role switch
+        if self._acc["micro_batches"]:
+            raise RuntimeError("offload only between steps: call optimizer_step() first")
+
+    @abstractmethod
+    def _state(self) -> dict:
+        """Model and optimizer state for a checkpoint."""
+
+    @abstractmethod
+    def _load_state(self, state: dict) -> None: ...
+
+    @property
+    def rank(self) -> int:
+        return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+    def _barrier(self) -> None:
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+
+    # --- training ---------------------------------------------------------------------------
+    def _reset_step_stats(self) -> None:
+        self._acc = {"loss": 0.0, "targets": 0, "tokens": 0, "micro_batches": 0, "fwd_bwd_s": 0.0,
+                     **{k: 0.0 for k in _MEAN_STATS}}
+
+    def forward_backward(self, mb: MicroBatch) -> dict:
+        """Loss and gradients of one micro-batch, added to the gradients of the step so far."""
+        t0 = time.perf_counter()
+        mb = mb.to(self.device)
+        loss, stats = policy_loss(self._logits(mb), mb, self.cfg.clip_low, self.cfg.clip_high,
+                                  clip=self.cfg.clip, staleness_weights=self.cfg.staleness_weights)
+        loss.backward()
+        stats["fwd_bwd_s"] = time.perf_counter() - t0
+        a = self._acc
+        for k in ("loss", "targets", "tokens", "fwd_bwd_s"):
+            a[k] += stats[k]
+        for k in _MEAN_STATS:
+            a[k] += stats[k] * stats["targets"]
+        a["micro_batches"] += 1
+        return stats
+
+    def optimizer_step(self) -> dict:
+        """Apply the step's gradients; returns the step's statistics including grad_norm."""
+        t0 = time.perf_counter()
+        grad_norm = self._apply_gradients()
+        self.step += 1
+        a = self._acc
+        out = {k: a[k] for k in ("loss", "targets", "tokens", "micro_batches", "fwd_bwd_s")}
+        out.update({k: a[k] / max(a["targets"], 1) for k in _MEAN_STATS})
+        out.update(step=self.step, grad_norm=grad_norm, optimizer_s=time.perf_counter() - t0)
+        self._reset_step_stats()
+        return out
+
+    @torch.no_grad()
+    def logprobs(self, mb: MicroBatch) -> Tensor:
+        """Current log-probs of the micro-batch's targets (float32, on the CPU)."""
+        mb = mb.to(self.device)
+        return token_logprobs(self._logits(mb), mb).cpu()
+
+    # --- files ------------------------------------------------------------------------------
+    def export_weights(self, out_dir: str | os.PathLike, weight_version: int | str) -> Path:
+        """Write the weights in transformers layout (config.json + model.safetensors) atomically."""
+        state = self.hf_state_dict()
+        if self.rank == 0:
+            write_hf_weights(out_dir, state, self.hf_config, weight_version)
+        self._barrier()
+        return Path(out_dir)
+
+    def save_checkpoint(self, path: str | os.PathLike) -> Path:
+        """Model, optimizer, step and RNG state; replaces `path` atomically."""
+        payload = {"step": self.step, "state": self._state(), "rng": torch.get_rng_state(),
+                   "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+        if self.rank == 0:  # data-parallel replicas hold the same state (tensor parallel = 1)
+            save_torch_atomic(path, payload, filename=CHECKPOINT_FILE)
+        self._barrier()
+        return Path(path)
+
+    def load_checkpoint(self, path: str | os.PathLike) -> None:
+        payload = torch.load(Path(path) / CHECKPOINT_FILE, map_location="cpu", weights_only=False)
+        self._load_state(payload["state"])
+        self.step = payload["step"]
+        torch.set_rng_state(payload["rng"])
+        if payload["cuda_rng"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(payload["cuda_rng"])
+        self._reset_step_stats()
+
+
+def no_decay(name: str, p: Tensor) -> bool:
+    """Biases and norm weights take no weight decay (Megatron's default rule)."""
+    return p.ndim == 1 or name.endswith(".bias")
+
+
+class EmbeddedTrainer(Trainer):
+    """Plain torch on the transformers model: AdamW, clip-by-norm, one process."""
+
+    def __init__(self, cfg: TrainConfig, model, *, device: str | torch.device | None = None) -> None:
+        super().__init__(cfg)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if isinstance(model, (str, os.PathLike)):
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch_dtype(cfg.dtype))
+        model.config._attn_implementation = "eager"  # exact with float tree masks (see notes)
+        self.model = model.to(self.device)
+        self.hf_config = model.config
+        named = list(self.model.named_parameters())
+        self.optimizer = torch.optim.AdamW(
+            [{"params": [p for n, p in named if not no_decay(n, p)], "weight_decay": cfg.weight_decay},
+             {"params": [p for n, p in named if no_decay(n, p)], "weight_decay": 0.0}],
+            lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+        self._stashes: dict[str, HostStash] = {}
+
+    def _logits(self, mb: MicroBatch) -> Tensor:
+        self.model.train(torch.is_grad_enabled())
+        dtype = next(self.model.parameters()).dtype
+        # transformers adds a 4D float mask to the scores: 0 where visible, dtype-min where masked
+        mask = torch.zeros(mb.attention_mask.shape, dtype=dtype, device=self.device)
+        mask.masked_fill_(mb.attention_mask, torch.finfo(dtype).min)
+        return self.model(input_ids=mb.input_ids, position_ids=mb.position_ids,
+                          attention_mask=mask, use_cache=False).logits
+
+    def _apply_gradients(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
+        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def hf_state_dict(self) -> dict[str, Tensor]:
+        sd = {k: v.detach() for k, v in self.model.state_dict().items()}
+        if getattr(self.hf_config, "tie_word_embeddings", False):
+            sd.pop("lm_head.weight", None)
+        return sd
+
+    def _optimizer_tensors(self) -> list[Tensor]:
+        return [v for s in self.optimizer.state.values() for v in s.values()
+                if isinstance(v, Tensor) and v.device == self.device]
+
+    def offload(self) -> dict:
+        if self._stashes:
+            raise RuntimeError("already offloaded")
+        self._check_between_steps()  # so there are no grads: the step set them to None
+        timer, moved = PhaseTimer(), {}
+        for phase, tensors in (("params", list(self.model.parameters())),
+                               ("optimizer", self._optimizer_tensors())):
+            self._stashes[phase] = HostStash()
+            with timer(phase):
+                moved[phase] = self._stashes[phase].offload(tensors)
+        return _timings(timer, moved)
+
+    def restore(self) -> dict:
+        if not self._stashes:
+            raise RuntimeError("not offloaded")
+        timer, moved = PhaseTimer(), {}
+        for phase, stash in self._stashes.items():
+            with timer(phase):
+                moved[phase] = stash.restore()
+        self._stashes.clear()
+        return _timings(timer, moved)
+
+    def _state(self) -> dict:
+        return {"model": {k: v.cpu() for k, v in self.model.state_dict().items()},
+                "optimizer": self.optimizer.state_dict()}
+
+    def _load_state(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+def _timings(timer: PhaseTimer, moved: dict) -> dict:
+    out = {f"{k}_s": v for k, v in timer.times.items()}
+    out["total_s"] = sum(timer.times.values())
+    out["bytes"] = sum(moved.values())
+    return out
+
+
+def make_trainer(cfg: TrainConfig, model_dir: str | os.PathLike, *, seed: int = 0) -> Trainer:
+    """The configured backend, initialised from a transformers model directory."""
+    if cfg.backend == "megatron":
+        from gyre.train.megatron_trainer import MegatronTrainer
+
+        return MegatronTrainer(cfg, *load_hf_dir(model_dir), seed=seed)
+    return EmbeddedTrainer(cfg, model_dir)
