@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "proxy": ("gyre.proxy.cli", "run the token-in/token-out OpenAI-compatible proxy"),
     "make-model": ("gyre.engine.tiny_model", "build the embedded tiny Qwen-style model offline"),
     "rollout": ("gyre.rollout", "run G executions per task through the proxy, evaluate them, write shards"),
+    "run": ("gyre.cluster.local", "run the online RL job on this machine (head + cells under mpiexec)"),
     "inspect": ("gyre.traj.inspect", "summarise an HDF5 trajectory shard, draw one execution's tree"),
     "plan": ("gyre.sim.plan", "sweep cell layouts and schemes for a workload (for HPC admins)"),
 }

@@ -33,6 +33,9 @@ class RunConfig:
     name: str = _f("gyre", help="run name, used in directory and job names")
     dir: str = _f("runs/gyre", help="run directory (private to the user, 0700)")
     seed: int = _f(0, min=0)
+    steps: int = _f(4, min=1, help="optimizer steps of an online run (`gyre run`)")
+    groups_per_step: int = _f(2, min=1, help="queries (groups of harness.group_size executions) per step")
+    heartbeat_timeout_s: float = _f(60.0, min=1.0, help="a cell silent this long is marked failed")
 
 
 @dataclass
@@ -140,12 +143,18 @@ class TrainConfig:
 
 @dataclass
 class SchedConfig:
-    scheme: str = _f("E", choices=("E", "A", "C"))
+    scheme: str = _f("E", choices=("E", "E+", "A", "C"),
+                     help="E elastic (paper), E+ improved elastic, A async pools, C colocate")
     cells: int = _f(2, min=1)
     cell_nodes: int = _f(4, min=1)
     gpus_per_node: int = _f(8, min=0)
     staleness: int = _f(0, min=0)
     rollout_cells_async: int = _f(1, min=0, help="rollout pool size for scheme A")
+    to_train_s: float = _f(8.52, min=0.0, help="expected rollout->train switch time (paper: 8.52 s)")
+    to_rollout_s: float = _f(3.46, min=0.0, help="expected train->rollout switch time (paper: 3.46 s)")
+    push_s: float = _f(60.0, min=0.0, help="expected optimizer step + weight push per step")
+    execs_per_cell: float = _f(16.0, min=0.001, help="scheme E: running executions one rollout cell serves")
+    min_dwell_s: float = _f(60.0, min=0.0, help="scheme E: least time a cell stays in a role")
 
 
 @dataclass
@@ -153,6 +162,12 @@ class SimConfig:
     preset: str = _f("nl2repo", help="workload preset or a trace file path")
     steps: int = _f(48, min=1)
     nodes: int = _f(32, min=1)
+    groups_per_step: int = _f(16, min=1, help="queries per training step (G executions each)")
+    seed: int = _f(0, min=0, help="workload seed")
+    train_tokens_per_s: float = _f(2200.0, min=0.001, help="training tokens/s of one 4-node cell (fitted)")
+    ref_load: float = _f(384.0, min=0.001, help="calls per cell under which durations were measured (fitted)")
+    half_load: float = _f(4.0, min=0.001, help="calls per cell at which a call decodes at half solo speed")
+    eval_s: float = _f(60.0, min=0.0, help="evaluation time of a finished execution")
 
 
 @dataclass

@@ -26,14 +26,19 @@ def gantt(result: SimResult, path: str | Path, hours: float | None = None) -> Pa
             by_role.setdefault(role, []).append((t0 / 3600, (t1 - t0) / 3600))
         for role, bars in by_role.items():
             ax.broken_barh(bars, (i - 0.4, 0.8), facecolors=ROLE_COLOURS.get(role, "#999999"), linewidth=0)
+        if i < len(result.idle) and result.idle[i]:  # idle inside a role: washed out
+            ax.broken_barh([(a / 3600, (b - a) / 3600) for a, b in result.idle[i]], (i - 0.4, 0.8),
+                           facecolors="white", alpha=0.6, linewidth=0)
     ax.set_yticks(range(result.cells), [f"cell {i}" for i in range(result.cells)])
     ax.invert_yaxis()
     ax.set_xlim(0, hours or result.hours)
     ax.set_xlabel("hours")
     ax.set_title(f"{result.label}: cell roles ({result.cells} cells × {result.cell_size} nodes, "
                  f"{result.steps} steps, {result.hours:.1f} h)")
-    ax.legend(handles=[Patch(color=c, label=r) for r, c in ROLE_COLOURS.items() if r != "failed"],
-              loc="upper center", bbox_to_anchor=(0.5, -0.25 if result.cells < 12 else -0.08), ncol=4, frameon=False)
+    handles = [Patch(color=c, label=r) for r, c in ROLE_COLOURS.items() if r != "failed"]
+    handles.append(Patch(facecolor="#F0C4A6", label="pale: idle in that role"))
+    ax.legend(handles=handles,
+              loc="upper center", bbox_to_anchor=(0.5, -0.25 if result.cells < 12 else -0.08), ncol=5, frameon=False)
     fig.tight_layout()
     out = Path(path)
     fig.savefig(out, dpi=110)

@@ -12,8 +12,8 @@ def _fmt(x: float | None, nd: int = 2) -> str:
 def comparison_table(runs: list[SimResult], paper: dict[str, float | None]) -> str:
     """One row per run: paper hours (where the paper reports that run), Gyre hours, bound, shares."""
     head = ("| run | paper (h) | Gyre sim (h) | lower bound (h) | × bound | utilisation | switches "
-            "| GPU-h wasted | staleness mean / token-mean / max | not admitted |")
-    lines = [head, "|" + "---|" * 10]
+            "| GPU-h wasted | staleness mean / token-mean / max | not admitted | rollout / query (h) |")
+    lines = [head, "|" + "---|" * 11]
     for r in runs:
         d = r.to_dict()
         st = r.step_stats
@@ -23,7 +23,8 @@ def comparison_table(runs: list[SimResult], paper: dict[str, float | None]) -> s
         na = sum(r.not_admitted.values())
         lines.append(f"| {r.label} | {_fmt(paper.get(r.label))} | {r.hours:.2f} | {r.lower_bound_hours:.2f} "
                      f"| {r.makespan_s / r.lower_bound_s:.3f} | {r.utilisation:.1%} | {d['switches']} "
-                     f"| {d['gpu_hours_wasted']:.0f} | {g:.2f} / {t:.2f} / {m} | {na} |")
+                     f"| {d['gpu_hours_wasted']:.0f} | {g:.2f} / {t:.2f} / {m} | {na} "
+                     f"| {r.mean_rollout_h:.2f} / {r.mean_query_h:.2f} |")
     return "\n".join(lines)
 
 

@@ -19,6 +19,16 @@ from gyre.sched.state import (CellView, ClusterState, Decision, ExecView, GroupV
 SCHEMES = ("E", "E+", "A", "C")
 
 
+def policy_from_config(cfg, cell_scale: float = 1.0) -> Policy:
+    """The policy a live run uses: scheme, staleness and costs from ``[sched]`` (a GyreConfig)."""
+    s = cfg.sched
+    hints = Hints(to_train_s=s.to_train_s, to_rollout_s=s.to_rollout_s, push_s=s.push_s,
+                  execs_per_cell=s.execs_per_cell, min_dwell_s=s.min_dwell_s, cell_scale=cell_scale,
+                  half_load=cfg.sim.half_load, ref_load=cfg.sim.ref_load,
+                  train_tokens_per_s=cfg.sim.train_tokens_per_s, eval_s=cfg.sim.eval_s)
+    return make_policy(s.scheme, s.staleness, hints, rollout_cells=max(1, s.rollout_cells_async))
+
+
 def make_policy(scheme: str, staleness: int = 0, hints: Hints | None = None,
                 rollout_cells: int = 1) -> Policy:
     """`rollout_cells` is the rollout pool of scheme A; the others ignore it."""
@@ -35,4 +45,4 @@ def make_policy(scheme: str, staleness: int = 0, hints: Hints | None = None,
 
 __all__ = ["AsyncPolicy", "CellView", "ClusterState", "ColocatePolicy", "Decision", "ElasticPlusPolicy",
            "ElasticPolicy", "ExecView", "GroupView", "Hints", "Policy", "Role", "SCHEMES", "Switch",
-           "admissible", "expired", "make_policy", "pick", "start_budget"]
+           "admissible", "expired", "make_policy", "pick", "policy_from_config", "start_budget"]

@@ -1,12 +1,14 @@
 """Improved elastic (E+): the paper's elastic scheme with three changes.
 
 1. Remaining-work estimate: instead of a fixed executions-per-cell rule, it predicts when the
-   slowest running execution ends (lognormal residual life given its elapsed time) and how that
-   changes with the number of rollout cells (calls slow down as the load per cell grows).
+   slowest running execution ends (lognormal residual life given its elapsed time) and, from the
+   calls in flight, how that changes with the number of rollout cells (calls slow down as the
+   load per cell grows).
 2. Switch timing: it picks the rollout size that minimises the predicted end of the open step
    (rollout tail, then training of what remains on every cell), but gives training no more cells
    than the work admitted *now* keeps busy; cells move when the work exists, not before. A layout
-   change that gains less than a round trip of switch costs is not made, so it does not thrash.
+   change that gains less than a round trip of switch costs (or 2% of the predicted time left)
+   is not made, so it does not thrash.
 3. Admission order: oldest policy version first, so fewer groups expire under a staleness bound.
 """
 
@@ -30,6 +32,8 @@ class ElasticPlusPolicy(ElasticPolicy):
     admission_key = staticmethod(oldest_version_key)
     # A cell moves to training only with at least this much admitted work per cell ahead of it.
     work_floor_s: float = 120.0
+    # ... and a layout change must shorten the predicted step by this share of what is left.
+    gain_share: float = 0.02
 
     @property
     def label(self) -> str:
@@ -69,13 +73,16 @@ class ElasticPlusPolicy(ElasticPolicy):
         return h.model_share / speed + (1.0 - h.model_share)
 
     def predicted_end(self, rollout_cells: int, live: int, rem_ref: float, calls: float,
-                      train_tokens: float, group_tokens: float) -> float:
+                      admitted: float, coming: float, group_tokens: float) -> float:
+        """Predicted seconds to the end of the open step with this many rollout cells: the
+        rollout tail, then whatever training is left on every cell. While the tail runs the
+        trainers can only train what is admitted now and what arrives (on average halfway)."""
         h = self.hints
         rate = h.train_tokens_per_s * h.cell_scale
         tail = rem_ref * self._stretch(calls, rollout_cells) if rem_ref > 0 else 0.0
         trainers = live - rollout_cells
-        before = trainers * rate * max(0.0, tail - h.to_train_s)  # trained while rollouts run
-        after = max(group_tokens if rem_ref > 0 else 0.0, train_tokens - before)
+        before = min(trainers * rate * max(0.0, tail - h.to_train_s), admitted + coming / 2)
+        after = max(group_tokens if rem_ref > 0 else 0.0, admitted + coming - before)
         return tail + (h.eval_s if rem_ref > 0 else 0.0) + after / (live * rate)
 
     def rollout_target(self, state: ClusterState, now: float, starting: int) -> int:
@@ -86,12 +93,13 @@ class ElasticPlusPolicy(ElasticPolicy):
         if n_exec == 0:
             return 0 if state.train_tokens_left > 0 else r
         rem = self._slowest_remaining(state, now, starting)
-        calls = n_exec * h.model_share
-        tokens = state.train_tokens_left + n_exec * h.train_tokens_per_exec
+        # Calls in flight now, plus those the starting groups will open.
+        calls = sum(1 for e in state.running if e.in_call) + starting * state.group_size
+        coming = n_exec * h.train_tokens_per_exec
         group_tokens = state.group_size * h.train_tokens_per_exec
-        ends = {n: self.predicted_end(n, live, rem, calls, tokens, group_tokens)
+        ends = {n: self.predicted_end(n, live, rem, calls, state.train_tokens_left, coming, group_tokens)
                 for n in range(1, live + 1)}
-        best = min(ends, key=lambda n: (ends[n], -n))
+        best = min(ends, key=lambda n: (ends[n], n))
         # Trainers only help while admitted work exists: give training no more cells than the
         # work admitted now keeps busy for work_floor_s (more cells follow as more work arrives);
         # the rest keep decoding, which shortens the tail.
@@ -99,7 +107,9 @@ class ElasticPlusPolicy(ElasticPolicy):
         useful = int(state.train_tokens_left // (rate * self.work_floor_s))
         target = min(live, max(best, live - useful))
         keep = min(max(r, 1), live)
-        # Shrinking rollout only pays when it gains more than a round trip of switches.
-        if target < keep and ends[keep] - ends[target] <= h.to_train_s + h.to_rollout_s:
+        # Unless no cell heads for rollout (service comes first), a layout change must gain more
+        # than a round trip of switches and gain_share of the predicted time left (no thrashing).
+        if r >= 1 and target != keep and ends[keep] - ends[target] <= max(
+                h.to_train_s + h.to_rollout_s, self.gain_share * ends[keep]):
             return keep
         return target

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gyre.sched.admission import oldest_version_key, start_budget
-from gyre.sched.policy import Hints, Policy, move
+from gyre.sched.policy import Hints, Policy
 from gyre.sched.state import ClusterState, Decision, Role, Switch
 
 

@@ -62,13 +62,13 @@ class _Exec:
         self.in_call = False
         self.view = None
         self.home = -1        # rollout cell holding its KV/prefix cache; -1 = none
-        self.call_seq = -1    # heap entry of the call in flight (older entries are stale)
+        self.call_seq = -1    # identifies its call's entry in the decode heap
         self.extra = 0.0      # re-prefill owed to the next call after a lost cache
         self.lost_at = -1.0   # when it last lost its cache (it is rebuilt once, not per move)
 
 
 class _Group:
-    __slots__ = ("id", "spec", "version", "left", "ready_at", "state", "tokens", "exec_ids")
+    __slots__ = ("id", "spec", "version", "left", "ready_at", "state", "tokens", "exec_ids", "slowest")
 
     def __init__(self, gid, spec, version):
         self.id, self.spec, self.version = gid, spec, version
@@ -77,6 +77,7 @@ class _Group:
         self.state = "running"  # running -> waiting -> assigned -> trained | dropped
         self.tokens = sum(e.train_tokens for e in spec.execs)
         self.exec_ids: list[int] = []
+        self.slowest = 0.0  # wall time of its slowest execution so far
 
 
 class Simulator:
@@ -123,9 +124,12 @@ class Simulator:
         self.homed = [0] * n  # executions whose cache lives on each cell
         self.switches = [[0, 0] for _ in range(n)]
         self.unserved = 0.0
+        self.exec_time = 0.0  # wall seconds of ended executions (their observed durations)
+        self.execs_ended = 0
         self.role_log: list[list[tuple[float, float, str]]] = [[] for _ in range(n)]
         self.role_open = [(0.0, r.value) for r in roles]
         self.usage: list[tuple[float, int, int, int, int]] = []
+        self.buckets: list[tuple[float, tuple[int, ...]]] = []  # when each cell's bucket changed
         self._push(spec.tick_s, _TICK, None)
 
     # ---- event plumbing -------------------------------------------------------------------
@@ -182,6 +186,8 @@ class Simulator:
             counts = self._assign_counts[a]
             if not self.usage or self.usage[-1][1:] != counts:
                 self.usage.append((self.now, *counts))
+            if not self.buckets or self.buckets[-1][1] is not a:
+                self.buckets.append((self.now, a))
         self.vclock += speed * dt
         if self.train_left > _EPS and rate > 0:
             done = min(self.train_left, rate * dt)
@@ -270,6 +276,10 @@ class Simulator:
         del self.running[e.id]
         if e.home >= 0:
             self.homed[e.home] -= 1
+        took = self.now - e.started_at
+        self.exec_time += took
+        self.execs_ended += 1
+        e.group.slowest = max(e.group.slowest, took)
         self._push(self.now + self.c.eval_s, _EVAL, e)
         return True
 
@@ -376,6 +386,7 @@ class Simulator:
     # ---- main loop ------------------------------------------------------------------------
     def run(self) -> SimResult:
         wall = time.perf_counter()
+        self.decisions += 1
         self._apply(self.p.decide(self._state(), self.now))
         idle_ticks = 0
         while len(self.steps) < self.s.steps:
@@ -467,8 +478,31 @@ class Simulator:
             lower_bound_s=lower_bound(self.w, c, self.s.steps, self.s.groups_per_step, self.p.staleness),
             cell_stats=[CellStats(i, sec[i], *self.switches[i]) for i in range(len(self.role))],
             step_stats=self.steps, executions_started=self.next_exec, executions_trained=trained,
-            not_admitted=reasons, unserved_s=self.unserved, events=self.n_events, wall_s=wall,
-            outcomes=self.outcomes, roles=self.role_log, usage=self.usage)
+            not_admitted=reasons, unserved_s=self.unserved, events=self.n_events,
+            decisions=self.decisions, wall_s=wall,
+            mean_rollout_h=self.exec_time / max(1, self.execs_ended) / 3600,
+            mean_query_h=_mean([g.slowest for g in self.groups if g.left == 0]) / 3600,
+            outcomes=self.outcomes, roles=self.role_log, usage=self.usage,
+            idle=self._idle_spans(end))
+
+    def _idle_spans(self, end: float) -> list[list[tuple[float, float]]]:
+        """Per cell, the spans it sat idle in its role (for the Gantt chart)."""
+        out: list[list[tuple[float, float]]] = [[] for _ in self.role]
+        pts = self.buckets + [(end, None)]
+        for (t0, a), (t1, _) in zip(pts, pts[1:]):
+            for i, b in enumerate(a):
+                if BUCKETS[b] != "idle" or t1 <= t0:
+                    continue
+                spans = out[i]
+                if spans and spans[-1][1] == t0:
+                    spans[-1] = (spans[-1][0], t1)
+                else:
+                    spans.append((t0, t1))
+        return out
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
 
 
 def simulate(policy: Policy, workload: Workload, cluster: ClusterModel, spec: SimSpec | None = None) -> SimResult:

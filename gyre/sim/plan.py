@@ -18,7 +18,7 @@ from gyre.config import ConfigError
 from gyre.report.tables import plan_table
 from gyre.sched import SCHEMES
 from gyre.sim.cluster import divisors
-from gyre.sim.scenario import ASSUMED, Scenario, nl2repo_cluster
+from gyre.sim.scenario import ASSUMED, FITTED, Scenario, nl2repo_cluster
 from gyre.sim.workload import Workload
 
 
@@ -48,6 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                 ("push-s", ASSUMED["push_s"], "optimizer step + weight push"),
                                 ("eval-s", ASSUMED["eval_s"], "evaluation of a workspace")):
         p.add_argument(f"--{name}", type=float, default=default, help=f"seconds per {what}")
+    p.add_argument("--train-tokens-per-s", type=float, default=FITTED["train_tokens_per_s"],
+                   help="training tokens/s of one 4-node cell (default: the NL2RepoBench fit)")
+    p.add_argument("--ref-load", type=float, default=FITTED["ref_load"],
+                   help="calls per cell under which the workload's durations hold (default: the fit)")
     p.add_argument("--executor", choices=("inline", "local", "slurm"), default="inline",
                    help="inline (default), or submitit jobs: local processes or Slurm")
     p.add_argument("--jobs-dir", default="gyre-plan-jobs", help="submitit log folder")
@@ -76,6 +80,9 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
     for name in ("to_train_s", "to_rollout_s", "push_s", "eval_s"):
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')}: times cannot be negative, got {getattr(args, name)}")
+    for name in ("train_tokens_per_s", "ref_load"):
+        if getattr(args, name) <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')}: must be positive, got {getattr(args, name)}")
     for n, c in itertools.product(args.nodes, args.cell_nodes):
         if c > n:
             raise ConfigError(f"cell size {c} is larger than {n} nodes: that layout has zero cells")
@@ -90,7 +97,8 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
         if scheme == "A" and n // c < 2:
             continue  # async needs a rollout pool and a training pool
         cluster = nl2repo_cluster(nodes=n, cell_nodes=c, to_train_s=args.to_train_s,
-                                  to_rollout_s=args.to_rollout_s, push_s=args.push_s, eval_s=args.eval_s)
+                                  to_rollout_s=args.to_rollout_s, push_s=args.push_s, eval_s=args.eval_s,
+                                  train_tokens_per_s=args.train_tokens_per_s, ref_load=args.ref_load)
         out.append(Scenario(scheme, k, cluster, workload=args.workload, steps=args.steps,
                             groups_per_step=args.groups_per_step, seed=args.seed, record=False))
     if not out:
@@ -140,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
     print(plan_table(rows))
     for r in rows:
         if r["recommended"]:
-            print(f"recommended for {r['nodes']} nodes: {r['cells']} cells of {r['cell_size']} nodes, "
+            cells = f"{r['cells']} cell{'s' if r['cells'] != 1 else ''}"
+            print(f"recommended for {r['nodes']} nodes: {cells} of {r['cell_size']} nodes, "
                   f"{r['label']}: {r['hours']:.1f} h, {r['utilisation']:.0%} busy, "
                   f"{r['ratio_to_lower_bound']:.2f}x the lower bound")
     if args.json:

@@ -47,11 +47,15 @@ class SimResult:
     not_admitted: dict[str, int]          # reason -> executions
     unserved_s: float                     # time with running executions and no rollout cell
     events: int
+    decisions: int                        # calls of the policy's decide
     wall_s: float
+    mean_rollout_h: float = 0.0           # observed wall time of an execution (paper: 1.93 h)
+    mean_query_h: float = 0.0             # observed wall time of a group's slowest (paper: 2.96 h)
     # Not serialised: per-execution outcome and the timelines behind the plots.
     outcomes: dict[int, tuple] = field(default_factory=dict, repr=False)
     roles: list[list[tuple[float, float, str]]] = field(default_factory=list, repr=False)
     usage: list[tuple[float, int, int, int, int]] = field(default_factory=list, repr=False)
+    idle: list[list[tuple[float, float]]] = field(default_factory=list, repr=False)
 
     @property
     def hours(self) -> float:
@@ -73,7 +77,7 @@ class SimResult:
         return (self.bucket_total("rollout") + self.bucket_total("train")) / total if total else 0.0
 
     def to_dict(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if k not in ("outcomes", "roles", "usage")}
+        d = {k: v for k, v in asdict(self).items() if k not in ("outcomes", "roles", "usage", "idle")}
         d.update(hours=round(self.hours, 3), lower_bound_hours=round(self.lower_bound_hours, 3),
                  ratio_to_lower_bound=round(self.makespan_s / self.lower_bound_s, 4) if self.lower_bound_s else None,
                  utilisation=round(self.utilisation, 4),

@@ -19,7 +19,7 @@ from gyre.sim.workload import Workload
 # --fit). Values are per 4-node cell (32 H200 GPUs).
 FITTED = {
     "train_tokens_per_s": 2200.0,  # training throughput of one cell, tokens/s
-    "ref_load": 192.0,             # calls in flight per rollout cell when the durations were measured
+    "ref_load": 384.0,             # calls in flight per rollout cell when the durations were measured
 }
 
 # Fixed assumptions (not fitted): what the paper states, or a stated engineering guess.

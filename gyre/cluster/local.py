@@ -1,0 +1,91 @@
+"""`gyre run`: the whole job on one machine, as the same MPI processes it runs on a cluster.
+
+Rank 0 is the head, ranks 1..N the cell agents (`gyre.cluster.main`), started with `mpiexec`
+(the one next to this Python first: `pip install mpich` puts it there; a site's own otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from gyre.config import load_config
+
+
+def find_mpiexec() -> str:
+    local = Path(sys.executable).parent / "mpiexec"
+    if local.exists():
+        return str(local)
+    found = shutil.which("mpiexec")
+    if not found:
+        raise SystemExit("gyre run: no mpiexec found; `pip install mpich` (or load your site's MPI module)")
+    return found
+
+
+def engine_key_file(run_dir: Path) -> Path:
+    """The job's engine secret, private to the user; kept across --resume."""
+    path = run_dir / "engine.key"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32))
+    return path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML configuration file")
+    p.add_argument("--resume", action="store_true", help="continue the run in run.dir from its last step")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("overrides", nargs="*", help="section.key=value configuration overrides")
+
+
+def launch_command(args: argparse.Namespace, cells: int, key: Path, report: Path) -> list[str]:
+    cmd = [find_mpiexec(), "-n", str(cells + 1), sys.executable, "-m", "gyre.cluster.main",
+           "--engine-key-file", str(key), "--report", str(report)]
+    if args.config:
+        cmd += ["--config", args.config]
+    if args.resume:
+        cmd.append("--resume")
+    return cmd + list(args.overrides)
+
+
+def run(args: argparse.Namespace) -> int:
+    from gyre.harness.runner import private_dir
+
+    cfg = load_config(args.config, args.overrides)
+    run_dir = private_dir(Path(cfg.run.dir))
+    if not args.resume and (run_dir / "state.json").exists():
+        raise SystemExit(f"gyre run: {run_dir} holds a run; pass --resume to continue it or choose another run.dir")
+    report_path = run_dir / "report.json"
+    report_path.unlink(missing_ok=True)
+    proc = subprocess.Popen(launch_command(args, cfg.sched.cells, engine_key_file(run_dir), report_path))
+
+    def forward(signum, _frame):  # the head stops harnesses and writes what it recorded
+        try:
+            proc.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        rc = proc.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    if not report_path.exists():
+        print(f"gyre run: the job ended (exit {rc}) without a report; see the messages above", file=sys.stderr)
+        return rc or 1
+    report = json.loads(report_path.read_text())
+    from gyre.report.live import gantt, print_report, reward_curve
+
+    print_report(report)
+    if not args.no_plots:
+        print(f"wrote {gantt(report, run_dir / 'gantt.png')} and {reward_curve(report, run_dir / 'reward.png')}")
+    return rc

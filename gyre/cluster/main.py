@@ -1,0 +1,80 @@
+"""What every MPI rank of a Gyre job runs: rank 0 the head, ranks 1..N the cell agents.
+
+`gyre run` starts this under `mpiexec` on one machine; `launchers/gyre.sbatch` starts it as one
+heterogeneous `srun` step on a cluster. Both pass the same arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+from gyre.config import load_config
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m gyre.cluster.main")
+    p.add_argument("--config")
+    p.add_argument("--engine-key-file", required=True, help="0600 file holding the job's engine secret")
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--report", help="where rank 0 writes the run report (JSON)")
+    p.add_argument("overrides", nargs="*")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mpi4py import MPI
+
+    args = parse(argv)
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() < 2:
+        print("gyre: a job needs at least 2 MPI ranks (1 head + cells); got 1", file=sys.stderr)
+        return 2
+    if comm.Get_rank() != 0:
+        from gyre.sched.cell_agent import run_agent
+
+        return run_agent(comm, args)
+    return run_head(comm, args)
+
+
+def run_head(comm, args: argparse.Namespace) -> int:
+    from gyre.head import Head
+    from gyre.sched.mpi_link import HeadLink
+
+    cfg = load_config(args.config, args.overrides)
+    n_cells = comm.Get_size() - 1
+    if n_cells != cfg.sched.cells:
+        print(f"gyre: the job has {n_cells} cell ranks but sched.cells = {cfg.sched.cells}; "
+              f"start {cfg.sched.cells + 1} ranks or set sched.cells={n_cells}", file=sys.stderr)
+        comm.Abort(2)
+
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "head.pid").write_text(str(__import__("os").getpid()))  # for operators and fault tests
+
+    async def go() -> dict:
+        loop = asyncio.get_running_loop()
+        head: Head | None = None
+
+        def deliver(msg) -> None:
+            loop.call_soon_threadsafe(head.on_message, msg)
+
+        link = HeadLink(comm, deliver)
+        link.engine_key = Path(args.engine_key_file).read_text().strip()
+        head = Head(cfg, link, n_cells, resume=args.resume)
+        try:
+            return await head.run()
+        finally:
+            link.stop()
+
+    report = asyncio.run(go())
+    if args.report:
+        Path(args.report).write_text(json.dumps(report, indent=1, default=str))
+    return 130 if report.get("stopped") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""`gyre plan`: validation with clear errors, a small sweep, the recommendation, the submitit path."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from gyre.cli import main
+from gyre.config import ConfigError
+from gyre.sim import plan
+
+
+def args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    plan.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nodes", "8", "--cell-nodes", "3"], "cell size 3 does not divide 8 nodes"),
+    (["--nodes", "8", "--cell-nodes", "16"], "zero cells"),
+    (["--cells", "0"], "zero or negative cells"),
+    (["--nodes", "0"], "must be positive"),
+    (["--push-s", "-5"], "times cannot be negative"),
+    (["--to-train-s", "-1"], "times cannot be negative"),
+    (["--staleness", "-1"], "staleness"),
+    (["--train-tokens-per-s", "0"], "must be positive"),
+    (["--schemes", "E,Z"], "unknown"),
+    (["--workload", "nope"], "not a preset"),
+])
+def test_bad_parameters_get_clear_errors(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        plan.scenarios(args(*argv))
+
+
+def test_cli_reports_configuration_errors(capsys):
+    assert main(["plan", "--nodes", "8", "--cell-nodes", "3"]) == 2
+    assert "does not divide" in capsys.readouterr().err
+
+
+def test_small_sweep_prints_table_and_recommends(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    rc = main(["plan", "--nodes", "8,16", "--cell-nodes", "4,8", "--schemes", "E,A,C", "--staleness", "0",
+               "--steps", "3", "--groups-per-step", "2", "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "recommended for 8 nodes" in text and "recommended for 16 nodes" in text
+    rows = json.loads(out.read_text())
+    # 8 nodes: 2x4 (E, A, C) + 1x8 (E, C; async needs two cells); 16 nodes: 4x4 and 2x8, three schemes each.
+    assert len(rows) == 5 + 6
+    for n in (8, 16):
+        mine = [r for r in rows if r["nodes"] == n]
+        best = [r for r in mine if r["recommended"]]
+        assert len(best) == 1 and best[0]["hours"] == min(r["hours"] for r in mine)
+        assert all(r["ratio_to_lower_bound"] >= 1.0 for r in mine)
+
+
+def test_cells_filter_and_async_skip():
+    scs = plan.scenarios(args("--nodes", "16", "--cell-nodes", "2,4,8", "--cells", "2", "--schemes", "A,E"))
+    assert {(s.cluster.cells, s.cluster.cell_nodes) for s in scs} == {(2, 8)}
+
+
+def test_submitit_local_executor_matches_inline(tmp_path):
+    pytest.importorskip("submitit")
+    scs = plan.scenarios(args("--nodes", "8", "--cell-nodes", "4", "--schemes", "E,C", "--staleness", "0",
+                              "--steps", "2", "--groups-per-step", "2"))
+    inline = plan.execute(scs, "inline")
+    local = plan.execute(scs, "local", jobs_dir=str(tmp_path / "jobs"))
+    assert local == inline

@@ -1,0 +1,173 @@
+"""Each policy on small hand-built situations (pure functions: state in, decision out)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from gyre.sched import (CellView, ClusterState, ExecView, GroupView, Hints, Role, make_policy,
+                        start_budget)
+from gyre.sched.admission import admissible, expired, fifo_key, oldest_version_key, pick
+from gyre.sched.policy import heading_counts
+
+HINTS = Hints(ref_load=384, train_tokens_per_s=2200)
+
+
+def state(roles, running=0, train_left=0.0, version=3, k=0, open_=None, step_groups=0, q=4, g=4,
+          now=10_000.0, since=0.0, blocked=False) -> ClusterState:
+    cells = tuple(CellView(i, r, since) for i, r in enumerate(roles))
+    execs = tuple(ExecView(i, i // g, version, now - 60 * (i + 1), i, i % 2 == 0) for i in range(running))
+    return ClusterState(version=version, staleness=k, groups_per_step=q, group_size=g, cells=cells,
+                        running=execs, groups_open=(running + g - 1) // g if open_ is None else open_,
+                        groups_waiting=0, step_groups=step_groups, train_tokens_left=train_left,
+                        starts_blocked=blocked)
+
+
+def apply(st: ClusterState, switches) -> list[Role]:
+    roles = [c.role for c in st.cells]
+    for s in switches:
+        assert roles[s.cell].settled, "a policy switched a cell that was mid-switch"
+        roles[s.cell] = Role.TO_TRAIN if s.to is Role.TRAIN else Role.TO_ROLLOUT
+    return roles
+
+
+R, T, TT, TR = Role.ROLLOUT, Role.TRAIN, Role.TO_TRAIN, Role.TO_ROLLOUT
+LAYOUTS = [list(p) for p in itertools.product([R, T, TT, TR], repeat=4)]
+
+
+@pytest.mark.parametrize("scheme", ["E", "E+"])
+def test_elastic_never_leaves_running_executions_unserved(scheme):
+    """Whatever the layout and the work: after the decision at least one settled rollout cell
+    remains (or one is on its way when none was left), and a lone rollout cell never leaves."""
+    p = make_policy(scheme, 0, HINTS)
+    for roles, running, left in itertools.product(LAYOUTS, [1, 5, 40], [0.0, 1e6, 1e9]):
+        st = state(roles, running=running, train_left=left, open_=4)
+        d = p.decide(st, 10_000.0)
+        after = apply(st, d.switches)
+        settled = sum(r is R for r in after)
+        heading = sum(r in (R, TR) for r in after)
+        if any(r.settled for r in roles):  # a mid-switch cell cannot be turned around
+            assert heading >= 1, (roles, running, left, d)
+        if any(r is R for r in roles):
+            assert settled >= 1, (roles, running, left, d)
+
+
+@pytest.mark.parametrize("scheme", ["E", "E+"])
+def test_elastic_moves_idle_capacity_to_admitted_work_and_back(scheme):
+    p = make_policy(scheme, 0, HINTS)
+    # Two executions left, lots of admitted work: cells go to training, one keeps serving.
+    st = state([R] * 8, running=2, train_left=5e8, open_=4)
+    d = p.decide(st, 10_000.0)
+    after = apply(st, d.switches)
+    assert sum(r is TT for r in after) >= 4 and sum(r is R for r in after) >= 1
+    # A new step starts (budget for 4 groups = 16 executions) with every cell training: cells come back.
+    st = state([T] * 8, running=0, train_left=0.0, open_=0)
+    d = p.decide(st, 10_000.0)
+    assert sum(s.to is R for s in d.switches) >= 1
+    assert d.start_groups == 0  # not before a rollout cell has arrived to serve them
+    st = state([R] + [T] * 7, running=0, train_left=0.0, open_=0)
+    assert p.decide(st, 10_000.0).start_groups == 4
+
+
+def test_elastic_paper_style_respects_dwell_time():
+    p = make_policy("E", 0, HINTS)
+    st = state([R] * 8, running=2, train_left=5e8, open_=4, since=10_000.0 - 10)  # arrived 10 s ago
+    assert p.decide(st, 10_000.0).switches == ()
+
+
+def test_async_never_switches():
+    rng = random.Random(1)
+    p = make_policy("A", 1, HINTS, rollout_cells=3)
+    assert p.initial_roles(8) == [R] * 3 + [T] * 5
+    for _ in range(300):
+        roles = [rng.choice([R, T]) for _ in range(8)]
+        st = state(roles, running=rng.randrange(0, 50), train_left=rng.choice([0.0, 1e8]), k=1,
+                   open_=rng.randrange(0, 9))
+        assert p.decide(st, rng.uniform(0, 1e6)).switches == ()
+
+
+def test_async_needs_both_pools():
+    with pytest.raises(ValueError):
+        make_policy("A", 0, HINTS, rollout_cells=4).initial_roles(4)
+
+
+def test_colocate_never_splits():
+    rng = random.Random(2)
+    p = make_policy("C", 2, HINTS)
+    for _ in range(500):
+        base = rng.choice([R, T, TT, TR])
+        roles = [base] * 6
+        st = state(roles, running=rng.randrange(0, 30), train_left=rng.choice([0.0, 1e8]), k=2,
+                   step_groups=rng.choice([0, 2, 4]), open_=rng.randrange(0, 13))
+        d = p.decide(st, 1.0)
+        assert len(d.switches) in (0, 6), d
+        assert len({s.to for s in d.switches}) <= 1
+        after = apply(st, d.switches)
+        assert len({r.heading for r in after}) == 1
+
+
+def test_colocate_trains_only_a_complete_batch():
+    p = make_policy("C", 0, HINTS)
+    partial = state([R] * 4, running=8, train_left=1e8, step_groups=3)
+    assert p.decide(partial, 0.0).switches == ()
+    full = state([R] * 4, running=0, train_left=1e8, step_groups=4, open_=4)
+    assert {s.to for s in p.decide(full, 0.0).switches} == {T}
+
+
+@pytest.mark.parametrize("scheme", ["E", "E+", "A", "C"])
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_no_policy_starts_more_than_the_staleness_bound_allows(scheme, k):
+    p = make_policy(scheme, k, HINTS, rollout_cells=2)
+    for open_ in range(0, 4 * (k + 1) + 3):
+        st = state([R] * 4, running=0, k=k, open_=open_)
+        d = p.decide(st, 0.0)
+        assert d.start_groups <= max(0, 4 * (k + 1) - open_)
+    blocked = state([R] * 4, running=0, k=k, open_=0, blocked=True)
+    assert p.decide(blocked, 0.0).start_groups == 0
+
+
+def test_admission_rule_and_order():
+    assert admissible(5, 5, 0) and not admissible(6, 5, 0) and admissible(7, 5, 2)
+    assert not admissible(4, 5, 2)  # never train a version before it exists
+    assert expired(8, 5, 2) and not expired(7, 5, 2)
+    groups = [GroupView(0, 3, 10.0, 1.0), GroupView(1, 1, 20.0, 1.0), GroupView(2, 2, 5.0, 1.0),
+              GroupView(3, 0, 1.0, 1.0)]
+    assert [g.id for g in pick(groups, 3, 2, 10, fifo_key)] == [2, 0, 1]  # version 0 is too stale
+    assert [g.id for g in pick(groups, 3, 2, 2, oldest_version_key)] == [1, 2]
+
+
+def test_policies_are_pure():
+    """Same state, same answer, and the state is not changed (frozen data)."""
+    st = state([R, R, T, T], running=6, train_left=3e7, k=1, open_=3)
+    for scheme in ("E", "E+", "A", "C"):
+        p = make_policy(scheme, 1, HINTS, rollout_cells=2)
+        assert p.decide(st, 5_000.0) == p.decide(st, 5_000.0)
+    with pytest.raises(AttributeError):
+        st.version = 4  # type: ignore[misc]
+
+
+def test_start_budget_and_heading_counts():
+    st = state([R, TT, T, TR], running=0, k=1, open_=5)
+    assert start_budget(st) == 3
+    assert heading_counts(st.cells) == (2, 2)
+
+
+def test_unknown_scheme_and_bad_staleness():
+    with pytest.raises(ValueError, match="unknown scheme"):
+        make_policy("X")
+    with pytest.raises(ValueError):
+        make_policy("E", -1)
+
+
+def test_policy_from_config_and_fitted_defaults_agree():
+    from gyre.config import load_config
+    from gyre.sched import policy_from_config
+    from gyre.sim.scenario import FITTED
+
+    cfg = load_config(overrides=["sched.scheme=E+", "sched.staleness=2", "sched.to_train_s=10"])
+    p = policy_from_config(cfg)
+    assert p.label == "E2+" and p.hints.to_train_s == 10.0
+    assert cfg.sim.train_tokens_per_s == FITTED["train_tokens_per_s"]
+    assert cfg.sim.ref_load == FITTED["ref_load"]

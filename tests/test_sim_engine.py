@@ -1,0 +1,150 @@
+"""Simulator: conservation, accounting of every execution, the policies' guarantees end to end,
+staleness, the lower bound, and determinism."""
+
+from __future__ import annotations
+
+import pytest
+
+from gyre.sched import Role
+from gyre.sim.engine import SimSpec, simulate
+from gyre.sim.scenario import Scenario, hints_for, nl2repo_cluster
+from gyre.sim.workload import Workload
+
+CASES = [("E", 0), ("E", 1), ("E+", 0), ("E+", 2), ("A", 0), ("A", 2), ("C", 0), ("C", 2)]
+STEPS, Q = 6, 4
+
+
+def small(scheme: str, k: int, seed: int = 0, **cluster):
+    c = nl2repo_cluster(nodes=16, cell_nodes=4, **cluster)
+    return Scenario(scheme, k, c, steps=STEPS, groups_per_step=Q, seed=seed).run()
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {(s, k): small(s, k) for s, k in CASES}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_conservation_of_gpu_time(runs, case):
+    """Per cell and in total: roles + switching + idle = makespan (budget x makespan overall)."""
+    r = runs[case]
+    for c in r.cell_stats:
+        assert sum(c.seconds.values()) == pytest.approx(r.makespan_s, rel=1e-9)
+    total = sum(sum(c.seconds.values()) for c in r.cell_stats)
+    assert total * r.gpus_per_cell == pytest.approx(r.cells * r.gpus_per_cell * r.makespan_s, rel=1e-9)
+    # The Gantt timeline covers the same span with no gaps or overlaps.
+    for spans in r.roles:
+        assert spans[0][0] == 0.0 and spans[-1][1] == pytest.approx(r.makespan_s)
+        assert all(a[1] == pytest.approx(b[0]) for a, b in zip(spans, spans[1:]))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_execution_trained_once_or_reported(runs, case):
+    r = runs[case]
+    assert len(r.outcomes) == r.executions_started
+    trained = [o for o in r.outcomes.values() if o[0] == "trained"]
+    assert len(trained) == r.executions_trained == STEPS * Q * r.group_size
+    assert sum(r.not_admitted.values()) == r.executions_started - r.executions_trained
+    assert set(r.not_admitted) <= {"stale", "run_ended"}
+    per_step = {}
+    for o in trained:
+        per_step[o[1]] = per_step.get(o[1], 0) + 1
+    assert per_step == {s: Q * r.group_size for s in range(STEPS)}
+    assert [s.groups for s in r.step_stats] == [Q] * STEPS
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_no_policy_breaks_staleness(runs, case):
+    r = runs[case]
+    k = case[1]
+    for s in r.step_stats:
+        assert 0 <= s.staleness_max <= k
+        assert 0 <= s.staleness_group_mean <= s.staleness_max
+        assert 0 <= s.staleness_token_mean <= s.staleness_max
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_makespan_respects_lower_bound(runs, case):
+    r = runs[case]
+    assert r.lower_bound_s > 0
+    assert r.makespan_s >= r.lower_bound_s * (1 - 1e-9)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0].startswith("E")])
+def test_elastic_never_leaves_running_executions_unserved(runs, case):
+    assert runs[case].unserved_s == 0.0
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] == "A"])
+def test_async_never_switches(runs, case):
+    r = runs[case]
+    assert all(c.to_train == 0 and c.to_rollout == 0 for c in r.cell_stats)
+    assert all(len(spans) == 1 for spans in r.roles)
+    assert r.bucket_total("switch") == pytest.approx(r.steps * r.cells // 2 * 60.0)  # only weight pushes
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] == "C"])
+def test_colocate_never_splits(runs, case):
+    """At every instant all cells are in, or on their way to, the same role."""
+    r = runs[case]
+    cuts = sorted({t for spans in r.roles for t0, t1, _ in spans for t in (t0, t1)})
+    for a, b in zip(cuts, cuts[1:]):
+        mid = (a + b) / 2
+        heading = set()
+        for spans in r.roles:
+            role = next(name for t0, t1, name in spans if t0 <= mid < t1)
+            heading.add(Role(role).heading)
+        assert len(heading) == 1, (mid, heading)
+    # At most one training phase per step (a phase may train two batches back to back).
+    assert 1 <= r.cell_stats[0].to_train <= r.steps
+
+
+def test_switch_counts_match_timeline(runs):
+    r = runs[("E", 0)]
+    for c, spans in zip(r.cell_stats, r.roles):
+        assert c.to_train == sum(1 for *_, n in spans if n == "to_train")
+        assert c.to_rollout == sum(1 for *_, n in spans if n == "to_rollout")
+
+
+def test_deterministic_under_a_seed():
+    a, b = small("E+", 1, seed=7), small("E+", 1, seed=7)
+    da, db = a.to_dict(), b.to_dict()
+    da.pop("wall_s"), db.pop("wall_s")
+    assert da == db and a.roles == b.roles and a.outcomes == b.outcomes
+    c = small("E+", 1, seed=8).to_dict()
+    assert c["makespan_s"] != da["makespan_s"]
+
+
+def test_same_policy_object_drives_the_simulator():
+    """The simulator calls the policy's own decide (invariant 3): count the calls."""
+    w = Workload.named("nl2repo", 0)
+    c = nl2repo_cluster(nodes=8, cell_nodes=4)
+    sc = Scenario("E", 0, c, steps=2, groups_per_step=2)
+    p = sc.policy(w)
+    calls = []
+    orig = p.decide
+    p.decide = lambda st, now: (calls.append(now), orig(st, now))[1]
+    r = simulate(p, w, c, SimSpec(steps=2, groups_per_step=2))
+    assert len(calls) == r.decisions > 10 and calls == sorted(calls)
+
+
+def test_more_staleness_is_not_slower_for_elastic(runs):
+    assert runs[("E+", 2)].makespan_s <= runs[("E+", 0)].makespan_s
+
+
+def test_colocate_pays_for_lost_kv_cache():
+    base = small("C", 2).makespan_s
+    assert small("C", 2, reprefill_s=600.0).makespan_s > base
+
+
+def test_hints_follow_the_models():
+    w = Workload.named("nl2repo", 0)
+    c = nl2repo_cluster(cell_nodes=8)
+    h = hints_for(c, w)
+    assert h.cell_scale == 2.0 and h.to_train_s == c.to_train_s and h.ref_load == c.ref_load
+
+
+def test_idle_spans_match_idle_time(runs):
+    for r in runs.values():
+        for c, spans in zip(r.cell_stats, r.idle):
+            assert sum(b - a for a, b in spans) == pytest.approx(c.seconds["idle"], abs=1e-6)
