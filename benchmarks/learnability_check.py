@@ -1,6 +1,6 @@
 """Is the learnable suite learnable? Online GRPO on the embedded tiny model, offline, no HTTP.
 
-    python benchmarks/learnability_check.py [--lr 0.01] [--groups 4] [--group-size 8] [--steps 10]
+    python benchmarks/learnability_check.py [--lr 0.04] [--groups 2] [--group-size 16] [--steps 10] [--seeds 8]
 
 The loop is Gyre's, minus the processes and sockets:
 
@@ -158,28 +158,42 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--groups", "-Q", type=int, default=4, help="groups (tasks) per step")
-    p.add_argument("--group-size", "-G", type=int, default=8, help="executions per group")
+    p.add_argument("--lr", type=float, default=4e-2)
+    p.add_argument("--groups", "-Q", type=int, default=2, help="groups per step (tasks taken in turn)")
+    p.add_argument("--group-size", "-G", type=int, default=16, help="executions per group")
     p.add_argument("--steps", type=int, default=10, help="optimizer steps")
     p.add_argument("--max-tokens", type=int, default=24, help="as answer_agent --max-tokens")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, default=1, help="repeat with seeds seed..seed+N-1; print mean and min")
     p.add_argument("--suite", default=str(SUITE))
     p.add_argument("--tasks", nargs="*", default=None, help="only these tasks of the suite")
     p.add_argument("--model-dir", default=None, help="default: model.tiny_dir (built if missing)")
     p.add_argument("--config", default=None, help="Gyre TOML config ([train] section used)")
     p.add_argument("--set", action="append", default=[], help="config override section.key=value")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
-    p.add_argument("--json", default=None, help="write the curve here")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--json", default=None, help="write the curve(s) here")
+    p.add_argument("--quiet", action="store_true", help="no per-step lines")
     args = p.parse_args(argv)
-    result = run(args)
-    c = result["curve"]
-    print(f"reward {c[0]['reward']:.3f} -> {c[-1]['reward']:.3f} in {result['steps']} steps "
-          f"(lr {args.lr:g}, Q {args.groups}, G {args.group_size}); {result['wall_s']:.1f}s")
+    results = []
+    for seed in range(args.seed, args.seed + args.seeds):
+        args.seed = seed
+        results.append(run(args))
+        c = results[-1]["curve"]
+        print(f"seed {seed}: reward " + " ".join(f"{r['reward']:.2f}" for r in c)
+              + f"  ({results[-1]['wall_s']:.1f}s)", flush=True)
+    curves = [[r["reward"] for r in res["curve"]] for res in results]
+    mean = [statistics.fmean(col) for col in zip(*curves)]
+    print(f"lr {args.lr:g}  Q {args.groups}  G {args.group_size}  {len(results)} seed(s)")
+    print("step  " + " ".join(f"{i:4d}" for i in range(len(mean))))
+    print("mean  " + " ".join(f"{x:4.2f}" for x in mean))
+    if len(results) > 1:
+        print("min   " + " ".join(f"{min(col):4.2f}" for col in zip(*curves)))
+    print(f"reward {mean[0]:.3f} -> {mean[-1]:.3f} in {args.steps} steps; "
+          f"{statistics.fmean(r['wall_s'] for r in results):.1f}s per run")
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+        Path(args.json).write_text(json.dumps(results if len(results) > 1 else results[0], indent=1) + "\n",
+                                   encoding="utf-8")
     return 0
 
 

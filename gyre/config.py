@@ -172,7 +172,7 @@ class SimConfig:
 
 @dataclass
 class HarnessConfig:
-    suite: str = _f("builtin", help="task suite: 'builtin' or a directory in NL2RepoBench layout")
+    suite: str = _f("builtin", help="task suite: 'builtin', 'learnable' (the demo's) or a directory in NL2RepoBench layout")
     command: list = _f(["{python}", "-m", "gyre.harness.reference_agent"],
                        help="harness argv; placeholders {prompt} {prompt_file} {workspace} {task_dir} "
                             "{python} {execution_id} {base_url}")

@@ -32,6 +32,8 @@ from pathlib import Path, PurePosixPath
 log = logging.getLogger(__name__)
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
+LEARNABLE_DIR = Path(__file__).resolve().parent / "builtin_learnable"  # the tiny model can learn these
+SUITE_ALIASES = {"builtin": BUILTIN_DIR, "learnable": LEARNABLE_DIR}
 SUITE_META = "gyre-suite.json"
 TASK_META = "gyre-task.json"
 REQUIRED = ("start.md", "test_commands.json", "test_case_count.txt", "test_files.json")
@@ -170,7 +172,9 @@ def load_task(task_dir: str | Path, suite_meta: dict | None = None) -> Task:
 
 
 def resolve_suite(spec: str | Path) -> Path:
-    return BUILTIN_DIR if str(spec) == "builtin" else Path(spec).expanduser().resolve()
+    """A suite name (``builtin``, ``learnable``) or a directory."""
+    alias = SUITE_ALIASES.get(str(spec))
+    return alias if alias is not None else Path(spec).expanduser().resolve()
 
 
 def load_suite(spec: str | Path = "builtin", *, strict: bool = True) -> list[Task]:

@@ -1,0 +1,1 @@
+"""The learnable suite (task folders) and its scoring; see README.md."""
