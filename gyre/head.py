@@ -471,13 +471,15 @@ class Head:
                 return  # lost gradients are recomputed; the next tick finishes the step again
             leader = min((c for c in participants if c.role is Role.TRAIN), key=lambda c: c.id)
             new = self.version + 1
-            args = {"step": s.index, "participants": [c.rank for c in participants], "leader": leader.rank,
+            args = {"step": s.index, "participants": [c.id for c in participants], "leader": leader.id,
                     "weights_dir": str(self.weights_root / f"v{new}"), "checkpoint_dir": str(self.ckpt_root / f"v{new}")}
             t = time.time()
             reps = await asyncio.gather(*(self._call(c, Command("reduce", args)) for c in participants))
-            bad = [r.error for r in reps if not r.ok]
-            if bad:
-                raise RuntimeError(f"step {s.index}: reduce failed: {bad}")
+            bad = [f"cell {r.cell}: {r.error.splitlines()[0] if r.error else 'failed'}" for r in reps if not r.ok]
+            if bad:  # replicas may now disagree: stop rather than train on
+                self.errors.append(f"step {s.index}: reduce failed: {'; '.join(bad)}")
+                self._stop.set()
+                return
             reduce_s = time.time() - t
             self.version = new
             pushes = [c for c in self.cells if c.role is Role.ROLLOUT]

@@ -74,6 +74,7 @@ def test_staleness_weights_scale_and_mask():
     s = torch.tensor([0, 1, 2, 5])
     assert staleness_factor(s, [1.0, 0.5]).tolist() == [1.0, 0.5, 0.0, 0.0]
     assert staleness_factor(s, []).tolist() == [1.0] * 4
+    assert staleness_factor(s, ["1", "0.5"]).tolist() == [1.0, 0.5, 0.0, 0.0]  # from an override
     logits = _logits_for([0.5, 0.5, 0.5])
     mb = _mb([math.log(0.5)] * 3, [1.0] * 3, [1.0] * 3, staleness=[0, 1, 3])
     loss, _ = policy_loss(logits, mb, clip=False, staleness_weights=[1.0, 0.5])

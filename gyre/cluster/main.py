@@ -34,10 +34,21 @@ def main(argv: list[str] | None = None) -> int:
         print("gyre: a job needs at least 2 MPI ranks (1 head + cells); got 1", file=sys.stderr)
         return 2
     if comm.Get_rank() != 0:
-        from gyre.sched.cell_agent import run_agent
-
-        return run_agent(comm, args)
+        return run_cell(args)
     return run_head(comm, args)
+
+
+def run_cell(args: argparse.Namespace) -> int:
+    from gyre.config import default_tiny_dir
+    from gyre.engine.tiny_model import ensure_tiny_model
+    from gyre.sched import cell_agent
+
+    cfg = load_config(args.config, args.overrides)
+    model = cfg.model.path or str(ensure_tiny_model(default_tiny_dir(cfg)))
+    argv = ["--run-dir", cfg.run.dir, "--model", model, "--engine-key-file", args.engine_key_file]
+    if args.config:
+        argv += ["--config", args.config]
+    return cell_agent.main(argv + list(args.overrides))
 
 
 def run_head(comm, args: argparse.Namespace) -> int:
@@ -62,7 +73,7 @@ def run_head(comm, args: argparse.Namespace) -> int:
         def deliver(msg) -> None:
             loop.call_soon_threadsafe(head.on_message, msg)
 
-        link = HeadLink(comm, deliver)
+        link = HeadLink(comm, deliver).start()
         link.engine_key = Path(args.engine_key_file).read_text().strip()
         head = Head(cfg, link, n_cells, resume=args.resume)
         try:

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import socket
 import sys
 import time
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gyre.config import GyreConfig, env, load_config
+from gyre.config import ConfigError, GyreConfig, env, load_config
 from gyre.engine.client import EngineClient
 from gyre.engine.launch import EngineProcess, start_engine
 from gyre.sched import mpi_link
@@ -77,6 +78,9 @@ def read_key_file(path: str | os.PathLike) -> str:
 class CellAgent:
     def __init__(self, comm, cfg: GyreConfig, *, run_dir: str | os.PathLike, model_dir: str | os.PathLike,
                  api_key: str, config_file: str | None = None, overrides: list[str] | None = None) -> None:
+        if cfg.engine.backend != "embedded":
+            raise ConfigError(f"engine.backend: the cell agent launches the embedded engine only; "
+                              f"{cfg.engine.backend!r} cells are not wired to it yet")
         self.comm = comm
         self.cell = mpi_link.rank_cell(comm.Get_rank())
         self.cfg, self.run_dir, self.model_dir = cfg, Path(run_dir), Path(model_dir)
@@ -119,7 +123,11 @@ class CellAgent:
                 self._last_sent = time.monotonic()
                 if cmd.kind == "stop":
                     return 0
-            self._watch()
+            try:
+                self._watch()
+            except Exception as e:  # noqa: BLE001 - e.g. a trainer that cannot be started again
+                self._event("fatal", what="watch", error=f"{type(e).__name__}: {e}")
+                time.sleep(ENGINE_RETRY_S)  # do not spin on a persistent failure
             self._beat()
 
     def close(self) -> None:
@@ -143,9 +151,9 @@ class CellAgent:
         except CommandError as e:
             reply.ok, reply.error = False, str(e)
         except TrainerDied as e:
-            lost = self._trainer_died(str(e))
+            self._trainer_died(str(e))
             reply.ok, reply.error = False, f"{e}; restarted it"
-            reply.info = {"lost": lost}
+            reply.info = {"lost": list(self.lost)}
         except Exception as e:  # noqa: BLE001 - an unexpected failure costs this command only
             reply.ok = False
             reply.error = f"{cmd.kind} failed: {type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"
@@ -163,12 +171,12 @@ class CellAgent:
                 self._catch_up(version)
             return {"already": True, "version": self.trainer.step}
         self._ensure_engine()
+        self._ensure_trainer()  # before the role changes: a restarted trainer starts offloaded
         with timed(phases, "drain"):
             aborted = self._drain(float(a.get("drain_timeout_s", DRAIN_S)))
         with timed(phases, "release"):
             self._engine(self.client.release_memory(MEMORY_TAGS))
         self.role = "train"  # from here the engine holds no memory
-        self._ensure_trainer()
         with timed(phases, "restore"):
             self.trainer.restore(on_wait=self._beat)
         with timed(phases, "load"):
@@ -232,17 +240,19 @@ class CellAgent:
         step, participants, leader = int(a["step"]), sorted(int(c) for c in a["participants"]), int(a["leader"])
         if self.cell not in participants:
             raise CommandError(f"reduce: cell {self.cell} is not among the participants {participants}")
+        # nothing may keep this cell out of the collective: the others would wait for it
         with timed(phases, "pull"):
-            self._ensure_trainer()
-            self._stash()
+            try:
+                self._stash()  # a no-op when prepare_reduce came first, as it should
+            except TrainerDied as e:
+                self._trainer_died(str(e))
         local = self.held if self.held is not None else np.zeros(self.n_grad, np.float32)
         with timed(phases, "allreduce"):
             total = self._allreduce(local, participants, float(a.get("timeout_s", REDUCE_S)))
-        contributed = list(self.held_mbs)
+        info = {"version": step + 1, "mb_ids": list(self.held_mbs), "lost": list(self.lost),
+                "grad_norm": float(np.linalg.norm(total.astype(np.float64)))}
         self.held, self.held_mbs, self.lost = None, [], []  # the step is over for this cell
         self.version = max(self.version, step + 1)
-        info = {"version": step + 1, "mb_ids": contributed,
-                "grad_norm": float(np.linalg.norm(total.astype(np.float64)))}
         if self.role != "train":  # it loads the new checkpoint when it next switches to train
             self._heard(step + 1, a.get("checkpoint_dir"))
             if self.cell == leader:
@@ -310,17 +320,16 @@ class CellAgent:
             self._trainer_died("the trainer process exited")
         self.trainer.wait_ready(on_wait=self._beat)
 
-    def _trainer_died(self, reason: str) -> list:
-        """Restart the trainer; returns (and records) the micro-batches whose gradients died."""
-        lost, self.done = list(self.done), []
-        self.lost += lost
+    def _trainer_died(self, reason: str) -> None:
+        """Restart the trainer; the micro-batches whose gradients it held join ``lost``."""
+        self.lost += self.done
+        self.done = []
         old = self.trainer.pid
         with contextlib.suppress(Exception):
             self.trainer.kill()
         self.trainer = self._new_trainer()
-        self._event("trainer_restarted", reason=reason, lost=lost, old_pid=old, trainer_pid=self.trainer.pid,
-                    checkpoint=self.checkpoint)
-        return lost
+        self._event("trainer_restarted", reason=reason, lost=list(self.lost), old_pid=old,
+                    trainer_pid=self.trainer.pid, checkpoint=self.checkpoint)
 
     def _catch_up(self, version: int) -> None:
         if self.trainer.step < version:
@@ -366,6 +375,9 @@ class CellAgent:
             if self.role == "train":  # back to where the old one was: no memory held
                 self._engine(self.client.release_memory(MEMORY_TAGS))
         except Exception as e:
+            if self.engine is not None:  # half started (e.g. the weights failed to load): not usable
+                self.engine.stop(timeout=2)
+                self.engine = None
             self._engine_retry_at = time.monotonic() + ENGINE_RETRY_S
             self._event("fatal", what="engine", error=f"cannot restart the engine: {e}")
             raise CommandError(f"the engine died and could not be restarted: {e}") from e
@@ -443,6 +455,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="section.key=value configuration overrides")
 
 
+def serve_failed(comm, error: str) -> int:
+    """A cell that could not start still answers (ok=False) until ``stop``: exiting early would
+    make the MPI launcher end the whole job, head included."""
+    cell = mpi_link.rank_cell(comm.Get_rank())
+    while True:
+        cmd = mpi_link.recv_command(comm, 1.0)
+        if cmd is None:
+            continue
+        stopped = cmd.kind == "stop"
+        mpi_link.send_reply(comm, Reply(seq=cmd.seq, cell=cell, kind=cmd.kind, ok=stopped,
+                                        error="" if stopped else f"cell {cell} failed to start: {error}"))
+        if stopped:
+            return 0  # the failure went to the head as Event fatal; the head owns the job's status
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gyre.sched.cell_agent", description=__doc__.splitlines()[0])
     add_arguments(p)
@@ -453,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     if comm.Get_rank() == 0:
         print("cell_agent: rank 0 is the head; run the agent on ranks >= 1", file=sys.stderr)
         return 2
+    # srun/mpiexec end a job with SIGTERM: unwind, so that the engine and trainer go too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     agent = None
     try:
         cfg = load_config(args.config, args.overrides)
@@ -463,13 +492,14 @@ def main(argv: list[str] | None = None) -> int:
                           config_file=args.config, overrides=args.overrides)
         agent.start()
     except Exception as e:  # the head hears why instead of waiting for a hello that never comes
-        mpi_link.send_event(comm, Event(cell=comm.Get_rank() - 1, kind="fatal",
-                                        info={"what": "start", "error": f"{type(e).__name__}: {e}"}))
+        error = f"{type(e).__name__}: {e}"
+        print(f"cell_agent {comm.Get_rank() - 1}: cannot start: {error}", file=sys.stderr)
         if agent is not None:
             with contextlib.suppress(Exception):
                 agent.close()
-        print(f"cell_agent {comm.Get_rank() - 1}: cannot start: {e}", file=sys.stderr)
-        return 1
+        mpi_link.send_event(comm, Event(cell=comm.Get_rank() - 1, kind="fatal",
+                                        info={"what": "start", "error": error}))
+        return serve_failed(comm, error)
     try:
         return agent.run()
     finally:

@@ -51,7 +51,9 @@ def recv_command(comm, timeout_s: float) -> Command | None:
     """Cell side: the head's next command, or None after ``timeout_s``."""
     msg = poll(comm, HEAD, TAG_COMMAND, timeout_s)
     if msg is not None and not isinstance(msg, Command):
-        raise TypeError(f"expected a Command from the head, got {type(msg).__name__}")
+        # nothing to answer (no seq): drop it rather than let it end the agent
+        log.error("cell: dropped a %s sent with the command tag", type(msg).__name__)
+        return None
     return msg
 
 

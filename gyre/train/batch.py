@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -117,5 +118,30 @@ def expanded_batch(sequences: list[list[int]], prompt_lens: list[int], *, old_lo
         execution_index=exe_t,
         temperature=temperature,
     )
+    mb.validate()
+    return mb
+
+
+# --- wire format: a micro-batch as numpy arrays (MPI pickles, pipes to the trainer process) ----
+# numpy, not torch: pickled torch tensors may travel through shared memory that dies with the
+# sender; numpy arrays are copied by value.
+
+def to_wire(mb: MicroBatch) -> dict:
+    """``{field: np.ndarray}`` plus ``temperature`` (float); inverse of :func:`from_wire`."""
+    out: dict = {}
+    for f in fields(mb):
+        v = getattr(mb, f.name)
+        out[f.name] = v.detach().cpu().numpy() if isinstance(v, Tensor) else float(v)
+    return out
+
+
+def from_wire(d: dict) -> MicroBatch:
+    """A validated MicroBatch from :func:`to_wire` output; a missing field is a clear error."""
+    names = [f.name for f in fields(MicroBatch)]
+    missing = [n for n in names if n not in d and n != "temperature"]
+    if missing:
+        raise ValueError(f"micro-batch on the wire lacks {missing}")
+    values = {n: torch.from_numpy(np.ascontiguousarray(d[n])) for n in names if n != "temperature"}
+    mb = MicroBatch(**values, temperature=float(d.get("temperature", 1.0)))
     mb.validate()
     return mb

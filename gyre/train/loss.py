@@ -32,7 +32,11 @@ def staleness_factor(staleness: Tensor, staleness_weights: Sequence[float] | Non
     """
     if not staleness_weights:
         return torch.ones(staleness.shape, dtype=torch.float32, device=staleness.device)
-    table = torch.tensor(list(staleness_weights) + [0.0], dtype=torch.float32, device=staleness.device)
+    try:  # a command-line override gives strings
+        values = [float(w) for w in staleness_weights]
+    except ValueError:
+        raise ValueError(f"train.staleness_weights must be numbers, got {staleness_weights!r}") from None
+    table = torch.tensor(values + [0.0], dtype=torch.float32, device=staleness.device)
     return table[staleness.clamp(min=0, max=len(staleness_weights))]
 
 

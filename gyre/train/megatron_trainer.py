@@ -46,6 +46,7 @@ class MegatronTrainer(Trainer):
                             params_dtype=self.dtype),
             [self.ddp])
         self._offloaded: dict[str, HostStash] | None = None
+        self._grads_reduced = False  # flat_grads already ran the data-parallel reduction
 
     # --- hooks --------------------------------------------------------------------------------
     def _logits(self, mb: MicroBatch) -> Tensor:
@@ -62,6 +63,38 @@ class MegatronTrainer(Trainer):
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         return float(grad_norm) if grad_norm is not None else float("nan")
+
+    # --- gradients reduced outside the trainer ------------------------------------------------
+    def _grad_params(self) -> list[Tensor]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def _grad_views(self, create: bool) -> list[Tensor]:
+        # main_grad: fp32 views into the DDP grad buffers (grad_reduce_in_fp32), always allocated
+        return [p.main_grad for p in self._grad_params()]
+
+    def flat_grads(self) -> Tensor:
+        # reduce over this trainer's own data-parallel ranks first, once per step
+        if self._acc["micro_batches"] and not self._grads_reduced:
+            from megatron.core.distributed import finalize_model_grads
+
+            finalize_model_grads([self.ddp])
+            self._grads_reduced = True
+        return super().flat_grads()
+
+    def _apply_set_gradients(self) -> float:
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise FloatingPointError("optimizer step skipped: non-finite gradients")
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._grads_reduced = False
+        return float(grad_norm) if grad_norm is not None else float("nan")
+
+    def clear_gradients(self) -> None:
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._grads_reduced = False
+        self._reset_step_stats()
 
     def hf_state_dict(self) -> dict[str, Tensor]:
         from gyre.train.megatron_model import megatron_to_hf, model_state

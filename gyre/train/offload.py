@@ -9,6 +9,7 @@ copy-and-release still happens, which keeps the bookkeeping and the bit-identity
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Iterable
 
@@ -16,9 +17,9 @@ import torch
 from torch import Tensor
 
 
-def sync(device: torch.device | None = None) -> None:
+def sync() -> None:
     """Wait for queued kernels so that timings measure the copies, not their launch."""
-    if torch.cuda.is_available() and (device is None or device.type == "cuda"):
+    if torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
@@ -66,21 +67,17 @@ class HostStash:
 
 
 class PhaseTimer:
-    """Wall time of named phases, synchronised with the accelerator."""
+    """Wall time of named phases, synchronised with the accelerator: `with timer("params"): ...`."""
 
     def __init__(self) -> None:
         self.times: dict[str, float] = {}
 
+    @contextlib.contextmanager
     def __call__(self, name: str):
-        timer = self
-
-        class _Phase:
-            def __enter__(self):
-                sync()
-                self.t0 = time.perf_counter()
-
-            def __exit__(self, *exc):
-                sync()
-                timer.times[name] = timer.times.get(name, 0.0) + time.perf_counter() - self.t0
-
-        return _Phase()
+        sync()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            sync()
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0

@@ -114,7 +114,77 @@ class Trainer(ABC):
     def optimizer_step(self) -> dict:
         """Apply the step's gradients; returns the step's statistics including grad_norm."""
         t0 = time.perf_counter()
-        grad_norm = self._apply_gradients()
+        return self._finish_step(self._apply_gradients(), t0)
+
+    # --- gradients reduced outside the trainer (cells summing over MPI) ----------------------
+    @abstractmethod
+    def _grad_views(self, create: bool) -> list[Tensor]:
+        """One float32 gradient tensor per parameter, in a fixed order that is the same in every
+        replica; None where a parameter has no gradient yet, unless `create` (then zeros)."""
+
+    @abstractmethod
+    def _apply_set_gradients(self) -> float:
+        """Clip and apply gradients that `set_flat_grads` wrote (no reduction), zero them;
+        returns the grad norm."""
+
+    def flat_grads(self) -> Tensor:
+        """This step's accumulated gradients as one flat float32 CPU vector (zeros if none)."""
+        parts = [g.detach().reshape(-1).float().cpu() if g is not None else torch.zeros(n)
+                 for g, n in zip(self._grad_views(False), self._param_sizes())]
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+    def num_grad_elements(self) -> int:
+        return sum(self._param_sizes())
+
+    def set_flat_grads(self, vec: Tensor) -> None:
+        """Replace the accumulated gradients with `vec` (the layout of `flat_grads`)."""
+        vec = torch.as_tensor(vec)
+        if vec.ndim != 1 or vec.numel() != self.num_grad_elements():
+            raise ValueError(f"flat gradients have shape {tuple(vec.shape)}; this model needs "
+                             f"({self.num_grad_elements()},)")
+        off = 0
+        for g in self._grad_views(True):
+            n = g.numel()
+            g.copy_(vec[off:off + n].view_as(g))
+            off += n
+
+    def apply_gradients(self) -> dict:
+        """`optimizer_step` for gradients set with `set_flat_grads` (already summed over every
+        replica of the step, so no data-parallel reduction runs here)."""
+        t0 = time.perf_counter()
+        return self._finish_step(self._apply_set_gradients(), t0)
+
+    @abstractmethod
+    def clear_gradients(self) -> None:
+        """Drop this step's gradients and statistics (after handing them elsewhere); the
+        trainer is then between steps, so `offload` works."""
+
+    @torch.no_grad()
+    def own_storage(self) -> int:
+        """Give every parameter and optimizer tensor a storage `offload` can release.
+
+        Weights memory-mapped by transformers and tensors from `torch.load` have fixed-size
+        storages, which `HostStash` cannot shrink; each such storage is copied once and its
+        tensors (views included) moved onto the copy in place, so every reference stays valid.
+        Returns the number of storages copied. Call after construction and `load_checkpoint`.
+        """
+        copies: dict[int, torch.UntypedStorage] = {}
+        for t in [*self.model.parameters(), *self._optimizer_tensors()]:
+            st = t.untyped_storage()
+            if st.resizable() or st.nbytes() == 0:
+                continue
+            new = copies.setdefault(st.data_ptr(), st.clone())
+            t.set_(new, t.storage_offset(), t.size(), t.stride())
+        return len(copies)
+
+    def _param_sizes(self) -> list[int]:
+        return [p.numel() for p in self._grad_params()]
+
+    @abstractmethod
+    def _grad_params(self) -> list[Tensor]:
+        """The parameters `_grad_views` follows, same order."""
+
+    def _finish_step(self, grad_norm: float, t0: float) -> dict:
         self.step += 1
         a = self._acc
         out = {k: a[k] for k in ("loss", "targets", "tokens", "micro_batches", "fwd_bwd_s")}
@@ -163,7 +233,11 @@ def no_decay(name: str, p: Tensor) -> bool:
 
 
 class EmbeddedTrainer(Trainer):
-    """Plain torch on the transformers model: AdamW, clip-by-norm, one process."""
+    """Plain torch on the transformers model: AdamW, clip-by-norm, one process.
+
+    Parameters and optimizer state stay float32; `dtype=bfloat16` (the default on CUDA) runs the
+    forward under autocast, i.e. mixed precision with fp32 master weights, as Megatron does.
+    """
 
     def __init__(self, cfg: TrainConfig, model, *, device: str | torch.device | None = None) -> None:
         super().__init__(cfg)
@@ -171,10 +245,13 @@ class EmbeddedTrainer(Trainer):
         if isinstance(model, (str, os.PathLike)):
             from transformers import AutoModelForCausalLM
 
-            model = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch_dtype(cfg.dtype))
-        model.config._attn_implementation = "eager"  # exact with float tree masks (see notes)
-        self.model = model.to(self.device)
+            model = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32,
+                                                         attn_implementation="eager")
+        # eager attention adds our float tree mask exactly (a bool mask would be added as 0/1)
+        model.config._attn_implementation = "eager"
+        self.model = model.to(device=self.device, dtype=torch.float32)
         self.hf_config = model.config
+        self.compute_dtype = torch_dtype(cfg.dtype)
         named = list(self.model.named_parameters())
         self.optimizer = torch.optim.AdamW(
             [{"params": [p for n, p in named if not no_decay(n, p)], "weight_decay": cfg.weight_decay},
@@ -184,12 +261,13 @@ class EmbeddedTrainer(Trainer):
 
     def _logits(self, mb: MicroBatch) -> Tensor:
         self.model.train(torch.is_grad_enabled())
-        dtype = next(self.model.parameters()).dtype
-        # transformers adds a 4D float mask to the scores: 0 where visible, dtype-min where masked
-        mask = torch.zeros(mb.attention_mask.shape, dtype=dtype, device=self.device)
-        mask.masked_fill_(mb.attention_mask, torch.finfo(dtype).min)
-        return self.model(input_ids=mb.input_ids, position_ids=mb.position_ids,
-                          attention_mask=mask, use_cache=False).logits
+        # transformers adds a 4D float mask to the scores: 0 where visible, the minimum where masked
+        mask = torch.zeros(mb.attention_mask.shape, dtype=torch.float32, device=self.device)
+        mask.masked_fill_(mb.attention_mask, torch.finfo(torch.float32).min)
+        with torch.autocast(self.device.type, dtype=self.compute_dtype,
+                            enabled=self.compute_dtype != torch.float32):
+            return self.model(input_ids=mb.input_ids, position_ids=mb.position_ids,
+                              attention_mask=mask, use_cache=False).logits
 
     def _apply_gradients(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -198,6 +276,23 @@ class EmbeddedTrainer(Trainer):
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
+
+    def _grad_params(self) -> list[Tensor]:
+        return list(self.model.parameters())
+
+    def _grad_views(self, create: bool) -> list[Tensor]:
+        if create:
+            for p in self.model.parameters():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        return [p.grad for p in self.model.parameters()]
+
+    def _apply_set_gradients(self) -> float:
+        return self._apply_gradients()  # one process: nothing to reduce either way
+
+    def clear_gradients(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)  # None, so offload has no grads to move
+        self._reset_step_stats()
 
     def hf_state_dict(self) -> dict[str, Tensor]:
         sd = {k: v.detach() for k, v in self.model.state_dict().items()}

@@ -3,7 +3,8 @@
 Disk path (checked on CPU): the trainer exports to a shared directory, then every endpoint gets
 `POST /update_weights_from_disk {model_path, weight_version}`.
 
-Distributed path (clusters; written against SGLang's documented API, checked only on GPUs):
+Distributed path (clusters; written against SGLang's documented API; here only the protocol is
+checked, over gloo against a stand-in for SGLang's side; NCCL with a real SGLang needs GPUs):
 `POST /init_weights_update_group {master_address, master_port, rank_offset, world_size,
 group_name, backend}` once, while the trainer joins the same NCCL group as rank 0; then per
 update `POST /update_weights_from_distributed {names, dtypes, shapes, group_name,
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import aiohttp
@@ -87,8 +88,8 @@ def init_custom_process_group(master_address: str, master_port: int, rank: int, 
 class DistributedPusher:
     """Trainer side (rank 0) of SGLang's weight-update group. One instance per training job.
 
-    `engine_world_size` is the total number of engine ranks (sum of their TP sizes); engine i
-    gets `rank_offset` 1 + the ranks of the engines before it.
+    The group has 1 + sum(engine_tp_sizes) ranks; engine i gets `rank_offset` 1 + the ranks of
+    the engines before it. `backend` is nccl on clusters (gloo only for the CPU protocol test).
     """
 
     urls: Sequence[str]
@@ -98,7 +99,8 @@ class DistributedPusher:
     group_name: str = "gyre_weights"
     api_key: str | None = None
     timeout_s: float = 600.0
-    _group: object = None
+    backend: str = "nccl"
+    _group: object = field(default=None, init=False, repr=False)
 
     async def init_group(self) -> None:
         world = 1 + sum(self.engine_tp_sizes)
@@ -108,15 +110,15 @@ class DistributedPusher:
             posts = [asyncio.create_task(_post(session, url, "/init_weights_update_group", {
                 "master_address": self.master_address, "master_port": self.master_port,
                 "rank_offset": off, "world_size": world, "group_name": self.group_name,
-                "backend": "nccl"}, self.api_key)) for url, off in zip(self.urls, offsets)]
+                "backend": self.backend}, self.api_key)) for url, off in zip(self.urls, offsets)]
             # the engines block in the rendezvous until we join it too
             self._group = await asyncio.to_thread(
                 init_custom_process_group, self.master_address, self.master_port, 0, world,
-                self.group_name)
+                self.group_name, self.backend)
             await asyncio.gather(*posts)
 
     async def push(self, named: Sequence[tuple[str, Tensor]], weight_version: int | str) -> None:
-        """Broadcast CUDA tensors (transformers names) while every engine receives them."""
+        """Broadcast tensors (transformers names; CUDA for nccl) while every engine receives them."""
         if self._group is None:
             raise RuntimeError("call init_group() first")
         body = {"names": [n for n, _ in named],
@@ -127,8 +129,9 @@ class DistributedPusher:
 
         def broadcast() -> None:
             for _, t in named:
-                torch.distributed.broadcast(t.contiguous(), src=0, group=self._group)
-            torch.cuda.synchronize()
+                torch.distributed.broadcast(t.contiguous(), group=self._group, group_src=0)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
 
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         async with aiohttp.ClientSession(timeout=timeout) as session:

@@ -1,0 +1,109 @@
+"""The pieces a cell agent is built from: flat gradients, the wire format, the trainer process."""
+
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+from gyre.config import TrainConfig
+from gyre.train.batch import MicroBatch, expanded_batch, from_wire, to_wire
+from gyre.train.toy import random_qwen2
+
+
+def _batch(rows=(0, 1)):
+    seqs = [[1, 2, 3, 40, 41, 42], [9, 8, 70, 71]]
+    plens = [3, 2]
+    pick = list(rows)
+    return expanded_batch([seqs[r] for r in pick], [plens[r] for r in pick],
+                          old_logprobs=[[-4.0] * (len(seqs[r]) - plens[r]) for r in pick],
+                          advantages=[1.0, -0.5][: len(pick)], execution_index=pick, temperature=0.9)
+
+
+def _trainer(backend):
+    cfg = TrainConfig(backend=backend, dtype="float32", lr=1e-2, adam_eps=1.0)
+    hf = random_qwen2(seed=0, std=0.1)
+    if backend == "megatron":
+        from gyre.train.megatron_trainer import MegatronTrainer
+
+        return MegatronTrainer(cfg, hf.config, hf.state_dict())
+    from gyre.train.trainer import EmbeddedTrainer
+
+    return EmbeddedTrainer(cfg, hf)
+
+
+@pytest.mark.parametrize("backend", ["embedded", "megatron"])
+def test_flat_gradients_summed_outside_apply_exactly(backend):
+    """Two replicas' flat gradients, summed and applied, give the step of one trainer doing both
+    micro-batches; clearing leaves the trainer between steps (offload works)."""
+    one, two = _trainer(backend), _trainer(backend)
+    a, b = _batch([0]), _batch([1])
+    one.forward_backward(a)
+    one.forward_backward(b)
+    ref = one.optimizer_step()
+
+    assert float(two.flat_grads().abs().sum()) == 0  # nothing accumulated yet: zeros
+    two.forward_backward(a)
+    ga = two.flat_grads()
+    two.clear_gradients()
+    two.forward_backward(b)
+    gb = two.flat_grads()
+    two.clear_gradients()
+    assert ga.shape == (two.num_grad_elements(),) and ga.dtype == torch.float32
+    two.offload()  # between steps again
+    two.restore()
+    two.set_flat_grads(ga + gb)
+    out = two.apply_gradients()
+    assert out["step"] == 1 and out["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-6)
+    pa, pb = one.hf_state_dict(), two.hf_state_dict()
+    assert max(float((pa[k] - pb[k]).abs().max()) for k in pa) <= 1e-6
+    with pytest.raises(ValueError, match="flat gradients have shape"):
+        two.set_flat_grads(torch.zeros(3))
+
+
+def test_wire_round_trip_is_exact_and_checked():
+    mb = _batch()
+    wire = to_wire(mb)
+    assert all(isinstance(v, (np.ndarray, float)) for v in wire.values())
+    back = from_wire(wire)
+    for name in MicroBatch.__dataclass_fields__:
+        x, y = getattr(mb, name), getattr(back, name)
+        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+    del wire["target_ids"]
+    with pytest.raises(ValueError, match="target_ids"):
+        from_wire(wire)
+
+
+def test_trainer_process_survives_nothing_but_reports_everything(tmp_path):
+    from gyre.engine.tiny_model import ensure_tiny_model
+    from gyre.train.worker import TrainerDied, TrainerError, TrainerProcess
+
+    model = ensure_tiny_model(tmp_path / "tiny")
+    tp = TrainerProcess(TrainConfig(dtype="float32"), model, offloaded=True, timeout_s=60)
+    try:
+        ticks = []
+        tp.wait_ready(on_wait=lambda: ticks.append(1))
+        assert tp.step == 0 and tp.num_grad_elements > 0
+        with pytest.raises(TrainerError, match="offload only between steps|already offloaded"):
+            tp.offload()  # an error in the trainer: the process stays usable
+        tp.restore()
+        assert np.count_nonzero(tp.grads()) == 0
+        stats = tp.forward_backward(to_wire(_batch()))
+        assert stats["targets"] == _batch().num_targets
+        g = tp.grads(clear=True)
+        assert g.dtype == np.float32 and g.shape == (tp.num_grad_elements,) and np.abs(g).sum() > 0
+        out = tp.apply(g)
+        assert out["step"] == 1 == tp.step and out["grad_norm"] > 0
+        tp.save_checkpoint(tmp_path / "ckpt")
+        tp.load_checkpoint(tmp_path / "ckpt")
+        tp.offload()  # loaded tensors are releasable (Trainer.own_storage)
+        tp.restore()
+        tp.export_weights(tmp_path / "w1", tp.step)
+        assert (tmp_path / "w1" / "model.safetensors").exists()
+        os.kill(tp.pid, signal.SIGKILL)
+        with pytest.raises(TrainerDied, match="SIGKILL"):
+            tp.forward_backward(to_wire(_batch()))
+        assert not tp.alive()
+    finally:
+        tp.close()
