@@ -95,7 +95,11 @@ class Head:
         self.t0 = time.time()
         self.records_buffer: list = []
         self.errors: list[str] = []
+        self.events: list[dict] = []      # restarts and failures, for the report
+        self.cell_info: dict[int, dict] = {}
+        self._cells_written = 0.0
         self.harness_errors = 0
+        self.status_counts: dict[str, int] = {}
 
     # ---- messages from cells (called in the event loop) -----------------------------------
     def on_message(self, msg) -> None:
@@ -108,6 +112,9 @@ class Head:
         elif isinstance(msg, Event):
             cell = self.cells[msg.cell]
             cell.last_seen = now
+            self.cell_info[cell.id] = {**self.cell_info.get(cell.id, {}), **msg.info}
+            if msg.kind not in ("heartbeat", "hello"):
+                self.events.append({"t": now - self.t0, "cell": cell.id, "kind": msg.kind, "info": msg.info})
             if msg.kind == "hello":
                 cell.engine_url, cell.hostname = msg.info["engine_url"], msg.info.get("hostname", "")
                 cell.since = now
@@ -242,6 +249,8 @@ class Head:
     # ---- one tick ----------------------------------------------------------------------------
     async def tick(self, now: float) -> None:
         self._check_heartbeats(now)
+        if now - self._cells_written > 0.5:
+            self._write_cells(now)
         decision = self.policy.decide(self.state(now), now)
         for sw in decision.switches:
             cell = self.cells[sw.cell]
@@ -337,6 +346,7 @@ class Head:
             rec.reward_source, rec.passed, rec.total = ev.source, ev.passed, ev.total
         else:
             rec.reward_source = f"not-evaluated: {status}" + (f" ({err})" if err else "")
+        self.status_counts[status] = self.status_counts.get(status, 0) + 1
         if status != "done":
             self.harness_errors += status in ("failed", "crashed")
         g.records[eid] = rec
@@ -511,6 +521,18 @@ class Head:
         self._save_state()
 
     # ---- persistence -------------------------------------------------------------------------
+    def _write_cells(self, now: float) -> None:
+        """cells.json: what each cell is doing now (for `gyre status`, operators, fault tests)."""
+        self._cells_written = now
+        rows = [{"cell": c.id, "role": c.role.value, "since": c.since - self.t0, "engine_url": c.engine_url,
+                 "mb_in_flight": c.mb_in_flight, **{k: self.cell_info.get(c.id, {}).get(k)
+                                                    for k in ("hostname", "engine_pid", "trainer_pid")}}
+                for c in self.cells]
+        tmp = self.run_dir / "cells.json.tmp"
+        tmp.write_text(json.dumps({"version": self.version, "step_mbs_left": len(self.step.queue),
+                                   "cells": rows}))
+        os.replace(tmp, self.run_dir / "cells.json")
+
     def _flush(self, force: bool = False) -> None:
         if self.records_buffer and (force or len(self.records_buffer) >= self.cfg.store.executions_per_shard):
             self.writer.write(self.records_buffer)
@@ -549,7 +571,8 @@ class Head:
             cells.append({**cell_stats(c, self.t0, t1, busy), "switch_phases": c.switch_phases})
         return {"scheme": self.cfg.sched.scheme, "label": f"{self.cfg.sched.scheme}{self.cfg.sched.staleness}",
                 "steps": self.step_log, "cells": cells, "wall_s": t1 - self.t0, "stopped": stopped,
-                "errors": self.errors, "harness_errors": self.harness_errors,
+                "errors": self.errors, "harness_errors": self.harness_errors, "events": self.events,
+                "executions": self.status_counts, "version": self.version,
                 "intervals": {c.id: c.intervals for c in self.cells}}
 
     def _urls_of(self, cell: Cell) -> set[str]:

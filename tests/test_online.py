@@ -1,0 +1,159 @@
+"""The whole online loop on one machine: `gyre run` = 1 head + 3 cell agents under mpiexec, with
+engines, trainer processes, harness processes, evaluators and shards all real. Small sizes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["harness.group_size=4", "harness.concurrency=8", "sched.min_dwell_s=0.5", "eval.workers=2"]
+
+
+def gyre_run(run_dir: Path, *over: str, steps: int = 2, resume: bool = False, wait: bool = True, timeout: float = 400):
+    cmd = [sys.executable, "-m", "gyre.cli", "run", "--config", str(ROOT / "launchers" / "demo.toml"), "--no-plots"]
+    if resume:
+        cmd.append("--resume")
+    cmd += [f"run.dir={run_dir}", f"run.steps={steps}", *SMALL, *over]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            start_new_session=True)
+    if not wait:
+        return proc
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return proc.returncode, out
+
+
+def report(run_dir: Path) -> dict:
+    return json.loads((run_dir / "report.json").read_text())
+
+
+def ledger(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines() if '"execution"' in line]
+
+
+def check_ledger(run_dir: Path) -> list[dict]:
+    """Every ended execution is trained once or recorded as not admitted, with its reason."""
+    from gyre.traj.store import iter_executions
+
+    rows = ledger(run_dir)
+    trained = Counter(r["execution"] for r in rows if r["admitted"])
+    assert all(n == 1 for n in trained.values()), trained.most_common(3)
+    for r in rows:
+        assert r["admitted"] or r["reason"], r
+    ended = {rec.execution_id for rec in iter_executions(run_dir / "shards")}
+    assert ended <= {r["execution"] for r in rows}
+    return rows
+
+
+def wait_for(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def cells(run_dir: Path) -> dict | None:
+    try:
+        return json.loads((run_dir / "cells.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def test_elastic_run_switches_both_ways_and_trains(tmp_path):
+    rc, out = gyre_run(tmp_path / "e")
+    assert rc == 0, out[-3000:]
+    rep = report(tmp_path / "e")
+    assert len(rep["steps"]) >= 2 and rep["version"] == 2
+    assert rep["harness_errors"] == 0 and set(rep["executions"]) == {"done"}, rep["executions"]
+    assert not rep["errors"]
+    for step in rep["steps"]:
+        assert step["grad_norm"] is not None and step["grad_norm"] > 0
+        assert step["staleness_max"] == 0  # E0: on-policy
+    roles = [[r for r, a, b in rep["intervals"][str(c)] if b > a] for c in range(3)]
+    went_train = [i for i, rs in enumerate(roles) if "train" in rs]
+    back = [i for i, rs in enumerate(roles) if "train" in rs and "rollout" in rs[rs.index("train"):]]
+    assert went_train and back, roles  # rollout -> train and train -> rollout both happened
+    for c in rep["cells"]:  # time adds up: roles + switching = wall
+        total = c["rollout_s"] + c["train_s"] + c["switching_s"] + c["failed_s"]
+        assert abs(total - c["wall_s"]) < 0.05 * c["wall_s"], c
+    rows = check_ledger(tmp_path / "e")
+    assert sum(r["admitted"] for r in rows) == 2 * 2 * 4  # steps x groups x G
+    assert (tmp_path / "e" / "weights" / "v2" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("scheme,extra", [("C", ["sched.staleness=0"]), ("A", ["sched.rollout_cells_async=1"])])
+def test_colocate_and_async_finish_with_cell_stats(tmp_path, scheme, extra):
+    rc, out = gyre_run(tmp_path / scheme, f"sched.scheme={scheme}", *extra)
+    assert rc == 0, out[-3000:]
+    rep = report(tmp_path / scheme)
+    assert rep["version"] == 2 and rep["label"].startswith(scheme)
+    assert {"rollout_s", "train_s", "switching_s", "idle_s", "utilisation"} <= set(rep["cells"][0])
+    if scheme == "A":  # fixed pools: cell 0 rolls out, the others train, nobody switches after start
+        assert rep["cells"][0]["train_s"] == 0 and all(c["switches"] <= 1 for c in rep["cells"])
+    else:  # colocate: the whole pool moves together
+        assert len({c["switches"] for c in rep["cells"]}) == 1
+    check_ledger(tmp_path / scheme)
+
+
+def test_engine_kill_mid_rollout_is_survived(tmp_path):
+    run_dir = tmp_path / "k"
+    proc = gyre_run(run_dir, wait=False)
+    info = wait_for(lambda: (c := cells(run_dir)) and all(x["engine_pid"] for x in c["cells"]) and c, 120, "cells.json")
+    time.sleep(2.0)  # rollout under way
+    victim = next(x for x in cells(run_dir)["cells"] if x["role"] == "rollout")
+    os.kill(victim["engine_pid"], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, out[-3000:]
+    rep = report(run_dir)
+    assert rep["version"] == 2 and rep["harness_errors"] == 0 and set(rep["executions"]) == {"done"}
+    restarts = [e for e in rep["events"] if e["kind"] == "engine_restarted"]
+    assert restarts and restarts[0]["cell"] == victim["cell"]
+    assert info
+
+
+def test_trainer_kill_mid_step_hands_work_to_others(tmp_path):
+    run_dir = tmp_path / "t"
+    proc = gyre_run(run_dir, "train.micro_batch_tokens=256", wait=False)
+    def training_cell():
+        c = cells(run_dir)
+        return c and next((x for x in c["cells"] if x["role"] == "train" and x["trainer_pid"]), None)
+    victim = wait_for(training_cell, 200, "a cell in train role")
+    os.kill(victim["trainer_pid"], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, out[-3000:]
+    rep = report(run_dir)
+    assert rep["version"] == 2 and not rep["errors"]
+    assert any(e["kind"] == "trainer_restarted" and e["cell"] == victim["cell"] for e in rep["events"])
+    check_ledger(run_dir)
+
+
+def test_sigterm_to_head_then_resume_trains_nothing_twice(tmp_path):
+    run_dir = tmp_path / "r"
+    proc = gyre_run(run_dir, steps=3, wait=False)
+    wait_for(lambda: (run_dir / "steps.jsonl").exists() and (run_dir / "steps.jsonl").read_text().strip(), 300,
+             "the first step")
+    os.kill(int((run_dir / "head.pid").read_text()), signal.SIGTERM)
+    out, _ = proc.communicate(timeout=200)
+    assert proc.returncode != 0, out[-2000:]
+    first = report(run_dir)
+    assert first["stopped"] and 1 <= first["version"] < 3
+    rc, out = gyre_run(run_dir, steps=3, resume=True)
+    assert rc == 0, out[-3000:]
+    steps = [json.loads(s)["step"] for s in (run_dir / "steps.jsonl").read_text().splitlines()]
+    assert sorted(steps) == [0, 1, 2]  # each step once, across the two jobs
+    check_ledger(run_dir)
