@@ -23,7 +23,8 @@ test: install
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
 
 demo: install
-	$(BIN)/gyre demo
+	rm -rf runs/demo
+	$(BIN)/gyre run --config launchers/demo.toml
 
 bench: install
 	@set -e; for b in benchmarks/bench_*.py; do \

@@ -508,10 +508,13 @@ class Head:
         for eid, gid, stal_e in s.admitted:  # written only now: admitted means trained in this step
             self._ledger(eid, self.groups[gid], admitted=True, staleness=stal_e, step=s.index)
         losses = [st.get("loss", 0.0) for st in s.stats]
+        ratios = [st["ratio_mean"] for st in s.stats if st.get("ratio_mean") is not None]
+        kls = [st["kl_old"] for st in s.stats if st.get("kl_old") is not None]
         row = {"step": s.index, "version": self.version, "groups": len(s.groups), "micro_batches": len(s.batches),
                "participants": [c.id for c in participants], "reward_mean": statistics.fmean(rewards) if rewards else None,
                "reward_n": len(rewards), "staleness_mean": statistics.fmean(stal) if stal else 0, "staleness_max": max(stal, default=0),
-               "loss": sum(losses), "grad_norm": next((r.info.get("grad_norm") for r in reps if r.info.get("grad_norm") is not None), None),
+               "loss": sum(losses), "ratio_mean": statistics.fmean(ratios) if ratios else None,
+               "kl_old_max": max(kls, default=None), "grad_norm": next((r.info.get("grad_norm") for r in reps if r.info.get("grad_norm") is not None), None),
                "reduce_s": reduce_s, "push_s": push_s, "t_start": s.started_at - self.t0, "t_end": time.time() - self.t0}
         self.step_log.append(row)
         self.steps_file.write(json.dumps(row) + "\n")
