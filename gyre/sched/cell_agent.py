@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gyre.config import ConfigError, GyreConfig, env, load_config
+from gyre.config import GyreConfig, env, load_config
 from gyre.engine.client import EngineClient
 from gyre.engine.launch import EngineProcess, start_engine
 from gyre.sched import mpi_link
@@ -78,9 +78,6 @@ def read_key_file(path: str | os.PathLike) -> str:
 class CellAgent:
     def __init__(self, comm, cfg: GyreConfig, *, run_dir: str | os.PathLike, model_dir: str | os.PathLike,
                  api_key: str, config_file: str | None = None, overrides: list[str] | None = None) -> None:
-        if cfg.engine.backend != "embedded":
-            raise ConfigError(f"engine.backend: the cell agent launches the embedded engine only; "
-                              f"{cfg.engine.backend!r} cells are not wired to it yet")
         self.comm = comm
         self.cell = mpi_link.rank_cell(comm.Get_rank())
         self.cfg, self.run_dir, self.model_dir = cfg, Path(run_dir), Path(model_dir)
@@ -350,8 +347,15 @@ class CellAgent:
     def _start_engine(self) -> None:
         """Start an engine serving what the last one served. It boots from the model directory
         (exported weights carry no tokenizer), then loads the current weights if they differ."""
-        eng = start_engine(self.model_dir, port=0, api_key=self.api_key, host=self.cfg.engine.host,
-                           extra_args=["--weight-version", "0", *self._engine_args])
+        if self.cfg.engine.backend == "sglang":  # GPU nodes: a real SGLang server (unchecked here)
+            from gyre.engine.sglang_launch import SGLangSpec, start_sglang
+
+            eng = start_sglang(SGLangSpec(str(self.model_dir), host=self.cfg.engine.host,
+                                          port=self.cfg.engine.port + self.cell, api_key=self.api_key,
+                                          tp=max(1, self.cfg.sched.gpus_per_node)))
+        else:
+            eng = start_engine(self.model_dir, port=0, api_key=self.api_key, host=self.cfg.engine.host,
+                               extra_args=["--weight-version", "0", *self._engine_args])
         if self.cfg.engine.host in ("0.0.0.0", ""):  # reachable from the head's node
             eng.url = eng.url.replace("127.0.0.1", socket.getfqdn())
         self.engine = eng
