@@ -25,7 +25,6 @@ import math
 import os
 import secrets
 import signal
-import socket
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -34,9 +33,8 @@ from pathlib import Path
 from gyre.config import GyreConfig, default_tiny_dir
 from gyre.sched.cells import Cell, cell_stats
 from gyre.sched.protocol import Command, Event, Reply
+from gyre.rollout import FINISHED
 from gyre.sched.state import ClusterState, ExecView, GroupView, Role
-
-FINISHED = ("done", "failed", "crashed", "timeout")
 
 
 @dataclass
@@ -331,24 +329,12 @@ class Head:
             self._spawn(self._execution(g, eid))
 
     async def _execution(self, g: Group, eid: str) -> None:
-        key = self.proxy.register(eid, task=g.task.name, group=g.id)
-        try:
-            res = await self.pool.run_execution(g.task, eid, api_key=key, base_url=self.base_url)
-            status, ws, err = res.status, res.workspace, res.error
-        except RuntimeError as e:
-            status, ws, err = "stopped", "", str(e)
-        rec = self.proxy.end(eid, status)
-        rec.workspace = ws
+        from gyre.rollout import run_and_evaluate
+
+        rec = await run_and_evaluate(self.proxy, self.pool, self.evaluators, g.task, eid, g.id, self.base_url)
         self.running.pop(eid, None)
-        if status in FINISHED:
-            ev = await self.evaluators.evaluate(g.task, ws, status)
-            rec.reward = float("nan") if ev.reward is None else float(ev.reward)
-            rec.reward_source, rec.passed, rec.total = ev.source, ev.passed, ev.total
-        else:
-            rec.reward_source = f"not-evaluated: {status}" + (f" ({err})" if err else "")
-        self.status_counts[status] = self.status_counts.get(status, 0) + 1
-        if status != "done":
-            self.harness_errors += status in ("failed", "crashed")
+        self.status_counts[rec.status] = self.status_counts.get(rec.status, 0) + 1
+        self.harness_errors += rec.status in ("failed", "crashed")
         g.records[eid] = rec
         self.records_buffer.append(rec)
         self._flush()
@@ -581,6 +567,3 @@ class Head:
     def _urls_of(self, cell: Cell) -> set[str]:
         return {cell.engine_url, *cell.old_urls}
 
-
-def hostname() -> str:
-    return socket.gethostname()

@@ -72,6 +72,29 @@ def plan(tasks, group_size: int, previous: dict[str, tuple[str, int]]) -> tuple[
     return todo, skipped
 
 
+async def run_and_evaluate(proxy, pool, evaluators, task, execution_id: str, group: int, base_url: str):
+    """One execution end to end: a key at the proxy, the harness, its tree, the evaluation.
+
+    Returns the ExecutionRecord: status, workspace, tree and (for executions that ended by
+    themselves) reward, passed/total and reward source; stopped ones say why they were not scored.
+    """
+    key = proxy.register(execution_id, task=task.name, group=group)
+    try:
+        result = await pool.run_execution(task, execution_id, api_key=key, base_url=base_url)
+        status, workspace, error = result.status, result.workspace, result.error
+    except RuntimeError as e:  # the pool is stopping: this execution never started
+        status, workspace, error = "stopped", "", str(e)
+    rec = proxy.end(execution_id, status)
+    rec.workspace = workspace
+    if status in FINISHED:
+        ev = await evaluators.evaluate(task, workspace, status)
+        rec.reward = float("nan") if ev.reward is None else float(ev.reward)
+        rec.reward_source, rec.passed, rec.total = ev.source, ev.passed, ev.total
+    else:
+        rec.reward_source = f"not-evaluated: {status}" + (f" ({error})" if error else "")
+    return rec
+
+
 def select_tasks(tasks: list, names: list[str]) -> list:
     if not names:
         return tasks
@@ -123,7 +146,7 @@ class Rollout:
         from gyre.traj.store import ShardWriter
 
         cfg, t0 = self.cfg, time.monotonic()
-        run_dir = private_dir(Path(cfg.run.dir))
+        private_dir(Path(cfg.run.dir))  # the run directory exists and is private before anything lands in it
         shard_dir = private_dir(cfg.shard_dir())
         tasks = select_tasks(load_suite(cfg.harness.suite), cfg.harness.tasks)
         previous = previous_executions(shard_dir) if resume else {}
@@ -178,28 +201,16 @@ class Rollout:
         return self.summary
 
     async def _one(self, p: Planned, proxy, pool, evaluators, base_url: str, writer, bar) -> None:
-        eid = p.execution_id
-        key = proxy.register(eid, task=p.task.name, group=0)  # one query = one group of G executions
-        try:
-            result = await pool.run_execution(p.task, eid, api_key=key, base_url=base_url)
-            status, workspace, error = result.status, result.workspace, result.error
-        except RuntimeError as e:  # the pool is stopping: this execution never started
-            status, workspace, error = "stopped", "", str(e)
-        rec = proxy.end(eid, status)
-        rec.workspace = workspace
-        if status in FINISHED:
-            ev = await evaluators.evaluate(p.task, workspace, status)
-            rec.reward = float("nan") if ev.reward is None else float(ev.reward)
-            rec.reward_source, rec.passed, rec.total = ev.source, ev.passed, ev.total
-            if ev.reward is None:
-                self.summary.unscorable += 1
-            else:
+        # one query = one group of G executions
+        rec = await run_and_evaluate(proxy, pool, evaluators, p.task, p.execution_id, 0, base_url)
+        if rec.status in FINISHED:
+            if math.isfinite(rec.reward):
                 self.summary.rewards.append(rec.reward)
                 self.summary.per_task.setdefault(p.task.name, []).append(rec.reward)
-        else:
-            rec.reward_source = f"not-evaluated: {status}" + (f" ({error})" if error else "")
+            else:
+                self.summary.unscorable += 1
         st = rec.tree.stats()
-        self.summary.executions[status] = self.summary.executions.get(status, 0) + 1
+        self.summary.executions[rec.status] = self.summary.executions.get(rec.status, 0) + 1
         self.summary.calls += st.calls
         self.summary.tokens += st.unique_tokens
         self._buffer.append(rec)
