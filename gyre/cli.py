@@ -1,7 +1,8 @@
 """The `gyre` command. Each subcommand lives in its own module, imported only when it runs,
 so `gyre --help` is fast and a missing optional dependency only breaks its own command.
 
-A subcommand module provides ``add_arguments(parser)`` and ``run(args) -> int``.
+A subcommand module provides ``add_arguments(parser)`` and ``run(args) -> int`` (or, where one
+module serves several commands, ``<prefix>add_arguments`` and ``<prefix>run``).
 """
 
 from __future__ import annotations
@@ -10,13 +11,16 @@ import argparse
 import importlib
 import sys
 
-# name -> (module, one-line help)
+# name -> (module[:prefix], one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("gyre.engine.cli", "serve a model over SGLang's RL HTTP subset (embedded engine)"),
     "proxy": ("gyre.proxy.cli", "run the token-in/token-out OpenAI-compatible proxy"),
     "make-model": ("gyre.engine.tiny_model", "build the embedded tiny Qwen-style model offline"),
     "rollout": ("gyre.rollout", "run G executions per task through the proxy, evaluate them, write shards"),
     "run": ("gyre.cluster.local", "run the online RL job on this machine (head + cells under mpiexec)"),
+    "train": ("gyre.train.cli", "policy-gradient steps from evaluated executions in HDF5 shards"),
+    "submit": ("gyre.cluster.slurm:submit_", "write and submit the heterogeneous Slurm job (launchers/gyre.sbatch)"),
+    "status": ("gyre.cluster.slurm:status_", "show a run's cells, roles and progress"),
     "inspect": ("gyre.traj.inspect", "summarise an HDF5 trajectory shard, draw one execution's tree"),
     "plan": ("gyre.sim.plan", "sweep cell layouts and schemes for a workload (for HPC admins)"),
 }
@@ -30,9 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name == wanted:
-            mod = importlib.import_module(module)
-            mod.add_arguments(p)
-            p.set_defaults(_run=mod.run)
+            modname, _, prefix = module.partition(":")
+            mod = importlib.import_module(modname)
+            getattr(mod, prefix + "add_arguments")(p)
+            p.set_defaults(_run=getattr(mod, prefix + "run"))
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):
         parser.print_help()
