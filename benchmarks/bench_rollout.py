@@ -36,19 +36,22 @@ AGENT = ["{python}", "-m", "gyre.harness.reference_agent", "--max-tokens", "48",
 CONCURRENCY = 8
 
 
-async def replay(url: str, calls: list[tuple[list[int], int]], concurrency: int) -> float:
+async def replay(url: str, executions: list[list[tuple[list[int], int]]], concurrency: int) -> float:
+    """Each execution's calls in order (so the prefix cache helps as it did live), `concurrency`
+    executions at a time, exactly the recorded input ids and output lengths."""
     sem = asyncio.Semaphore(concurrency)
 
-    async def one(s, ids, n):
+    async def one(s, calls):
         async with sem:
-            body = {"input_ids": ids, "return_logprob": True,
-                    "sampling_params": {"max_new_tokens": max(1, n), "temperature": 1.0, "ignore_eos": True}}
-            async with s.post(url + "/generate", json=body) as r:
-                await r.read()
+            for ids, n in calls:
+                body = {"input_ids": ids, "return_logprob": True,
+                        "sampling_params": {"max_new_tokens": max(1, n), "temperature": 1.0, "ignore_eos": True}}
+                async with s.post(url + "/generate", json=body) as r:
+                    await r.read()
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         t0 = time.perf_counter()
-        await asyncio.gather(*(one(s, ids, n) for ids, n in calls))
+        await asyncio.gather(*(one(s, calls) for calls in executions))
         return time.perf_counter() - t0
 
 
@@ -62,10 +65,12 @@ def main() -> dict:
         summary = asyncio.run(Rollout(cfg, progress=False).run())
         wall = time.perf_counter() - t0
         recs = list(iter_executions(Path(tmp) / "run" / "shards"))
-        calls = [(rec.tree.call_input_ids(c).tolist(), c.n_output) for rec in recs for c in rec.tree.calls]
+        per_exec = [[(rec.tree.call_input_ids(c).tolist(), c.n_output)
+                     for c in sorted(rec.tree.calls, key=lambda c: c.t_start)] for rec in recs]
+        calls = [c for ex in per_exec for c in ex]
         model = ensure_tiny_model(default_tiny_dir(cfg))
         with start_engine(model_dir=model) as eng:
-            engine_s = asyncio.run(replay(eng.url, calls, CONCURRENCY))
+            engine_s = asyncio.run(replay(eng.url, per_exec, CONCURRENCY))
     n_exec, n_calls = len(recs), len(calls)
     return {"executions": n_exec, "calls": n_calls, "wall_s": wall, "engine_replay_s": engine_s,
             "executions_per_hour": n_exec / wall * 3600, "calls_per_s": n_calls / wall,

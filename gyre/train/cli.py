@@ -224,7 +224,7 @@ def _console():
     from rich.console import Console
 
     # piped output (logs, tests) gets whole lines instead of rich's 80-column default
-    return Console(width=None if sys.stdout.isatty() else 160)
+    return Console(width=None if sys.stdout.isatty() else 160, markup=False, highlight=False)
 
 
 def _row(st: dict) -> list[str]:
@@ -308,7 +308,7 @@ def train(args: argparse.Namespace) -> int:
     console.print(f"trainer: {cfg.train.backend} on {trainer.device}, model {model_dir} "
                   f"({ident.get('model_hash', '?')[:16]}...), loaded in {time.perf_counter() - t0:.1f} s; "
                   f"selection k={spec.k}, layout {cfg.train.layout}, "
-                  f"micro_batch_tokens {cfg.train.micro_batch_tokens}", highlight=False)
+                  f"micro_batch_tokens {cfg.train.micro_batch_tokens}")
     table = Table(title=f"gyre train: {len(steps)} step(s)", title_justify="left")
     for c in COLUMNS:
         table.add_column(c, justify="right")
@@ -327,7 +327,7 @@ def train(args: argparse.Namespace) -> int:
         # one line per step while it runs (steps can take minutes); the table comes at the end
         console.print(f"step {st['step']}: loss {st['loss']:+.5f}  grad norm {st['grad_norm']:.4f}  "
                       f"tokens {st['tokens']:,}  time {st['time_s']:.2f} s  executions "
-                      f"{st['executions']}  trajectories {st['trajectories']}", highlight=False)
+                      f"{st['executions']}  trajectories {st['trajectories']}")
     console.print(table)
 
     ckpt = trainer.save_checkpoint(out_dir / "checkpoint")
@@ -345,7 +345,7 @@ def train(args: argparse.Namespace) -> int:
     tmp.replace(out_dir / "train.json")
     console.print(f"weights (engine layout, version {trainer.step}): {out_dir / 'weights'}  "
                   f"model_hash {new_ident['model_hash'][:16]}...\ncheckpoint: {ckpt}\n"
-                  f"log: {out_dir / 'train.json'}", highlight=False)
+                  f"log: {out_dir / 'train.json'}")
     return 0
 
 
@@ -362,7 +362,8 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`gyre train` on its own (what `gyre train ...` runs once registered in gyre.cli)."""
-    p = argparse.ArgumentParser(prog="gyre train", description=__doc__.split("\n\n")[1])
+    p = argparse.ArgumentParser(prog="gyre train", description="optimizer steps from evaluated "
+                                "executions in trajectory shards; exports engine weights and a checkpoint")
     add_arguments(p)
     return run(p.parse_args(argv))
 
