@@ -81,6 +81,8 @@ class Head:
         self.version = 0
         self.groups: dict[int, Group] = {}
         self.group_ids = itertools.count()
+        self.groups_started = 0                          # next group id: never reused, across resumes
+        self.start_version = 0                           # version when this job started (resume)
         self.mb_ids = itertools.count()
         self.step = OpenStep(0)
         self.step_log: list[dict] = []
@@ -189,6 +191,8 @@ class Head:
         self.steps_file = open(self.run_dir / "steps.jsonl", "a", buffering=1)
         if self.resume:
             self._load_state()
+        self.start_version = self.version
+        self._save_state()  # a stop before the first step close still resumes
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._stop.set)
@@ -231,6 +235,8 @@ class Head:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
             self._flush(force=True)
             self._close_ledger("run stopped" if stopped else "run ended")
+            if stopped:
+                self._save_state()  # the groups started since the last step close are counted: ids never reused
             self.evaluators.shutdown(wait=True)
             await runner.cleanup()
             for sig in (signal.SIGINT, signal.SIGTERM):
@@ -270,8 +276,8 @@ class Head:
         q = self.cfg.run.groups_per_step
         open_groups = sum(1 for g in self.groups.values() if g.state in ("running", "waiting", "assigned"))
         waiting = sum(1 for g in self.groups.values() if g.state == "waiting")
-        started = len(self.groups)
-        total = self.cfg.run.steps * q
+        started = len(self.groups)  # groups started by this job (a resumed job starts at its version)
+        total = (self.cfg.run.steps - self.start_version) * q
         tokens_left = self.step.tokens_left + (1.0 if self.step.reducing else 0.0)
         running = tuple(ExecView(i, g.id, g.started_version, t, 0, False)
                         for i, (eid, (g, t)) in enumerate(sorted(self.running.items())))
@@ -321,6 +327,7 @@ class Head:
     # ---- executions ----------------------------------------------------------------------------
     def _start_group(self, now: float) -> None:
         g = Group(next(self.group_ids), next(self.task_cycle), self.version, now)
+        self.groups_started = g.id + 1
         self.groups[g.id] = g
         for k in range(self.cfg.harness.group_size):
             eid = f"q{g.id}-{g.task.name}-g{k}"
@@ -530,7 +537,7 @@ class Head:
     def _save_state(self) -> None:
         self._flush(force=True)  # shards first: state never points past what is on disk
         tmp = self.run_dir / "state.json.tmp"
-        tmp.write_text(json.dumps({"version": self.version, "groups_started": len(self.groups),
+        tmp.write_text(json.dumps({"version": self.version, "groups_started": self.groups_started,
                                    "weights": self.weights_path(), "checkpoint": self.checkpoint_path()}))
         os.replace(tmp, self.run_dir / "state.json")
 
@@ -543,7 +550,8 @@ class Head:
         self.step = OpenStep(self.version)
         # groups of unfinished steps are rerun: what they recorded is in the shards and in the
         # ledger as not admitted, so nothing trains twice
-        self.group_ids = itertools.count(int(st["groups_started"]))
+        self.groups_started = int(st["groups_started"])
+        self.group_ids = itertools.count(self.groups_started)
         self.ledger.write(json.dumps({"resume": True, "version": self.version, "at": time.time()}) + "\n")
 
     # ---- report ----------------------------------------------------------------------------

@@ -84,6 +84,8 @@ async def run_and_evaluate(proxy, pool, evaluators, task, execution_id: str, gro
         status, workspace, error = result.status, result.workspace, result.error
     except RuntimeError as e:  # the pool is stopping: this execution never started
         status, workspace, error = "stopped", "", str(e)
+    except Exception as e:  # e.g. a reused id whose workspace is kept: recorded, never lost
+        status, workspace, error = "failed", "", f"{type(e).__name__}: {e}"
     rec = proxy.end(execution_id, status)
     rec.workspace = workspace
     if status in FINISHED:

@@ -307,11 +307,12 @@ def render_sbatch(cfg: GyreConfig, args: argparse.Namespace) -> str:
     tlimit = args.time or d.get("TIME", "24:00:00")
     lead = args.signal_lead if args.signal_lead is not None else int(d.get("SIGNAL_LEAD", "300"))
     cpus = args.head_cpus or int(d.get("HEAD_CPUS", "4"))
-    name = args.job_name or f"gyre-{cfg.run.name}"
+    name = args.job_name or cfg.run.name
     nodes = cfg.sched.cells * cfg.sched.cell_nodes
     lines = ["#!/bin/bash",
              f"# written by `gyre submit` from {TEMPLATE} (config {args.config})",
              f"#SBATCH --job-name={name}",
+             f"#SBATCH --chdir={Path.cwd()}",
              f"#SBATCH --time={tlimit}",
              f"#SBATCH --signal=B:USR1@{lead}",
              "#SBATCH --requeue" if not args.no_requeue else "#SBATCH --no-requeue",
