@@ -20,7 +20,7 @@ $(STAMP): setup.cfg pyproject.toml
 install: $(STAMP)
 
 test: install
-	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
 
 demo: install
 	rm -rf runs/demo

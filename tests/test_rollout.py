@@ -120,9 +120,12 @@ def test_sigterm_then_resume_runs_only_the_rest(tmp_path):
     assert len(final) == len(first) + (len(finished) - len(done_first))
 
 
-@pytest.mark.skipif(shutil.which("mini") is None, reason="mini-swe-agent is a dev dependency (make install)")
+MINI = shutil.which("mini", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+
+
+@pytest.mark.skipif(MINI is None, reason="mini-swe-agent is a dev dependency (make install)")
 def test_mini_swe_agent_runs_unmodified_through_the_proxy(tmp_path):
-    mini = ["mini", "-m", "openai/main", "-t", "{prompt}", "-y", "--exit-immediately", "-o", "{workspace}/traj.json",
+    mini = [MINI, "-m", "openai/main", "-t", "{prompt}", "-y", "--exit-immediately", "-o", "{workspace}/traj.json",
             "-c", "mini.yaml", "-c", "model.model_kwargs.api_base={base_url}", "-c", "agent.step_limit=3",
             "-c", "agent.cost_limit=0", "-c", "model.model_kwargs.max_tokens=24"]
     cfg = cfg_for(tmp_path / "run", "harness.group_size=1", 'harness.tasks=["fizzbuzz"]',
