@@ -60,7 +60,7 @@ class EngineConfig:
 @dataclass
 class ProxyConfig:
     host: str = _f("127.0.0.1")
-    port: int = _f(8000, min=0, max=65535)
+    port: int = _f(0, min=0, max=65535, help="0 = any free port (harnesses are given the URL)")
     max_body_bytes: int = _f(8 << 20, min=1024, help="largest request body accepted (bytes)")
     default_max_tokens: int = _f(512, min=1)
     max_tokens_cap: int = _f(4096, min=1)
