@@ -75,7 +75,9 @@ def cells(run_dir: Path) -> dict | None:
 
 
 def test_elastic_run_switches_both_ways_and_trains(tmp_path):
-    rc, out = gyre_run(tmp_path / "e")
+    # 8 executions at 3 per rollout cell need all 3 cells at each step's start, so every step
+    # moves cells rollout -> train as its executions end and train -> rollout for the next step
+    rc, out = gyre_run(tmp_path / "e", "sched.execs_per_cell=3")
     assert rc == 0, out[-3000:]
     rep = report(tmp_path / "e")
     assert len(rep["steps"]) >= 2 and rep["version"] == 2
