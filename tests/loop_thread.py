@@ -19,3 +19,29 @@ class LoopThread:
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
+
+
+class ServedApp:
+    """An aiohttp app served on loopback from its own background loop; `with` starts and stops it.
+
+    Subclasses build the app in `routes(app)` and get `self.url` (`http://127.0.0.1:PORT/v1`).
+    """
+
+    def routes(self, app) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def __enter__(self):
+        from aiohttp import web
+
+        from gyre.proxy.server import start_site
+
+        self._lt = LoopThread()
+        app = web.Application()
+        self.routes(app)
+        self.runner, port = self._lt.run(start_site(app, "127.0.0.1", 0), timeout=10)
+        self.url = f"http://127.0.0.1:{port}/v1"
+        return self
+
+    def __exit__(self, *exc):
+        self._lt.run(self.runner.cleanup(), timeout=10)
+        self._lt.close()

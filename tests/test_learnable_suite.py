@@ -1,15 +1,15 @@
 """The learnable suite: it loads, its pytest tests grade answer.txt like scoring.py does, and the
 answer_agent harness (a separate process) writes that file from a scripted OpenAI-compatible server."""
 
-import asyncio
 import copy
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 from aiohttp import web
+
+from loop_thread import ServedApp
 
 from gyre.harness.answer_agent import FOLLOW_UP
 from gyre.harness.builtin_learnable import scoring
@@ -73,15 +73,13 @@ def test_evaluator_grades_answers(tasks, tmp_path):
     assert (missing.reward, missing.passed) == (0.0, 0), missing
 
 
-class ScriptedServer:
+class ScriptedServer(ServedApp):
     """POST /v1/chat/completions answers the scripted assistant messages in order."""
 
     def __init__(self, script: list, status: int = 200):
         self.script, self.status = list(script), status
         self.requests: list[dict] = []
         self.served: list[dict] = []
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
     async def handle(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -93,26 +91,8 @@ class ScriptedServer:
         return web.json_response({"id": f"c{len(self.served)}", "object": "chat.completion", "model": body["model"],
                                   "choices": [{"index": 0, "message": message, "finish_reason": "stop"}]})
 
-    def __enter__(self):
-        self.thread.start()
-        app = web.Application()
+    def routes(self, app) -> None:
         app.router.add_post("/v1/chat/completions", self.handle)
-        self.runner = web.AppRunner(app)
-
-        async def start():
-            await self.runner.setup()
-            site = web.TCPSite(self.runner, "127.0.0.1", 0)
-            await site.start()
-            return site._server.sockets[0].getsockname()[1]
-
-        port = asyncio.run_coroutine_threadsafe(start(), self.loop).result(10)
-        self.url = f"http://127.0.0.1:{port}/v1"
-        return self
-
-    def __exit__(self, *exc):
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
 
 
 def run_agent(server, ws: Path, *flags):

@@ -6,11 +6,12 @@ import json
 import random
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 from aiohttp import web
+
+from loop_thread import ServedApp
 
 from gyre.harness.reference_agent import EXPLORER_SYSTEM, MAIN_SYSTEM
 from gyre.harness.tasks import BUILTIN_DIR, load_suite
@@ -18,7 +19,7 @@ from gyre.harness.tasks import BUILTIN_DIR, load_suite
 FIZZBUZZ = (Path(BUILTIN_DIR).parent / "builtin_solutions" / "fizzbuzz" / "fizzbuzz.py").read_text()
 
 
-class ScriptedServer:
+class ScriptedServer(ServedApp):
     """Serves /v1/chat/completions from per-model scripts (a list of assistant messages, or a
     function of the request) and records every request with its headers."""
 
@@ -26,8 +27,6 @@ class ScriptedServer:
         self.scripts = {k: (list(v) if isinstance(v, list) else v) for k, v in scripts.items()}
         self.requests: list[dict] = []
         self.served: list[dict] = []
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
     async def handle(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -46,26 +45,8 @@ class ScriptedServer:
                                   "choices": [{"index": 0, "message": message,
                                                "finish_reason": "tool_calls" if message.get("tool_calls") else "stop"}]})
 
-    def __enter__(self):
-        self.thread.start()
-        app = web.Application()
+    def routes(self, app) -> None:
         app.router.add_post("/v1/chat/completions", self.handle)
-        self.runner = web.AppRunner(app)
-
-        async def start():
-            await self.runner.setup()
-            site = web.TCPSite(self.runner, "127.0.0.1", 0)
-            await site.start()
-            return site._server.sockets[0].getsockname()[1]
-
-        port = asyncio.run_coroutine_threadsafe(start(), self.loop).result(10)
-        self.url = f"http://127.0.0.1:{port}/v1"
-        return self
-
-    def __exit__(self, *exc):
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
 
     def models(self):
         return [r["model"] for r in self.requests]
