@@ -16,7 +16,6 @@ Every compression in SWEEP is measured (keys `<tag>_...`); the top-level figures
 from __future__ import annotations
 
 import json
-import os
 import sys
 import tempfile
 import time
@@ -29,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gyre.config import StoreConfig  # noqa: E402
-from gyre.traj.store import ShardWriter, pack, read_shard  # noqa: E402
+from gyre.traj.store import ShardWriter, fsync_path, pack, read_shard  # noqa: E402
 from gyre.traj.synthetic import case_study  # noqa: E402
 
 EXECUTIONS = 16
@@ -42,23 +41,15 @@ SWEEP = {
 }
 
 
-def fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def npy_write(arrays: dict[str, np.ndarray], d: Path, sync: bool) -> float:
     t = time.perf_counter()
     for name, arr in arrays.items():
         p = d / f"{name}.npy"
         np.save(p, arr)
         if sync:
-            fsync(p)
+            fsync_path(p)
     if sync:
-        fsync(d)
+        fsync_path(d)
     return time.perf_counter() - t
 
 

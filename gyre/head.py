@@ -80,7 +80,6 @@ class Head:
         self.cells = [Cell(i, i + 1) for i in range(n_cells)]
         self.version = 0
         self.groups: dict[int, Group] = {}
-        self.group_ids = itertools.count()
         self.groups_started = 0                          # next group id: never reused, across resumes
         self.start_version = 0                           # version when this job started (resume)
         self.mb_ids = itertools.count()
@@ -326,8 +325,8 @@ class Head:
 
     # ---- executions ----------------------------------------------------------------------------
     def _start_group(self, now: float) -> None:
-        g = Group(next(self.group_ids), next(self.task_cycle), self.version, now)
-        self.groups_started = g.id + 1
+        g = Group(self.groups_started, next(self.task_cycle), self.version, now)
+        self.groups_started += 1
         self.groups[g.id] = g
         for k in range(self.cfg.harness.group_size):
             eid = f"q{g.id}-{g.task.name}-g{k}"
@@ -551,7 +550,6 @@ class Head:
         # groups of unfinished steps are rerun: what they recorded is in the shards and in the
         # ledger as not admitted, so nothing trains twice
         self.groups_started = int(st["groups_started"])
-        self.group_ids = itertools.count(self.groups_started)
         self.ledger.write(json.dumps({"resume": True, "version": self.version, "at": time.time()}) + "\n")
 
     # ---- report ----------------------------------------------------------------------------

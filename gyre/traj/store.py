@@ -173,7 +173,7 @@ def pack(records: list[ExecutionRecord]) -> dict[str, np.ndarray]:
 
 
 # -- writing --------------------------------------------------------------------------------
-def _fsync_path(path: Path) -> None:
+def fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -270,9 +270,9 @@ class ShardWriter:
                     f.attrs.update({f"sha256_{k}": v.result() for k, v in digests.items()})
                     f.flush()
                 os.chmod(tmp, 0o600)
-                _fsync_path(tmp)
+                fsync_path(tmp)
                 os.replace(tmp, final)
-                _fsync_path(self.dir)
+                fsync_path(self.dir)
             except BaseException:
                 tmp.unlink(missing_ok=True)
                 raise
