@@ -92,6 +92,9 @@ class Recorder:
     calls: list[SentCall] = field(default_factory=list)
     snapshots: dict[tuple[int, int], tuple] = field(default_factory=dict)
     rewritten: list[str] = field(default_factory=list)
+    # every tree seen stays alive, so id(tree) is never reused by a later tree (snapshots are
+    # keyed by it; a recycled id made fresh nodes look "rewritten")
+    trees: list = field(default_factory=list)
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> "Recorder":
         original = tree_mod.TrajectoryTree.add_call
@@ -107,6 +110,8 @@ class Recorder:
         return self
 
     def check(self, tree) -> None:
+        if not any(t is tree for t in self.trees):
+            self.trees.append(tree)
         for n in tree.nodes:
             snap = (n.parent, n.key, n.tokens.tobytes(), n.target_start, n.logprobs.tobytes(),
                     n.message_role, n.agent_role, n.policy_version, n.call_index)
