@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gyre.config import StoreConfig  # noqa: E402
-from gyre.traj.store import ShardWriter, fsync_path, pack, read_shard  # noqa: E402
+from gyre.fsio import fsync_path  # noqa: E402
+from gyre.traj.store import ShardWriter, pack, read_shard  # noqa: E402
 from gyre.traj.synthetic import case_study  # noqa: E402
 
 EXECUTIONS = 16

@@ -42,7 +42,7 @@ def model_config():
 
 
 def toy_batch(vocab: int):
-    from gyre.train.batch import expanded_batch
+    from gyre.batch import expanded_batch
 
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(1, vocab, (SEQ - 7 * i,), generator=g).tolist() for i in range(ROWS)]

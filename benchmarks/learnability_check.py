@@ -14,7 +14,7 @@ The loop is Gyre's, minus the processes and sockets:
 * reward: :func:`gyre.harness.builtin_learnable.scoring.reward`, the function the suite's pytest
   tests call (they ship a byte-identical copy), i.e. passed / test_case_count;
 * training: ``make_trainer(cfg.train, model_dir)`` (the embedded trainer), GRPO advantages from
-  :mod:`gyre.train.advantage`, one expanded :class:`MicroBatch` per step (prompt + answer rows,
+  :mod:`gyre.advantage`, one expanded :class:`MicroBatch` per step (prompt + answer rows,
   the answer tokens as targets, the engine's log-probs as ``old_logprobs``, each execution's
   tokens averaged) through :func:`gyre.train.loss.policy_loss`; then the weights are exported and
   the engine loads them (``update_weights_from_disk``), as the rollout cells do.
@@ -45,8 +45,8 @@ from gyre.harness.builtin_learnable import scoring
 from gyre.harness.tasks import load_suite
 from gyre.proxy.capture import ExecutionSession, Renderer, prepare_call
 from gyre.proxy.chat import parse_messages, parse_output
-from gyre.train.advantage import advantages
-from gyre.train.batch import expanded_batch
+from gyre.advantage import advantages
+from gyre.batch import expanded_batch
 from gyre.train.trainer import make_trainer
 from gyre.traj.record import ExecutionRecord
 

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gyre.fsio import atomic_write_json
 from gyre.config import GyreConfig, default_tiny_dir
 from gyre.sched.cells import Cell, cell_stats
 from gyre.sched.protocol import Command, Event, Reply
@@ -370,7 +371,7 @@ class Head:
             self._assign(self.groups[gv.id])
 
     def _assign(self, g: Group) -> None:
-        from gyre.train.batch import to_wire
+        from gyre.batch import to_wire
         from gyre.traj.materialize import materialize, prepare_step
 
         g.state, g.step = "assigned", self.step.index
@@ -523,10 +524,8 @@ class Head:
                  "mb_in_flight": c.mb_in_flight, **{k: self.cell_info.get(c.id, {}).get(k)
                                                     for k in ("hostname", "engine_pid", "trainer_pid")}}
                 for c in self.cells]
-        tmp = self.run_dir / "cells.json.tmp"
-        tmp.write_text(json.dumps({"version": self.version, "step_mbs_left": len(self.step.queue),
-                                   "cells": rows}))
-        os.replace(tmp, self.run_dir / "cells.json")
+        atomic_write_json(self.run_dir / "cells.json", {"version": self.version, "step_mbs_left": len(self.step.queue),
+                                                         "cells": rows})
 
     def _flush(self, force: bool = False) -> None:
         if self.records_buffer and (force or len(self.records_buffer) >= self.cfg.store.executions_per_shard):
@@ -535,10 +534,8 @@ class Head:
 
     def _save_state(self) -> None:
         self._flush(force=True)  # shards first: state never points past what is on disk
-        tmp = self.run_dir / "state.json.tmp"
-        tmp.write_text(json.dumps({"version": self.version, "groups_started": self.groups_started,
-                                   "weights": self.weights_path(), "checkpoint": self.checkpoint_path()}))
-        os.replace(tmp, self.run_dir / "state.json")
+        atomic_write_json(self.run_dir / "state.json", {"version": self.version, "groups_started": self.groups_started,
+                                                         "weights": self.weights_path(), "checkpoint": self.checkpoint_path()})
 
     def _load_state(self) -> None:
         path = self.run_dir / "state.json"

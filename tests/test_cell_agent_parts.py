@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gyre.config import TrainConfig
-from gyre.train.batch import MicroBatch, expanded_batch, from_wire, to_wire
+from gyre.batch import MicroBatch, expanded_batch, from_wire, to_wire
 from gyre.train.toy import random_qwen2
 
 

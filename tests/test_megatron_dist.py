@@ -6,7 +6,7 @@ import torch
 import torch.multiprocessing as mp
 
 from gyre.config import TrainConfig
-from gyre.train.batch import expanded_batch
+from gyre.batch import expanded_batch
 from gyre.train.toy import random_qwen2
 
 SEQS = [[1, 2, 3, 40, 41, 42, 43], [1, 2, 3, 50, 51], [9, 8, 60, 61, 62, 63, 64, 65], [9, 8, 70]]
@@ -18,7 +18,7 @@ _CFG = TrainConfig(lr=1e-3, dtype="float32", adam_eps=1.0)
 
 
 def _batch(rows, num_executions):
-    from gyre.train.batch import per_execution_weights
+    from gyre.batch import per_execution_weights
 
     seqs = [SEQS[r] for r in rows]
     old = [[-4.0] * (len(SEQS[r]) - PLENS[r]) for r in rows]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from gyre.train.batch import MicroBatch, causal_mask
+from gyre.batch import MicroBatch, causal_mask
 from gyre.train.dist import init_megatron
 from gyre.train.loss import token_logprobs
 from gyre.train.toy import random_qwen2, tiny_qwen2_config

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gyre.config import TrainConfig
-from gyre.train.batch import expanded_batch
+from gyre.batch import expanded_batch
 from gyre.train.trainer import make_trainer
 from gyre.train.weights_push import push_from_disk
 

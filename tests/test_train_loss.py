@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from gyre.train.advantage import advantages
-from gyre.train.batch import MicroBatch, per_execution_weights
+from gyre.advantage import advantages
+from gyre.batch import MicroBatch, per_execution_weights
 from gyre.train.loss import policy_loss, staleness_factor, token_logprobs
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gyre.config import TrainConfig
-from gyre.train.batch import expanded_batch
+from gyre.batch import expanded_batch
 from gyre.train.export import atomic_dir
 from gyre.train.toy import random_qwen2
 

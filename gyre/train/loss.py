@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from gyre.train.batch import MicroBatch
+from gyre.batch import MicroBatch
 
 
 def token_logprobs(logits: Tensor, mb: MicroBatch) -> Tensor:

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from gyre.config import TrainConfig
-from gyre.train.batch import MicroBatch
+from gyre.batch import MicroBatch
 from gyre.train.dist import init_megatron
 from gyre.train.offload import HostStash, PhaseTimer
 from gyre.train.trainer import Trainer, _timings, torch_dtype

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from gyre.config import TrainConfig
-from gyre.train.batch import MicroBatch
+from gyre.batch import MicroBatch
 from gyre.train.export import load_hf_dir, save_torch_atomic, write_hf_weights
 from gyre.train.loss import policy_loss, token_logprobs
 from gyre.train.offload import HostStash, PhaseTimer

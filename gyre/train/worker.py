@@ -82,7 +82,7 @@ class TrainerProcess:
 
     # --- the Trainer API ----------------------------------------------------------------------
     def forward_backward(self, wire_mb: dict, **kw) -> dict:
-        """One micro-batch (:func:`gyre.train.batch.to_wire` form); returns its loss stats."""
+        """One micro-batch (:func:`gyre.batch.to_wire` form); returns its loss stats."""
         return self._call("forward_backward", wire_mb, **kw)
 
     def grads(self, clear: bool = False, **kw) -> np.ndarray:
@@ -183,7 +183,7 @@ class TrainerProcess:
 def _handlers(trainer) -> dict[str, Callable]:
     import torch
 
-    from gyre.train.batch import from_wire
+    from gyre.batch import from_wire
 
     def grads(clear: bool) -> np.ndarray:
         g = trainer.flat_grads().numpy().astype(np.float32, copy=True)

@@ -28,8 +28,8 @@ from typing import Callable, Iterator, Sequence, TypeVar
 import numpy as np
 import torch
 
-from gyre.train.advantage import ESTIMATORS, advantages as group_advantages
-from gyre.train.batch import MicroBatch
+from gyre.advantage import ESTIMATORS, advantages as group_advantages
+from gyre.batch import MicroBatch
 from gyre.traj.record import ExecutionRecord
 from gyre.traj.select import SelectionSpec, select_leaves
 from gyre.traj.tree import ROOT, TrajectoryTree

@@ -26,6 +26,7 @@ import h5py
 import numpy as np
 
 import gyre
+from gyre.fsio import fsync_path
 from gyre.traj.record import ExecutionRecord
 from gyre.traj.tree import CallRecord, Node, TrajectoryTree
 
@@ -173,14 +174,6 @@ def pack(records: list[ExecutionRecord]) -> dict[str, np.ndarray]:
 
 
 # -- writing --------------------------------------------------------------------------------
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 DESCRIPTIONS = {
     "tokens": "int32 token ids of every node of every execution, concatenated (nodes.token_start/length)",
     "logprobs": "float32 behaviour log-probs of target tokens only, concatenated (nodes.logprob_start)",

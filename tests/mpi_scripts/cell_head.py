@@ -30,7 +30,7 @@ ROWS = [([1, 2, 3, 40, 41, 42, 43], 3, 1.0), ([1, 2, 3, 50, 51], 3, -1.0),
 def micro_batch(rows: list[int], num_executions: int):
     import torch
 
-    from gyre.train.batch import expanded_batch, per_execution_weights
+    from gyre.batch import expanded_batch, per_execution_weights
 
     seqs = [ROWS[r][0] for r in rows]
     plens = [ROWS[r][1] for r in rows]
@@ -136,7 +136,7 @@ def scenario(h: Head, run: Path, model: Path, out: dict) -> None:
     import torch
 
     from gyre.config import load_config
-    from gyre.train.batch import to_wire
+    from gyre.batch import to_wire
     from gyre.train.trainer import make_trainer
 
     torch.set_num_threads(1)
