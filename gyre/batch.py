@@ -27,6 +27,10 @@ class MicroBatch:
     staleness: Tensor        # [T] long: policy lag of the token's execution
     execution_index: Tensor  # [T] long
     temperature: float = 1.0  # engine sampling temperature: logprobs = log_softmax(logits / T)
+    # the same mask in O(S): query i sees key j iff j <= i < kv_end[b, j] (padding keys: 0).
+    # Set by materialization for tree and expanded rows; None for an arbitrary dense mask.
+    # The tree attention path (gyre.train.tree_attention) works from this instead of S x S.
+    kv_end: Tensor | None = None  # [B, S] long
 
     @property
     def num_targets(self) -> int:
@@ -56,8 +60,17 @@ class MicroBatch:
                 raise ValueError(f"{name} has shape {tuple(getattr(self, name).shape)}, expected ({T},)")
         if T and (int(self.pred_pos.min()) < 0 or int(self.pred_pos.max()) >= B * S):
             raise ValueError("pred_pos out of range")
+        if self.kv_end is not None and tuple(self.kv_end.shape) != (B, S):
+            raise ValueError(f"kv_end has shape {tuple(self.kv_end.shape)}, expected {(B, S)}")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
+
+
+def causal_kv_end(lengths: list[int], seq_len: int) -> Tensor:
+    """[B,S] `kv_end` of causal rows: each real key is seen up to its row's end, padding never."""
+    idx = torch.arange(seq_len)
+    n = torch.tensor(lengths, dtype=torch.long)[:, None]
+    return torch.where(idx[None, :] < n, n, torch.zeros_like(n))
 
 
 def causal_mask(lengths: list[int], seq_len: int) -> Tensor:
@@ -117,6 +130,7 @@ def expanded_batch(sequences: list[list[int]], prompt_lens: list[int], *, old_lo
         staleness=torch.tensor(stale, dtype=torch.long),
         execution_index=exe_t,
         temperature=temperature,
+        kv_end=causal_kv_end([len(s) for s in sequences], S),
     )
     mb.validate()
     return mb
@@ -127,21 +141,26 @@ def expanded_batch(sequences: list[list[int]], prompt_lens: list[int], *, old_lo
 # sender; numpy arrays are copied by value.
 
 def to_wire(mb: MicroBatch) -> dict:
-    """``{field: np.ndarray}`` plus ``temperature`` (float); inverse of :func:`from_wire`."""
+    """``{field: np.ndarray}`` plus ``temperature`` (float); inverse of :func:`from_wire`.
+    Optional fields that are None (``kv_end``) are left out."""
     out: dict = {}
     for f in fields(mb):
         v = getattr(mb, f.name)
+        if v is None:
+            continue
         out[f.name] = v.detach().cpu().numpy() if isinstance(v, Tensor) else float(v)
     return out
 
 
 def from_wire(d: dict) -> MicroBatch:
     """A validated MicroBatch from :func:`to_wire` output; a missing field is a clear error."""
+    optional = ("temperature", "kv_end")
     names = [f.name for f in fields(MicroBatch)]
-    missing = [n for n in names if n not in d and n != "temperature"]
+    missing = [n for n in names if n not in d and n not in optional]
     if missing:
         raise ValueError(f"micro-batch on the wire lacks {missing}")
-    values = {n: torch.from_numpy(np.ascontiguousarray(d[n])) for n in names if n != "temperature"}
+    values = {n: torch.from_numpy(np.ascontiguousarray(d[n])) for n in names
+              if n != "temperature" and n in d}
     mb = MicroBatch(**values, temperature=float(d.get("temperature", 1.0)))
     mb.validate()
     return mb

@@ -104,6 +104,7 @@ def _rows(mb, rows):
     out = copy.copy(mb)
     out.input_ids, out.position_ids = mb.input_ids[rows], mb.position_ids[rows]
     out.attention_mask = mb.attention_mask[rows]
+    out.kv_end = mb.kv_end[rows] if mb.kv_end is not None else None
     out.pred_pos = mb.pred_pos[keep] - r.start * S
     for name in ("target_ids", "old_logprobs", "advantages", "weights", "staleness", "execution_index"):
         setattr(out, name, getattr(mb, name)[keep])

@@ -15,7 +15,10 @@ from torch import Tensor
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from gyre.train.tree_attention import TreeMask
 
 
 class PositionalRotaryEmbedding(RotaryEmbedding):
@@ -33,13 +36,40 @@ class PositionalRotaryEmbedding(RotaryEmbedding):
         return emb.transpose(0, 1)[:, :, None, :].contiguous()  # [S, B, 1, dim]
 
 
+class TreeCoreAttention(DotProductAttention):
+    """Megatron's core-attention seam (`SelfAttentionSubmodules.core_attention`) for tree rows.
+
+    Given a `TreeMask` as attention_mask (passed through GPTModel -> TransformerBlock ->
+    SelfAttention unchanged), attention follows the tree: FlexAttention block masks on CUDA,
+    the exact block-sparse path on the CPU. Given a dense [B,1,S,S] bool mask it is Megatron's
+    own DotProductAttention. Tensor parallel 1 (heads are not split here).
+    """
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask,
+                attn_mask_type=None, attention_bias=None, packed_seq_params=None) -> Tensor:
+        if not isinstance(attention_mask, TreeMask):
+            return super().forward(query, key, value, attention_mask, attn_mask_type,
+                                   attention_bias, packed_seq_params)
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("tree attention takes no packed_seq_params or attention_bias")
+        # Megatron: [s, b, heads, d] -> [b, heads, s, d]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        scale = self.softmax_scale  # undo query-key layer scaling: the softmax multiplies it back
+        if self.config.apply_query_key_layer_scaling:
+            scale *= self.layer_number
+        out = attention_mask.attend(q, k, v, scale)  # [b, heads, s, d]
+        s, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)
+
+
 class QwenGPTModel(GPTModel):
     """GPTModel whose RoPE follows position_ids (tree depth for packed trees)."""
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor,
                 **kwargs) -> Tensor:
         if attention_mask is None:  # the default causal mask is built with device="cuda"
-            raise ValueError("pass an explicit [B,1,S,S] boolean attention_mask (True = masked)")
+            raise ValueError("pass an explicit [B,1,S,S] boolean attention_mask (True = masked) "
+                             "or a gyre.train.tree_attention.TreeMask")
         self.rotary_pos_emb.positions = position_ids
         try:
             return super().forward(input_ids, position_ids, attention_mask, **kwargs)
@@ -93,9 +123,11 @@ def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32,
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise ValueError(f"only plain RoPE is supported, got {rope}")
     theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = TreeCoreAttention
     model = QwenGPTModel(
         config=transformer_config(hf_config, dtype=dtype, use_cpu_initialization=use_cpu_initialization),
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=spec,
         vocab_size=hf_config.vocab_size,
         max_sequence_length=hf_config.max_position_embeddings,
         position_embedding_type="rope",

@@ -14,12 +14,17 @@ from gyre.config import TrainConfig
 from gyre.batch import MicroBatch
 from gyre.train.dist import init_megatron
 from gyre.train.offload import HostStash, PhaseTimer
-from gyre.train.trainer import Trainer, _timings, torch_dtype
+from gyre.train.base import ATTENTION_PATHS, Trainer, phase_timings, torch_dtype
+from gyre.train.tree_attention import TreeMask
 
 
 class MegatronTrainer(Trainer):
-    def __init__(self, cfg: TrainConfig, hf_config, hf_state: dict[str, Tensor], *, seed: int = 0) -> None:
+    def __init__(self, cfg: TrainConfig, hf_config, hf_state: dict[str, Tensor], *, seed: int = 0,
+                 attention: str = "tree") -> None:
         super().__init__(cfg)
+        if attention not in ATTENTION_PATHS:
+            raise ValueError(f"attention {attention!r}: choose one of {', '.join(ATTENTION_PATHS)}")
+        self.attention = attention
         init_megatron(seed=seed)
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -51,7 +56,11 @@ class MegatronTrainer(Trainer):
     # --- hooks --------------------------------------------------------------------------------
     def _logits(self, mb: MicroBatch) -> Tensor:
         self.ddp.train(torch.is_grad_enabled())
-        return self.ddp(mb.input_ids, mb.position_ids, mb.attention_mask)
+        if self.attention == "tree" and mb.kv_end is not None:
+            mask = TreeMask.build(mb.kv_end)  # TreeCoreAttention (megatron_model) follows it
+        else:
+            mask = mb.attention_mask
+        return self.ddp(mb.input_ids, mb.position_ids, mask)
 
     def _apply_gradients(self) -> float:
         from megatron.core.distributed import finalize_model_grads
@@ -141,7 +150,7 @@ class MegatronTrainer(Trainer):
             moved["params"] = stashes["params"].offload(
                 p for p in self.model.parameters() if p.device.type == self.device.type)
         self._offloaded = stashes
-        return _timings(timer, moved)
+        return phase_timings(timer, moved)
 
     def restore(self) -> dict:
         if self._offloaded is None:
@@ -161,7 +170,7 @@ class MegatronTrainer(Trainer):
             else:
                 moved["optimizer"] = self._offloaded["optimizer"].restore()
         self._offloaded = None
-        return _timings(timer, moved)
+        return phase_timings(timer, moved)
 
     # --- checkpoint ---------------------------------------------------------------------------
     def _state(self) -> dict:

@@ -435,6 +435,7 @@ def build_micro_batch(plan: MicroBatchPlan, temperature: float = 1.0
         staleness=torch.from_numpy(cat["stale"].astype(np.int64)),
         execution_index=torch.from_numpy(cat["exe"].astype(np.int64)),
         temperature=temperature,
+        kv_end=end_t,  # the same structure in O(S), for the tree attention path
     )
     keys = np.stack([cat["exe"], cat["node"], cat["offset"]], axis=1).astype(np.int64)
     return mb, keys

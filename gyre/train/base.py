@@ -1,0 +1,238 @@
+"""The trainer interface the rest of Gyre uses, and what every backend shares.
+
+One seam, several backends (ARCHITECTURE.md invariant 7), picked by name from
+`gyre.train.backends.BACKENDS`: the embedded torch trainer (gyre.train.trainer) for one machine,
+Megatron-Core (gyre.train.megatron_trainer) for clusters. A step is
+
+    for mb in micro_batches: trainer.forward_backward(mb)   # gradients accumulate (loss is a sum)
+    trainer.optimizer_step()                                # clip, update, zero grads, step += 1
+
+Backends import this module; it imports no backend, and backends do not import each other.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from gyre.batch import MicroBatch
+from gyre.config import TrainConfig
+from gyre.train.export import save_torch_atomic, write_hf_weights
+from gyre.train.loss import policy_loss, token_logprobs
+from gyre.train.offload import PhaseTimer
+
+ATTENTION_PATHS = ("tree", "dense")  # tree: work follows kv_end (tree_attention); dense: S x S mask
+
+CHECKPOINT_FILE = "trainer.pt"
+_MEAN_STATS = ("ratio_mean", "clip_frac", "logp_mean", "kl_old")  # averaged over targets
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+class Trainer(ABC):
+    """Backend-independent part: loss, step statistics, export and checkpoint files."""
+
+    hf_config: object
+    device: torch.device
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        self.step = 0
+        self._reset_step_stats()
+
+    # --- backend hooks ---------------------------------------------------------------------
+    @abstractmethod
+    def _logits(self, mb: MicroBatch) -> Tensor:
+        """[B, S, V] logits of the current policy."""
+
+    @abstractmethod
+    def _apply_gradients(self) -> float:
+        """Reduce, clip and apply the accumulated gradients, zero them; returns the grad norm."""
+
+    @abstractmethod
+    def hf_state_dict(self) -> dict[str, Tensor]:
+        """The current weights in transformers naming and layout."""
+
+    @abstractmethod
+    def offload(self) -> dict:
+        """Release accelerator memory (params, grads, optimizer state) between steps; returns
+        seconds per phase (`params_s`, `grads_s`, `optimizer_s`, `total_s`) and `bytes` moved."""
+
+    @abstractmethod
+    def restore(self) -> dict:
+        """Undo `offload` bit-identically; returns timings like `offload`."""
+
+    def _check_between_steps(self) -> None:
+        # gradients of a half-done step are not carried over a role switch
+        if self._acc["micro_batches"]:
+            raise RuntimeError("offload only between steps: call optimizer_step() first")
+
+    @abstractmethod
+    def _state(self) -> dict:
+        """Model and optimizer state for a checkpoint."""
+
+    @abstractmethod
+    def _load_state(self, state: dict) -> None: ...
+
+    @property
+    def rank(self) -> int:
+        return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+    def _barrier(self) -> None:
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+
+    # --- training ---------------------------------------------------------------------------
+    def _reset_step_stats(self) -> None:
+        self._acc = {"loss": 0.0, "targets": 0, "tokens": 0, "micro_batches": 0, "fwd_bwd_s": 0.0,
+                     **{k: 0.0 for k in _MEAN_STATS}}
+
+    def forward_backward(self, mb: MicroBatch) -> dict:
+        """Loss and gradients of one micro-batch, added to the gradients of the step so far."""
+        t0 = time.perf_counter()
+        mb = mb.to(self.device)
+        loss, stats = policy_loss(self._logits(mb), mb, self.cfg.clip_low, self.cfg.clip_high,
+                                  clip=self.cfg.clip, staleness_weights=self.cfg.staleness_weights)
+        loss.backward()
+        stats["fwd_bwd_s"] = time.perf_counter() - t0
+        a = self._acc
+        for k in ("loss", "targets", "tokens", "fwd_bwd_s"):
+            a[k] += stats[k]
+        for k in _MEAN_STATS:
+            a[k] += stats[k] * stats["targets"]
+        a["micro_batches"] += 1
+        return stats
+
+    def optimizer_step(self) -> dict:
+        """Apply the step's gradients; returns the step's statistics including grad_norm."""
+        t0 = time.perf_counter()
+        return self._finish_step(self._apply_gradients(), t0)
+
+    # --- gradients reduced outside the trainer (cells summing over MPI) ----------------------
+    @abstractmethod
+    def _grad_views(self, create: bool) -> list[Tensor]:
+        """One float32 gradient tensor per parameter, in a fixed order that is the same in every
+        replica; None where a parameter has no gradient yet, unless `create` (then zeros)."""
+
+    @abstractmethod
+    def _apply_set_gradients(self) -> float:
+        """Clip and apply gradients that `set_flat_grads` wrote (no reduction), zero them;
+        returns the grad norm."""
+
+    def flat_grads(self) -> Tensor:
+        """This step's accumulated gradients as one flat float32 CPU vector (zeros if none)."""
+        parts = [g.detach().reshape(-1).float().cpu() if g is not None else torch.zeros(n)
+                 for g, n in zip(self._grad_views(False), self._param_sizes())]
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+    def num_grad_elements(self) -> int:
+        return sum(self._param_sizes())
+
+    def set_flat_grads(self, vec: Tensor) -> None:
+        """Replace the accumulated gradients with `vec` (the layout of `flat_grads`)."""
+        vec = torch.as_tensor(vec)
+        if vec.ndim != 1 or vec.numel() != self.num_grad_elements():
+            raise ValueError(f"flat gradients have shape {tuple(vec.shape)}; this model needs "
+                             f"({self.num_grad_elements()},)")
+        off = 0
+        for g in self._grad_views(True):
+            n = g.numel()
+            g.copy_(vec[off:off + n].view_as(g))
+            off += n
+
+    def apply_gradients(self) -> dict:
+        """`optimizer_step` for gradients set with `set_flat_grads` (already summed over every
+        replica of the step, so no data-parallel reduction runs here)."""
+        t0 = time.perf_counter()
+        return self._finish_step(self._apply_set_gradients(), t0)
+
+    @abstractmethod
+    def clear_gradients(self) -> None:
+        """Drop this step's gradients and statistics (after handing them elsewhere); the
+        trainer is then between steps, so `offload` works."""
+
+    @torch.no_grad()
+    def own_storage(self) -> int:
+        """Give every parameter and optimizer tensor a storage `offload` can release.
+
+        Weights memory-mapped by transformers and tensors from `torch.load` have fixed-size
+        storages, which `HostStash` cannot shrink; each such storage is copied once and its
+        tensors (views included) moved onto the copy in place, so every reference stays valid.
+        Returns the number of storages copied. Call after construction and `load_checkpoint`.
+        """
+        copies: dict[int, torch.UntypedStorage] = {}
+        for t in [*self.model.parameters(), *self._optimizer_tensors()]:
+            st = t.untyped_storage()
+            if st.resizable() or st.nbytes() == 0:
+                continue
+            new = copies.setdefault(st.data_ptr(), st.clone())
+            t.set_(new, t.storage_offset(), t.size(), t.stride())
+        return len(copies)
+
+    def _param_sizes(self) -> list[int]:
+        return [p.numel() for p in self._grad_params()]
+
+    @abstractmethod
+    def _grad_params(self) -> list[Tensor]:
+        """The parameters `_grad_views` follows, same order."""
+
+    def _finish_step(self, grad_norm: float, t0: float) -> dict:
+        self.step += 1
+        a = self._acc
+        out = {k: a[k] for k in ("loss", "targets", "tokens", "micro_batches", "fwd_bwd_s")}
+        out.update({k: a[k] / max(a["targets"], 1) for k in _MEAN_STATS})
+        out.update(step=self.step, grad_norm=grad_norm, optimizer_s=time.perf_counter() - t0)
+        self._reset_step_stats()
+        return out
+
+    @torch.no_grad()
+    def logprobs(self, mb: MicroBatch) -> Tensor:
+        """Current log-probs of the micro-batch's targets (float32, on the CPU)."""
+        mb = mb.to(self.device)
+        return token_logprobs(self._logits(mb), mb).cpu()
+
+    # --- files ------------------------------------------------------------------------------
+    def export_weights(self, out_dir: str | os.PathLike, weight_version: int | str) -> Path:
+        """Write the weights in transformers layout (config.json + model.safetensors) atomically."""
+        state = self.hf_state_dict()
+        if self.rank == 0:
+            write_hf_weights(out_dir, state, self.hf_config, weight_version)
+        self._barrier()
+        return Path(out_dir)
+
+    def save_checkpoint(self, path: str | os.PathLike) -> Path:
+        """Model, optimizer, step and RNG state; replaces `path` atomically."""
+        payload = {"step": self.step, "state": self._state(), "rng": torch.get_rng_state(),
+                   "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+        if self.rank == 0:  # data-parallel replicas hold the same state (tensor parallel = 1)
+            save_torch_atomic(path, payload, filename=CHECKPOINT_FILE)
+        self._barrier()
+        return Path(path)
+
+    def load_checkpoint(self, path: str | os.PathLike) -> None:
+        payload = torch.load(Path(path) / CHECKPOINT_FILE, map_location="cpu", weights_only=False)
+        self._load_state(payload["state"])
+        self.step = payload["step"]
+        torch.set_rng_state(payload["rng"])
+        if payload["cuda_rng"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(payload["cuda_rng"])
+        self._reset_step_stats()
+
+
+def phase_timings(timer: PhaseTimer, moved: dict) -> dict:
+    out = {f"{k}_s": v for k, v in timer.times.items()}
+    out["total_s"] = sum(timer.times.values())
+    out["bytes"] = sum(moved.values())
+    return out
+
+
+_timings = phase_timings  # the name megatron_trainer used before the move
