@@ -13,6 +13,7 @@ import torch
 
 from gyre.train.loss import policy_loss, token_logprobs
 from gyre.train.toy import random_qwen2, tiny_qwen2_config
+from gyre.train.tree_attention import TreeMask, register_hf_attention
 from gyre.traj.materialize import (TreeArrays, assign_to_groups, best_fit, materialize,
                                    prepare_step, union_preorder)
 from gyre.traj.record import ExecutionRecord
@@ -93,17 +94,25 @@ def model():
                         seed=0, std=0.2)
 
 
-def logits_of(model, mb):
+def logits_of(model, mb, attention="dense"):
+    if attention == "tree":  # the trainers' path: block-sparse attention from kv_end
+        model.config._attn_implementation = register_hf_attention()
+        tm = TreeMask.build(mb.kv_end, block=16)
+        try:
+            return model(input_ids=mb.input_ids, position_ids=mb.position_ids,
+                         attention_mask={"full_attention": tm}).logits
+        finally:
+            model.config._attn_implementation = "eager"
     # eager attention adds the mask: it must be 0 / dtype-min floats, not bools
     mask = torch.zeros(mb.attention_mask.shape).masked_fill(mb.attention_mask, torch.finfo(torch.float32).min)
     return model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mask).logits
 
 
-def loss_and_grads(model, mat):
+def loss_and_grads(model, mat, attention="dense"):
     model.zero_grad()
     total = 0.0
     for mb in mat:
-        loss, _ = policy_loss(logits_of(model, mb), mb, clip=False)
+        loss, _ = policy_loss(logits_of(model, mb, attention), mb, clip=False)
         loss.backward()
         total += float(loss.detach())
     return total, {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -299,9 +308,10 @@ def test_layouts_same_loss_and_gradients(model):
     step = prepare_step(records(), SelectionSpec(k="all"), step_version=5)
     results = {}
     for layout, budget in [("expanded", 4096), ("tree", 4096), ("tree", 200), ("expanded", 200)]:
-        results[layout, budget] = loss_and_grads(model, materialize(step.executions, layout=layout,
-                                                                    micro_batch_tokens=budget))
-    ref_loss, ref_grads = results["expanded", 4096]
+        for attention in ("dense", "tree"):
+            mat = materialize(step.executions, layout=layout, micro_batch_tokens=budget)
+            results[layout, budget, attention] = loss_and_grads(model, mat, attention)
+    ref_loss, ref_grads = results["expanded", 4096, "dense"]
     assert abs(ref_loss) > 1e-3
     scale = max(float(g.abs().max()) for g in ref_grads.values())
     assert scale > 1e-4

@@ -221,6 +221,9 @@ def _hf_tree_attention(module, query, key, value, attention_mask, scaling=None, 
 def register_hf_attention() -> str:
     """Register the tree attention with transformers (idempotent); returns its name."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, _hf_tree_attention)
+    # a forward without a mask (plain generation-style calls) gets eager's causal float mask
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, eager_mask)
     return ATTN_IMPLEMENTATION

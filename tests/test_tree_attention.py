@@ -1,0 +1,177 @@
+"""Tree attention (gyre.train.tree_attention): the O(S) `kv_end` structure equals the dense mask,
+the CPU block-sparse path equals dense attention (outputs and gradients), it skips the key
+blocks no query can see, the FlexAttention mask_mod encodes the same mask, and both trainers
+give the expanded layout's loss and gradients through it."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from gyre.batch import causal_kv_end
+from gyre.config import TrainConfig
+from gyre.train import tree_attention
+from gyre.train.toy import random_qwen2, tiny_qwen2_config
+from gyre.train.tree_attention import TreeMask, dense_mask, kv_end_from_mask, tree_mask_mod
+from gyre.traj.materialize import materialize, prepare_step
+from gyre.traj.record import ExecutionRecord
+from gyre.traj.select import SelectionSpec
+from gyre.traj.synthetic import Lengths, Shape, generate
+
+VOCAB = 96
+
+
+def records() -> list[ExecutionRecord]:
+    out = []
+    for i in range(3):
+        shape = Shape(calls=12, subagents=1, subagent_calls=3, compactions=1, retries=1,
+                      system=Lengths(10, 0.1), task=Lengths(6), assistant=Lengths(5), tool=Lengths(5),
+                      summary=Lengths(6), seed=i)
+        tree = generate(shape).tree
+        for n in tree.nodes:  # the tiny model's vocabulary; the tree keeps its structure
+            n.tokens = (n.tokens % (VOCAB - 1) + 1).astype(np.int32)
+        out.append(ExecutionRecord(f"e{i}", "t", 0, "done", [1.0, 0.0, 0.5][i], "tests", tree=tree))
+    return out
+
+
+@pytest.fixture(scope="module")
+def step():
+    return prepare_step(records(), SelectionSpec(k="all"), step_version=3)
+
+
+def batches(step, layout, budget):
+    return list(materialize(step.executions, layout=layout, micro_batch_tokens=budget))
+
+
+def dense_attention(q, k, v, mask, scale):
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    w = (q @ k.transpose(2, 3)) * scale
+    w = w.masked_fill(mask, torch.finfo(w.dtype).min)
+    return torch.softmax(w, -1) @ v
+
+
+@pytest.mark.parametrize("layout,budget", [("tree", 4096), ("tree", 300), ("expanded", 4096)])
+def test_kv_end_is_the_dense_mask(step, layout, budget):
+    for mb in batches(step, layout, budget):
+        assert torch.equal(dense_mask(mb.kv_end), mb.attention_mask)
+        assert torch.equal(kv_end_from_mask(mb.attention_mask), mb.kv_end)
+    # a mask that is not of the tree form has no kv_end
+    S = 6
+    full = torch.zeros(1, 1, S, S, dtype=torch.bool)  # everything visible, future included
+    assert kv_end_from_mask(full) is None
+    assert torch.equal(dense_mask(causal_kv_end([4, 6], S)),
+                       ~((torch.arange(S)[None, :] <= torch.arange(S)[:, None])[None]
+                         & (torch.arange(S) < torch.tensor([[4], [6]]))[:, None, :]
+                         & (torch.arange(S) < torch.tensor([[4], [6]]))[:, :, None])[:, None])
+
+
+@pytest.mark.parametrize("block", [8, 16, 64, 512])
+@pytest.mark.parametrize("layout,budget", [("tree", 4096), ("expanded", 4096), ("tree", 300)])
+def test_block_path_equals_dense_attention(step, layout, budget, block):
+    g = torch.Generator().manual_seed(block)
+    for mb in batches(step, layout, budget)[:2]:
+        B, S = mb.input_ids.shape
+        q = torch.randn(B, 4, S, 8, generator=g, requires_grad=True)
+        k = torch.randn(B, 2, S, 8, generator=g, requires_grad=True)
+        v = torch.randn(B, 2, S, 8, generator=g, requires_grad=True)
+        real = (mb.kv_end > torch.arange(S))[:, None, :, None]  # padding outputs are unused
+        w = torch.randn(B, 4, S, 8, generator=g) * real
+        tm = TreeMask.build(mb.kv_end, block=block)
+        got = tm.attend(q, k, v, 0.35)
+        grads = torch.autograd.grad((got * w).sum(), (q, k, v))
+        want = dense_attention(q, k, v, mb.attention_mask, 0.35)
+        ref = torch.autograd.grad((want * w).sum(), (q, k, v))
+        assert torch.allclose(got * real, want * real, atol=1e-5)
+        for a, b in zip(grads, ref):
+            assert torch.allclose(a, b, atol=1e-5), float((a - b).abs().max())
+
+
+def test_block_path_skips_what_no_query_sees(step):
+    """Work follows the tree: a row of several executions skips every cross-execution block,
+    and the pairs computed stay well under the causal square."""
+    mb = batches(step, "tree", 4096)[0]
+    assert len(mb.execution_index.unique()) > 1  # several executions share the row
+    tm = TreeMask.build(mb.kv_end, block=16)
+    causal_blocks = tm.n_blocks * (tm.n_blocks + 1) // 2 * 16 * 16
+    assert tm.pairs < 0.6 * causal_blocks
+    exact = int((~mb.attention_mask).sum())
+    assert exact <= tm.pairs  # covers every visible pair (equality test above checks values)
+    # two disjoint halves: no query block of the second needs a key block of the first
+    ke = torch.tensor([[64] * 64 + [128] * 64])
+    two = TreeMask.build(ke, block=16)
+    for grp in two.groups:
+        q_half = grp.q_blocks // 4
+        assert bool(((grp.kv_blocks // 4) == q_half[:, None]).all())
+    assert two.pairs == 2 * 10 * 16 * 16
+
+
+def test_flex_mask_mod_is_the_tree_mask(step):
+    """The CUDA path's mask_mod, run through FlexAttention's eager CPU forward, equals dense."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    mb = batches(step, "tree", 300)[0]
+    B, S = mb.input_ids.shape
+    bm = flex.create_block_mask(tree_mask_mod(mb.kv_end), B, None, S, S, device="cpu", BLOCK_SIZE=16)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(B, h, S, 8, generator=g) for h in (4, 2, 2))
+    with warnings.catch_warnings():  # eager flex warns that it is the uncompiled reference
+        warnings.simplefilter("ignore")
+        got = flex.flex_attention(q, k, v, block_mask=bm, scale=0.35, enable_gqa=True)
+    want = dense_attention(q, k, v, mb.attention_mask, 0.35)
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+def _loss_and_grads(trainer, mbs):
+    stats = [trainer.forward_backward(mb) for mb in mbs]
+    grads = trainer.flat_grads().clone()
+    trainer.clear_gradients()
+    return sum(s["loss"] for s in stats), grads
+
+
+def _trainer(backend, attention, seed=0):
+    cfg = TrainConfig(backend=backend, dtype="float32", clip=False)
+    hf = random_qwen2(tiny_qwen2_config(vocab_size=VOCAB), seed=seed, std=0.2)
+    if backend == "megatron":
+        from gyre.train.megatron_trainer import MegatronTrainer
+
+        return MegatronTrainer(cfg, hf.config, hf.state_dict(), seed=seed, attention=attention)
+    from gyre.train.trainer import EmbeddedTrainer
+
+    return EmbeddedTrainer(cfg, hf, device="cpu", attention=attention)
+
+
+@pytest.mark.parametrize("backend", ["embedded", "megatron"])
+def test_trainers_tree_path_equals_dense_and_expanded(step, backend, monkeypatch):
+    """Tree layout through the tree path == tree layout through the dense mask == expanded."""
+    monkeypatch.setattr(tree_attention, "DEFAULT_BLOCK", 16)  # several blocks per row
+    tree_mbs, exp_mbs = batches(step, "tree", 4096), batches(step, "expanded", 4096)
+    tree = _trainer(backend, "tree")
+    dense = _trainer(backend, "dense")
+    runs = {"tree/tree": _loss_and_grads(tree, tree_mbs),
+            "tree/dense": _loss_and_grads(dense, tree_mbs),
+            "expanded/tree": _loss_and_grads(tree, exp_mbs),
+            "expanded/dense": _loss_and_grads(dense, exp_mbs)}
+    ref_loss, ref = runs["expanded/dense"]
+    assert abs(ref_loss) > 1e-4 and float(ref.abs().max()) > 1e-4
+    for name, (loss, g) in runs.items():
+        assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-7), name
+        assert float((g - ref).abs().max()) < 1e-4 * float(ref.abs().max()), name
+    # and the dense path really is a different computation: a wrong kv_end changes the loss
+    bad = [mb for mb in tree_mbs]
+    bad[0] = type(bad[0])(**{**bad[0].__dict__, "kv_end": causal_kv_end([bad[0].input_ids.shape[1]],
+                                                                          bad[0].input_ids.shape[1])})
+    loss_bad, _ = _loss_and_grads(tree, bad)
+    assert abs(loss_bad - ref_loss) > 1e-4
+
+
+def test_attention_path_is_checked():
+    with pytest.raises(ValueError, match="attention 'sparse'"):
+        _trainer("embedded", "sparse")
+    with pytest.raises(ValueError, match="kv_end has shape"):
+        mb = batches(prepare_step(records()[:1], SelectionSpec(k="all"), step_version=0),
+                     "tree", 4096)[0]
+        mb.kv_end = mb.kv_end[:, :-1]
+        mb.validate()
