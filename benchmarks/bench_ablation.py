@@ -5,10 +5,8 @@ Batch: four executions of the case-study shape (gyre.traj.synthetic.CASE_STUDY: 
 trajectories = 3 compactor branches, the final main branch, 3 sub-agent runs, 3 abandoned
 retries) with different seeds and rewards, in one GRPO group.
 
-Scaled down so that the whole grid runs in under 2 minutes on 2 CPU cores (the constants below;
-recorded in the JSON as ``scale``): the full case study is 566k unique tokens per execution, and the trainer
-here is plain torch with eager attention over a dense [S, S] mask, so a tree-packed row costs
-O(S^2) over the whole execution. Calls go from 636 to 40 (main 510 -> 25, each sub-agent run
+Scaled down so that the whole grid runs in about 2 minutes on 2 CPU cores (the constants below;
+recorded in the JSON as ``scale``): the full case study is 566k unique tokens per execution. Calls go from 636 to 40 (main 510 -> 25, each sub-agent run
 40 -> 3 calls; compactions, sub-agents and retries stay 3 each, so the 10 leaves and their roles
 are the paper's), assistant and tool messages are 16x shorter, and the once-per-conversation
 messages (system, task, summary) 256x shorter, so that with 16x fewer calls per conversation
@@ -23,6 +21,14 @@ Behaviour log-probs are replaced by the model's own (one no-grad pass over every
 batch is on-policy (importance ratio 1, as right after a synchronous rollout): with the synthetic
 log-probs most ratios would be clipped and the gradient would mostly vanish.
 
+Attention: the trainer's tree path (gyre.train.tree_attention: block-sparse, work follows each
+row's ancestor pairs, for tree and expanded rows alike). The K=all batch is also run through the
+dense [S, S] mask (``all_tree_dense``, ``all_expanded_dense``: what the trainer did before), where
+a tree-packed row costs O(S^2) over the whole execution.
+Headline: ``tree_tokens_over_expanded`` and ``tree_time_over_expanded`` (K=all, 4k-token rows,
+forward+backward, both layouts through the tree path, same run); goal: time ratio <= 1.1 x token
+ratio (``tree_time_goal``). Per selection: ``{sel}_tree_time_over_expanded``.
+
 Per (selection, layout): tokens_computed (tokens the forward pass computes, padding excluded),
 fwd_bwd_s (forward + backward of every micro-batch of the batch, in CPU seconds of the process
 with one torch thread, i.e. the wall time on an idle core; the smallest of --reps interleaved
@@ -33,7 +39,7 @@ batch's accumulated gradient, before clipping, no optimizer step: every configur
 same weights; tree and expanded must agree). Extra ``*_tree_mb1024`` rows: tree-packed with
 micro-batches of 1024 tokens (just above the longest trajectory), where an execution is cut
 along its leaf paths and shared prefixes repeat, but no row is longer than 1024 tokens: the
-trainer attends over a dense [S, S] mask, so a row's attention costs O(S^2) whatever the tree.
+dense path's attention costs O(S^2) per row whatever the tree.
 Writes benchmarks/results/ablation.json.
 """
 
@@ -55,6 +61,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from gyre.config import TrainConfig  # noqa: E402
+from gyre.train import tree_attention  # noqa: E402
 from gyre.train.toy import random_qwen2, tiny_qwen2_config  # noqa: E402
 from gyre.train.trainer import EmbeddedTrainer  # noqa: E402
 from gyre.traj.materialize import materialize, prepare_step  # noqa: E402
@@ -148,12 +155,15 @@ def main(argv: list[str] | None = None) -> dict:
 
     # micro-batches built once per configuration; timing covers the trainer only
     configs = {}
+    attention = {}  # config name -> the trainer's attention path
     for label, k in SELECTIONS.items():
         batch = prepare_step(records, SelectionSpec(k=k), step_version=0)
         for layout, budget in [(lay, MICRO_BATCH_TOKENS) for lay in LAYOUTS] + [("tree", SHORT_ROWS)]:
             mats = materialize(batch.executions, layout=layout, micro_batch_tokens=budget)
             name = f"{label}_{layout}" + ("" if budget == MICRO_BATCH_TOKENS else f"_mb{budget}")
-            configs[name] = (mats.stats, list(mats))
+            configs[name], attention[name] = (mats.stats, list(mats)), "tree"
+            if label == "all" and budget == MICRO_BATCH_TOKENS:  # the same batch, dense S x S
+                configs[f"{name}_dense"], attention[f"{name}_dense"] = configs[name], "dense"
     warm = min((mbs[0] for _, mbs in configs.values()), key=lambda mb: mb.input_ids.numel())
     trainer.forward_backward(warm)
     trainer.clear_gradients()
@@ -166,6 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
     for rep in range(args.reps):  # interleaved, in a rotated order each time: drift hits all alike
         for name in names[rep % len(names):] + names[:rep % len(names)]:
             mbs = configs[name][1]
+            trainer.attention = attention[name]
             fb, c0 = 0.0, time.process_time()
             for mb in mbs:
                 fb += trainer.forward_backward(mb)["fwd_bwd_s"]
@@ -211,6 +222,24 @@ def main(argv: list[str] | None = None) -> dict:
     out["main_only_over_all_grad_norm"] = out["main_only_tree_grad_norm"] / out["all_tree_grad_norm"]
     out["grad_norm_tree_vs_expanded_max_rel_diff"] = max(
         abs(norms[f"{s}_tree"] - norms[f"{s}_expanded"]) / norms[f"{s}_expanded"] for s in SELECTIONS)
+    out["grad_norm_tree_path_vs_dense_max_rel_diff"] = max(
+        abs(norms[f"all_{lay}"] - norms[f"all_{lay}_dense"]) / norms[f"all_{lay}_dense"] for lay in LAYOUTS)
+    # the tree path's headline: tree vs expanded, same batch, same run, both through the tree path
+    for label in SELECTIONS:
+        out[f"{label}_tree_time_over_expanded"] = (out[f"{label}_tree_fwd_bwd_s"]
+                                                   / out[f"{label}_expanded_fwd_bwd_s"])
+        out[f"{label}_tree_tokens_over_expanded"] = (out[f"{label}_tree_tokens_computed"]
+                                                     / out[f"{label}_expanded_tokens_computed"])
+    out["tree_tokens_over_expanded"] = out["all_tree_tokens_over_expanded"]
+    out["tree_time_over_expanded"] = out["all_tree_time_over_expanded"]
+    out["tree_time_goal"] = 1.1 * out["tree_tokens_over_expanded"]
+    out["tree_time_goal_met"] = out["tree_time_over_expanded"] <= out["tree_time_goal"]
+    out["tree_time_over_expanded_dense_mask"] = (out["all_tree_dense_fwd_bwd_s"]
+                                                 / out["all_expanded_dense_fwd_bwd_s"])
+    out["tree_path_speedup_tree_layout"] = out["all_tree_dense_fwd_bwd_s"] / out["all_tree_fwd_bwd_s"]
+    out["tree_path_speedup_expanded_layout"] = (out["all_expanded_dense_fwd_bwd_s"]
+                                                / out["all_expanded_fwd_bwd_s"])
+    out["tree_attention_block"] = tree_attention.DEFAULT_BLOCK
     out.update(PAPER)
 
     # the unscaled case study (same seeds): tokens only, one micro-batch per execution
@@ -233,7 +262,8 @@ def main(argv: list[str] | None = None) -> dict:
                   f"calls; 3 compactions, 3 sub-agents, 3 retries kept: 10 leaves), assistant/tool "
                   f"lengths /{LENGTH_DIV}, system/task/summary lengths /{ONCE_DIV}; token ids mod {VOCAB}"),
         "model": "random Qwen2 (gyre.train.toy): hidden 64, 2 layers, 4 heads, 2 KV heads, "
-                 f"vocab {VOCAB}, float32, eager attention, embedded trainer",
+                 f"vocab {VOCAB}, float32, embedded trainer, tree attention path "
+                 "(block-sparse SDPA) unless *_dense (eager, dense [S,S] mask)",
         "reps": args.reps, "threads": args.threads, "load_average_1m_before": load_before[0],
         "load_average_1m_after": os.getloadavg()[0], "cpu": platform.processor() or platform.machine(),
         "torch": torch.__version__, "wall_s": time.perf_counter() - t_start,
@@ -248,5 +278,7 @@ if __name__ == "__main__":
     res = main()
     keys = [f"{s}_{l}_{m}" for s in SELECTIONS for l in LAYOUTS
             for m in ("tokens_computed", "fwd_bwd_s", "grad_norm")]
-    keys += ["k5_over_all_time", "tree_tokens_over_unique", "k5_over_all_tokens", "wall_s"]
+    keys += ["k5_over_all_time", "tree_tokens_over_unique", "k5_over_all_tokens",
+             "tree_tokens_over_expanded", "tree_time_over_expanded", "tree_time_goal",
+             "tree_time_over_expanded_dense_mask", "wall_s"]
     print(json.dumps({k: res[k] for k in keys}, indent=2))

@@ -116,6 +116,71 @@ def offload_cycle(t) -> dict:
             "gpu_bytes_restored": mem2, "bit_identical": identical}
 
 
+def tree_attention_timing(hf_config, hf_state) -> dict:
+    """bench_ablation.py's tree-vs-expanded figures on the GPU, for both trainers.
+
+    Case-study-shaped batch (bench_ablation's scaled shape and seeds, K=all), 4k-token rows;
+    forward+backward of the whole batch through the tree attention path (FlexAttention block
+    masks) for both layouts, and through the dense [S,S] mask for reference; fastest of 3
+    interleaved repetitions after a warm-up that compiles every shape. Goal:
+    tree_time_over_expanded <= 1.1 x tree_tokens_over_expanded.
+    """
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_ablation import MICRO_BATCH_TOKENS, executions, scaled_shape
+
+    from gyre.config import TrainConfig
+    from gyre.train.trainer import EmbeddedTrainer
+    from gyre.traj.materialize import materialize, prepare_step
+    from gyre.traj.select import SelectionSpec
+
+    records = executions(scaled_shape(), vocab=hf_config.vocab_size)
+    step = prepare_step(records, SelectionSpec(k="all"), step_version=0)
+    mats = {lay: materialize(step.executions, layout=lay, micro_batch_tokens=MICRO_BATCH_TOKENS)
+            for lay in ("tree", "expanded")}
+    batches = {lay: list(m) for lay, m in mats.items()}
+    dtype = "float32" if DRY else "bfloat16"
+    out: dict = {"tokens": {lay: m.stats.tokens for lay, m in mats.items()}}
+    out["tree_tokens_over_expanded"] = out["tokens"]["tree"] / out["tokens"]["expanded"]
+    for backend in ("embedded", "megatron"):
+        if backend == "embedded":
+            from gyre.train.toy import random_qwen2
+
+            model = random_qwen2(hf_config, seed=0, std=0.02)
+            model.load_state_dict(hf_state)
+            t = EmbeddedTrainer(TrainConfig(dtype=dtype), model, device=DEV)
+        else:
+            t = trainer(dtype, hf_config, hf_state)
+        runs = [(lay, att) for lay in ("tree", "expanded") for att in ("tree", "dense")]
+        times: dict = {r: [] for r in runs}
+        norms: dict = {}
+        for rep in range(1 + (1 if DRY else 3)):  # rep 0 compiles every shape: not timed
+            for lay, att in runs:
+                t.attention = att
+                sync()
+                t0 = time.perf_counter()
+                for mb in batches[lay]:
+                    t.forward_backward(mb)
+                sync()
+                if rep:
+                    times[lay, att].append(time.perf_counter() - t0)
+                norms[lay, att] = float(t.flat_grads().norm())
+                t.clear_gradients()
+        best = {f"{lay}_{att}_fwd_bwd_s": min(v) for (lay, att), v in times.items()}
+        ref = norms["expanded", "dense"]
+        out[backend] = {
+            **best,
+            "tree_time_over_expanded": best["tree_tree_fwd_bwd_s"] / best["expanded_tree_fwd_bwd_s"],
+            "tree_time_over_expanded_dense_mask": best["tree_dense_fwd_bwd_s"] / best["expanded_dense_fwd_bwd_s"],
+            "grad_norm_max_rel_diff": max(abs(n - ref) / ref for n in norms.values()),
+        }
+        out[backend]["goal_met"] = (out[backend]["tree_time_over_expanded"]
+                                    <= 1.1 * out["tree_tokens_over_expanded"])
+        del t
+        if not DRY:
+            torch.cuda.empty_cache()
+    return out
+
+
 def main() -> int:
     if not torch.cuda.is_available() and not DRY:
         print("bench_train_gpu: no CUDA device here; nothing measured (the CPU path is covered by "
@@ -145,6 +210,8 @@ def main() -> int:
     result["agreement_bf16_trained"] = agreement(t, mb, torch.bfloat16)
     result["offload_restore_bf16"] = offload_cycle(t)
     result["step_after_restore"] = run_steps(t, mb)["loss"][:1]
+    del t
+    result["tree_attention"] = tree_attention_timing(hf.config, hf_state)
 
     print(json.dumps(result, indent=2))
     if not DRY:

@@ -192,7 +192,7 @@ def _flex_attention():
     if _FLEX is None:
         from torch.nn.attention.flex_attention import flex_attention
 
-        _FLEX = torch.compile(flex_attention, dynamic=False) if torch.cuda.is_available() else flex_attention
+        _FLEX = torch.compile(flex_attention) if torch.cuda.is_available() else flex_attention
     return _FLEX
 
 
