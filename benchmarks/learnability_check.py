@@ -47,7 +47,7 @@ from gyre.proxy.capture import ExecutionSession, Renderer, prepare_call
 from gyre.proxy.chat import parse_messages, parse_output
 from gyre.advantage import advantages
 from gyre.batch import expanded_batch
-from gyre.train.trainer import make_trainer
+from gyre.train.backends import make_trainer
 from gyre.traj.record import ExecutionRecord
 
 SUITE = Path(scoring.__file__).resolve().parent

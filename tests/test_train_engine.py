@@ -12,7 +12,7 @@ import torch
 
 from gyre.config import TrainConfig
 from gyre.batch import expanded_batch
-from gyre.train.trainer import make_trainer
+from gyre.train.backends import make_trainer
 from gyre.train.weights_push import push_from_disk
 
 TEMPERATURE = 0.8

@@ -189,7 +189,7 @@ def test_export_loads_in_transformers_with_same_logprobs(backend, tmp_path):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_make_trainer_from_engine_model_dir(backend, tmp_path):
-    from gyre.train.trainer import make_trainer
+    from gyre.train.backends import make_trainer
 
     random_qwen2(seed=0, std=0.1).save_pretrained(tmp_path / "m")  # config.json + model.safetensors
     trainer = make_trainer(TrainConfig(backend=backend, dtype="float32"), tmp_path / "m")

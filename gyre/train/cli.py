@@ -299,7 +299,7 @@ def train(args: argparse.Namespace) -> int:
 
     from transformers.utils import logging as hf_logging
 
-    from gyre.train.trainer import make_trainer
+    from gyre.train.backends import make_trainer
 
     hf_logging.disable_progress_bar()
     out_dir = args.out or Path(cfg.run.dir) / "train"

@@ -137,10 +137,3 @@ class EmbeddedTrainer(Trainer):
     def _load_state(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-
-
-def make_trainer(cfg: TrainConfig, model_dir: str | os.PathLike, *, seed: int = 0) -> Trainer:
-    """Kept for callers of `gyre.train.trainer.make_trainer`; the table is gyre.train.backends."""
-    from gyre.train.backends import make_trainer as from_table
-
-    return from_table(cfg, model_dir, seed=seed)

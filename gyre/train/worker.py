@@ -216,7 +216,7 @@ def serve(conn: Connection) -> int:
     try:
         import torch
 
-        from gyre.train.trainer import make_trainer
+        from gyre.train.backends import make_trainer
 
         torch.set_num_threads(1)  # cells share cores with their engine and with each other
         trainer = make_trainer(TrainConfig(**init["cfg"]), init["model_dir"], seed=init["seed"])

@@ -137,7 +137,7 @@ def scenario(h: Head, run: Path, model: Path, out: dict) -> None:
 
     from gyre.config import load_config
     from gyre.batch import to_wire
-    from gyre.train.trainer import make_trainer
+    from gyre.train.backends import make_trainer
 
     torch.set_num_threads(1)
     c = out["checks"]
