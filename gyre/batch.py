@@ -73,6 +73,13 @@ def causal_kv_end(lengths: list[int], seq_len: int) -> Tensor:
     return torch.where(idx[None, :] < n, n, torch.zeros_like(n))
 
 
+def mask_from_kv_end(kv_end: Tensor) -> Tensor:
+    """The [B,1,S,S] bool mask (True = masked) that `kv_end` stands for."""
+    i = torch.arange(kv_end.shape[1], device=kv_end.device)
+    allowed = (i[None, :] <= i[:, None])[None] & (i[None, :, None] < kv_end[:, None, :])
+    return ~allowed[:, None]
+
+
 def causal_mask(lengths: list[int], seq_len: int) -> Tensor:
     """[B,1,S,S] bool mask (True = masked): causal within each row, padding masked both ways."""
     idx = torch.arange(seq_len)
@@ -142,11 +149,12 @@ def expanded_batch(sequences: list[list[int]], prompt_lens: list[int], *, old_lo
 
 def to_wire(mb: MicroBatch) -> dict:
     """``{field: np.ndarray}`` plus ``temperature`` (float); inverse of :func:`from_wire`.
-    Optional fields that are None (``kv_end``) are left out."""
+    Optional fields that are None (``kv_end``) are left out, and so is the S x S mask when
+    ``kv_end`` describes it (S numbers instead of S^2; the receiver rebuilds it)."""
     out: dict = {}
     for f in fields(mb):
         v = getattr(mb, f.name)
-        if v is None:
+        if v is None or (f.name == "attention_mask" and mb.kv_end is not None):
             continue
         out[f.name] = v.detach().cpu().numpy() if isinstance(v, Tensor) else float(v)
     return out
@@ -154,13 +162,15 @@ def to_wire(mb: MicroBatch) -> dict:
 
 def from_wire(d: dict) -> MicroBatch:
     """A validated MicroBatch from :func:`to_wire` output; a missing field is a clear error."""
-    optional = ("temperature", "kv_end")
+    optional = ("temperature", "kv_end") + (("attention_mask",) if "kv_end" in d else ())
     names = [f.name for f in fields(MicroBatch)]
     missing = [n for n in names if n not in d and n not in optional]
     if missing:
         raise ValueError(f"micro-batch on the wire lacks {missing}")
     values = {n: torch.from_numpy(np.ascontiguousarray(d[n])) for n in names
               if n != "temperature" and n in d}
+    if "attention_mask" not in values:
+        values["attention_mask"] = mask_from_kv_end(values["kv_end"])
     mb = MicroBatch(**values, temperature=float(d.get("temperature", 1.0)))
     mb.validate()
     return mb

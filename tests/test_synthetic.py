@@ -88,6 +88,7 @@ def test_impossible_shape_is_refused():
         generate(Shape(calls=10, subagents=2, subagent_calls=5))
 
 
+@pytest.mark.slow  # the full 636-call case study, every call recorded for the oracle: ~10 s
 def test_case_study_matches_the_paper_shape(monkeypatch):
     rec = Recorder().install(monkeypatch)
     r = case_study()

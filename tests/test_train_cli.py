@@ -53,6 +53,7 @@ def run(tmp_path, tiny, *args, overrides=()) -> int:
     return train_main([*args, f"model.tiny_dir={tiny}", f"run.dir={tmp_path / 'run'}", *overrides])
 
 
+@pytest.mark.slow  # shards written, two steps, the export loaded back: 10-15 s per backend
 @pytest.mark.parametrize("backend", ["embedded", "megatron"])
 def test_two_steps_export_loadable_weights(tmp_path, tiny, capsys, backend):
     shard = write(tmp_path / "shards", executions(), tiny)

@@ -15,6 +15,8 @@ from gyre.batch import expanded_batch
 from gyre.train.backends import make_trainer
 from gyre.train.weights_push import push_from_disk
 
+pytestmark = pytest.mark.slow  # an engine subprocess and a tiny model built from scratch
+
 TEMPERATURE = 0.8
 PROMPTS = [[11, 12, 13, 14, 15], [21, 22, 23]]
 

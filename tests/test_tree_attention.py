@@ -175,3 +175,17 @@ def test_attention_path_is_checked():
                      "tree", 4096)[0]
         mb.kv_end = mb.kv_end[:, :-1]
         mb.validate()
+
+
+def test_wire_carries_kv_end_not_the_square(step):
+    from gyre.batch import from_wire, to_wire
+
+    mb = batches(step, "tree", 4096)[0]
+    S = mb.input_ids.shape[1]
+    wire = to_wire(mb)
+    assert "attention_mask" not in wire and wire["kv_end"].shape == (1, S)
+    back = from_wire(wire)
+    assert torch.equal(back.attention_mask, mb.attention_mask) and torch.equal(back.kv_end, mb.kv_end)
+    # a micro-batch with an arbitrary dense mask still travels whole
+    mb.kv_end = None
+    assert torch.equal(from_wire(to_wire(mb)).attention_mask, mb.attention_mask)

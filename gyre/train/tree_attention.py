@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from gyre.batch import mask_from_kv_end
+
 DEFAULT_BLOCK = 64        # CPU: small blocks follow short tree nodes closely
 FLEX_BLOCK = 128          # CUDA: FlexAttention's tile size
 
@@ -52,10 +54,7 @@ def kv_end_from_mask(attention_mask: Tensor) -> Tensor | None:
 
 def dense_mask(kv_end: Tensor) -> Tensor:
     """[B,1,S,S] bool mask (True = masked) of `kv_end`: what the dense path attends through."""
-    S = kv_end.shape[1]
-    i = torch.arange(S, device=kv_end.device)
-    allowed = (i[None, :] <= i[:, None])[None] & (i[None, :, None] < kv_end[:, None, :])
-    return ~allowed[:, None]
+    return mask_from_kv_end(kv_end)
 
 
 @dataclass
@@ -132,8 +131,9 @@ class TreeMask:
     def attend(self, query: Tensor, key: Tensor, value: Tensor, scale: float) -> Tensor:
         """query [B,H,S,D], key/value [B,Hkv,S,D] -> [B,H,S,D]; H a multiple of Hkv."""
         if self.flex is not None:
-            return _flex_attention()(query, key, value, block_mask=self.flex, scale=scale,
-                                     enable_gqa=query.shape[1] != key.shape[1])
+            q, k, v = (x.contiguous() for x in (query, key, value))  # Megatron hands permuted views
+            return _flex_attention()(q, k, v, block_mask=self.flex, scale=scale,
+                                     enable_gqa=q.shape[1] != k.shape[1])
         B, H, S, D = query.shape
         Hkv = key.shape[1]
         if (B, S) != tuple(self.kv_end.shape):
