@@ -101,12 +101,18 @@ def test_tree_packing_matches_paths_megatron(megatron):
     hf = random_qwen2(seed=3)
     model = _build(megatron, hf)
     mb, paths, src = _tree_batch()
+    from gyre.train.tree_attention import TreeMask, kv_end_from_mask
+
     with torch.no_grad():
         packed = token_logprobs(model(mb.input_ids, mb.position_ids, mb.attention_mask), mb)
         ref = _path_logprobs(lambda i, p, m: model(i, p, m), paths, src, mb.temperature)
+        # the core-attention seam: TreeCoreAttention given a TreeMask (blocks of 2 tokens)
+        tree_mask = TreeMask.build(kv_end_from_mask(mb.attention_mask), block=2)
+        tree = token_logprobs(model(mb.input_ids, mb.position_ids, tree_mask), mb)
         # depth positions matter: with 0..S-1 the second branch would be wrong
         naive = token_logprobs(model(mb.input_ids, torch.arange(8)[None], mb.attention_mask), mb)
     assert torch.allclose(packed, ref, atol=1e-5), (packed - ref).abs().max()
+    assert torch.allclose(tree, ref, atol=1e-5), (tree - ref).abs().max()
     assert (naive - ref).abs().max() > 1e-2
 
 
