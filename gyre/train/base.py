@@ -235,4 +235,3 @@ def phase_timings(timer: PhaseTimer, moved: dict) -> dict:
     return out
 
 
-_timings = phase_timings  # the name megatron_trainer used before the move

@@ -15,8 +15,7 @@ from torch import Tensor
 
 from gyre.batch import MicroBatch
 from gyre.config import TrainConfig
-from gyre.train.base import (ATTENTION_PATHS, CHECKPOINT_FILE, Trainer,  # noqa: F401 (re-exported)
-                             phase_timings, torch_dtype)
+from gyre.train.base import ATTENTION_PATHS, Trainer, phase_timings, torch_dtype
 from gyre.train.offload import HostStash, PhaseTimer
 from gyre.train.tree_attention import TreeMask, register_hf_attention
 
