@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from gyre.config import env as config_env
+from gyre.config import ConfigError, env as config_env
 from gyre.harness.runtimes import ImageRef, Instance, Launch, Mount, Runtime, get_runtime
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ _CLIENT_ENV = ("PATH", "HOME", "USER", "LOGNAME", "XDG_RUNTIME_DIR", "TMPDIR", "
 _AUTO_ORDER = ("bwrap", "apptainer", "singularity", "enroot")  # file-based images, found in image_dir
 
 
-class SandboxError(RuntimeError):
+class SandboxError(ConfigError):
     """A sandbox or runtime that was asked for cannot be used; the message says how to fix it."""
 
 
@@ -99,6 +99,11 @@ class Environments:
     def __init__(self, config: SandboxConfig | None = None):
         self.config = config or SandboxConfig()
         c = self.config
+        if c.runtime != "auto":
+            try:
+                get_runtime(c.runtime)
+            except ValueError as e:
+                raise SandboxError(f"harness.runtime: {e}") from None
         if c.sandbox not in ("auto", "bwrap", "none"):
             raise SandboxError(f"harness.sandbox: {c.sandbox!r}; use auto, bwrap or none")
         self._host: Runtime | None = None
@@ -132,6 +137,7 @@ class Environments:
         return [get_runtime(n) for n in _AUTO_ORDER]
 
     def locate(self, task) -> tuple[ImageRef | None, Runtime | None, str]:
+        """The task's image as a local artefact, the runtime that runs it, or why none."""
         reasons = []
         for rt in self._runtimes():
             ref, why = rt.locate(task.image, task.name, self.config.image_dir)
@@ -142,7 +148,13 @@ class Environments:
             if missing is None:
                 return ref, rt, ""
             reasons.append(f"{ref.location} found but {missing}")
-        return None, None, reasons[0] if len(reasons) == 1 else "; or ".join(reasons)
+        if self.config.runtime != "auto" or any(" found but " in r for r in reasons):
+            return None, None, "; ".join(reasons)
+        d, t = self.config.image_dir or "DIR", task.name
+        where = (f"no {d}/{t}.sif, {d}/{t}.sqsh or unpacked {d}/{t}/" if self.config.image_dir
+                 else "harness.image_dir is not set")
+        return None, None, (f"{where} (e.g. `apptainer build {d}/{t}.sif docker://{task.image}`; "
+                            f"see docs/tasks-and-sandboxes.md)")
 
     def place(self, task) -> Placement:
         p = self._places.get(task.name)
@@ -248,7 +260,7 @@ def run_steps(steps: list[list[str]], env: dict[str, str], *, check: bool) -> No
         r = subprocess.run(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, timeout=600)
         if check and r.returncode != 0:
-            raise SandboxError(f"{' '.join(argv)} failed ({r.returncode}): {r.stdout.decode(errors='replace')[-500:]}")
+            raise RuntimeError(f"{' '.join(argv)} failed ({r.returncode}): {r.stdout.decode(errors='replace')[-500:]}")
 
 
 async def run_steps_async(steps: list[list[str]], env: dict[str, str], *, check: bool) -> None:
