@@ -187,12 +187,12 @@ class HarnessPool:
         self.max_running_seen = 0
 
     @classmethod
-    def from_config(cls, cfg) -> "HarnessPool":
+    def from_config(cls, cfg, environments: Environments | None = None) -> "HarnessPool":
         h = cfg.harness
         limits = Limits(h.timeout_s, h.kill_grace_s, h.cpu_limit_s, h.memory_limit_mb)
         return cls(cfg.run.dir, h.command, concurrency=h.concurrency, limits=limits,
                    pass_env=h.pass_env, extra_env=proc.parse_env_list(h.env),
-                   environments=Environments(SandboxConfig.from_config(h)))
+                   environments=environments or Environments(SandboxConfig.from_config(h)))
 
     @property
     def running(self) -> int:
