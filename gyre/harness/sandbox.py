@@ -8,7 +8,7 @@ Inside, a harness sees (paths inside the instance):
 
     /workspace          its own workspace (read-write)
     /task               the public copy of its task (start.md, commands, counts; no tests)
-    /opt/gyre/lib       the harness scripts shipped with Gyre (reference and answer agents) and
+    /gyre-lib           the harness scripts shipped with Gyre (reference and answer agents) and
                         this launcher, copied alone: not the gyre package, whose builtin suites
                         hold hidden tests
     system directories  read-only (host: /usr, a few files of /etc, the Python prefix and venv;
@@ -41,7 +41,8 @@ from gyre.harness.runtimes import ImageRef, Instance, Launch, Mount, Runtime, ge
 
 log = logging.getLogger(__name__)
 
-WORKSPACE, TASK, LIB, OUT = "/workspace", "/task", "/opt/gyre/lib", "/gyre-out"
+# top-level paths: an image's own folders are read-only, so mount points are made at the root
+WORKSPACE, TASK, LIB, OUT = "/workspace", "/task", "/gyre-lib", "/gyre-out"
 SOCKET = "/run/gyre/proxy.sock"
 INIT = f"{LIB}/gyre_sandbox_init.py"
 _LIB_FILES = ("reference_agent.py", "answer_agent.py")  # stdlib-only harnesses shipped with Gyre

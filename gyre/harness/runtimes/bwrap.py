@@ -3,8 +3,8 @@
 Two roots: the host's own (only the system directories a program needs, read-only, plus what the
 instance mounts; nothing of /root, /home, /work, the run directory or other workspaces), or an
 unpacked image root filesystem (``<image_dir>/<task>/``, e.g. ``apptainer build --sandbox`` or an
-``enroot export``/``podman export`` unpacked), mounted read-only: writes go only to the instance's
-mounts and its private /tmp. bubblewrap 0.8 has no overlay, so a task command that installs into
+``enroot export``/``podman export`` unpacked), its top-level folders mounted read-only: writes go
+only to the instance's mounts and its private /tmp. bubblewrap 0.8 has no overlay, so a task command that installs into
 the image's site-packages fails there (use Apptainer's --writable-tmpfs or enroot --rw for such
 tasks).
 
@@ -45,9 +45,18 @@ class Bwrap(Runtime):
                       f"`apptainer build --sandbox {image_dir or 'DIR'}/{task} docker://{image}`")
 
     def _root_args(self, inst: Instance) -> list[str]:
-        if inst.image is not None:
-            return ["--ro-bind", inst.image.location, "/"]
         args = []
+        if inst.image is not None:
+            # each top-level entry of the image on bwrap's own tmpfs root, read-only: mount points
+            # of the instance's own mounts can then be made even where the image lacks them
+            root = Path(inst.image.location)
+            for entry in sorted(os.listdir(root)):
+                p = root / entry
+                if p.is_symlink():
+                    args += ["--symlink", os.readlink(p), f"/{entry}"]
+                elif entry not in ("proc", "dev", "tmp", "run"):
+                    args += ["--ro-bind", str(p), f"/{entry}"]
+            return args
         for p in HOST_SYSTEM:
             if os.path.islink(p):  # merged /usr: /bin -> usr/bin
                 args += ["--symlink", os.readlink(p), p]
