@@ -40,14 +40,15 @@ TOKENIZER = Tokenizer.from_file(str(Path(gyre.__file__).parent / "assets" / "tok
 # test sees), and stays alive until the test tells it to stop.
 VICTIM = r'''
 import json, os, time, urllib.request
-open("/workspace/victim-secret.txt", "w").write("VICTIM-SECRET-" + os.environ["GYRE_EXECUTION_ID"])
+W = os.environ["GYRE_WORKSPACE"]
+open(W + "/victim-secret.txt", "w").write("VICTIM-SECRET-" + os.environ["GYRE_EXECUTION_ID"])
 req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions",
     data=json.dumps({"model": "main", "messages": [{"role": "user", "content": "victim"}], "max_tokens": 4}).encode(),
     headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "Content-Type": "application/json"})
 urllib.request.urlopen(req, timeout=30).read()
-open("/workspace/ready", "w").write("1")
+open(W + "/ready", "w").write("1")
 deadline = time.time() + 120
-while not os.path.exists("/workspace/stop") and time.time() < deadline:
+while not os.path.exists(W + "/stop") and time.time() < deadline:
     time.sleep(0.05)
 '''
 
@@ -55,6 +56,7 @@ while not os.path.exists("/workspace/stop") and time.time() < deadline:
 HOSTILE = r'''
 import glob, hashlib, json, os, re, socket, sys, urllib.error, urllib.request
 T = json.loads(os.environ["HOSTILE_TARGETS"])
+W = os.environ["GYRE_WORKSPACE"]
 report = {"read": [], "listed": [], "wrote": [], "keys_found": [], "engine_key_found": False,
           "hidden_tests_found": [], "engine_reachable": False, "forged_ok": [], "own_call": None, "pids": []}
 
@@ -71,9 +73,9 @@ def try_read(p):
         return None
 
 # 1. sibling workspaces and the run directory, by host path and by walking up
-for d in (T["run_dir"], T["run_dir"] + "/workspaces", T["victim_ws"], "/workspace/..", "/workspace/../workspaces"):
+for d in (T["run_dir"], T["run_dir"] + "/workspaces", T["victim_ws"], W + "/..", W + "/../victim"):
     try:
-        report["listed"].append([d, os.listdir(d)])
+        report["listed"].append([d.replace(W, "OWN"), os.listdir(d)])
     except OSError:
         pass
 try_read(T["victim_ws"] + "/victim-secret.txt")
@@ -146,7 +148,7 @@ for k in report["keys_found"]:
     if call(k, "forged") == 200:
         report["forged_ok"].append(k)
 report["own_call"] = call(os.environ["OPENAI_API_KEY"], "hostile")
-open("/workspace/report.json", "w").write(json.dumps(report))
+open(W + "/report.json", "w").write(json.dumps(report))
 '''
 
 
@@ -213,7 +215,7 @@ def test_hostile_harness_fails_every_attempt_and_keeps_its_own_calls(tmp_path):
     assert report["own_call"] == 200 and len(hrec.tree.calls) == 1
     # nothing of the sibling: not its workspace, its key, nor its tree
     # (its own root, "/workspace/..", lists; nothing of the run directory or the sibling does)
-    assert [d for d, _ in report["listed"]] == ["/workspace/.."] and report["wrote"] == []
+    assert [d for d, _ in report["listed"]] == ["OWN/.."] and report["wrote"] == []
     assert "victim" not in json.dumps(report["listed"]) and "workspaces" not in json.dumps(report["listed"])
     assert not any("victim" in p for p in report["read"])
     assert report["keys_found"] == [] and report["forged_ok"] == []
