@@ -140,8 +140,8 @@ def classify(returncode: int | None, we_signalled: str | None) -> tuple[str, str
     if returncode < 0:
         name = proc.signal_name(-returncode)
         return (we_signalled, name) if we_signalled else ("crashed", name)
-    if we_signalled:
-        return we_signalled, None  # it caught our SIGTERM and exited by itself
+    if we_signalled:  # it caught our SIGTERM and exited by itself, or (through a sandbox) 128 + N
+        return we_signalled, (proc.signal_name(returncode - 128) if returncode > 128 else None)
     if returncode == 0:
         return "done", None
     if returncode > 128 and (returncode - 128) in {int(s) for s in _CRASH_SIGNALS}:
@@ -264,7 +264,7 @@ class HarnessPool:
         argv = envs.launcher(place)
         if bridge:
             mounts.append(Mount(str(bridge.path), SOCKET))
-            argv += ["--forward", f"{bridge.port}={SOCKET}"]
+            argv += ["--forward", f"{bridge.inner_port}={SOCKET}"]
         argv += ["--", *harness_argv]
         inst = envs.instance(place, argv, mounts, env, name=execution_id, network=envs.config.network == "host",
                              private=[self.run_dir, task.dir.parent])

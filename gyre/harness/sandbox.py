@@ -55,6 +55,11 @@ _CLIENT_ENV = ("PATH", "HOME", "USER", "LOGNAME", "XDG_RUNTIME_DIR", "TMPDIR", "
 _AUTO_ORDER = ("bwrap", "apptainer", "singularity", "enroot")  # file-based images, found in image_dir
 
 
+_IGNORE_TERM = ("import os, signal, sys\n"
+                "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                "os.execv(sys.argv[1], sys.argv[1:])\n")
+
+
 class SandboxError(ConfigError):
     """A sandbox or runtime that was asked for cannot be used; the message says how to fix it."""
 
@@ -248,6 +253,10 @@ class Environments:
         prog = shutil.which(la.argv[0])
         if prog:
             la.argv[0] = prog
+        if rt.name == "bwrap":
+            # bwrap itself dies of SIGTERM and takes the instance with it at once: it ignores TERM
+            # (the launcher inside restores it for the harness), so a harness keeps its grace period
+            la.argv = [sys.executable, "-S", "-c", _IGNORE_TERM, *la.argv]
         if rt.name != "bwrap":  # a container client needs its own basics; the instance does not see them
             client = {k: v for k in _CLIENT_ENV if (v := config_env(k)) is not None}
             la.env = {**client, **la.env}
@@ -279,8 +288,10 @@ class ProxyBridge:
         self.host, self.port = u.hostname or "127.0.0.1", u.port or (443 if u.scheme == "https" else 80)
         if self.host in ("0.0.0.0", "::"):
             self.host = "127.0.0.1"
-        # inside: the same port on the instance's own loopback
-        self.inner_url = urlunsplit((u.scheme, f"127.0.0.1:{self.port}", u.path, u.query, u.fragment))
+        # inside: the same port on the instance's own loopback (a privileged port cannot be bound
+        # by the instance's unprivileged user: then a fixed high one)
+        self.inner_port = self.port if self.port >= 1024 else 18080
+        self.inner_url = urlunsplit((u.scheme or "http", f"127.0.0.1:{self.inner_port}", u.path, u.query, u.fragment))
         self._dir = Path(tempfile.mkdtemp(prefix="gyre-px-"))  # short: socket paths are limited to 108 bytes
         self.path = self._dir / "p.sock"
         self._server: asyncio.AbstractServer | None = None

@@ -76,13 +76,17 @@ def forward(port, path):
 
 
 def run_harness(argv):
+    box = []
+    # handlers before the child starts: it then begins with default dispositions (bwrap was
+    # started with TERM ignored), and a TERM here is passed on: the harness gets its grace period
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda n, f: box and box[0].send_signal(n))
     try:
         child = subprocess.Popen(argv)
     except OSError as e:
         sys.stderr.write("gyre sandbox: cannot run %r: %s\n" % (argv[0], e))
         return 127
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # the harness gets the grace period
-        signal.signal(sig, lambda n, f: child.send_signal(n))
+    box.append(child)
     rc = child.wait()
     if rc < 0:  # died of a signal: die of the same one, so the status reads the same outside
         signal.signal(-rc, signal.SIG_DFL)
@@ -117,7 +121,10 @@ def main(args):
         return run_commands(opts["--commands"], opts["--out"], opts.get("--workdir") or os.getcwd())
     while args and args[0] == "--forward":
         port, _, path = args[1].partition("=")
-        forward(int(port), path)
+        try:
+            forward(int(port), path)
+        except OSError as e:  # the harness still runs; its calls fail and say why
+            sys.stderr.write("gyre sandbox: cannot relay the proxy on 127.0.0.1:%s: %s\n" % (port, e))
         args = args[2:]
     if args[:1] == ["--"]:
         args = args[1:]
