@@ -105,7 +105,7 @@ def _timed_eval(tmp: Path, mode: str, i: int) -> float:
     return time.perf_counter() - t0
 
 
-def sandbox_cost(reps: int = 4) -> dict:
+def sandbox_cost(reps: int = 3) -> dict:
     """Bare and sandboxed, interleaved so that a busy machine weighs on both alike."""
     import statistics
     import threading
@@ -213,11 +213,21 @@ def main() -> dict:
             "concurrency": CONCURRENCY, "by_status": summary.executions,
             "output_tokens": sum(n for _, n in calls), "harness": " ".join(AGENT[2:]),
             "sandbox": summary.sandbox, "official_score_mean": sum(summary.official) / max(1, len(summary.official)),
-            **sandbox_cost(), **image_task(), **scoring_parity()}
+            **environments()}
+
+
+def environments() -> dict:
+    """Sections 3 (task environments and isolation): quick, and runnable alone (--environments)."""
+    from gyre.harness.sandbox import Environments, SandboxConfig
+
+    return {"sandbox": Environments(SandboxConfig()).host_backend, **sandbox_cost(), **image_task(), **scoring_parity()}
 
 
 if __name__ == "__main__":
-    res = main()
     out = ROOT / "benchmarks" / "results" / "rollout.json"
+    if "--environments" in sys.argv:  # only section 3, merged into the last full run's figures
+        res = {**(json.loads(out.read_text()) if out.exists() else {}), **environments()}
+    else:
+        res = main()
     out.write_text(json.dumps(res, indent=2) + "\n")
     print(json.dumps(res, indent=2))

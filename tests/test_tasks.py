@@ -181,3 +181,28 @@ def test_link_inside_shipped_tests_leading_outside_is_refused(tmp_path):
     (d / "tests" / "conftest.py").unlink()
     os.symlink("test_x.py", d / "tests" / "alias.py")
     assert [t.name for t in load_suite(tmp_path / "suite", strict=True)] == ["fine", "linky"]
+
+
+def test_gyre_tasks_lists_scorability_and_skips(tmp_path, capsys):
+    from gyre.cli import main
+
+    root = nl2repo_repository(tmp_path / "NL2RepoBench")
+    assert main(["tasks", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "aiofiles" in out and "arguably" in out and "python-slugify" in out
+    assert "2 tasks, 0 scorable here, 2 not; 1 broken task folders skipped" in " ".join(out.split())
+    assert "harness.image_dir is not set" in " ".join(out.split())
+    assert main(["tasks", "builtin"]) == 0
+    assert "8 tasks, 8 scorable here" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["tasks", "{root}", "--strict"], ["rollout", "--strict", "harness.suite={root}"],
+                                  ["rollout", "harness.suite={root}/nope"]])
+def test_suite_errors_are_one_clear_line(tmp_path, capsys, argv):
+    from gyre.cli import main
+
+    root = nl2repo_repository(tmp_path / "NL2RepoBench")
+    assert main([a.replace("{root}", str(root)) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"gyre {argv[0]}: configuration error: ") and "Traceback" not in err
+    assert ("python-slugify" in err and "start.md: missing" in err) or "not a directory" in err

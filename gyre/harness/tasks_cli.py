@@ -36,20 +36,27 @@ def run(args: argparse.Namespace) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnsandboxedWarning)  # listing runs nothing
         envs = Environments(SandboxConfig.from_config(h))
-    t = Table(title=f"suite {suite.root}")
-    for col in ("task", "tests", "count", "scorable here", "where / why not"):
-        t.add_column(col, overflow="fold")
-    scorable = 0
+    cols = ("task", "tests", "count", "scorable here", "where / why not")
+    rows, scorable = [], 0
     for task in suite.tasks:
         place = envs.place(task)
         scorable += place.scorable
         tests = "shipped" if task.tests_dir is not None else "in image"
-        t.add_row(task.name, tests, str(task.test_case_count), "yes" if place.scorable else "no",
-                  place.label if place.scorable else place.reason)
-    for name, why in suite.skipped:
-        t.add_row(name, "-", "-", "skipped", why)
+        rows.append((task.name, tests, str(task.test_case_count), "yes" if place.scorable else "no",
+                     place.label if place.scorable else place.reason))
+    rows += [(name, "-", "-", "skipped", why) for name, why in suite.skipped]
     con = Console()
-    con.print(t)
-    con.print(f"{len(suite.tasks)} tasks, {scorable} scorable here, {len(suite.tasks) - scorable} not; "
+    if con.is_terminal:
+        t = Table(title=f"suite {suite.root}")
+        for col in cols:
+            t.add_column(col, overflow="fold")
+        for r in rows:
+            t.add_row(*r)
+        con.print(t)
+    else:  # piped: one tab-separated line per task, for grep and scripts
+        print(f"# suite {suite.root}\n# " + "\t".join(cols))
+        for r in rows:
+            print("\t".join(r))
+    print(f"{len(suite.tasks)} tasks, {scorable} scorable here, {len(suite.tasks) - scorable} not; "
               f"{len(suite.skipped)} broken task folders skipped; sandbox: {envs.host_backend}")
     return 0
