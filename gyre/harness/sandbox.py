@@ -204,7 +204,9 @@ class Environments:
         for b in self.config.binds:
             src = str(b).split(":", 1)[0]
             roots.add(Path(src).resolve())
-        roots = {r for r in roots if not str(r).startswith("/usr/") and r != Path("/usr") and r.exists()}
+        # /usr is mounted anyway; "/" (an interpreter installed there) would mount everything
+        roots = {r for r in roots if not str(r).startswith("/usr/") and r not in (Path("/usr"), Path("/"))
+                 and r.exists()}
         mounts = [Mount(str(r), str(r)) for r in sorted(roots)]
         for b in self.config.binds:  # an explicit destination
             src, _, dst = str(b).partition(":")
