@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import tempfile
 import time
@@ -105,7 +106,7 @@ def _timed_eval(tmp: Path, mode: str, i: int) -> float:
     return time.perf_counter() - t0
 
 
-def sandbox_cost(reps: int = 3) -> dict:
+def sandbox_cost(reps: int = 5) -> dict:
     """Bare and sandboxed, interleaved so that a busy machine weighs on both alike."""
     import statistics
     import threading
@@ -137,7 +138,12 @@ def sandbox_cost(reps: int = 3) -> dict:
         th.join(5)
     med = {k: statistics.median(v) for k, v in times.items()}
     bare, boxed = med[("h", "none")] + med[("e", "none")], med[("h", "auto")] + med[("e", "auto")]
-    return {"sandbox_harness_bare_s": med[("h", "none")], "sandbox_harness_boxed_s": med[("h", "auto")],
+    h, e = ("h", "none"), ("e", "none")
+    return {"sandbox_harness_added_s": med[("h", "auto")] - med[h],
+            "sandbox_harness_ratio": med[("h", "auto")] / med[h],
+            "sandbox_eval_added_s": med[("e", "auto")] - med[e], "sandbox_eval_ratio": med[("e", "auto")] / med[e],
+            "load_avg_1m": os.getloadavg()[0],  # the machine is shared: context for the seconds above
+            "sandbox_harness_bare_s": med[("h", "none")], "sandbox_harness_boxed_s": med[("h", "auto")],
             "sandbox_eval_bare_s": med[("e", "none")], "sandbox_eval_boxed_s": med[("e", "auto")],
             "sandbox_added_s_per_execution": boxed - bare, "sandbox_cost_ratio": boxed / bare,
             "sandbox_cost_reps": reps}
