@@ -1,6 +1,7 @@
 """The evaluator scores retained workspaces the NL2RepoBench way."""
 
 import asyncio
+import json
 import os
 import shutil
 import time
@@ -237,3 +238,26 @@ def test_relative_scratch_dir(tmp_path, monkeypatch):
     ev = evaluate_workspace(TASKS["wordcount"], "ws", "done", EvalOptions(scratch_dir="rel-scratch"))
     assert ev.reward == 1.0, ev
     assert Path(ev.log_path).is_absolute() and ws.is_dir()
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+def test_task_commands_never_touch_gyres_environment(tmp_path, opts):
+    # A task whose commands write into Gyre's site-packages and home, then run the tests without a
+    # shell; in the task environment the writes fail, and scoring goes on.
+    import site
+
+    target = Path(site.getsitepackages()[0]) / f"gyre-touched-{tmp_path.name}.pth"
+    home_target = Path.home() / f".gyre-touched-{tmp_path.name}"
+    d = tmp_path / "suite" / "fb"
+    shutil.copytree(TASKS["fizzbuzz"].dir, d)
+    write = f"open({str(target)!r}, 'w').write('x'); open({str(home_target)!r}, 'w').write('x')"
+    (d / "test_commands.json").write_text(json.dumps([f'python -c "{write}"', "pytest -q tests"]))
+    task = load_task(d)
+    try:
+        ev = evaluate_workspace(task, workspace(tmp_path, solution="fizzbuzz"), "done", opts, tmp_path / "eval.log")
+        assert ev.reward == 1.0, ev
+        assert not target.exists() and not home_target.exists()
+        assert "Read-only file system" in (tmp_path / "eval.log").read_text() or "No such file" in (tmp_path / "eval.log").read_text()
+    finally:
+        target.unlink(missing_ok=True)
+        home_target.unlink(missing_ok=True)
