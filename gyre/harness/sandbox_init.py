@@ -112,6 +112,8 @@ def run_commands(commands_file, out, workdir):
 
 
 def main(args):
+    if args[:1] in (["--copy-tree"], ["--commands"]):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # bwrap was started with TERM ignored
     if args[:1] == ["--copy-tree"]:
         shutil.copytree(args[1], args[2], symlinks=True, dirs_exist_ok=True) if sys.version_info >= (3, 8) \
             else shutil.copytree(args[1], args[2], symlinks=True)
