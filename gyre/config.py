@@ -186,6 +186,23 @@ class HarnessConfig:
     pass_env: list = _f(["PATH", "HOME", "LANG", "LC_ALL", "TZ", "USER", "LOGNAME", "TMPDIR", "TERM", "SHELL"],
                         help="variables of Gyre's environment a harness sees; nothing else leaks to it")
     env: list = _f([], help="extra KEY=VALUE variables for the harness, e.g. MSWEA_CONFIGURED=true")
+    strict_suite: bool = _f(False, help="refuse a suite with a broken task folder (default: skip it "
+                                        "with a warning and count it); `--strict` on the command line")
+    image_template: str = _f("ghcr.io/multimodal-art-projection/nl2repobench/{task}:1.0",
+                             help="image of a task that does not ship its tests ({task} = task name)")
+    sandbox: str = _f("auto", choices=("auto", "bwrap", "none"),
+                      help="sandbox of harnesses and task commands without an image: auto = bubblewrap "
+                           "where installed; none = no isolation (warns)")
+    runtime: str = _f("auto", choices=("auto", "bwrap", "apptainer", "singularity", "enroot", "podman", "docker"),
+                      help="runtime of task images; auto = by the file found in image_dir "
+                           "(<task>/ rootfs: bwrap, <task>.sif: apptainer, <task>.sqsh: enroot)")
+    image_dir: str = _f("", help="where task images live: <task>.sif, <task>.sqsh or an unpacked <task>/")
+    image_python: str = _f("python3", help="the Python inside task images (runs Gyre's launcher)")
+    sandbox_network: str = _f("proxy", choices=("proxy", "host"),
+                              help="proxy: an instance reaches only the proxy (where the runtime can "
+                                   "restrict it); host: the host's network")
+    sandbox_binds: list = _f([], help="extra read-only host paths SRC[:DST] a sandboxed harness needs "
+                                      "(e.g. its own virtualenv)")
 
 
 @dataclass

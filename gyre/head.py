@@ -169,9 +169,8 @@ class Head:
         from gyre.engine.tiny_model import ensure_tiny_model, load_tokenizer, model_identity
         from gyre.harness.evaluator import EvaluatorPool
         from gyre.harness.runner import HarnessPool, private_dir
-        from gyre.harness.tasks import load_suite
         from gyre.proxy.server import Proxy, create_app, start_site
-        from gyre.rollout import select_tasks, shard_identity
+        from gyre.rollout import load_tasks, shard_identity
         from gyre.sched import policy_from_config
         from gyre.traj.select import SelectionSpec
         from gyre.traj.store import ShardWriter
@@ -183,7 +182,7 @@ class Head:
         self.ckpt_root = Path(cfg.train.checkpoint_dir or self.run_dir / "checkpoints")
         self.policy = policy_from_config(cfg)
         self.spec = SelectionSpec.from_config(cfg.selection)
-        self.tasks = select_tasks(load_suite(cfg.harness.suite), cfg.harness.tasks)
+        self.tasks = load_tasks(cfg)  # harness.suite, strict_suite, image_template, tasks
         self.task_cycle = itertools.cycle(self.tasks)
         identity = model_identity(self.model_dir)
         self.writer = ShardWriter.from_config(cfg.store, private_dir(cfg.shard_dir()), shard_identity(identity))

@@ -55,6 +55,10 @@ class RolloutSummary:
     skipped_resume: int = 0
     seconds: float = 0.0
     per_task: dict[str, list[float]] = field(default_factory=dict)
+    official: list[float] = field(default_factory=list)  # NL2RepoBench's score: unscorable/failed = 0
+    by_source: dict[str, list[float]] = field(default_factory=dict)  # Gyre's rewards by source
+    skipped_tasks: int = 0  # broken task folders of the suite, skipped
+    sandbox: str = ""       # the host sandbox backend (bwrap | none)
 
 
 def plan(tasks, group_size: int, previous: dict[str, tuple[str, int]]) -> tuple[list[Planned], int]:
@@ -95,6 +99,20 @@ async def run_and_evaluate(proxy, pool, evaluators, task, execution_id: str, gro
     else:
         rec.reward_source = f"not-evaluated: {status}" + (f" ({error})" if error else "")
     return rec
+
+
+def read_tasks(cfg: GyreConfig):
+    """The configured suite (``harness.suite``, ``strict_suite``, ``image_template``): the Suite
+    (its tasks and the broken folders skipped). Errors are ConfigErrors naming task and file."""
+    from gyre.harness.tasks import read_suite
+
+    h = cfg.harness
+    return read_suite(h.suite, strict=h.strict_suite, image_template=h.image_template)
+
+
+def load_tasks(cfg: GyreConfig) -> list:
+    """The configured suite's tasks, narrowed to ``harness.tasks``."""
+    return select_tasks(read_tasks(cfg).tasks, cfg.harness.tasks)
 
 
 def select_tasks(tasks: list, names: list[str]) -> list:
@@ -143,14 +161,18 @@ class Rollout:
         from gyre.engine.tiny_model import ensure_tiny_model, load_tokenizer, model_identity
         from gyre.harness.evaluator import EvaluatorPool
         from gyre.harness.runner import HarnessPool, private_dir
-        from gyre.harness.tasks import load_suite
+        from gyre.harness.sandbox import Environments, SandboxConfig
         from gyre.proxy.server import Proxy, create_app, start_site
         from gyre.traj.store import ShardWriter
 
         cfg, t0 = self.cfg, time.monotonic()
+        suite = read_tasks(cfg)  # before anything is created: a bad suite is the user's first message
+        tasks = select_tasks(suite.tasks, cfg.harness.tasks)
+        self.summary.skipped_tasks = len(suite.skipped)
+        envs = Environments(SandboxConfig.from_config(cfg.harness))  # one placement per task, shared
+        self.summary.sandbox = envs.host_backend
         private_dir(Path(cfg.run.dir))  # the run directory exists and is private before anything lands in it
         shard_dir = private_dir(cfg.shard_dir())
-        tasks = select_tasks(load_suite(cfg.harness.suite), cfg.harness.tasks)
         previous = previous_executions(shard_dir) if resume else {}
         if not resume and previous_executions(shard_dir):
             raise SystemExit(f"gyre rollout: {shard_dir} already holds shards; pass --resume to continue that run "
@@ -173,8 +195,8 @@ class Rollout:
             base_url = f"http://{cfg.proxy.host}:{port}/v1"
             self.router, self.proxy = router, proxy
             self.started.set()
-            pool = HarnessPool.from_config(cfg)
-            evaluators = EvaluatorPool.from_config(cfg)
+            pool = HarnessPool.from_config(cfg, environments=envs)
+            evaluators = EvaluatorPool.from_config(cfg, envs)
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, self._stop.set)
@@ -206,9 +228,12 @@ class Rollout:
         # one query = one group of G executions
         rec = await run_and_evaluate(proxy, pool, evaluators, p.task, p.execution_id, 0, base_url)
         if rec.status in FINISHED:
+            # the official score counts what could not be scored (no image, evaluator failure) as 0
+            self.summary.official.append(rec.reward if math.isfinite(rec.reward) else 0.0)
             if math.isfinite(rec.reward):
                 self.summary.rewards.append(rec.reward)
                 self.summary.per_task.setdefault(p.task.name, []).append(rec.reward)
+                self.summary.by_source.setdefault(rec.reward_source, []).append(rec.reward)
             else:
                 self.summary.unscorable += 1
         st = rec.tree.stats()
@@ -256,9 +281,12 @@ def print_summary(s: RolloutSummary, cfg: GyreConfig) -> None:
     rows = [("tasks", len(s.per_task)), ("executions", sum(s.executions.values())),
             ("by status", ", ".join(f"{k} {v}" for k, v in sorted(s.executions.items())) or "-"),
             ("calls", s.calls), ("tokens (unique)", s.tokens),
-            ("reward mean / std", f"{_mean(s.rewards):.3f} / {spread:.3f}"),
+            ("official score (NL2RepoBench)", f"{_mean(s.official):.3f}  (unscorable and failed count 0)"),
+            ("reward mean / std", f"{_mean(s.rewards):.3f} / {spread:.3f}  (scored executions only)"),
+            ("reward by source", ", ".join(f"{k} {_mean(v):.3f} (n={len(v)})" for k, v in sorted(s.by_source.items())) or "-"),
             ("timeouts", s.executions.get("timeout", 0)), ("unscorable", s.unscorable),
-            ("skipped (resume)", s.skipped_resume), ("shards", len(s.shards)), ("time", f"{s.seconds:.1f} s")]
+            ("skipped (resume)", s.skipped_resume), ("broken task folders skipped", s.skipped_tasks),
+            ("sandbox", s.sandbox), ("shards", len(s.shards)), ("time", f"{s.seconds:.1f} s")]
     for k, v in rows:
         t.add_row(k, str(v))
     Console(stderr=False).print(t)
@@ -268,11 +296,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML configuration file")
     p.add_argument("--resume", action="store_true", help="continue a stopped run in the same run.dir")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--strict", action="store_true",
+                   help="refuse a suite with a broken task folder (harness.strict_suite = true)")
     p.add_argument("overrides", nargs="*", help="section.key=value configuration overrides")
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
+    if args.strict:
+        cfg.harness.strict_suite = True
     ro = Rollout(cfg, progress=not args.no_progress)
     summary = asyncio.run(ro.run(resume=args.resume))
     print_summary(summary, cfg)

@@ -3,6 +3,7 @@
 import asyncio
 import json
 import os
+import shutil
 import stat
 import sys
 import time
@@ -12,15 +13,51 @@ import pytest
 
 from gyre.harness.runner import (HarnessPool, Limits, WorkspaceExists, classify, cleanup_workspaces,
                                  expand_argv)
+from gyre.harness.sandbox import Environments, SandboxConfig, UnsandboxedWarning
 from gyre.harness.tasks import load_suite
 
 TASK = {t.name: t for t in load_suite("builtin")}["fizzbuzz"]
 PY = sys.executable
 
 
-def pool(tmp_path, command, **kw):
+# The pool's mechanics hold in both modes: bare on the host (harness.sandbox = none) and in the
+# default sandbox (bubblewrap); tests of the host layout itself run bare.
+MODES = ["none", pytest.param("auto", marks=pytest.mark.skipif(shutil.which("bwrap") is None,
+                                                               reason="bubblewrap is not installed"))]
+
+
+def envs(mode: str) -> Environments:
+    if mode != "none":
+        return Environments(SandboxConfig(sandbox=mode))
+    with pytest.warns(UnsandboxedWarning):
+        return Environments(SandboxConfig(sandbox="none"))
+
+
+def pool(tmp_path, command, mode="none", **kw):
     limits = kw.pop("limits", Limits(timeout_s=30, kill_grace_s=0.5))
-    return HarnessPool(tmp_path / "run", command, limits=limits, **kw)
+    return HarnessPool(tmp_path / "run", command, limits=limits, environments=envs(mode), **kw)
+
+
+def token() -> str:
+    """A unique sleep length: its processes are found by argument, in any pid namespace."""
+    return f"1000.{time.time_ns() % 10**9:09d}"
+
+
+def args_gone(arg: str, within_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        alive = []
+        for d in Path("/proc").iterdir():
+            try:
+                if d.name.isdigit() and arg.encode() in (d / "cmdline").read_bytes().split(b"\0"):
+                    if (d / "stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                        alive.append(d.name)
+            except OSError:
+                continue
+        if not alive:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def run(p: HarnessPool, eid="e1", task=TASK, **kw):
@@ -44,6 +81,27 @@ def group_gone(pgid: int, within_s: float = 5.0) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+def test_sandboxed_layout_is_the_same_shape_inside(tmp_path, monkeypatch):
+    monkeypatch.setenv("GYRE_TEST_SECRET", "do-not-leak")
+    script = ("import json, os, sys; json.dump({'argv': sys.argv[1:], 'env': dict(os.environ), 'cwd': os.getcwd(),"
+              " 'root': sorted(os.listdir('/'))}, open('seen.json', 'w'))")
+    p = pool(tmp_path, ["{python}", "-c", script, "{prompt_file}", "{workspace}", "{task_dir}", "{execution_id}",
+                        "{base_url}"], "auto", pass_env=["PATH", "HOME", "GYRE_TEST_MISSING"])
+    res = run(p, "inside")
+    assert res.status == "done", Path(res.log_dir, "harness.stderr").read_text()
+    seen = json.loads(Path(res.workspace, "seen.json").read_text())
+    assert seen["argv"] == ["/workspace/start.md", "/workspace", "/task", "inside", "http://127.0.0.1:18080/v1"]
+    assert seen["cwd"] == "/workspace"
+    env = seen["env"]
+    assert env["GYRE_WORKSPACE"] == "/workspace" and env["GYRE_TASK_DIR"] == "/task" and env["HOME"] == "/tmp"
+    assert env["OPENAI_API_KEY"] == "key-inside" and env["OPENAI_BASE_URL"] == "http://127.0.0.1:18080/v1"
+    assert "GYRE_TEST_SECRET" not in env
+    # what the instance's root holds: system folders, its own workspace and task, Gyre's harness scripts
+    assert {"workspace", "task", "gyre-lib", "usr", "tmp", "proc"} <= set(seen["root"])
+    assert "home" not in seen["root"] and not (set(seen["root"]) & {"srv", "mnt", "var", "boot"})
 
 
 def test_env_placeholders_and_layout(tmp_path, monkeypatch):
@@ -79,13 +137,16 @@ def test_env_placeholders_and_layout(tmp_path, monkeypatch):
         assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
 
 
-def test_exit_statuses(tmp_path):
-    p = pool(tmp_path, ["sh", "-c", "exit 3"])
+@pytest.mark.parametrize("mode", MODES)
+def test_exit_statuses(tmp_path, mode):
+    p = pool(tmp_path, ["sh", "-c", "exit 3"], mode)
     res = run(p, "fail")
     assert (res.status, res.returncode, res.signal) == ("failed", 3, None)
-    p = pool(tmp_path, ["no-such-harness-binary-xyz"])
+    p = pool(tmp_path, ["no-such-harness-binary-xyz"], mode)
     res = run(p, "missing")
-    assert res.status == "failed" and "cannot start" in res.error
+    assert res.status == "failed"
+    stderr = Path(res.log_dir, "harness.stderr").read_text()
+    assert "cannot start" in res.error if mode == "none" else "cannot run 'no-such-harness-binary-xyz'" in stderr
     assert (tmp_path / "run" / "workspaces" / "missing" / "start.md").exists()
 
 
@@ -94,44 +155,52 @@ def test_exit_statuses(tmp_path):
     (["bash", "-c", "kill -SEGV $$"], "SIGSEGV"),
     (["sh", "-c", f"{PY} -c 'import os; os.abort()'; exit $?"], "SIGABRT"),  # a shell reports 128+N
 ])
-def test_crash_is_recorded(tmp_path, command, sig):
-    res = run(pool(tmp_path, command), "crash")
+@pytest.mark.parametrize("mode", MODES)
+def test_crash_is_recorded(tmp_path, command, sig, mode):
+    res = run(pool(tmp_path, command, mode), "crash")
     assert (res.status, res.signal) == ("crashed", sig), res
     assert Path(res.workspace, "start.md").exists()
 
 
-def test_sleeping_forever_is_killed_at_the_limit(tmp_path):
+@pytest.mark.parametrize("mode", MODES)
+def test_sleeping_forever_is_killed_at_the_limit(tmp_path, mode):
     # The harness ignores SIGTERM and leaves a grandchild behind: the whole group must go.
-    command = ["bash", "-c", "trap '' TERM; echo $$ > pgid; touch progress.py; sleep 1000 & sleep 1000; wait"]
-    p = pool(tmp_path, command, limits=Limits(timeout_s=1.0, kill_grace_s=0.5))
+    t = token()
+    command = ["bash", "-c", f"trap '' TERM; echo $$ > pgid; touch progress.py; sleep {t} & sleep {t}; wait"]
+    p = pool(tmp_path, command, mode, limits=Limits(timeout_s=1.0, kill_grace_s=0.5))
     t0 = time.monotonic()
     res = run(p, "sleepy")
     assert time.monotonic() - t0 < 10
     assert (res.status, res.signal) == ("timeout", "SIGKILL") and "limit" in res.error
     ws = Path(res.workspace)
     assert (ws / "progress.py").exists() and (ws / "start.md").exists(), "the workspace is kept"
-    assert group_gone(int((ws / "pgid").read_text()))
+    assert args_gone(t)
+    if mode == "none":  # (inside a sandbox $$ is a pid of its own namespace)
+        assert group_gone(int((ws / "pgid").read_text()))
 
 
-def test_term_is_enough_for_a_polite_harness(tmp_path):
-    p = pool(tmp_path, ["sleep", "1000"], limits=Limits(timeout_s=0.5, kill_grace_s=5))
+@pytest.mark.parametrize("mode", MODES)
+def test_term_is_enough_for_a_polite_harness(tmp_path, mode):
+    p = pool(tmp_path, ["sleep", "1000"], mode, limits=Limits(timeout_s=0.5, kill_grace_s=5))
     t0 = time.monotonic()
     res = run(p, "polite")
     assert (res.status, res.signal) == ("timeout", "SIGTERM") and time.monotonic() - t0 < 4
 
 
-def test_cpu_and_memory_limits(tmp_path):
-    p = pool(tmp_path, [PY, "-c", "while True: pass"], limits=Limits(timeout_s=20, cpu_s=1))
+@pytest.mark.parametrize("mode", MODES)
+def test_cpu_and_memory_limits(tmp_path, mode):
+    p = pool(tmp_path, [PY, "-c", "while True: pass"], mode, limits=Limits(timeout_s=20, cpu_s=1))
     res = run(p, "spin")
     assert (res.status, res.signal) == ("crashed", "SIGXCPU"), res
-    p = pool(tmp_path, [PY, "-c", "x = bytearray(1 << 30)"], limits=Limits(timeout_s=20, memory_mb=300))
+    p = pool(tmp_path, [PY, "-c", "x = bytearray(1 << 30)"], mode, limits=Limits(timeout_s=20, memory_mb=300))
     res = run(p, "hog")
     assert res.status == "failed" and "MemoryError" in Path(res.log_dir, "harness.stderr").read_text()
 
 
-def test_concurrency_bound(tmp_path):
+@pytest.mark.parametrize("mode", MODES)
+def test_concurrency_bound(tmp_path, mode):
     script = "import time, sys; open('t', 'w').write(f'{time.time()} '); time.sleep(0.4); open('t', 'a').write(f'{time.time()}')"
-    p = pool(tmp_path, [PY, "-c", script], concurrency=2)
+    p = pool(tmp_path, [PY, "-c", script], mode, concurrency=2)
 
     async def main():
         return await asyncio.gather(*(p.run_execution(TASK, f"c{i}", api_key="k", base_url="u") for i in range(5)))
@@ -155,8 +224,10 @@ def test_reuse_and_bad_ids(tmp_path):
     assert not (tmp_path / "escape").exists()
 
 
-def test_stop_all_and_cancel(tmp_path):
-    p = pool(tmp_path, ["bash", "-c", "echo $$ > pgid; sleep 1000"], limits=Limits(timeout_s=60, kill_grace_s=0.5))
+@pytest.mark.parametrize("mode", MODES)
+def test_stop_all_and_cancel(tmp_path, mode):
+    t = token()
+    p = pool(tmp_path, ["bash", "-c", f"echo $$ > pgid; sleep {t}"], mode, limits=Limits(timeout_s=60, kill_grace_s=0.5))
 
     async def main():
         runs = [asyncio.create_task(p.run_execution(TASK, f"s{i}", api_key="k", base_url="u")) for i in range(2)]
@@ -170,10 +241,10 @@ def test_stop_all_and_cancel(tmp_path):
 
     results = asyncio.run(main())
     assert [r.status for r in results] == ["stopped", "stopped"]
-    for r in results:
-        assert group_gone(int(Path(r.workspace, "pgid").read_text()))
+    assert args_gone(t)
 
-    p2 = pool(tmp_path / "b", ["bash", "-c", "echo $$ > pgid; sleep 1000"])
+    t2 = token()
+    p2 = pool(tmp_path / "b", ["bash", "-c", f"echo $$ > pgid; sleep {t2}"], mode)
 
     async def cancel():
         t = asyncio.create_task(p2.run_execution(TASK, "cancelled", api_key="k", base_url="u"))
@@ -185,7 +256,7 @@ def test_stop_all_and_cancel(tmp_path):
             await t
 
     asyncio.run(cancel())
-    assert group_gone(int((tmp_path / "b" / "run" / "workspaces" / "cancelled" / "pgid").read_text()))
+    assert args_gone(t2)
 
 
 def test_cleanup_removes_only_given_workspaces(tmp_path):
@@ -222,14 +293,17 @@ def test_helpers():
 
 def test_relative_run_dir_gives_absolute_paths(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    p = HarnessPool("rel-run", [PY, "-c", "import os; open('ws.txt', 'w').write(os.environ['GYRE_WORKSPACE'])"])
+    p = HarnessPool("rel-run", [PY, "-c", "import os; open('ws.txt', 'w').write(os.environ['GYRE_WORKSPACE'])"],
+                    environments=envs("none"))
     res = run(p, "r1")
     assert res.status == "done" and Path(res.workspace).is_absolute()
     assert Path(res.workspace, "ws.txt").read_text() == str(tmp_path / "rel-run" / "workspaces" / "r1")
 
 
-def test_kill_all_now(tmp_path):
-    p = pool(tmp_path, ["bash", "-c", "echo $$ > pgid; sleep 1000"])
+@pytest.mark.parametrize("mode", MODES)
+def test_kill_all_now(tmp_path, mode):
+    t = token()
+    p = pool(tmp_path, ["bash", "-c", f"echo $$ > pgid; sleep {t}"], mode)
 
     async def main():
         t = asyncio.create_task(p.run_execution(TASK, "k1", api_key="k", base_url="u"))
@@ -240,4 +314,4 @@ def test_kill_all_now(tmp_path):
 
     res = asyncio.run(main())
     assert (res.status, res.signal) == ("stopped", "SIGKILL")
-    assert group_gone(int(Path(res.workspace, "pgid").read_text()))
+    assert args_gone(t)

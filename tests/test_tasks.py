@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gyre.harness.tasks import BUILTIN_DIR, SuiteError, load_suite, load_task
+from gyre.harness.tasks import read_suite, BUILTIN_DIR, SuiteError, load_suite, load_task
 
 SOLUTIONS = Path(BUILTIN_DIR).parent / "builtin_solutions"
 
@@ -77,7 +77,7 @@ def test_bad_suites_name_task_and_file(tmp_path, kwargs, file, fragment):
     else:
         make_task(tmp_path, "broken", **kwargs)
     with pytest.raises(SuiteError) as info:
-        load_suite(tmp_path)
+        load_suite(tmp_path, strict=True, image_template=None)
     msg = str(info.value)
     assert "'broken'" in msg and file in msg and fragment in msg, msg
 
@@ -125,9 +125,9 @@ def test_tests_root_and_shipped_tests_with_image(tmp_path):
 def test_non_strict_skips_broken_tasks(tmp_path, caplog):
     make_task(tmp_path, "good")
     make_task(tmp_path, "pdfplumber", start=None)  # NL2RepoBench ships two tasks like this
-    with pytest.raises(SuiteError):
-        load_suite(tmp_path)
-    tasks = load_suite(tmp_path, strict=False)
+    with pytest.raises(SuiteError, match="pdfplumber.*--strict"):
+        load_suite(tmp_path, strict=True)
+    tasks = load_suite(tmp_path)  # the default: skip and count
     assert [t.name for t in tasks] == ["good"]
     assert "pdfplumber" in caplog.text
 
@@ -135,5 +135,74 @@ def test_non_strict_skips_broken_tasks(tmp_path, caplog):
 def test_not_a_suite(tmp_path):
     with pytest.raises(SuiteError, match="not a directory"):
         load_suite(tmp_path / "nope")
-    with pytest.raises(SuiteError, match="no task folders"):
+    with pytest.raises(SuiteError, match="no loadable task folders"):
         load_suite(tmp_path)
+
+
+def nl2repo_repository(root):
+    """A fixture shaped like the published repository: test_files/<task>/ with the four files,
+    no tests, no Gyre metadata; one task whose start.md failed to download."""
+    tf = root / "test_files"
+    for name, count in (("aiofiles", "202"), ("arguably", "70")):
+        make_task(tf, name, commands='["pip install -e .", "pytest --continue-on-collection-errors tests"]',
+                  count=count, files='["tests"]', tests=False)
+    d = make_task(tf, "python-slugify", start=None, tests=False)
+    (d / "start.md.download_failed.txt").write_text("download failed")
+    (tf / ".DS_Store").write_bytes(b"\0\0")
+    return root
+
+
+def test_published_repository_is_read_unchanged(tmp_path):
+    root = nl2repo_repository(tmp_path / "NL2RepoBench")
+    suite = read_suite(root)  # the repository root stands for its test_files/
+    assert suite.root == (root / "test_files").resolve()
+    assert [t.name for t in suite.tasks] == ["aiofiles", "arguably"]
+    assert [name for name, _ in suite.skipped] == ["python-slugify"]
+    assert "start.md: missing" in suite.skipped[0][1]
+    a = suite.tasks[0]
+    assert a.image == "ghcr.io/multimodal-art-projection/nl2repobench/aiofiles:1.0" and a.tests_dir is None
+    assert a.test_commands == ("pip install -e .", "pytest --continue-on-collection-errors tests")
+    other = read_suite(root, image_template="registry.site/nl2repo/{task}:v2").tasks[1]
+    assert other.image == "registry.site/nl2repo/arguably:v2"
+    with pytest.raises(SuiteError, match="python-slugify.*start.md.*missing.*--strict"):
+        read_suite(root, strict=True)
+
+
+def test_link_inside_shipped_tests_leading_outside_is_refused(tmp_path):
+    outside = tmp_path / "outside.py"
+    outside.write_text("SECRET = 1\n")
+    d = make_task(tmp_path / "suite", "linky")
+    os.symlink(outside, d / "tests" / "conftest.py")
+    make_task(tmp_path / "suite", "fine")
+    with pytest.raises(SuiteError, match="'linky'.*tests/conftest.py is a link leading outside"):
+        load_suite(tmp_path / "suite", strict=True)
+    assert [t.name for t in load_suite(tmp_path / "suite")] == ["fine"]
+    # a link that stays inside the task is kept
+    (d / "tests" / "conftest.py").unlink()
+    os.symlink("test_x.py", d / "tests" / "alias.py")
+    assert [t.name for t in load_suite(tmp_path / "suite", strict=True)] == ["fine", "linky"]
+
+
+def test_gyre_tasks_lists_scorability_and_skips(tmp_path, capsys):
+    from gyre.cli import main
+
+    root = nl2repo_repository(tmp_path / "NL2RepoBench")
+    assert main(["tasks", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "aiofiles" in out and "arguably" in out and "python-slugify" in out
+    assert "2 tasks, 0 scorable here, 2 not; 1 broken task folders skipped" in " ".join(out.split())
+    assert "harness.image_dir is not set" in " ".join(out.split())
+    assert main(["tasks", "builtin"]) == 0
+    assert "8 tasks, 8 scorable here" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["tasks", "{root}", "--strict"], ["rollout", "--strict", "harness.suite={root}"],
+                                  ["rollout", "harness.suite={root}/nope"]])
+def test_suite_errors_are_one_clear_line(tmp_path, capsys, argv):
+    from gyre.cli import main
+
+    root = nl2repo_repository(tmp_path / "NL2RepoBench")
+    assert main([a.replace("{root}", str(root)) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"gyre {argv[0]}: configuration error: ") and "Traceback" not in err
+    assert ("python-slugify" in err and "start.md: missing" in err) or "not a directory" in err

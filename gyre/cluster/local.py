@@ -43,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML configuration file")
     p.add_argument("--resume", action="store_true", help="continue the run in run.dir from its last step")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--strict", action="store_true",
+                   help="refuse a suite with a broken task folder (harness.strict_suite = true)")
     p.add_argument("overrides", nargs="*", help="section.key=value configuration overrides")
 
 
@@ -59,7 +61,11 @@ def launch_command(args: argparse.Namespace, cells: int, key: Path, report: Path
 def run(args: argparse.Namespace) -> int:
     from gyre.harness.runner import private_dir
 
+    if args.strict:
+        args.overrides = [*args.overrides, "harness.strict_suite=true"]
     cfg = load_config(args.config, args.overrides)
+    from gyre.rollout import load_tasks
+    load_tasks(cfg)  # a bad suite is a clear message here, not a traceback from the head rank
     run_dir = private_dir(Path(cfg.run.dir))
     if not args.resume and (run_dir / "state.json").exists():
         raise SystemExit(f"gyre run: {run_dir} holds a run; pass --resume to continue it or choose another run.dir")

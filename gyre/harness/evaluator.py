@@ -1,18 +1,28 @@
-"""Score a retained workspace the NL2RepoBench way.
+"""Score a retained workspace the NL2RepoBench way, in the task's environment.
 
-Copy the workspace, delete packaging files (anywhere in the tree, NL2RepoBench's list) and the
-paths of ``test_files.json``, add the task's tests, run ``test_commands.json`` in a subprocess with
-one time limit for all of them, add up pytest's "N passed", score = min(passed / count, 1).
+The official post-processor (see gyre.harness.scoring): delete packaging files (anywhere in the
+tree) and the paths of ``test_files.json`` from the candidate, put it over the task image's
+``/workspace`` (which holds the hidden tests) in a fresh container, run each command of
+``test_commands.json`` there without a shell, add up every "N passed" of the pytest commands,
+score = min(passed / count, 1).
 
-The execution's status only names the source: a timed-out or crashed harness left a workspace
-that is scored exactly like a finished one (partial progress counts). Image-only tasks are
-reported ``unscorable`` with a reward of None, never 0.
+Here: for a task whose image is found locally, one instance of the image copies out its
+``/workspace``, the cleaned candidate is laid over that copy, and a second, fresh instance runs
+the commands in it. A task that ships its tests is scored the same way on the host root inside
+bubblewrap, with the shipped tests added to the copy. Either way the commands never touch Gyre's
+own environment (read-only mounts, a private /tmp, no network).
+
+Two scores come out. ``official_reward`` is the benchmark's: unscorable tasks and evaluator
+failures count 0. ``reward`` is Gyre's training reward: None where nothing could be scored, and
+its ``source`` says how the execution ended (a timed-out or crashed harness left a workspace that
+is scored exactly like a finished one: ``tests-after-timeout``, ``tests-after-crash``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import json
 import logging
 import os
 import re
@@ -27,20 +37,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gyre.harness import proc
+from gyre.harness import proc, scoring
+from gyre.harness.runtimes import Mount
+from gyre.harness.sandbox import OUT, WORKSPACE, Environments, Placement, SandboxConfig, run_steps
 from gyre.harness.tasks import Task
 
 log = logging.getLogger(__name__)
 
-# openhands/post_processor.py:remove_package_files in NL2RepoBench, matched by name at any depth.
-PACKAGING_FILES = frozenset({
-    "setup.py", "pyproject.toml", "setup.cfg", "requirements.txt", "requirements-dev.txt",
-    "requirements-test.txt", "tox.ini", "pytest.ini", "poetry.lock", "Pipfile", "Pipfile.lock",
-    "environment.yml", "conda-env.yaml", "manifest.in", "MANIFEST.in",
-})
+PACKAGING_FILES = scoring.PACKAGING_FILES
 SOURCES = {"done": "tests", "failed": "tests", "timeout": "tests-after-timeout",
            "crashed": "tests-after-crash"}
-_TAIL_BYTES = 256 << 10  # the pytest summary is at the end of a command's output
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected|warnings?)\b")
 _SUMMARY_END = re.compile(r"\bin \d+(?:\.\d+)?s\b")
@@ -55,6 +61,8 @@ class Evaluation:
     duration_s: float
     log_path: str | None
     error: str | None = None
+    official_reward: float = 0.0  # the benchmark's score: unscorable and evaluator failures are 0
+    environment: str = ""  # where the commands ran (runtime and image, or the host sandbox)
 
 
 @dataclass
@@ -64,16 +72,24 @@ class EvalOptions:
     keep_scratch: bool = False
     max_output_mb: int = 64
     remove_conftest: bool = False
-    pass_env: tuple = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "USER", "LOGNAME", "TMPDIR")
+    pass_env: tuple = ("LANG", "LC_ALL", "TZ")
     kill_grace_s: float = 2.0
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    environments: Environments | None = None  # shared with the harness pool where there is one
+
+    def envs(self) -> Environments:
+        if self.environments is None:
+            self.environments = Environments(self.sandbox)
+        return self.environments
 
     @classmethod
-    def from_config(cls, cfg) -> "EvalOptions":
-        """From a GyreConfig: its [eval] section plus the harness's environment allowlist."""
+    def from_config(cls, cfg, environments: Environments | None = None) -> "EvalOptions":
+        """From a GyreConfig: its [eval] section plus the harness's sandbox settings."""
         e = cfg.eval
+        sc = SandboxConfig.from_config(cfg.harness)
         return cls(timeout_s=e.timeout_s, scratch_dir=e.scratch_dir, keep_scratch=e.keep_scratch,
                    max_output_mb=e.max_output_mb, remove_conftest=e.remove_conftest,
-                   pass_env=tuple(cfg.harness.pass_env))
+                   sandbox=sc, environments=environments)
 
 
 def source_for(status: str) -> str:
@@ -81,7 +97,8 @@ def source_for(status: str) -> str:
 
 
 def parse_pytest_summary(output: str) -> dict[str, int] | None:
-    """Counts from the last pytest summary line ("3 passed, 1 failed in 0.12s"), or None."""
+    """Counts from the last pytest summary line ("3 passed, 1 failed in 0.12s"), or None.
+    Diagnostics only: the score follows the official rules (gyre.harness.scoring)."""
     for line in reversed(_ANSI.sub("", output).splitlines()):
         if _SUMMARY_END.search(line) and (_COUNT.search(line) or "no tests ran" in line):
             counts = {"passed": 0, "failed": 0, "errors": 0}
@@ -126,9 +143,11 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
 
 
-def _prepare(task: Task, workspace: Path, repo: Path, opts: EvalOptions, notes: list[str]) -> None:
+def _clean_candidate(task: Task, workspace: Path, repo: Path, opts: EvalOptions, notes: list[str]) -> None:
+    """The candidate as the official post-processor leaves it: packaging files and the task's test
+    paths removed."""
     try:
-        shutil.copytree(workspace, repo, symlinks=True, copy_function=_copy_regular)
+        shutil.copytree(workspace, repo, symlinks=True, copy_function=_copy_regular, dirs_exist_ok=True)
     except shutil.Error as e:  # unreadable files: score what could be copied
         notes.append(f"some files could not be copied: {len(e.args[0])} errors")
         repo.mkdir(exist_ok=True)
@@ -145,6 +164,9 @@ def _prepare(task: Task, workspace: Path, repo: Path, opts: EvalOptions, notes: 
         if target.is_symlink() or target.exists():
             _remove(target)
             notes.append(f"removed candidate test path {rel}")
+
+
+def _add_shipped_tests(task: Task, repo: Path, notes: list[str]) -> None:
     for rel in task.test_files:
         src, dst = task.tests_dir / rel, repo / rel
         for parent in reversed(dst.relative_to(repo).parents[:-1]):  # a file where a folder goes
@@ -153,106 +175,190 @@ def _prepare(task: Task, workspace: Path, repo: Path, opts: EvalOptions, notes: 
                 p.unlink()
         dst.parent.mkdir(parents=True, exist_ok=True)
         if src.is_dir():
-            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+            # links kept as links (the suite reader refused any leading outside the task) and
+            # dropped again below if they lead outside the copy
+            shutil.copytree(src, dst, symlinks=True, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         else:
-            shutil.copy2(src, dst)
+            shutil.copy2(src, dst, follow_symlinks=False)
         notes.append(f"added test path {rel}")
+    _drop_escaping_links(repo, notes)
 
 
-# -- running the commands ----------------------------------------------------------------------
+def _overlay(src: Path, dst: Path) -> None:
+    """``COPY workspace /workspace``: the candidate's files over the image's, candidate wins."""
+    for dirpath, dirnames, filenames in os.walk(src):
+        rel = Path(dirpath).relative_to(src)
+        target_dir = dst / rel
+        if target_dir.is_symlink() or (target_dir.exists() and not target_dir.is_dir()):
+            target_dir.unlink()
+        target_dir.mkdir(parents=True, exist_ok=True)
+        for name in filenames + [d for d in dirnames if (Path(dirpath) / d).is_symlink()]:
+            s, t = Path(dirpath) / name, target_dir / name
+            if t.is_symlink() or t.is_file():
+                t.unlink()
+            elif t.is_dir():
+                shutil.rmtree(t)
+            if s.is_symlink():
+                os.symlink(os.readlink(s), t)
+            else:
+                shutil.copy2(s, t)
 
-def _read_tail(path: Path, start: int, end: int) -> str:
-    begin = max(start, end - _TAIL_BYTES)
-    with open(path, "rb") as f:
-        f.seek(begin)
-        return f.read(end - begin).decode("utf-8", "replace")
 
+# -- running in the task environment -----------------------------------------------------------
 
-def _run_commands(task: Task, repo: Path, log_path: Path, opts: EvalOptions,
-                  notes: list[str]) -> tuple[dict[str, int], bool]:
-    env = proc.child_env(opts.pass_env, {"PYTHONPATH": str(repo), "PYTHONDONTWRITEBYTECODE": "1"})
-    # `python` and `pytest` in the commands mean the interpreter Gyre runs under.
-    env["PATH"] = os.pathsep.join(filter(None, [str(Path(sys.executable).parent), env.get("PATH")]))
-    totals = {"passed": 0, "failed": 0, "errors": 0}
-    deadline = time.monotonic() + opts.timeout_s
-    timed_out = False
-    for i, command in enumerate(task.test_commands):
-        with open(log_path, "ab") as out:
-            out.write(f"\n$ {command}\n".encode())
-            out.flush()
-            start = out.tell()
-            argv = proc.with_limits(["/bin/sh", "-c", command], fsize_mb=opts.max_output_mb)
-            child = subprocess.Popen(argv, cwd=repo, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-            try:
-                rc = child.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                proc.kill_group(child.pid, signal.SIGTERM)
+class _Runner:
+    """Instances of one task's environment for one evaluation."""
+
+    def __init__(self, task: Task, place: Placement, envs: Environments, opts: EvalOptions, scratch: Path,
+                 log_path: Path):
+        self.task, self.place, self.envs, self.opts = task, place, envs, opts
+        self.scratch, self.log_path = scratch, log_path
+        self.n = 0
+
+    def _env(self) -> dict[str, str]:
+        env = proc.child_env(self.opts.pass_env, {"PYTHONPATH": WORKSPACE, "HOME": "/tmp",
+                                                  "PYTHONDONTWRITEBYTECODE": "1"})
+        return env
+
+    def run(self, argv: list[str], mounts: list[Mount], timeout_s: float, workdir: str = WORKSPACE) -> tuple[int | None, bool]:
+        """(exit status, timed out) of ``argv`` (launcher arguments) in a fresh instance."""
+        self.n += 1
+        place, envs = self.place, self.envs
+        env = self._env()
+        if place.kind == "host":  # harness.sandbox = none: the instance's paths are host paths
+            argv = [_to_host(a, mounts) for a in argv]
+            workdir = _to_host(workdir, mounts)
+            env["PYTHONPATH"] = _to_host(WORKSPACE, mounts)
+            # `python` and `pytest` in the commands mean the interpreter Gyre runs under
+            env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent),
+                                           proc.child_env(("PATH",)).get("PATH", "/usr/bin:/bin")])
+            env["HOME"] = str(self.scratch)
+        inst = envs.instance(place, envs.launcher(place) + argv, mounts, env,
+                             name=f"eval-{self.task.name}-{os.getpid()}-{self.n}", private=[self.task.dir.parent],
+                             network=False, workdir=workdir)
+        la = envs.launch(place, inst)
+        run_steps(la.setup, la.env, check=True)
+        try:
+            cmd = proc.with_limits(la.argv, fsize_mb=self.opts.max_output_mb)
+            with open(self.log_path, "ab") as out:
+                child = subprocess.Popen(cmd, cwd=self.scratch, env=la.env, stdin=subprocess.DEVNULL, stdout=out,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+                timed_out = False
                 try:
-                    rc = child.wait(timeout=opts.kill_grace_s)
+                    rc = child.wait(timeout=max(0.0, timeout_s))
                 except subprocess.TimeoutExpired:
-                    proc.kill_group(child.pid, signal.SIGKILL)
-                    rc = child.wait()
-            proc.kill_group(child.pid, signal.SIGKILL)  # stragglers the command left behind
-            end = out.tell()
-            out.write(f"\n[exit status {rc}]\n".encode())
-        counts = parse_pytest_summary(_read_tail(log_path, start, end))
-        if counts is None:
-            notes.append(f"command {i + 1}: no pytest summary in its output")
-        else:
-            for k in totals:
-                totals[k] += counts.get(k, 0)
-        if timed_out:
-            notes.append(f"evaluation time limit of {opts.timeout_s:g}s reached in command {i + 1}; "
-                         f"{len(task.test_commands) - i - 1} later commands not run")
-            break
-    return totals, timed_out
+                    timed_out = True
+                    proc.kill_group(child.pid, signal.SIGTERM)
+                    try:
+                        rc = child.wait(timeout=self.opts.kill_grace_s)
+                    except subprocess.TimeoutExpired:
+                        proc.kill_group(child.pid, signal.SIGKILL)
+                        rc = child.wait()
+                proc.kill_group(child.pid, signal.SIGKILL)  # stragglers the commands left behind
+            return rc, timed_out
+        finally:
+            run_steps(la.teardown, la.env, check=False)
+
+
+def _to_host(path: str, mounts: list[Mount]) -> str:
+    for m in sorted(mounts, key=lambda m: -len(m.dst)):
+        if path == m.dst or path.startswith(m.dst + "/"):
+            return m.src + path[len(m.dst):]
+    return path
+
+
+def _read_output(path: Path, limit: int) -> str:
+    if not path.exists():
+        return ""
+    with open(path, "rb") as f:
+        return f.read(limit).decode("utf-8", "replace")
 
 
 def evaluate_workspace(task: Task, workspace: str | os.PathLike, status: str = "done",
                        options: EvalOptions | None = None, log_path: str | os.PathLike | None = None
                        ) -> Evaluation:
     """Score ``workspace`` for ``task``; ``status`` is how the execution ended. Never raises:
-    a failure of the evaluator itself is returned with source ``eval-error`` and reward None."""
+    a failure of the evaluator itself is returned with source ``eval-error``, reward None and an
+    official reward of 0 (the benchmark's post-processing failure)."""
     opts = options or EvalOptions()
     t0 = time.monotonic()
-    if not task.scorable:
-        return Evaluation(None, 0, task.test_case_count, "unscorable", 0.0, None, task.unscorable_reason())
+    try:
+        envs = opts.envs()
+        place = envs.place(task)
+    except Exception as e:  # noqa: BLE001 - a sandbox that cannot be used is this evaluation's error
+        return Evaluation(None, 0, task.test_case_count, "eval-error", 0.0, None, f"{type(e).__name__}: {e}")
+    if not place.scorable:
+        return Evaluation(None, 0, task.test_case_count, "unscorable", 0.0, None,
+                          f"cannot be scored here: {place.reason}", 0.0, place.label)
     source = source_for(status)
-    # absolute: the commands run inside the copy, where a relative PYTHONPATH would mean nothing
+    # absolute: the commands run inside the copy, where a relative path would mean nothing
     scratch_root = (Path(opts.scratch_dir) if opts.scratch_dir else Path(tempfile.gettempdir())).absolute()
     scratch = None
     lp = Path(log_path) if log_path else None
     try:
         scratch_root.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=f"gyre-eval-{task.name}-", dir=scratch_root))
+        os.chmod(scratch, 0o755)  # the instance's uid (not root) writes its outputs below
         if lp is None:
             lp = scratch.with_suffix(".log")  # next to the scratch copy, kept after it is removed
         lp.parent.mkdir(parents=True, exist_ok=True)
         lp.write_text(f"task {task.name}\nworkspace {workspace}\nexecution status {status}\n"
-                      f"scratch {scratch}\n", encoding="utf-8")
+                      f"environment {place.label}\nscratch {scratch}\n", encoding="utf-8")
         ws = Path(workspace)
         if not ws.is_dir():
             raise FileNotFoundError(f"workspace {ws} does not exist")
         notes: list[str] = []
-        repo = scratch / "repo"
-        _prepare(task, ws, repo, opts, notes)
+        repo, cand, out = scratch / "repo", scratch / "candidate", scratch / "out"
+        out.mkdir()
+        runner = _Runner(task, place, envs, opts, scratch, lp)
+        deadline = time.monotonic() + opts.timeout_s
+        _clean_candidate(task, ws, cand, opts, notes)
+        if place.kind == "image":
+            # the image's /workspace (its hidden tests), copied out by one instance ...
+            rc, timed_out = runner.run(["--copy-tree", WORKSPACE, f"{OUT}/repo"], [Mount(str(scratch), OUT, True)],
+                                       max(1.0, deadline - time.monotonic()), workdir="/")
+            if rc != 0 or timed_out or not repo.is_dir():
+                raise RuntimeError(f"could not copy /workspace out of {place.image.location} (exit {rc})")
+            _overlay(cand, repo)
+            notes.append("candidate laid over the image's /workspace")
+        else:
+            cand.rename(repo)
+            _add_shipped_tests(task, repo, notes)
         with open(lp, "a", encoding="utf-8") as f:
             f.writelines(n + "\n" for n in notes)
-        notes = [n for n in notes if not n.startswith(("removed", "added"))]
-        totals, timed_out = _run_commands(task, repo, lp, opts, notes)
-        passed = totals["passed"]
-        reward = min(passed / task.test_case_count, 1.0)
+        notes = [n for n in notes if not n.startswith(("removed", "added", "candidate laid"))]
+        # ... and the commands run in a fresh one, each without a shell, as the official runner does
+        argvs = [scoring.split_command(c) for c in task.test_commands]
+        (out / "commands.json").write_text(json.dumps(argvs))
+        rc, timed_out = runner.run(["--commands", f"{OUT}/out/commands.json", "--out", f"{OUT}/out",
+                                    "--workdir", WORKSPACE],
+                                   [Mount(str(repo), WORKSPACE, True), Mount(str(scratch), OUT, True)],
+                                   max(0.0, deadline - time.monotonic()))
+        limit = opts.max_output_mb << 20
+        results, ran = [], 0
         with open(lp, "a", encoding="utf-8") as f:
-            f.write(f"\npassed {passed} failed {totals['failed']} errors {totals['errors']} "
+            for i, command in enumerate(task.test_commands):
+                text = _read_output(out / f"cmd-{i}.log", limit)
+                done = (out / f"cmd-{i}.rc").exists()
+                if done or text:
+                    ran += 1
+                    results.append((command, text))
+                rc_i = (out / f"cmd-{i}.rc").read_text().strip() if done else "not finished"
+                f.write(f"\n$ {command}\n{text}\n[exit status {rc_i}]\n")
+        if timed_out:
+            notes.append(f"evaluation time limit of {opts.timeout_s:g}s reached; "
+                         f"{len(task.test_commands) - ran} commands not run")
+        counts = scoring.count_outputs(results, task.test_case_count)
+        reward = counts.score
+        with open(lp, "a", encoding="utf-8") as f:
+            f.write(f"\npassed {counts.passed} failed {counts.failed} errors {counts.errors} "
                     f"of {task.test_case_count}: reward {reward:.4f} ({source})\n")
-        return Evaluation(reward, passed, task.test_case_count, source, time.monotonic() - t0,
-                          str(lp), "; ".join(notes) or None)
+        return Evaluation(reward, counts.passed, task.test_case_count, source, time.monotonic() - t0,
+                          str(lp), "; ".join(notes) or None, reward, place.label)
     except Exception as e:  # noqa: BLE001 - reported, never raised into the rollout
         log.exception("evaluation of %s in %s failed", task.name, workspace)
         return Evaluation(None, 0, task.test_case_count, "eval-error", time.monotonic() - t0,
-                          str(lp) if lp else None, f"{type(e).__name__}: {e}")
+                          str(lp) if lp else None, f"{type(e).__name__}: {e}", 0.0, place.label)
     finally:
         if scratch is not None and not opts.keep_scratch:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -281,12 +387,12 @@ class EvaluatorPool:
             self._submitit = _Submitit(self._make_submitit(executor, submitit_dir, slurm or {}))
 
     @classmethod
-    def from_config(cls, cfg) -> "EvaluatorPool":
+    def from_config(cls, cfg, environments: Environments | None = None) -> "EvaluatorPool":
         e = cfg.eval
         slurm = {"slurm_partition": e.slurm_partition, "cpus_per_task": e.slurm_cpus_per_task,
                  "mem_gb": e.slurm_mem_gb}
         folder = e.submitit_dir or str(Path(cfg.run.dir) / "eval-jobs")
-        return cls(EvalOptions.from_config(cfg), e.workers, e.executor, folder, slurm)
+        return cls(EvalOptions.from_config(cfg, environments), e.workers, e.executor, folder, slurm)
 
     def _make_submitit(self, kind: str, folder, slurm: dict):
         import submitit  # only where asked for: a pool needs no submitit

@@ -5,8 +5,9 @@ Layout under the run directory (all folders 0700, private to the user):
     <run_dir>/workspaces/<execution_id>/   the harness's working directory, holding start.md
     <run_dir>/logs/<execution_id>/         harness.stdout, harness.stderr (the evaluator's log too)
 
-The harness runs in its own process group (its sub-processes included), with the configured
-argv and environment. At the wall-clock limit the whole group gets SIGTERM, then SIGKILL after the
+The harness runs in its own sandbox (gyre.harness.sandbox: the task's image where one is found,
+else bubblewrap on the host root; ``harness.sandbox = "none"`` opts out), in its own process
+group (its sub-processes included), with the configured argv and environment. At the wall-clock limit the whole group gets SIGTERM, then SIGKILL after the
 grace period. Workspaces are never deleted here except by ``cleanup_workspaces``.
 """
 
@@ -25,6 +26,9 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from gyre.harness import proc
+from gyre.harness.sandbox import (LIB, SOCKET, TASK, WORKSPACE, Environments, ProxyBridge, SandboxConfig,
+                                  run_steps_async)
+from gyre.harness.runtimes import Mount
 from gyre.harness.tasks import Task
 
 STATUSES = ("done", "failed", "crashed", "timeout", "stopped")
@@ -136,8 +140,8 @@ def classify(returncode: int | None, we_signalled: str | None) -> tuple[str, str
     if returncode < 0:
         name = proc.signal_name(-returncode)
         return (we_signalled, name) if we_signalled else ("crashed", name)
-    if we_signalled:
-        return we_signalled, None  # it caught our SIGTERM and exited by itself
+    if we_signalled:  # it caught our SIGTERM and exited by itself, or (through a sandbox) 128 + N
+        return we_signalled, (proc.signal_name(returncode - 128) if returncode > 128 else None)
     if returncode == 0:
         return "done", None
     if returncode > 128 and (returncode - 128) in {int(s) for s in _CRASH_SIGNALS}:
@@ -169,7 +173,8 @@ class HarnessPool:
 
     def __init__(self, run_dir: str | os.PathLike, command: Sequence[str], *, concurrency: int = 4,
                  limits: Limits | None = None, pass_env: Sequence[str] = ("PATH", "HOME", "LANG"),
-                 extra_env: Mapping[str, str] | None = None):
+                 extra_env: Mapping[str, str] | None = None, environments: Environments | None = None):
+        self.envs = environments or Environments(SandboxConfig())
         self.run_dir = Path(run_dir).absolute()  # the harness runs elsewhere: its paths must not be relative
         self.command = list(command)
         self.limits = limits or Limits()
@@ -182,11 +187,12 @@ class HarnessPool:
         self.max_running_seen = 0
 
     @classmethod
-    def from_config(cls, cfg) -> "HarnessPool":
+    def from_config(cls, cfg, environments: Environments | None = None) -> "HarnessPool":
         h = cfg.harness
         limits = Limits(h.timeout_s, h.kill_grace_s, h.cpu_limit_s, h.memory_limit_mb)
         return cls(cfg.run.dir, h.command, concurrency=h.concurrency, limits=limits,
-                   pass_env=h.pass_env, extra_env=proc.parse_env_list(h.env))
+                   pass_env=h.pass_env, extra_env=proc.parse_env_list(h.env),
+                   environments=environments or Environments(SandboxConfig.from_config(h)))
 
     @property
     def running(self) -> int:
@@ -205,27 +211,81 @@ class HarnessPool:
 
     async def _run(self, task, execution_id, ws, logs, api_key, base_url, extra_env) -> ExecutionResult:
         task_dir = public_task_dir(self.run_dir, task)
-        values = {"prompt": task.prompt, "prompt_file": str(ws / "start.md"), "workspace": str(ws),
-                  "task_dir": str(task_dir), "python": sys.executable, "execution_id": execution_id,
-                  "base_url": base_url}
-        env = proc.child_env(self.pass_env, {**self.extra_env, **extra_env})
-        env.update(OPENAI_BASE_URL=base_url, OPENAI_API_KEY=api_key, GYRE_WORKSPACE=str(ws),
-                   GYRE_TASK_DIR=str(task_dir), GYRE_EXECUTION_ID=execution_id)
+        place = self.envs.place(task)
         lim = self.limits
         started, t0 = time.time(), time.monotonic()
+        bridge, teardown, launch_env = None, [], {}
 
         def result(status, rc=None, sig=None, error=None):
             return ExecutionResult(execution_id, task.name, status, rc, sig, started,
                                    time.monotonic() - t0, str(ws), str(logs), error)
 
+        env = proc.child_env(self.pass_env, {**self.extra_env, **extra_env})
         try:
-            argv = proc.with_limits(expand_argv(self.command, values), cpu_s=lim.cpu_s, memory_mb=lim.memory_mb)
+            if place.kind == "host":  # harness.sandbox = none: host paths, Gyre's own user and namespaces
+                values = {"prompt": task.prompt, "prompt_file": str(ws / "start.md"), "workspace": str(ws),
+                          "task_dir": str(task_dir), "python": sys.executable, "execution_id": execution_id,
+                          "base_url": base_url}
+                env.update(OPENAI_BASE_URL=base_url, OPENAI_API_KEY=api_key, GYRE_WORKSPACE=str(ws),
+                           GYRE_TASK_DIR=str(task_dir), GYRE_EXECUTION_ID=execution_id)
+                argv = expand_argv(self.command, values)
+            else:
+                argv, env, bridge, teardown, launch_env = await self._sandboxed(
+                    task, place, execution_id, ws, task_dir, api_key, base_url, env)
+            argv = proc.with_limits(argv, cpu_s=lim.cpu_s, memory_mb=lim.memory_mb)
             with open(logs / "harness.stdout", "wb") as out, open(logs / "harness.stderr", "wb") as err:
                 process = await asyncio.create_subprocess_exec(
                     *argv, cwd=ws, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=err,
                     start_new_session=True)
-        except (OSError, ValueError) as e:  # not found, not executable, argv too long, bad command
+        except (OSError, ValueError, RuntimeError) as e:  # not found, argv too long, bad command, runtime set-up
+            await self._cleanup(bridge, teardown, launch_env)
             return result("failed", error=f"cannot start the harness: {e}")
+        try:
+            return await self._wait(process, result)
+        finally:
+            await self._cleanup(bridge, teardown, launch_env)
+
+    async def _sandboxed(self, task, place, execution_id, ws, task_dir, api_key, base_url, env):
+        """argv and environment that run the harness inside its instance (see gyre.harness.sandbox)."""
+        envs = self.envs
+        proxied = envs.config.network == "proxy" and place.runtime.restricts_network
+        bridge = await ProxyBridge(base_url).start() if proxied else None
+        inner_url = bridge.inner_url if bridge else base_url
+        python = sys.executable if place.kind == "sandbox" else envs.config.image_python
+        values = {"prompt": task.prompt, "prompt_file": f"{WORKSPACE}/start.md", "workspace": WORKSPACE,
+                  "task_dir": TASK, "python": python, "execution_id": execution_id, "base_url": inner_url}
+        harness_argv = expand_argv(self.command, values)
+        for k in ("PATH", "HOME", "TMPDIR", "SHELL") if place.kind == "image" else ("HOME", "TMPDIR"):
+            env.pop(k, None)  # host paths mean nothing inside
+        env.update(HOME="/tmp", OPENAI_BASE_URL=inner_url, OPENAI_API_KEY=api_key, GYRE_WORKSPACE=WORKSPACE,
+                   GYRE_TASK_DIR=TASK, GYRE_EXECUTION_ID=execution_id,
+                   PYTHONPATH=os.pathsep.join(filter(None, [LIB, env.get("PYTHONPATH")])))
+        mounts = [Mount(str(ws), WORKSPACE, writable=True), Mount(str(task_dir), TASK)]
+        argv = envs.launcher(place)
+        if bridge:
+            mounts.append(Mount(str(bridge.path), SOCKET))
+            argv += ["--forward", f"{bridge.inner_port}={SOCKET}"]
+        argv += ["--", *harness_argv]
+        inst = envs.instance(place, argv, mounts, env, name=execution_id, network=envs.config.network == "host",
+                             private=[self.run_dir, task.dir.parent])
+        la = envs.launch(place, inst)
+        try:
+            await run_steps_async(la.setup, la.env, check=True)
+        except Exception:
+            if bridge:
+                await bridge.close()
+            raise
+        return la.argv, la.env, bridge, la.teardown, la.env
+
+    @staticmethod
+    async def _cleanup(bridge, teardown, env) -> None:
+        if teardown:
+            await run_steps_async(teardown, env, check=False)
+        if bridge is not None:
+            await bridge.close()
+
+    async def _wait(self, process, result) -> ExecutionResult:
+        lim = self.limits
         run = _Running(process)
         self._running.add(run)
         self.max_running_seen = max(self.max_running_seen, len(self._running))

@@ -13,21 +13,32 @@ task's *tests root* (the task folder itself unless ``gyre-task.json`` says ``"te
 laid out as in the repository: ``["tests"]`` means ``<task>/tests/`` is copied to ``<repo>/tests/``.
 
 Image-only tasks. NL2RepoBench itself does not ship its tests: they live in one container image per
-task. Such a suite names the image in ``gyre-suite.json`` at the suite root (``{task}`` is replaced
-by the task name) or in a task's ``gyre-task.json``::
+task, named ``ghcr.io/multimodal-art-projection/nl2repobench/<task>:1.0``. A task without shipped
+tests takes its image from (first found) its ``gyre-task.json``, the suite's ``gyre-suite.json``
+(``{task}`` is replaced by the task name), or the configured template (``harness.image_template``,
+the benchmark's naming by default)::
 
     {"image": "ghcr.io/multimodal-art-projection/nl2repobench/{task}:1.0"}
 
-Those tasks load, run, and are reported as "cannot be scored locally: needs image X" (never 0).
-A task with neither shipped tests nor an image is a suite error.
+Whether such a task can be scored here depends on whether its image is found locally
+(gyre.harness.sandbox); if not it is reported unscorable (never 0 in Gyre's means; 0 in the
+official score).
+
+The repository as published (``test_files/<task>/``, or its root holding ``test_files/``) is read
+unchanged: broken task folders (two ship ``start.md.download_failed.txt`` instead of ``start.md``)
+are skipped with a warning and counted; ``strict=True`` refuses the suite instead. Links in a task
+folder that lead outside it are refused: nothing outside a task is ever read or copied as its tests.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+
+from gyre.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +47,12 @@ LEARNABLE_DIR = Path(__file__).resolve().parent / "builtin_learnable"  # the tin
 SUITE_ALIASES = {"builtin": BUILTIN_DIR, "learnable": LEARNABLE_DIR}
 SUITE_META = "gyre-suite.json"
 TASK_META = "gyre-task.json"
+DEFAULT_IMAGE_TEMPLATE = "ghcr.io/multimodal-art-projection/nl2repobench/{task}:1.0"
 REQUIRED = ("start.md", "test_commands.json", "test_case_count.txt", "test_files.json")
 _MAX_FILE_BYTES = 4 << 20  # a requirements document is text; anything bigger is a broken suite
 
 
-class SuiteError(ValueError):
+class SuiteError(ConfigError):
     """A task suite is malformed; the message names the task and the file."""
 
 
@@ -126,7 +138,29 @@ def _meta(task: str, path: Path, root: Path) -> dict:
     return data
 
 
-def load_task(task_dir: str | Path, suite_meta: dict | None = None) -> Task:
+def _check_links(task: str, root: Path, d: Path) -> None:
+    """Every link under a shipped test path must stay inside the task folder: copying the tests
+    must never bring an outside file (another task's tests, a key) into the scored repository."""
+    if root.is_symlink() and not _inside(root, d):
+        raise _err(task, "test_files.json", f"{root.name} is a link leading outside the task")
+    if not root.is_dir():
+        return
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            if p.is_symlink() and not _inside(p, d):
+                raise _err(task, "test_files.json", f"{p.relative_to(d)} is a link leading outside the task")
+
+
+def _inside(p: Path, root: Path) -> bool:
+    try:
+        return p.resolve().is_relative_to(root)
+    except (OSError, RuntimeError):  # a link loop
+        return False
+
+
+def load_task(task_dir: str | Path, suite_meta: dict | None = None,
+              image_template: str | None = DEFAULT_IMAGE_TEMPLATE) -> Task:
     name = Path(task_dir).name  # the suite's folder name, even where the folder is a link
     d = Path(task_dir).resolve()
     if not d.is_dir():
@@ -157,12 +191,15 @@ def load_task(task_dir: str | Path, suite_meta: dict | None = None) -> Task:
 
     shipped = [p for p in test_files if (tests_root / p).exists()]
     for p in shipped:
-        if not (tests_root / p).resolve().is_relative_to(d):
+        if not _inside(tests_root / p, d):
             raise _err(name, "test_files.json", f"shipped test path {p!r} is a link leading outside the task")
+        _check_links(name, tests_root / p, d)
     if shipped and len(shipped) < len(test_files):
         missing = [p for p in test_files if p not in shipped]
         raise _err(name, "test_files.json", f"tests are shipped but {missing} are missing under {tests_root}")
     tests_dir = tests_root if test_files and shipped else None
+    if tests_dir is None and image is None and image_template:
+        image = image_template.replace("{task}", name)
     if tests_dir is None and image is None:
         why = "lists no test paths" if not test_files else f"paths {list(test_files)} are not shipped"
         raise _err(name, "test_files.json", f"{why} and no image is named; add {SUITE_META} "
@@ -172,26 +209,59 @@ def load_task(task_dir: str | Path, suite_meta: dict | None = None) -> Task:
 
 
 def resolve_suite(spec: str | Path) -> Path:
-    """A suite name (``builtin``, ``learnable``) or a directory."""
+    """A suite name (``builtin``, ``learnable``) or a directory; the NL2RepoBench repository's
+    root stands for its ``test_files/``."""
     alias = SUITE_ALIASES.get(str(spec))
-    return alias if alias is not None else Path(spec).expanduser().resolve()
+    if alias is not None:
+        return alias
+    root = Path(spec).expanduser().resolve()
+    if (root / "test_files").is_dir() and not any((p / "start.md").exists() for p in _task_dirs(root)):
+        return root / "test_files"
+    return root
 
 
-def load_suite(spec: str | Path = "builtin", *, strict: bool = True) -> list[Task]:
-    """All tasks of a suite, sorted by name. ``strict=False`` skips (and logs) broken tasks,
-    e.g. the two NL2RepoBench tasks whose start.md failed to download."""
+def _task_dirs(root: Path) -> list[Path]:
+    try:
+        return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))
+    except OSError:
+        return []
+
+
+@dataclass
+class Suite:
+    root: Path
+    tasks: list[Task]
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (task folder, why)
+
+
+def read_suite(spec: str | Path = "builtin", *, strict: bool = False,
+               image_template: str | None = DEFAULT_IMAGE_TEMPLATE) -> Suite:
+    """All tasks of a suite, sorted by name, and the broken folders skipped (each logged).
+    ``strict=True`` raises on the first broken folder instead."""
     root = resolve_suite(spec)
     if not root.is_dir():
-        raise SuiteError(f"suite {spec!s}: {root} is not a directory")
+        raise SuiteError(f"suite {spec!s}: {root} is not a directory (give 'builtin', 'learnable' or a "
+                         f"folder of tasks in the NL2RepoBench layout)")
     suite_meta = _meta(f"<suite {root.name}>", root / SUITE_META, root) if (root / SUITE_META).exists() else {}
-    tasks = []
-    for d in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))):
+    suite = Suite(root, [])
+    for d in _task_dirs(root):
         try:
-            tasks.append(load_task(d, suite_meta))
+            suite.tasks.append(load_task(d, suite_meta, image_template))
         except SuiteError as e:
             if strict:
-                raise
+                raise SuiteError(f"{e} (strict suite reading; drop --strict / harness.strict_suite "
+                                 f"to skip broken tasks)") from None
             log.warning("skipping a broken task: %s", e)
-    if not tasks:
-        raise SuiteError(f"suite {spec!s}: no task folders under {root}")
-    return tasks
+            suite.skipped.append((d.name, str(e)))
+    if not suite.tasks:
+        why = f"; {len(suite.skipped)} broken, e.g. {suite.skipped[0][1]}" if suite.skipped else ""
+        raise SuiteError(f"suite {spec!s}: no loadable task folders under {root}{why}")
+    if suite.skipped:
+        log.warning("suite %s: %d task folders skipped, %d loaded", root, len(suite.skipped), len(suite.tasks))
+    return suite
+
+
+def load_suite(spec: str | Path = "builtin", *, strict: bool = False,
+               image_template: str | None = DEFAULT_IMAGE_TEMPLATE) -> list[Task]:
+    """The tasks of :func:`read_suite`."""
+    return read_suite(spec, strict=strict, image_template=image_template).tasks

@@ -1,0 +1,140 @@
+"""The first program inside a sandbox or task image: standard library only, Python 3.6+.
+
+It is mounted alone (with the harness scripts) into an instance, so it must not import Gyre.
+
+    sandbox_init.py [--forward PORT=SOCKET] -- ARGV...
+        Listen on 127.0.0.1:PORT of the instance's own loopback and relay each connection to
+        the Unix socket SOCKET (the host's end leads to the proxy), then run ARGV (the harness)
+        and exit with its status. The instance has no other network.
+
+    sandbox_init.py --commands FILE --out DIR [--workdir DIR]
+        Run each argv of the JSON list FILE in turn, without a shell (NL2RepoBench's official
+        runner splits each command with shlex and executes it), stdout and stderr together
+        into DIR/cmd-N.log, and the exit status into DIR/cmd-N.rc once it ends, so that a
+        time limit reached later keeps what earlier commands printed.
+
+    sandbox_init.py --copy-tree SRC DST
+        Copy SRC (the image's /workspace: the hidden tests) to DST, links kept as links.
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+
+
+def _pump(src, dst):
+    try:
+        while True:
+            data = src.recv(65536)
+            if not data:
+                break
+            dst.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for s in (dst, src):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+def _relay(client, path):
+    upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        upstream.connect(path)
+    except OSError:
+        client.close()
+        upstream.close()
+        return
+    threading.Thread(target=_pump, args=(client, upstream), daemon=True).start()
+    _pump(upstream, client)
+    client.close()
+    upstream.close()
+
+
+def forward(port, path):
+    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", port))
+    srv.listen(128)
+
+    def accept():
+        while True:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            threading.Thread(target=_relay, args=(c, path), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+
+
+def run_harness(argv):
+    box = []
+    # handlers before the child starts: it then begins with default dispositions (bwrap was
+    # started with TERM ignored), and a TERM here is passed on: the harness gets its grace period
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda n, f: box and box[0].send_signal(n))
+    try:
+        child = subprocess.Popen(argv)
+    except OSError as e:
+        sys.stderr.write("gyre sandbox: cannot run %r: %s\n" % (argv[0], e))
+        return 127
+    box.append(child)
+    rc = child.wait()
+    if rc < 0:  # died of a signal: die of the same one, so the status reads the same outside
+        signal.signal(-rc, signal.SIG_DFL)
+        os.kill(os.getpid(), -rc)
+    return rc
+
+
+def run_commands(commands_file, out, workdir):
+    with open(commands_file) as f:
+        commands = json.load(f)
+    for i, argv in enumerate(commands):
+        log = os.path.join(out, "cmd-%d.log" % i)
+        with open(log, "wb") as fh:
+            try:
+                rc = subprocess.call(argv, cwd=workdir, stdin=subprocess.DEVNULL, stdout=fh,
+                                     stderr=subprocess.STDOUT)
+            except OSError as e:
+                fh.write(("exec %s: %s\n" % (argv[0], e)).encode())
+                rc = 127
+        with open(os.path.join(out, "cmd-%d.rc" % i), "w") as fh:
+            fh.write(str(rc))
+    return 0
+
+
+def main(args):
+    if args[:1] in (["--copy-tree"], ["--commands"]):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # bwrap was started with TERM ignored
+    if args[:1] == ["--copy-tree"]:
+        shutil.copytree(args[1], args[2], symlinks=True, dirs_exist_ok=True) if sys.version_info >= (3, 8) \
+            else shutil.copytree(args[1], args[2], symlinks=True)
+        return 0
+    if args[:1] == ["--commands"]:
+        opts = dict(zip(args[0::2], args[1::2]))
+        return run_commands(opts["--commands"], opts["--out"], opts.get("--workdir") or os.getcwd())
+    while args and args[0] == "--forward":
+        port, _, path = args[1].partition("=")
+        try:
+            forward(int(port), path)
+        except OSError as e:  # the harness still runs; its calls fail and say why
+            sys.stderr.write("gyre sandbox: cannot relay the proxy on 127.0.0.1:%s: %s\n" % (port, e))
+        args = args[2:]
+    if args[:1] == ["--"]:
+        args = args[1:]
+    if not args:
+        sys.stderr.write("gyre sandbox: nothing to run\n")
+        return 2
+    return run_harness(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
