@@ -116,7 +116,7 @@ async def main() -> dict:
     pinned = len(all_cpus) >= 2
     if pinned:
         pin({max(all_cpus)})
-    with start_engine(model_dir=model) as eng:
+    with start_engine(model_dir=model, extra_args=["--no-api-key"]) as eng:
         if pinned:
             pin({min(all_cpus)})
         proxy, purl = start_proxy(eng.url, model)

@@ -28,7 +28,7 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(tiny):
-    with start_engine(tiny, extra_args=["--set", "engine.max_body_bytes=16384"]) as proc:
+    with start_engine(tiny, extra_args=["--no-api-key", "--set", "engine.max_body_bytes=16384"]) as proc:
         yield proc
 
 
@@ -406,7 +406,7 @@ def test_unservable_model_fails_to_start_clearly(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     for model in (tmp_path / "missing", tmp_path):
         with pytest.raises(EngineStartError, match="cannot serve"):
-            start_engine(model, timeout_s=60)
+            start_engine(model, timeout_s=60, extra_args=["--no-api-key"])
 
 
 def test_client_unreachable_endpoint():

@@ -20,7 +20,7 @@ PROMPT = [1, 882, 198, 40, 1000, 2000, 17, 2, 198, 1, 77, 198]
 def engines(tmp_path_factory):
     tiny = ensure_tiny_model(tmp_path_factory.getbasetemp() / "tiny-qwen")
     with ThreadPoolExecutor(3) as pool:  # start them in parallel
-        procs = list(pool.map(lambda _: start_engine(tiny), range(3)))
+        procs = list(pool.map(lambda _: start_engine(tiny, extra_args=["--no-api-key"]), range(3)))
     yield [p.url for p in procs]
     for p in procs:
         p.stop()

@@ -14,16 +14,26 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from gyre.proxy.chat import Message, render_body
+import numpy as np
+
+from gyre.proxy.chat import Control, Message, render_body
 from gyre.traj.record import ExecutionRecord
 from gyre.traj.tree import ROOT, CallRecord, Segment, TrajectoryTree
 
 
 class Renderer:
-    """ChatML segments over a `tokenizers.Tokenizer` (the model's own tokenizer.json)."""
+    """ChatML segments over a `tokenizers.Tokenizer` (the model's own tokenizer.json).
+
+    Two encoders: ``encode`` for the template's own text (control tokens honoured) and
+    ``encode_text`` for message text, where special tokens are plain characters, so only the
+    template produces control ids (a tool output cannot forge a turn)."""
 
     def __init__(self, tokenizer):
         self.tok = tokenizer
+        from tokenizers import Tokenizer
+
+        self._plain = Tokenizer.from_str(tokenizer.to_str())
+        self._plain.encode_special_tokens = True
         self.im_end = self._special("<|im_end|>")
         self.eos = self._special("<|endoftext|>")
         self.newline = self.encode("\n")
@@ -37,6 +47,19 @@ class Renderer:
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_text(self, text: str) -> list[int]:
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    def encode_parts(self, parts: list) -> list[int]:
+        """Text pieces as plain text, :class:`~gyre.proxy.chat.Control` pieces as their one id."""
+        out: list[int] = []
+        for p in parts:
+            if isinstance(p, Control):
+                out.append(self._special(p.text))
+            elif p:
+                out.extend(self.encode_text(p))
+        return out
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)
@@ -97,24 +120,27 @@ def prepare_call(r: Renderer, session: ExecutionSession, messages: list[Message]
             toks = prefix + r.assistant_head + out_ids
             is_open, reused = (out_ids[-1] != r.im_end) if out_ids else True, reused + 1
         else:
-            toks = prefix + r.encode(render_body(msg, tools, i == 0, prev_tool))
+            toks = prefix + r.encode_parts(render_body(msg, tools, i == 0, prev_tool))
             is_open = msg.role == "tool"
         segments.append(Segment(key, toks, msg.role))
         prev_tool = msg.role == "tool"
     prompt = ([r.im_end] if is_open else []) + r.newline + r.assistant_head
-    input_ids = [int(t) for s in segments for t in s.tokens] + prompt
+    # one concatenation, not a Python loop over every token: contexts reach 32K+ tokens
+    input_ids = np.concatenate([np.asarray(s.tokens, dtype=np.int64) for s in segments]).tolist() + prompt
     return PreparedCall(segments, prompt, input_ids, reused)
 
 
 def record_call(session: ExecutionSession, prepared: PreparedCall, reply: Message, output_ids: list[int],
                 logprobs: list[float], *, agent_role: str, weight_version: str, endpoint: str,
-                finish_reason: str, t_start: float) -> CallRecord:
+                finish_reason: str, t_start: float, replay_ids: list[int] | None = None) -> CallRecord:
+    """Record the call; ``replay_ids`` (default: the output) are the assistant ids that a replay
+    of this reply reuses (forced tool-call ids + output, when tool_choice forced a call)."""
     key = reply.key()
     rec = session.tree.add_call(
         prepared.segments, key, prepared.prompt_tokens, output_ids, logprobs, agent_role=agent_role,
         weight_version=weight_version, policy_version=policy_version_of(weight_version),
         endpoint=endpoint, finish_reason=finish_reason, t_start=t_start, t_end=time.time())
-    session.generated[key] = list(output_ids)
+    session.generated[key] = list(output_ids if replay_ids is None else replay_ids)
     return rec
 
 
