@@ -253,12 +253,31 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise
 
 
+class _IncrementalText:
+    """Text of a growing id list without decoding it all again per token (what SGLang's
+    detokenizer does with its offsets): ids are folded into a fixed prefix once their text is
+    whole (no incomplete UTF-8 character at the end)."""
+
+    def __init__(self, tokenizer, skip_special: bool):
+        self.tok, self.skip = tokenizer, skip_special
+        self.prefix, self.folded = "", 0
+
+    def __call__(self, ids: list[int]) -> str:
+        if len(ids) - self.folded > 32:
+            cut = len(ids) - 8
+            part = self.tok.decode(ids[self.folded:cut], skip_special_tokens=self.skip)
+            if not part.endswith("\ufffd"):
+                self.prefix, self.folded = self.prefix + part, cut
+        return self.prefix + self.tok.decode(ids[self.folded:], skip_special_tokens=self.skip)
+
+
 async def _stream(request, engine: Engine, handle, done, step: asyncio.Event, opts: dict, params) -> web.StreamResponse:
     """SSE as SGLang's /generate streams: one ``data:`` object per new token, then ``[DONE]``."""
     incremental = request.app[INCREMENTAL_KEY]
     out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await out.prepare(request)
     sent, sent_text = 0, 0
+    decode = _IncrementalText(engine.tokenizer, params.skip_special_tokens)
 
     async def send(obj: dict) -> None:
         await out.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
@@ -272,8 +291,7 @@ async def _stream(request, engine: Engine, handle, done, step: asyncio.Event, op
         if n == sent:
             continue
         ids = handle.output[:n]
-        text = engine.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
-        text = text.rstrip("\ufffd")  # an incomplete UTF-8 character waits for its next token
+        text = decode(ids).rstrip("\ufffd")  # an incomplete UTF-8 character waits for its next token
         lo = sent if incremental else 0
         await send(_payload(engine, handle.rid, ids[lo:], handle.logprobs[lo:n], handle.top_logprobs[lo:n], None,
                             handle.weight_version or engine.weight_version, len(handle.input_ids),
