@@ -45,11 +45,13 @@ class ScriptedEngine:
         return out, {"type": "length", "length": len(out)}
 
     def _payload(self, body: dict, ids: list[int], reason: dict | None) -> dict:
-        return {"output_ids": ids, "text": "",
-                "meta_info": {"output_token_logprobs": [[-0.5, t, None] for t in ids],
-                              "finish_reason": reason, "weight_version": self.weight_version,
-                              "prompt_tokens": len(body["input_ids"]), "completion_tokens": len(ids),
-                              "id": body.get("rid")}}
+        meta = {"output_token_logprobs": [[-0.5, t, None] for t in ids],
+                "finish_reason": reason, "weight_version": self.weight_version,
+                "prompt_tokens": len(body["input_ids"]), "completion_tokens": len(ids), "id": body.get("rid")}
+        n = body.get("top_logprobs_num") or 0
+        if n:  # the sampled token first, then made-up runners-up
+            meta["output_top_logprobs"] = [[[-0.5 - k, t + k, None] for k in range(n)] for t in ids]
+        return {"output_ids": ids, "text": "", "meta_info": meta}
 
     def app(self) -> web.Application:
         app = web.Application()
