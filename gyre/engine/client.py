@@ -94,7 +94,7 @@ class EngineClient:
         url = self.base_url + path
         retries = self.connect_retries if retries is None else retries
         last: Exception | None = None
-        data_bytes = json.dumps(body).encode() if body is not None else None
+        data_bytes = encode_body(body) if body is not None else None
         headers = {**self._headers, "Content-Type": "application/json"} if body is not None else self._headers
         for attempt in range(retries + 1):
             if attempt:
@@ -122,7 +122,8 @@ class EngineClient:
                                 f"{type(last).__name__}: {last}", self.base_url)
 
     def _generate_body(self, input_ids, sampling_params, rid, top_logprobs_num, stream) -> dict:
-        body = {"input_ids": list(input_ids), "sampling_params": sampling_params, "return_logprob": True}
+        ids = input_ids if getattr(input_ids, "json_text", None) else list(input_ids)
+        body = {"input_ids": ids, "sampling_params": sampling_params, "return_logprob": True}
         if rid is not None:
             body["rid"] = rid
         if top_logprobs_num:
@@ -153,7 +154,8 @@ class EngineClient:
             if attempt:
                 await asyncio.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
             try:
-                resp = await self._get_session().post(url, json=body, headers=self._headers, timeout=self.timeout)
+                resp = await self._get_session().post(url, data=encode_body(body), timeout=self.timeout,
+                                                      headers={**self._headers, "Content-Type": "application/json"})
                 break
             except asyncio.TimeoutError:
                 raise EngineError(None, f"POST /generate timed out after {self.timeout.total} s", self.base_url) from None
@@ -246,6 +248,16 @@ class EngineClient:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+def encode_body(body: dict) -> bytes:
+    """JSON of a request body; ``input_ids`` that carry their own ``json_text`` (the proxy's
+    cached encoding of stored ids) are spliced in instead of being encoded again."""
+    pre = getattr(body.get("input_ids"), "json_text", None)
+    if not pre:
+        return json.dumps(body).encode()
+    text = json.dumps({**body, "input_ids": 0})
+    return text.replace('"input_ids": 0', '"input_ids": [' + pre + "]", 1).encode()
 
 
 def _message(data: dict, default: str) -> str:

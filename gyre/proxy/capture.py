@@ -74,6 +74,34 @@ class PreparedCall:
     prompt_tokens: list[int]
     input_ids: list[int]
     n_reused: int  # messages whose ids came from the tree or from earlier outputs
+    nodes: list[int | None] = field(default_factory=list)  # the tree node of each reused segment
+
+
+class WireIds(list):
+    """Input ids with their JSON text already made: the engine client sends ``json_text``
+    instead of encoding 30K+ integers again (2 ms per call at 32K tokens)."""
+
+    json_text: str = ""
+
+
+def wire_ids(session: "ExecutionSession", prepared: PreparedCall, tail: list[int]) -> WireIds:
+    """``prepared.input_ids + tail`` with its JSON digits built from per-node pieces encoded once
+    per execution (a long execution re-sends the same stored ids on every call)."""
+    parts = []
+    for seg, nid in zip(prepared.segments, prepared.nodes):
+        piece = session.wire.get(nid) if nid is not None else None
+        if piece is None:
+            piece = json.dumps(np.asarray(seg.tokens).tolist())[1:-1]
+            if nid is not None:
+                session.wire[nid] = piece
+        if piece:
+            parts.append(piece)
+    rest = list(prepared.prompt_tokens) + list(tail)
+    if rest:
+        parts.append(json.dumps(rest)[1:-1])
+    out = WireIds(prepared.input_ids + list(tail))
+    out.json_text = ", ".join(parts)
+    return out
 
 
 @dataclass
@@ -84,6 +112,7 @@ class ExecutionSession:
     generated: dict[str, list[int]] = field(default_factory=dict)
     ended: bool = False
     in_flight: int = 0
+    wire: dict[int, str] = field(default_factory=dict)  # node id -> JSON digits of its tokens
 
     @property
     def tree(self) -> TrajectoryTree:
@@ -100,6 +129,7 @@ def prepare_call(r: Renderer, session: ExecutionSession, messages: list[Message]
     tree = session.tree
     salt = tools_salt(tools)
     segments: list[Segment] = []
+    nodes: list[int | None] = []
     parent, matching, is_open, prev_tool, reused = ROOT, True, False, False, 0
     for i, msg in enumerate(messages):
         key = msg.key(salt if i == 0 else "")
@@ -108,6 +138,7 @@ def prepare_call(r: Renderer, session: ExecutionSession, messages: list[Message]
             if nid is not None:
                 node = tree.nodes[nid]
                 segments.append(Segment(key, node.tokens, node.message_role))
+                nodes.append(nid)
                 parent, reused = nid, reused + 1
                 is_open = msg.role == "tool" or (node.is_target and int(node.tokens[-1]) != r.im_end)
                 prev_tool = msg.role == "tool"
@@ -123,11 +154,12 @@ def prepare_call(r: Renderer, session: ExecutionSession, messages: list[Message]
             toks = prefix + r.encode_parts(render_body(msg, tools, i == 0, prev_tool))
             is_open = msg.role == "tool"
         segments.append(Segment(key, toks, msg.role))
+        nodes.append(None)
         prev_tool = msg.role == "tool"
     prompt = ([r.im_end] if is_open else []) + r.newline + r.assistant_head
     # one concatenation, not a Python loop over every token: contexts reach 32K+ tokens
     input_ids = np.concatenate([np.asarray(s.tokens, dtype=np.int64) for s in segments]).tolist() + prompt
-    return PreparedCall(segments, prompt, input_ids, reused)
+    return PreparedCall(segments, prompt, input_ids, reused, nodes)
 
 
 def record_call(session: ExecutionSession, prepared: PreparedCall, reply: Message, output_ids: list[int],

@@ -25,7 +25,7 @@ from aiohttp import web
 from gyre.engine.client import EngineError
 from gyre.engine.router import RouterError
 from gyre.proxy.capture import (ExecutionSession, PreparedCall, Renderer, new_api_key,
-                                prepare_call, record_call)
+                                prepare_call, record_call, wire_ids)
 from gyre.proxy.chat import Message, MessageError, parse_messages, parse_output, validate_tools
 from gyre.proxy.params import CallParams, RequestError, forced_prefix, parse_params
 from gyre.proxy.streaming import ContentStream
@@ -184,7 +184,7 @@ class Proxy:
         return Call(sess, body, role, p, tools, prepared, forced, eparams, rid, time.time())
 
     def _generate_args(self, c: Call) -> tuple:
-        return (c.sess.record.execution_id, c.prepared.input_ids + c.forced, c.engine_params)
+        return (c.sess.record.execution_id, wire_ids(c.sess, c.prepared, c.forced), c.engine_params)
 
     def finish(self, c: Call, res) -> tuple[dict, Any]:
         """Record a finished generation and build the OpenAI response (non-streamed shape)."""
@@ -206,7 +206,7 @@ class Proxy:
         prepared = c.prepared
         if c.forced:  # forced ids are context the model saw, not samples
             prepared = PreparedCall(prepared.segments, prepared.prompt_tokens + c.forced,
-                                    prepared.input_ids + c.forced, prepared.n_reused)
+                                    prepared.input_ids + c.forced, prepared.n_reused, prepared.nodes)
         call = record_call(sess, prepared, reply, out_ids, lps, agent_role=c.role,
                            weight_version=str(res.weight_version), endpoint=res.endpoint,
                            finish_reason=res.finish_reason, t_start=c.t0, replay_ids=c.forced + out_ids)
@@ -440,8 +440,11 @@ def create_app(proxy: Proxy, *, admin_key: str, max_body_bytes: int = 8 << 20) -
 
     async def stats_all(request: web.Request) -> web.Response:
         require_admin(request)
-        return web.json_response({"executions": len(proxy.by_id), "calls": proxy.calls_total,
-                                  "abandoned": dict(proxy.abandoned), "overhead": proxy.overhead_percentiles()})
+        out = {"executions": len(proxy.by_id), "calls": proxy.calls_total,
+               "abandoned": dict(proxy.abandoned), "overhead": proxy.overhead_percentiles()}
+        if request.query.get("reset") == "1":  # start a new measurement window (benchmarks)
+            proxy.overhead_s.clear()
+        return web.json_response(out)
 
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/v1/models", models)
