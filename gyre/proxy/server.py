@@ -5,6 +5,13 @@ Harnesses speak OpenAI chat; the proxy renders with exact token reuse, calls the
 answers in OpenAI's format (JSON or SSE). Each execution has its own API key; the key decides
 which tree a call lands in. Head-side code registers and ends executions through the `Proxy`
 object or the admin routes (guarded by the job's admin key).
+
+What a harness can rely on (errors, parameters, streaming, cancellation, token safety) is
+docs/openai.md. In short: client mistakes are OpenAI-shaped 4xx (a too-long prompt is 400
+``context_length_exceeded``, checked before the engine is called), engine faults 503; streamed
+tokens are passed on as the engine produces them; a call whose client went away, or whose
+generation the engines kept aborting, is never recorded (it never trains) and is counted in
+``/gyre/stats`` under ``abandoned``.
 """
 
 from __future__ import annotations
