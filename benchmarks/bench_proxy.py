@@ -217,6 +217,9 @@ async def pair(results: dict, tag: str, n: int, engine_url: str, purl: str, r: R
     })
 
 
+LOAD_START = os.getloadavg()[0] if hasattr(os, "getloadavg") else -1.0
+
+
 async def main() -> dict:
     model = ensure_tiny_model(default_tiny_dir(load_config()))
     r = Renderer(load_tokenizer(model))
@@ -290,6 +293,9 @@ async def main() -> dict:
     results["calls_per_execution"] = CALLS
     results["max_new_tokens"] = MAX_NEW
     results["bench_wall_s"] = time.perf_counter() - t_start
+    # the machine's load while this ran: on a shared 2-core box, figures taken at a load far
+    # above 2 measure the other jobs more than the proxy
+    results["load_average_1min_start"], results["load_average_1min_end"] = LOAD_START, os.getloadavg()[0]
     return results
 
 

@@ -212,9 +212,10 @@ class Router:
             self._inflight.add(flight)
             passed = 0
             last: GenerateResult | None = None
+            ids = input_ids if not done_ids else list(input_ids) + done_ids
+            agen = self._client(url).generate_stream(ids, params, rid=sub_rid, top_logprobs_num=top_logprobs_num)
             try:
-                async for snap in self._client(url).generate_stream(list(input_ids) + done_ids, params, rid=sub_rid,
-                                                                    top_logprobs_num=top_logprobs_num):
+                async for snap in agen:
                     last = snap
                     if snap.finish_reason == "abort" and not flight.user_aborted:
                         break  # not the caller's abort: go on elsewhere
@@ -230,10 +231,12 @@ class Router:
                 failed.add(url)
                 history.append(f"{url}: 503 {e.message}")
             except (asyncio.CancelledError, GeneratorExit):
-                self._abort_behind(url, sub_rid)
+                if last is None or last.finish_reason is None:  # the caller left mid-generation
+                    self._abort_behind(url, sub_rid)
                 raise
             finally:
                 self._inflight.discard(flight)
+                await agen.aclose()  # closes the engine connection now, not at garbage collection
             if last is not None and last.finish_reason is not None and last.finish_reason != "abort":
                 return
             if last is not None and last.finish_reason == "abort" and flight.user_aborted:

@@ -288,10 +288,10 @@ class Proxy:
         final = None
         gen = self.router.generate_stream(*self._generate_args(c), rid=c.rid, top_logprobs_num=p.top_logprobs)
         try:
-            async for snap in gen:
+            async for snap in gen:  # the router ends after the final snapshot
                 if snap.finish_reason is not None:
                     final = snap
-                    break
+                    continue
                 delta = content.delta(self.renderer.decode(c.forced + snap.output_ids))
                 if delta:
                     await send({"content": delta})
