@@ -253,9 +253,11 @@ class EngineClient:
 def encode_body(body: dict) -> bytes:
     """JSON of a request body; ``input_ids`` that carry their own ``json_text`` (the proxy's
     cached encoding of stored ids) are spliced in instead of being encoded again."""
-    pre = getattr(body.get("input_ids"), "json_text", None)
+    ids = body.get("input_ids")
+    pre = getattr(ids, "json_text", None)
     if not pre:
-        return json.dumps(body).encode()
+        return json.dumps({**body, "input_ids": list(ids)} if ids is not None and not isinstance(ids, list)
+                          else body).encode()
     text = json.dumps({**body, "input_ids": 0})
     return text.replace('"input_ids": 0', '"input_ids": [' + pre + "]", 1).encode()
 

@@ -72,16 +72,45 @@ class Renderer:
 class PreparedCall:
     segments: list[Segment]
     prompt_tokens: list[int]
-    input_ids: list[int]
+    n_input: int  # len(input_ids)
     n_reused: int  # messages whose ids came from the tree or from earlier outputs
     nodes: list[int | None] = field(default_factory=list)  # the tree node of each reused segment
 
+    @property
+    def input_ids(self) -> list[int]:
+        """The ids the engine gets (built on demand: 32K+ of them are rarely needed as a list)."""
+        return np.concatenate([np.asarray(s.tokens, dtype=np.int64) for s in self.segments]
+                              + [np.asarray(self.prompt_tokens, dtype=np.int64)]).tolist()
 
-class WireIds(list):
+
+class WireIds:
     """Input ids with their JSON text already made: the engine client sends ``json_text``
-    instead of encoding 30K+ integers again (2 ms per call at 32K tokens)."""
+    instead of encoding 30K+ integers again (2 ms per call at 32K tokens). Behaves as a
+    read-only sequence; the ids themselves are only built if someone iterates them (a router
+    continuing a broken stream)."""
 
-    json_text: str = ""
+    def __init__(self, json_text: str, length: int, build):
+        self.json_text, self._len, self._build, self._ids = json_text, length, build, None
+
+    def _list(self) -> list[int]:
+        if self._ids is None:
+            self._ids = self._build()
+        return self._ids
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self):
+        return iter(self._list())
+
+    def __getitem__(self, i):
+        return self._list()[i]
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other)
+
+    def __add__(self, other) -> list[int]:
+        return self._list() + list(other)
 
 
 def wire_ids(session: "ExecutionSession", prepared: PreparedCall, tail: list[int]) -> WireIds:
@@ -96,12 +125,11 @@ def wire_ids(session: "ExecutionSession", prepared: PreparedCall, tail: list[int
                 session.wire[nid] = piece
         if piece:
             parts.append(piece)
-    rest = list(prepared.prompt_tokens) + list(tail)
+    tail = list(tail)
+    rest = list(prepared.prompt_tokens) + tail
     if rest:
         parts.append(json.dumps(rest)[1:-1])
-    out = WireIds(prepared.input_ids + list(tail))
-    out.json_text = ", ".join(parts)
-    return out
+    return WireIds(", ".join(parts), prepared.n_input + len(tail), lambda: prepared.input_ids + tail)
 
 
 @dataclass
@@ -157,9 +185,8 @@ def prepare_call(r: Renderer, session: ExecutionSession, messages: list[Message]
         nodes.append(None)
         prev_tool = msg.role == "tool"
     prompt = ([r.im_end] if is_open else []) + r.newline + r.assistant_head
-    # one concatenation, not a Python loop over every token: contexts reach 32K+ tokens
-    input_ids = np.concatenate([np.asarray(s.tokens, dtype=np.int64) for s in segments]).tolist() + prompt
-    return PreparedCall(segments, prompt, input_ids, reused, nodes)
+    n_input = sum(len(s.tokens) for s in segments) + len(prompt)
+    return PreparedCall(segments, prompt, n_input, reused, nodes)
 
 
 def record_call(session: ExecutionSession, prepared: PreparedCall, reply: Message, output_ids: list[int],

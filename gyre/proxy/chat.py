@@ -45,10 +45,16 @@ class Message:
     tool_calls: tuple[ToolCall, ...] = ()
 
     def key(self, salt: str = "") -> str:
-        """Identity of the message as the model saw it (ids and names do not render)."""
-        payload = json.dumps([self.role, self.content, [(t.name, t.arguments) for t in self.tool_calls], salt],
-                             ensure_ascii=False, separators=(",", ":"))
-        return hashlib.blake2b(payload.encode(), digest_size=16).hexdigest()
+        """Identity of the message as the model saw it (ids and names do not render).
+        Length-prefixed parts, not JSON: escaping a 100 KB tool output cost 0.5 ms per call."""
+        h = hashlib.blake2b(digest_size=16)
+        parts = [self.role, self.content, *(f"{t.name}\0{t.arguments}" for t in self.tool_calls), salt]
+        h.update(len(parts).to_bytes(4, "little"))
+        for part in parts:
+            b = part.encode("utf-8", "surrogatepass")
+            h.update(len(b).to_bytes(8, "little"))
+            h.update(b)
+        return h.hexdigest()
 
 
 def _content_text(content: Any, where: str) -> str:

@@ -173,7 +173,7 @@ class Proxy:
         p = parse_params(body, tools, self.default_max_tokens, self.max_tokens_cap)
         prepared = prepare_call(self.renderer, sess, messages, tools)
         forced = self.renderer.encode(forced_prefix(p)) if forced_prefix(p) else []
-        n_prompt = len(prepared.input_ids) + len(forced)
+        n_prompt = prepared.n_input + len(forced)
         limit = await self._input_limit()
         max_new = p.max_new_tokens
         if limit is not None:
@@ -213,7 +213,7 @@ class Proxy:
         prepared = c.prepared
         if c.forced:  # forced ids are context the model saw, not samples
             prepared = PreparedCall(prepared.segments, prepared.prompt_tokens + c.forced,
-                                    prepared.input_ids + c.forced, prepared.n_reused, prepared.nodes)
+                                    prepared.n_input + len(c.forced), prepared.n_reused, prepared.nodes)
         call = record_call(sess, prepared, reply, out_ids, lps, agent_role=c.role,
                            weight_version=str(res.weight_version), endpoint=res.endpoint,
                            finish_reason=res.finish_reason, t_start=c.t0, replay_ids=c.forced + out_ids)
@@ -228,7 +228,7 @@ class Proxy:
         if parsed.tool_calls:
             msg["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:16]}", "type": "function",
                                   "function": {"name": t.name, "arguments": t.arguments}} for t in parsed.tool_calls]
-        n_in = len(prepared.input_ids)
+        n_in = prepared.n_input
         resp = {
             "id": c.id, "object": "chat.completion", "created": int(c.t0),
             "model": c.body.get("model") or self.model_name,
