@@ -28,7 +28,7 @@ TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run a
 class Stack:
     def __init__(self, max_body: int = 64 * 1024):
         self.lt = LoopThread()
-        self.engine = ScriptedEngine()
+        self.engine = ScriptedEngine(decode=R.decode)
         self.engine.script = [R.encode("Hello from the model.") + [R.im_end]]
 
         async def up():
@@ -254,7 +254,7 @@ def test_end_to_end_on_embedded_engine(tmp_path):
 
     model = ensure_tiny_model(tmp_path / "tiny")
     lt = LoopThread()
-    with start_engine(model_dir=model) as eng:
+    with start_engine(model_dir=model, extra_args=["--no-api-key"]) as eng:
         async def up():
             router = Router([eng.url])
             proxy = Proxy(router, load_tokenizer(model))

@@ -20,7 +20,7 @@ PROMPT = [1, 882, 198, 40, 1000, 2000, 17, 2, 198, 1, 77, 198]
 def engines(tmp_path_factory):
     tiny = ensure_tiny_model(tmp_path_factory.getbasetemp() / "tiny-qwen")
     with ThreadPoolExecutor(3) as pool:  # start them in parallel
-        procs = list(pool.map(lambda _: start_engine(tiny), range(3)))
+        procs = list(pool.map(lambda _: start_engine(tiny, extra_args=["--no-api-key"]), range(3)))
     yield [p.url for p in procs]
     for p in procs:
         p.stop()
@@ -30,11 +30,6 @@ def dead_url() -> str:
     with socket.socket() as s:  # a port nobody listens on once closed
         s.bind(("127.0.0.1", 0))
         return f"http://127.0.0.1:{s.getsockname()[1]}"
-
-
-async def running_on(url: str) -> int:
-    async with EngineClient(url) as c:
-        return (await c._request("GET", "/health"))["running"]
 
 
 def test_affinity_spreads_keys_and_reuses_prefix_cache(engines):
@@ -79,21 +74,28 @@ def test_add_and_remove_endpoints_at_runtime(engines):
     asyncio.run(scenario())
 
 
-def test_removed_endpoints_aborted_request_is_retried_elsewhere(engines):
+def test_removed_endpoints_aborted_stream_continues_elsewhere(engines):
+    """A role switch mid-stream: the tokens already passed on stay, the rest comes from another
+    endpoint (greedy, so the whole answer equals one uninterrupted generation)."""
     async def scenario():
         async with Router(engines) as router:
             key = "exec-long"
             home = router.pick(key)
-            task = asyncio.create_task(router.generate(key, PROMPT, {"max_new_tokens": 1500, "ignore_eos": True,
-                                                                     "temperature": 0}, rid="long-r"))
-            while await running_on(home) == 0:
-                await asyncio.sleep(0.01)
+            params = {"max_new_tokens": 300, "ignore_eos": True, "temperature": 0}
+            stream = router.generate_stream(key, PROMPT, params, rid="long-r")
+            first = await stream.__anext__()  # it runs on its home endpoint
+            assert first.endpoint == home and first.finish_reason is None
             assert router.in_flight() == {home: 1}
             assert await router.remove_endpoint(home) == 1
-            res = await task
-            assert res.finish_reason == "length" and len(res.output_ids) == 1500
-            assert res.endpoint != home and res.endpoint in router.endpoints()
+            snaps = [s async for s in stream]
+            last = snaps[-1]
+            assert last.finish_reason == "length" and len(last.output_ids) == 300
+            assert last.endpoint != home and last.endpoint in router.endpoints()
+            assert all(len(a.output_ids) <= len(b.output_ids) for a, b in zip(snaps, snaps[1:]))
+            assert router.in_flight() == {}
             router.add_endpoint(home)
+            whole = await router.generate("exec-other", PROMPT, params)
+            assert last.output_ids == whole.output_ids and len(last.logprobs) == 300
 
     asyncio.run(scenario())
 
@@ -101,13 +103,34 @@ def test_removed_endpoints_aborted_request_is_retried_elsewhere(engines):
 def test_user_abort_is_not_retried(engines):
     async def scenario():
         async with Router(engines) as router:
-            task = asyncio.create_task(router.generate("exec-x", PROMPT, {"max_new_tokens": 4000, "ignore_eos": True},
-                                                       rid="user-abort"))
-            while await running_on(router.pick("exec-x")) == 0:
-                await asyncio.sleep(0.01)
+            stream = router.generate_stream("exec-x", PROMPT, {"max_new_tokens": 4000, "ignore_eos": True},
+                                            rid="user-abort")
+            await stream.__anext__()
             assert await router.abort("user-abort") == 1
-            res = await task
+            res = [s async for s in stream][-1]
             assert res.finish_reason == "abort" and len(res.output_ids) < 4000
+
+    asyncio.run(scenario())
+
+
+def test_cancelled_caller_aborts_its_engine_request(engines):
+    async def scenario():
+        async with Router(engines[:1]) as router:
+            stream = router.generate_stream("exec-c", PROMPT, {"max_new_tokens": 4000, "ignore_eos": True},
+                                            rid="gone")
+            await stream.__anext__()
+            await stream.aclose()  # what a proxy does when its client disconnects
+            assert router.in_flight() == {}
+            # the engine stopped it: a flush (refused while anything runs) succeeds soon after
+            async with EngineClient(engines[0]) as c:
+                for _ in range(500):
+                    try:
+                        await c.flush_cache()
+                        break
+                    except EngineError:
+                        await asyncio.sleep(0.01)
+                else:
+                    raise AssertionError("the engine kept generating for a caller that left")
 
     asyncio.run(scenario())
 

@@ -2,15 +2,24 @@
 
 Also runnable as ``python -m gyre.engine.cli`` (what :mod:`gyre.engine.launch` starts). Prints
 ``GYRE_ENGINE_LISTENING http://HOST:PORT`` on stdout once it accepts requests.
+
+The API key is on by default: without ``--api-key``/``--api-key-file`` the engine generates one
+and writes it to a private (0600) file, printed as ``GYRE_ENGINE_KEY_FILE PATH`` before the
+ready line (``--api-key-file PATH`` naming a file that does not exist yet gets the generated key
+written there). Serving without a key needs ``--no-api-key`` and prints a warning.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import secrets
 import signal
 import sys
 from pathlib import Path
+
+KEY_FILE_MARKER = "GYRE_ENGINE_KEY_FILE"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -20,7 +29,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=None, help="listen port, 0 = any free port (default engine.port)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route")
     p.add_argument("--api-key-file", type=Path, default=None,
-                   help="read the API key from this file (keeps it out of the process list)")
+                   help="read the API key from this file (keeps it out of the process list); "
+                        "a file that does not exist yet gets a generated key (0600)")
+    p.add_argument("--no-api-key", action="store_true",
+                   help="serve without any key (anyone who reaches the port can generate and load weights)")
+    p.add_argument("--incremental-streaming-output", action="store_true",
+                   help="streamed /generate chunks carry only the new tokens (SGLang's flag of the same name)")
     p.add_argument("--config", default=None, help="Gyre TOML config file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="config override, e.g. --set engine.max_body_bytes=4096 (repeatable)")
@@ -37,8 +51,31 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     api_key = args.api_key
-    if args.api_key_file is not None:
-        api_key = args.api_key_file.read_text(encoding="utf-8").strip()
+    key_file: Path | None = None
+    if args.no_api_key and (args.api_key or args.api_key_file):
+        print("gyre engine: --no-api-key contradicts --api-key/--api-key-file; give one of them", file=sys.stderr)
+        return 2
+    if args.api_key_file is not None and args.api_key_file.exists():
+        try:
+            api_key = args.api_key_file.read_text(encoding="utf-8").strip()
+        except OSError as e:
+            print(f"gyre engine: cannot read --api-key-file {args.api_key_file}: {e}", file=sys.stderr)
+            return 2
+        if not api_key:
+            print(f"gyre engine: --api-key-file {args.api_key_file} is empty", file=sys.stderr)
+            return 2
+    elif args.no_api_key:
+        print("gyre engine: WARNING: serving WITHOUT an API key (--no-api-key): anyone who can reach the port "
+              "can generate, abort requests and replace the weights", file=sys.stderr, flush=True)
+    elif not api_key:
+        api_key = secrets.token_urlsafe(32)
+        key_file = args.api_key_file or _default_key_file(cfg)
+        try:
+            _write_private(key_file, api_key)
+        except OSError as e:
+            print(f"gyre engine: cannot write the generated API key to {key_file}: {e}; "
+                  "give --api-key-file PATH or --no-api-key", file=sys.stderr)
+            return 2
     model = args.model or cfg.model.path
     if not model:
         from gyre.engine.tiny_model import ensure_tiny_model
@@ -62,19 +99,40 @@ def run(args: argparse.Namespace) -> int:
         return 2
     host = args.host if args.host is not None else cfg.engine.host
     port = args.port if args.port is not None else cfg.engine.port
+    if key_file is not None:
+        print(f"gyre engine: no API key given; generated one in {key_file} (mode 0600). Clients send "
+              "'Authorization: Bearer <key>'", file=sys.stderr, flush=True)
+        print(f"{KEY_FILE_MARKER} {key_file}", flush=True)
 
     async def main() -> None:
         task = asyncio.current_task()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, task.cancel)
-        await serve(engine, host, port, api_key, cfg.engine.max_body_bytes)
+        await serve(engine, host, port, api_key, cfg.engine.max_body_bytes, args.incremental_streaming_output)
 
     try:
         asyncio.run(main())
     except asyncio.CancelledError:
         pass
+    finally:
+        if key_file is not None:  # a generated key lives as long as the engine that checks it
+            key_file.unlink(missing_ok=True)
     return 0
+
+
+def _default_key_file(cfg) -> Path:
+    from gyre.config import default_tiny_dir
+
+    return default_tiny_dir(cfg).parent / "engine-keys" / f"engine-{os.getpid()}-{secrets.token_hex(4)}.key"
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Create ``path`` readable by its owner only (never briefly world-readable)."""
+    from gyre.fsio import atomic_write_text
+
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    atomic_write_text(path, text + "\n", mode=0o600)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,12 +2,20 @@
 
 Retries only when the connection fails (refused, reset, closed before a response): a 4xx/5xx
 answer is the engine's decision and is raised as :class:`EngineError` at once.
+
+:meth:`EngineClient.generate_stream` reads SGLang's streamed ``/generate`` (``data: {...}`` events,
+then ``data: [DONE]``), cumulative by default or incremental (``--incremental-streaming-output``):
+the two are told apart by ``meta_info.completion_tokens`` (always the running total), and either
+way the caller gets cumulative :class:`GenerateResult` snapshots.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 from dataclasses import dataclass, field
+from typing import AsyncIterator
 
 import aiohttp
 
@@ -31,7 +39,7 @@ class EngineUnreachable(EngineError):
 class GenerateResult:
     output_ids: list[int]
     logprobs: list[float]
-    finish_reason: str  # stop | length | abort
+    finish_reason: str | None  # stop | length | abort; None in a streamed snapshot before the end
     weight_version: str
     endpoint: str
     text: str = ""
@@ -39,6 +47,24 @@ class GenerateResult:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     meta_info: dict = field(default_factory=dict, repr=False)
+    # per output position: the most probable (logprob, token_id) pairs (when asked for)
+    top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list, repr=False)
+    finish_message: str = ""
+    wire_s: float = 0.0  # seconds from sending the encoded request to having the whole answer
+
+
+def _result(data: dict, endpoint: str, rid: str | None) -> GenerateResult:
+    meta = data.get("meta_info", {})
+    triples = meta.get("output_token_logprobs") or []
+    reason = meta.get("finish_reason") or {}
+    return GenerateResult(
+        output_ids=list(data.get("output_ids", [])), logprobs=[float(t[0]) for t in triples],
+        finish_reason=reason.get("type", "unknown") if reason else None,
+        weight_version=str(meta.get("weight_version", "")), endpoint=endpoint,
+        text=data.get("text") or "", rid=meta.get("id", rid or ""), prompt_tokens=meta.get("prompt_tokens", 0),
+        cached_tokens=meta.get("cached_tokens", 0), meta_info=meta,
+        top_logprobs=[[(float(x[0]), int(x[1])) for x in pos] for pos in meta.get("output_top_logprobs") or []],
+        finish_message=str(reason.get("message", "")) if reason else "")
 
 
 _CONNECTION_ERRORS = (aiohttp.ClientConnectionError, ConnectionError)
@@ -63,17 +89,23 @@ class EngineClient:
             self._own_session = True
         return self._session
 
-    async def _request(self, method: str, path: str, body: dict | None = None, retries: int | None = None) -> dict:
+    async def _request(self, method: str, path: str, body: dict | None = None, retries: int | None = None,
+                       timing: list | None = None) -> dict:
         url = self.base_url + path
         retries = self.connect_retries if retries is None else retries
         last: Exception | None = None
+        data_bytes = encode_body(body) if body is not None else None
+        headers = {**self._headers, "Content-Type": "application/json"} if body is not None else self._headers
         for attempt in range(retries + 1):
             if attempt:
                 await asyncio.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
             try:
-                async with self._get_session().request(method, url, json=body, headers=self._headers,
+                t0 = time.perf_counter()
+                async with self._get_session().request(method, url, data=data_bytes, headers=headers,
                                                        timeout=self.timeout) as resp:
                     raw = await resp.read()
+                    if timing is not None:
+                        timing.append(time.perf_counter() - t0)
                     try:
                         data = await resp.json(content_type=None) if raw else {}
                     except ValueError:
@@ -89,20 +121,87 @@ class EngineClient:
         raise EngineUnreachable(f"{method} {path} failed after {retries + 1} attempt(s): "
                                 f"{type(last).__name__}: {last}", self.base_url)
 
-    async def generate(self, input_ids: list[int], sampling_params: dict, rid: str | None = None) -> GenerateResult:
-        body = {"input_ids": list(input_ids), "sampling_params": sampling_params, "return_logprob": True}
+    def _generate_body(self, input_ids, sampling_params, rid, top_logprobs_num, stream) -> dict:
+        ids = input_ids if getattr(input_ids, "json_text", None) else list(input_ids)
+        body = {"input_ids": ids, "sampling_params": sampling_params, "return_logprob": True}
         if rid is not None:
             body["rid"] = rid
-        data = await self._request("POST", "/generate", body)
-        meta = data.get("meta_info", {})
-        triples = meta.get("output_token_logprobs") or []
-        return GenerateResult(
-            output_ids=list(data.get("output_ids", [])), logprobs=[float(t[0]) for t in triples],
-            finish_reason=(meta.get("finish_reason") or {}).get("type", "unknown"),
-            weight_version=str(meta.get("weight_version", "")), endpoint=self.base_url,
-            text=data.get("text", ""), rid=meta.get("id", rid or ""), prompt_tokens=meta.get("prompt_tokens", 0),
-            cached_tokens=meta.get("cached_tokens", 0), meta_info=meta,
-        )
+        if top_logprobs_num:
+            body["top_logprobs_num"] = top_logprobs_num
+        if stream:
+            body["stream"] = True
+        return body
+
+    async def generate(self, input_ids: list[int], sampling_params: dict, rid: str | None = None,
+                       top_logprobs_num: int = 0) -> GenerateResult:
+        timing: list[float] = []
+        data = await self._request("POST", "/generate",
+                                   self._generate_body(input_ids, sampling_params, rid, top_logprobs_num, False),
+                                   timing=timing)
+        res = _result(data, self.base_url, rid)
+        res.wire_s = timing[-1] if timing else 0.0
+        return res
+
+    async def generate_stream(self, input_ids: list[int], sampling_params: dict, rid: str | None = None,
+                              top_logprobs_num: int = 0) -> AsyncIterator[GenerateResult]:
+        """Cumulative snapshots as the engine streams them; the last has ``finish_reason`` set.
+        Connection failures before the first byte are retried like :meth:`generate`; a stream
+        that breaks later raises :class:`EngineUnreachable` (the caller decides how to go on)."""
+        body = self._generate_body(input_ids, sampling_params, rid, top_logprobs_num, True)
+        url = self.base_url + "/generate"
+        last: Exception | None = None
+        for attempt in range(self.connect_retries + 1):
+            if attempt:
+                await asyncio.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
+            try:
+                resp = await self._get_session().post(url, data=encode_body(body), timeout=self.timeout,
+                                                      headers={**self._headers, "Content-Type": "application/json"})
+                break
+            except asyncio.TimeoutError:
+                raise EngineError(None, f"POST /generate timed out after {self.timeout.total} s", self.base_url) from None
+            except _CONNECTION_ERRORS as e:
+                last = e
+        else:
+            raise EngineUnreachable(f"POST /generate (stream) failed after {self.connect_retries + 1} attempt(s): "
+                                    f"{type(last).__name__}: {last}", self.base_url)
+        async with resp:
+            if resp.status >= 400:
+                raw = await resp.read()
+                try:
+                    data = json.loads(raw) if raw else {}
+                except ValueError:
+                    data = {"error": {"message": raw[:500].decode("utf-8", "replace")}}
+                raise EngineError(resp.status, _message(data, resp.reason), self.base_url)
+            ids: list[int] = []
+            lps: list[float] = []
+            tops: list = []
+            buf = b""
+            try:
+                async for piece in resp.content.iter_any():
+                    buf += piece
+                    while b"\n\n" in buf:
+                        event, buf = buf.split(b"\n\n", 1)
+                        if not event.startswith(b"data: "):
+                            continue
+                        payload = event[6:]
+                        if payload.strip() == b"[DONE]":
+                            return
+                        data = json.loads(payload)
+                        if "error" in data:  # SGLang reports a failure inside the stream
+                            raise EngineError(400, _message(data, "error in stream"), self.base_url)
+                        snap = _result(data, self.base_url, rid)
+                        total = snap.meta_info.get("completion_tokens", len(snap.output_ids))
+                        if len(snap.output_ids) < total and len(ids) + len(snap.output_ids) == total:
+                            ids, lps, tops = ids + snap.output_ids, lps + snap.logprobs, tops + snap.top_logprobs
+                        else:  # cumulative (SGLang's default), or the first incremental chunk
+                            ids, lps, tops = snap.output_ids, snap.logprobs, snap.top_logprobs
+                        snap.output_ids, snap.logprobs, snap.top_logprobs = list(ids), list(lps), list(tops)
+                        yield snap
+            except _CONNECTION_ERRORS + (aiohttp.ClientPayloadError,) as e:
+                raise EngineUnreachable(f"stream from POST /generate broke after {len(ids)} tokens: "
+                                        f"{type(e).__name__}: {e}", self.base_url) from None
+        raise EngineUnreachable(f"stream from POST /generate ended without [DONE] after {len(ids)} tokens",
+                                self.base_url)
 
     async def abort(self, rid: str | None = None, abort_all: bool = False) -> dict:
         body = {"abort_all": True} if abort_all else {"rid": rid}
@@ -122,6 +221,7 @@ class EngineClient:
         return await self._request("POST", "/flush_cache", {})
 
     async def health(self) -> bool:
+        """True when ``GET /health`` answers 200 (SGLang: an empty body)."""
         try:
             await self._request("GET", "/health", retries=0)  # a health probe must answer fast
             return True
@@ -134,6 +234,10 @@ class EngineClient:
     async def model_info(self) -> dict:
         return await self._request("GET", "/get_model_info")
 
+    async def server_info(self) -> dict:
+        """SGLang's ``/get_server_info``: server args and scheduler limits (``max_req_input_len``...)."""
+        return await self._request("GET", "/get_server_info")
+
     async def close(self) -> None:
         if self._own_session and self._session is not None:
             await self._session.close()
@@ -144,6 +248,18 @@ class EngineClient:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+def encode_body(body: dict) -> bytes:
+    """JSON of a request body; ``input_ids`` that carry their own ``json_text`` (the proxy's
+    cached encoding of stored ids) are spliced in instead of being encoded again."""
+    ids = body.get("input_ids")
+    pre = getattr(ids, "json_text", None)
+    if not pre:
+        return json.dumps({**body, "input_ids": list(ids)} if ids is not None and not isinstance(ids, list)
+                          else body).encode()
+    text = json.dumps({**body, "input_ids": 0})
+    return text.replace('"input_ids": 0', '"input_ids": [' + pre + "]", 1).encode()
 
 
 def _message(data: dict, default: str) -> str:

@@ -13,6 +13,17 @@
   switch), moves the request to another endpoint; other 4xx/5xx are the request's own fault and
   are raised at once. Attempts are bounded; with no endpoint left the error says so, and what
   failed where.
+* **Aborts.** A generation that ends in ``abort`` the caller did not ask for (endpoint removed,
+  ``abort_all``, a weight update with ``abort_all_requests``, an engine error) is sent again; only
+  :meth:`Router.abort` (the caller's own abort) comes back as ``finish_reason == "abort"``. A
+  caller that is cancelled (its client went away) aborts its engine request by rid.
+* **Streaming.** :meth:`Router.generate_stream` passes the engine's chunks through as they
+  come. A stream that breaks (endpoint removed or dead, unasked abort) before any token was
+  passed on restarts elsewhere; after that it *continues* elsewhere from the prompt plus the
+  tokens already passed on (``max_new_tokens`` reduced by as many), since those tokens already
+  reached the caller. Such a result's ``weight_version`` is the oldest that served any of it.
+* **Load.** :meth:`Router.in_flight` counts the router's running requests per endpoint (what
+  a cell agent or the scheduler reads; SGLang's ``/health`` carries no load).
 
 Why not sglang-router (0.3.2 from PyPI, evaluated with ``python -m gyre.engine.eval_sglang_router``:
 two embedded engines, ``--policy manual`` with the ``x-smg-routing-key`` header, n sequential
@@ -44,6 +55,7 @@ import asyncio
 import hashlib
 import uuid
 from dataclasses import dataclass
+from typing import AsyncIterator
 
 import aiohttp
 
@@ -60,6 +72,14 @@ class _InFlight:
     endpoint: str
     evicted: bool = False  # its endpoint was removed while it ran: retry elsewhere
     user_aborted: bool = False
+
+
+def _version_order(v: str):
+    """Weight versions are numbers as text ("3" < "10"); anything else sorts after them."""
+    try:
+        return (0, int(v), "")
+    except ValueError:
+        return (1, 0, v)
 
 
 def _score(key: str, endpoint: str) -> int:
@@ -80,6 +100,7 @@ class Router:
         self._clients: dict[str, EngineClient] = {}
         self._inflight: set[_InFlight] = set()
         self._changed: asyncio.Condition | None = None
+        self._background: set[asyncio.Task] = set()
         for url in endpoints:
             self.add_endpoint(url)
 
@@ -89,7 +110,8 @@ class Router:
         return list(self._endpoints)
 
     def in_flight(self) -> dict[str, int]:
-        """Requests this router has running, per endpoint (removed endpoints included)."""
+        """Requests this router has running, per endpoint URL (removed endpoints included while
+        requests still run there; an endpoint with none is absent)."""
         counts: dict[str, int] = {}
         for f in self._inflight:
             counts[f.endpoint] = counts.get(f.endpoint, 0) + 1
@@ -125,7 +147,7 @@ class Router:
     # ---- requests ----------------------------------------------------------------------------
 
     async def generate(self, affinity_key: str, input_ids: list[int], sampling_params: dict,
-                       rid: str | None = None) -> GenerateResult:
+                       rid: str | None = None, top_logprobs_num: int = 0) -> GenerateResult:
         """Generate on the key's endpoint; ``result.endpoint`` says which one served it.
         Raises :class:`RouterError` when no endpoint could, :class:`EngineError` for a bad request."""
         rid = rid or uuid.uuid4().hex
@@ -139,7 +161,8 @@ class Router:
             flight = _InFlight(rid, url)
             self._inflight.add(flight)
             try:
-                result = await self._client(url).generate(input_ids, sampling_params, rid=rid)
+                result = await self._client(url).generate(input_ids, sampling_params, rid=rid,
+                                                          top_logprobs_num=top_logprobs_num)
             except EngineUnreachable as e:
                 failed.add(url)
                 history.append(f"{url}: unreachable ({e.message})")
@@ -150,13 +173,103 @@ class Router:
                 failed.add(url)
                 history.append(f"{url}: 503 {e.message}")
                 continue
+            except asyncio.CancelledError:
+                self._abort_behind(url, rid)
+                raise
             finally:
                 self._inflight.discard(flight)
-            if result.finish_reason == "abort" and flight.evicted and not flight.user_aborted:
-                history.append(f"{url}: aborted because the endpoint was removed")
+            if result.finish_reason == "abort" and not flight.user_aborted:
+                if flight.evicted:
+                    failed.add(url)
+                history.append(f"{url}: aborted ({'endpoint removed' if flight.evicted else result.finish_message})")
                 continue
             return result
         raise RouterError(f"request {rid}: gave up after {self.max_attempts} attempts: {'; '.join(history)}")
+
+    async def generate_stream(self, affinity_key: str, input_ids: list[int], sampling_params: dict,
+                              rid: str | None = None, top_logprobs_num: int = 0) -> AsyncIterator[GenerateResult]:
+        """Cumulative snapshots as tokens come (see the module docstring); the last one has
+        ``finish_reason`` set. Same errors as :meth:`generate`."""
+        rid = rid or uuid.uuid4().hex
+        failed: set[str] = set()
+        history: list[str] = []
+        done_ids: list[int] = []  # tokens already passed on, from earlier attempts
+        done_lps: list[float] = []
+        done_tops: list = []
+        versions: list[str] = []
+        budget = sampling_params.get("max_new_tokens")
+        for attempt in range(self.max_attempts):
+            url = await self._pick_or_wait(affinity_key, failed)
+            if url is None:
+                raise RouterError(f"request {rid}: no endpoint left (active: {self._endpoints or 'none'}; "
+                                  f"tried: {'; '.join(history) or 'nothing'})")
+            params = dict(sampling_params)
+            if done_ids and budget is not None:
+                params["max_new_tokens"] = budget - len(done_ids)
+            # each attempt gets its own rid: the engine may still hold the old one for a moment
+            sub_rid = rid if attempt == 0 else f"{rid}-r{attempt}"
+            flight = _InFlight(sub_rid, url)
+            self._inflight.add(flight)
+            passed = 0
+            last: GenerateResult | None = None
+            ids = input_ids if not done_ids else list(input_ids) + done_ids
+            agen = self._client(url).generate_stream(ids, params, rid=sub_rid, top_logprobs_num=top_logprobs_num)
+            try:
+                async for snap in agen:
+                    last = snap
+                    if snap.finish_reason == "abort" and not flight.user_aborted:
+                        break  # not the caller's abort: go on elsewhere
+                    if len(snap.output_ids) > passed or snap.finish_reason is not None:
+                        passed = len(snap.output_ids)
+                        yield self._joined(snap, done_ids, done_lps, done_tops, versions, rid)
+            except EngineUnreachable as e:
+                failed.add(url)
+                history.append(f"{url}: stream broke ({e.message})")
+            except EngineError as e:
+                if e.status != 503:
+                    raise
+                failed.add(url)
+                history.append(f"{url}: 503 {e.message}")
+            except (asyncio.CancelledError, GeneratorExit):
+                if last is None or last.finish_reason is None:  # the caller left mid-generation
+                    self._abort_behind(url, sub_rid)
+                raise
+            finally:
+                self._inflight.discard(flight)
+                await agen.aclose()  # closes the engine connection now, not at garbage collection
+            if last is not None and last.finish_reason is not None and last.finish_reason != "abort":
+                return
+            if last is not None and last.finish_reason == "abort" and flight.user_aborted:
+                return
+            if last is not None:
+                if last.finish_reason == "abort":
+                    if flight.evicted:
+                        failed.add(url)
+                    history.append(f"{url}: aborted ({'endpoint removed' if flight.evicted else last.finish_message})")
+                # keep what was passed on; the next attempt continues after it
+                done_ids += last.output_ids[:passed]
+                done_lps += last.logprobs[:passed]
+                done_tops += last.top_logprobs[:passed]
+                if passed:
+                    versions.append(last.weight_version)
+        raise RouterError(f"request {rid}: gave up after {self.max_attempts} attempts: {'; '.join(history)}")
+
+    @staticmethod
+    def _joined(snap: GenerateResult, ids, lps, tops, versions: list[str], rid: str) -> GenerateResult:
+        if not ids:
+            return snap
+        snap.output_ids = ids + snap.output_ids
+        snap.logprobs = lps + snap.logprobs
+        snap.top_logprobs = tops + snap.top_logprobs
+        snap.rid = rid
+        snap.weight_version = min(versions + [snap.weight_version], key=_version_order)
+        return snap
+
+    def _abort_behind(self, url: str, rid: str) -> None:
+        """The caller went away: abort its engine request (by rid) without waiting for the answer."""
+        task = asyncio.get_running_loop().create_task(self._client(url).abort(rid=rid))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def abort(self, rid: str) -> int:
         """Abort a request wherever it runs; the caller gets ``finish_reason == 'abort'``."""
@@ -165,6 +278,16 @@ class Router:
             f.user_aborted = True
         await asyncio.gather(*(self._client(f.endpoint).abort(rid=rid) for f in flights), return_exceptions=True)
         return len(flights)
+
+    async def server_info(self) -> dict:
+        """``/get_server_info`` of the first endpoint that answers (limits are the same on all)."""
+        errors = []
+        for url in list(self._endpoints):
+            try:
+                return await self._client(url).server_info()
+            except EngineError as e:
+                errors.append(str(e))
+        raise RouterError(f"no endpoint answered /get_server_info: {'; '.join(errors) or 'none active'}")
 
     async def close(self) -> None:
         if self._own_session and self._session is not None:

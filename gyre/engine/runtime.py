@@ -9,7 +9,8 @@ callback and calls the admin methods (release/resume/update/flush), which coordi
 worker through one condition variable.
 
 A request ends with ``finish_reason`` ``stop`` (``matched``: the stop token, which IS the last
-element of ``output_ids``), ``length`` (``max_new_tokens`` reached, or the context is full) or
+element of ``output_ids``; or the stop string, completed by the last element of ``output_ids``,
+checked as SGLang does on the decoded tail of the output), ``length`` (``max_new_tokens`` reached, or the context is full) or
 ``abort`` (partial output kept).
 """
 
@@ -27,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from gyre.engine.checksums import WeightCheckError, check_finite, verify_checksums
 from gyre.engine.prefix_cache import PrefixCache
 from gyre.engine.qwen import CausalLM, KVCache, ModelFormatError, load_weights, read_spec
 from gyre.engine.sampling import SamplingParams, sample
@@ -55,6 +57,7 @@ class Finished:
     weight_version: str
     cached_tokens: int
     e2e_latency_s: float
+    top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
 
 
 @dataclass
@@ -72,6 +75,10 @@ class _Request:
     cached_tokens: int = 0
     weight_version: str = ""
     abort_message: str | None = None
+    top_n: int = 0  # top log-probs to keep per output position (SGLang's top_logprobs_num)
+    top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    on_step: Callable[[], None] | None = None  # called (worker thread) after each new token
+    stop_tail_tokens: int = 0  # how many output tokens to decode when looking for stop strings
 
 
 class Engine:
@@ -111,6 +118,10 @@ class Engine:
         return self.spec.vocab_size
 
     @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    @property
     def max_context(self) -> int:
         return self.spec.max_positions
 
@@ -131,14 +142,20 @@ class Engine:
                     "prefix_cache_tokens": self._prefix.tokens}
 
     def submit(self, rid: str, input_ids: list[int], params: SamplingParams,
-               on_done: Callable[[Finished], None]) -> None:
+               on_done: Callable[[Finished], None], top_n: int = 0,
+               on_step: Callable[[], None] | None = None) -> "_Request":
+        """Queue a request; returns its handle (``output``/``logprobs`` grow as tokens come)."""
         if len(input_ids) >= self.max_context:
-            raise Refused(400, f"input_ids has {len(input_ids)} tokens; this model's context is "
-                               f"{self.max_context} tokens including at least one new token")
+            # SGLang's wording (TokenizerManager._validate_one_request)
+            raise Refused(400, f"The input ({len(input_ids)} tokens) is longer than the model's context "
+                               f"length ({self.max_context} tokens).")
         gen = torch.Generator()
         gen.manual_seed(params.sampling_seed if params.sampling_seed is not None
                         else int.from_bytes(os.urandom(8), "little") >> 1)
-        req = _Request(rid, input_ids, params, on_done, gen)
+        req = _Request(rid, input_ids, params, on_done, gen, top_n=top_n, on_step=on_step)
+        if params.stop:  # SGLang: decode the last (longest stop string in tokens + 1) tokens
+            req.stop_tail_tokens = 1 + max(len(self.tokenizer.encode(s, add_special_tokens=False).ids)
+                                           for s in params.stop)
         with self._cv:
             if self._released:
                 raise Refused(503, f"memory is released ({', '.join(sorted(self._released))}); "
@@ -149,6 +166,7 @@ class Engine:
                 raise Refused(400, f"rid {rid!r} is already in use by a running request")
             self._pending.append(req)
             self._cv.notify_all()
+        return req
 
     def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "aborted by request") -> int:
         """Abort one request (by rid) or all; running ones end at their next step. Returns count."""
@@ -195,7 +213,7 @@ class Engine:
         with self._admin:
             if "weights" in self._released:
                 raise Refused(400, "weights are released; POST /resume_memory_occupation first")
-            model = self._load_model(Path(model_path))  # while requests still run on the old weights
+            model = self._load_model(Path(model_path), verify=True)  # while requests still run on the old weights
             if model.spec.vocab_size != self.spec.vocab_size:
                 raise Refused(400, f"{model_path}: vocab_size {model.spec.vocab_size} differs from the "
                                    f"served model's {self.spec.vocab_size}")
@@ -239,10 +257,19 @@ class Engine:
                                "abort them (POST /abort_request) or wait")
 
     @staticmethod
-    def _load_model(path: Path) -> CausalLM:
+    def _load_model(path: Path, verify: bool = False) -> CausalLM:
+        """Load a checkpoint; with ``verify``, first its checksum manifest (when it has one) and
+        always the finiteness of every tensor, so a corrupt export never replaces good weights."""
         try:
+            if verify:
+                verify_checksums(path)
             spec = read_spec(path)
-            return CausalLM(spec, load_weights(path, spec))
+            tensors = load_weights(path, spec)
+            if verify:
+                check_finite(tensors)
+            return CausalLM(spec, tensors)
+        except WeightCheckError as e:
+            raise Refused(400, f"refused weights from {path}: {e}; the previous weights stay loaded") from None
         except (ModelFormatError, OSError) as e:
             raise Refused(400, f"cannot load weights from {path}: {e}") from None
         except Exception as e:  # safetensors raises its own error types on corrupt files
@@ -251,7 +278,7 @@ class Engine:
     def _finish_unlocked(self, r: _Request, reason: dict) -> None:
         result = Finished(r.rid, len(r.input_ids), list(r.output), list(r.logprobs), reason,
                           r.weight_version or self.weight_version, r.cached_tokens,
-                          time.monotonic() - r.created)
+                          time.monotonic() - r.created, list(r.top_logprobs))
         try:
             r.on_done(result)
         except Exception:  # a broken callback must not kill the worker
@@ -328,15 +355,31 @@ class Engine:
             self._finish(r, {"type": "abort", "message": f"engine error: {type(e).__name__}: {e}"}, keep_cache=False)
 
     def _emit(self, r: _Request, logits: torch.Tensor) -> None:
-        token, logprob = sample(logits, r.params, r.generator)
-        r.output.append(token)
+        token, logprob, top = sample(logits, r.params, r.generator, r.top_n)
+        # log-probs first: a streaming reader takes len(output) and then reads that many of each
         r.logprobs.append(logprob)
+        if r.top_n:
+            r.top_logprobs.append(top)
+        r.output.append(token)
         stops = set(r.params.stop_token_ids)
         if not r.params.ignore_eos:
             stops.update(self.spec.eos_ids)
+        matched = self._stop_string(r) if r.params.stop and token not in stops else None
         if token in stops:
             self._finish(r, {"type": "stop", "matched": token})
+        elif matched is not None:
+            self._finish(r, {"type": "stop", "matched": matched})
         elif len(r.output) >= r.params.max_new_tokens:
             self._finish(r, {"type": "length", "length": len(r.output)})
         elif r.cache.length + 1 >= self.max_context:
             self._finish(r, {"type": "length", "length": len(r.output), "message": "context is full"})
+        else:
+            if r.on_step is not None:
+                try:
+                    r.on_step()
+                except Exception:  # a broken callback must not kill the worker
+                    traceback.print_exc()
+
+    def _stop_string(self, r: _Request) -> str | None:
+        tail = self.tokenizer.decode(r.output[-r.stop_tail_tokens:], skip_special_tokens=False)
+        return next((s for s in r.params.stop if s in tail), None)

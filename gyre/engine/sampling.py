@@ -38,6 +38,12 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     sampling_seed: int | None = None
+    stop: list[str] = field(default_factory=list)  # stop strings: generation ends in the engine
+    no_stop_trim: bool = False
+
+
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range
+MAX_STOP_STRINGS = 64
 
 
 def _is_int(v) -> bool:
@@ -87,16 +93,23 @@ def parse_sampling_params(raw, vocab_size: int, max_new_tokens_cap: int) -> Samp
         if not isinstance(v, list) or not all(_is_int(t) and 0 <= t < vocab_size for t in v):
             raise BadRequest(f"sampling_params.stop_token_ids must be a list of token ids in [0, {vocab_size}), got {v!r}")
         p.stop_token_ids = list(v)
-    for name in ("ignore_eos", "skip_special_tokens"):
+    for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
         if raw.get(name) is not None:
             if not isinstance(raw[name], bool):
                 raise BadRequest(f"sampling_params.{name} must be true or false, got {raw[name]!r}")
             setattr(p, name, raw[name])
     if raw.get("sampling_seed") is not None:
         v = raw["sampling_seed"]
-        if not _is_int(v) or v < 0:
-            raise BadRequest(f"sampling_params.sampling_seed must be an integer >= 0, got {v!r}")
+        if not _is_int(v) or not 0 <= v <= MAX_SEED:
+            raise BadRequest(f"sampling_params.sampling_seed must be an integer in [0, 2**64 - 1], got {v!r}")
         p.sampling_seed = v
+    if raw.get("stop") is not None:
+        v = raw["stop"]
+        v = [v] if isinstance(v, str) else v
+        if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v) or len(v) > MAX_STOP_STRINGS:
+            raise BadRequest(f"sampling_params.stop must be a non-empty string or a list of up to "
+                             f"{MAX_STOP_STRINGS} non-empty strings, got {raw['stop']!r}")
+        p.stop = list(v)
     return p
 
 
@@ -118,11 +131,17 @@ def filtered_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top_
     return torch.log_softmax(z, dim=-1)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[int, float]:
-    """Draw one token; return ``(token_id, logprob)`` as defined in the module docstring."""
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
+           top_n: int = 0) -> tuple[int, float, list[tuple[float, int]]]:
+    """Draw one token; return ``(token_id, logprob, top)`` as defined in the module docstring.
+    ``top`` holds the ``top_n`` most probable ``(logprob, token_id)`` of the same distribution."""
     logp = filtered_logprobs(logits, params.temperature, params.top_k, params.top_p)
     if params.temperature == 0:
         token = int(torch.argmax(logits))
     else:
         token = int(torch.multinomial(logp.exp(), 1, generator=generator))
-    return token, float(logp[token])
+    top: list[tuple[float, int]] = []
+    if top_n > 0:
+        vals, ids = torch.topk(logp, min(top_n, logp.shape[-1]))
+        top = list(zip(vals.tolist(), ids.tolist()))
+    return token, float(logp[token]), top

@@ -1,30 +1,47 @@
-"""HTTP front of the embedded engine: SGLang's RL subset with SGLang's field names.
+"""HTTP front of the embedded engine: SGLang's RL subset, answering as SGLang's http_server does.
 
 Routes (all require ``Authorization: Bearer KEY`` when the server has an API key; else 401):
 
 * ``POST /generate`` ``{input_ids: [int], sampling_params: {max_new_tokens, temperature, top_p,
-  top_k, stop_token_ids, ignore_eos, skip_special_tokens, sampling_seed}, return_logprob, rid}``
+  top_k, stop, stop_token_ids, no_stop_trim, ignore_eos, skip_special_tokens, sampling_seed},
+  return_logprob, top_logprobs_num, return_text_in_logprobs, rid, stream}``
   -> ``{output_ids, text, meta_info: {id, finish_reason: {type: stop|length|abort, ...},
   weight_version, prompt_tokens, completion_tokens, cached_tokens, e2e_latency,
-  output_token_logprobs: [[logprob, token_id, token_text], ...] (when return_logprob)}}``.
+  output_token_logprobs: [[logprob, token_id, token_text|null], ...] (when return_logprob),
+  output_top_logprobs: [[[logprob, token_id, text|null], ...], ...] (when top_logprobs_num)}}``.
   A stop token (from ``stop_token_ids``, or the model's EOS unless ``ignore_eos``) that ends
   generation IS the last element of ``output_ids`` and has its log-prob; ``text`` leaves it out
-  (and, with ``skip_special_tokens`` (default true), all special tokens). Log-probs: see
-  :mod:`gyre.engine.sampling`. An aborted request answers 200 with ``finish_reason.type ==
-  "abort"`` and the tokens generated so far. While memory is released: 503.
-* ``POST /abort_request`` ``{rid}`` or ``{abort_all: true}``.
+  (and, with ``skip_special_tokens`` (default true), all special tokens). A stop *string* ends
+  generation in the engine (``matched`` is the string); ``text`` is cut before it unless
+  ``no_stop_trim``. Log-probs: see :mod:`gyre.engine.sampling`. An aborted request answers 200
+  with ``finish_reason.type == "abort"`` and the tokens generated so far. While memory is
+  released: 503.
+  ``stream: true``: ``text/event-stream`` of ``data: {same object}\n\n`` after every new token
+  (``finish_reason`` null until the last), then ``data: [DONE]\n\n``. As SGLang by default each
+  chunk is cumulative (``text``, ``output_ids`` and log-probs so far); with
+  ``--incremental-streaming-output`` (SGLang's flag) each chunk carries only the new part.
+  ``meta_info.completion_tokens`` is always the running total. Closing the connection aborts.
+* ``POST /abort_request`` ``{rid}`` or ``{abort_all: true}`` -> empty 200.
 * ``POST /release_memory_occupation`` / ``POST /resume_memory_occupation`` ``{tags: [kv_cache,
-  weights]}`` (missing/null = both). Release answers 400 while requests run or wait, as SGLang.
-  Released weights are freed; resume reloads them from the current model path.
-* ``POST /update_weights_from_disk`` ``{model_path, weight_version, abort_all_requests}``: loads
-  while requests run, then waits for them to finish before swapping (queued ones wait).
-* ``POST /flush_cache`` (400 while requests run), ``GET /health`` (``{status: ok, running,
-  queued, prefix_cache_tokens}``), ``GET /get_weight_version``,
-  ``GET /get_model_info`` (model path, identity hashes, weight version, vocab, limits).
+  weights]}`` (missing/null = both) -> ``null`` (as SGLang's handler, which returns nothing).
+  Release answers 400 while requests run or wait. Released weights are freed; resume reloads
+  them from the current model path.
+* ``POST /update_weights_from_disk`` ``{model_path, weight_version, abort_all_requests}`` ->
+  ``{success, message, num_paused_requests}`` (400 with ``success: false`` when refused). Loads
+  while requests run, checks the checksum manifest (:mod:`gyre.engine.checksums`) and that every
+  tensor is finite, then waits for running requests to finish before swapping (queued ones
+  wait). Refused weights leave the served ones in place.
+* ``GET|POST /flush_cache`` -> SGLang's plain-text answer (400 while requests run).
+* ``GET /health``, ``GET /health_generate`` -> empty 200 (503 while shutting down), as SGLang.
+  How busy an engine is comes from the router (:meth:`gyre.engine.router.Router.in_flight`).
+* ``GET /get_weight_version`` -> ``{weight_version}``; ``GET /get_model_info`` -> ``{model_path,
+  tokenizer_path, is_generation, preferred_sampling_params, weight_version}``;
+  ``GET /get_server_info`` (and ``/server_info``, ``/model_info``: sglang-router's probes).
 
 Errors are JSON ``{"error": {"message": ..., "code": status}}``: malformed JSON, non-UTF-8 bodies,
-wrong types, unknown keys, ids outside the vocabulary (400), bodies over the limit (413), unknown
-routes (404), wrong methods (405). The server keeps serving after any of them.
+wrong types, unknown keys, ids outside the vocabulary, prompts longer than the context (400),
+bodies over the limit (413), unknown routes (404), wrong methods (405). The server keeps serving
+after any of them.
 """
 
 from __future__ import annotations
@@ -38,12 +55,15 @@ import uuid
 
 from aiohttp import web
 
+from gyre import faults
 from gyre.engine.runtime import MEMORY_TAGS, Engine, Finished, Refused
 from gyre.engine.sampling import BadRequest, parse_sampling_params
 
 READY_MARKER = "GYRE_ENGINE_LISTENING"
 ENGINE_KEY = web.AppKey("engine", Engine)
 LIMIT_KEY = web.AppKey("max_body_bytes", int)
+INCREMENTAL_KEY = web.AppKey("incremental_streaming_output", bool)
+MAX_TOP_LOGPROBS = 20
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -102,6 +122,8 @@ async def _body(request: web.Request, allowed: set[str]) -> dict:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise BadRequest(f"malformed JSON: {e}") from None
+    except RecursionError:
+        raise BadRequest("JSON nested too deeply") from None
     if not isinstance(data, dict):
         raise BadRequest(f"request body must be a JSON object, got {type(data).__name__}")
     unknown = sorted(set(data) - allowed)
@@ -119,31 +141,65 @@ def _tags(data: dict) -> list[str]:
     return tags
 
 
-def _render(engine: Engine, res: Finished, return_logprob: bool, skip_special: bool) -> dict:
-    tok = engine.tokenizer
-    text_ids = res.output_ids[:-1] if res.finish_reason.get("type") == "stop" else res.output_ids
-    meta = {
-        "id": res.rid, "finish_reason": res.finish_reason, "weight_version": res.weight_version,
-        "prompt_tokens": res.prompt_tokens, "completion_tokens": len(res.output_ids),
-        "cached_tokens": res.cached_tokens, "e2e_latency": res.e2e_latency_s,
-    }
-    if return_logprob:
-        meta["output_token_logprobs"] = [[lp, t, tok.decode([t], skip_special_tokens=False)]
-                                         for lp, t in zip(res.logprobs, res.output_ids)]
-    return {"text": tok.decode(text_ids, skip_special_tokens=skip_special), "output_ids": res.output_ids,
-            "meta_info": meta}
+def _triples(engine: Engine, pairs, with_text: bool) -> list:
+    dec = engine.tokenizer.decode
+    return [[lp, t, dec([t], skip_special_tokens=False) if with_text else None] for lp, t in pairs]
+
+
+def _text(engine: Engine, ids: list[int], reason: dict | None, params) -> str:
+    """Output text as SGLang's detokenizer gives it: a matched stop token left out, a matched
+    stop string cut off (unless no_stop_trim)."""
+    matched = (reason or {}).get("matched") if (reason or {}).get("type") == "stop" else None
+    if isinstance(matched, int) and not params.no_stop_trim:
+        ids = ids[:-1]
+    text = engine.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+    if isinstance(matched, str) and not params.no_stop_trim:
+        pos = text.find(matched)
+        text = text[:pos] if pos >= 0 else text
+    return text
+
+
+def _payload(engine: Engine, rid: str, ids: list[int], lps: list[float], tops: list, reason: dict | None,
+             weight_version: str, prompt_tokens: int, cached: int, completion_tokens: int, text: str,
+             opts: dict, latency: float | None = None) -> dict:
+    meta = {"id": rid, "finish_reason": reason, "weight_version": weight_version,
+            "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "cached_tokens": cached}
+    if latency is not None:
+        meta["e2e_latency"] = latency
+    if opts["return_logprob"]:
+        meta["output_token_logprobs"] = _triples(engine, zip(lps, ids), opts["with_text"])
+        if opts["top_n"]:
+            meta["output_top_logprobs"] = [_triples(engine, top, opts["with_text"]) for top in tops]
+    return {"text": text, "output_ids": ids, "meta_info": meta}
+
+
+def _render(engine: Engine, res: Finished, opts: dict, params) -> dict:
+    return _payload(engine, res.rid, res.output_ids, res.logprobs, res.top_logprobs, res.finish_reason,
+                    res.weight_version, res.prompt_tokens, res.cached_tokens, len(res.output_ids),
+                    _text(engine, res.output_ids, res.finish_reason, params), opts, res.e2e_latency_s)
 
 
 # SGLang GenerateReqInput fields that sglang-router (and SGLang clients) send with every request:
 # accepted and ignored, or accepted only when off. Anything else is an unknown key (400).
-_GENERATE_IGNORED = {"model", "return_text_in_logprobs", "log_metrics", "no_logs", "priority", "extra_key",
+_GENERATE_IGNORED = {"model", "log_metrics", "no_logs", "priority", "extra_key",
                      "custom_labels", "data_parallel_rank"}
-_GENERATE_OFF = {"stream", "background", "return_hidden_states", "return_bytes", "return_entropy",
-                 "top_logprobs_num", "lora_path", "image_data", "input_embeds"}
-_GENERATE_FIELDS = {"input_ids", "sampling_params", "return_logprob", "rid", "logprob_start_len"}
+_GENERATE_OFF = {"background", "return_hidden_states", "return_bytes", "return_entropy",
+                 "lora_path", "image_data", "input_embeds"}
+_GENERATE_FIELDS = {"input_ids", "sampling_params", "return_logprob", "rid", "logprob_start_len", "stream",
+                    "top_logprobs_num", "return_text_in_logprobs"}
 
 
-async def generate(request: web.Request) -> web.Response:
+def _flag(data: dict, name: str) -> bool:
+    v = data.get(name, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise BadRequest(f"{name} must be true or false, got {v!r}")
+    return v
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    faults.hit("engine", "generate")
     engine = request.app[ENGINE_KEY]
     data = await _body(request, _GENERATE_FIELDS | _GENERATE_IGNORED | _GENERATE_OFF)
     on = sorted(k for k in _GENERATE_OFF if data.get(k) not in (None, False, 0))
@@ -161,9 +217,12 @@ async def generate(request: web.Request) -> web.Response:
     bad = next((t for t in ids if not 0 <= t < engine.vocab_size), None)
     if bad is not None:
         raise BadRequest(f"input_ids contains {bad}, outside the vocabulary [0, {engine.vocab_size})")
-    return_logprob = data.get("return_logprob", False)
-    if not isinstance(return_logprob, bool):
-        raise BadRequest(f"return_logprob must be true or false, got {return_logprob!r}")
+    top_n = data.get("top_logprobs_num") or 0
+    if isinstance(top_n, bool) or not isinstance(top_n, int) or not 0 <= top_n <= MAX_TOP_LOGPROBS:
+        raise BadRequest(f"top_logprobs_num must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top_n!r}")
+    opts = {"return_logprob": _flag(data, "return_logprob"), "with_text": _flag(data, "return_text_in_logprobs"),
+            "top_n": top_n}
+    stream = _flag(data, "stream")
     rid = data.get("rid")
     if rid is None:
         rid = uuid.uuid4().hex
@@ -173,17 +232,80 @@ async def generate(request: web.Request) -> web.Response:
 
     loop = asyncio.get_running_loop()
     done: asyncio.Future[Finished] = loop.create_future()
+    step = asyncio.Event()
 
     def on_done(res: Finished) -> None:  # worker thread -> event loop
-        loop.call_soon_threadsafe(lambda: done.done() or done.set_result(res))
+        def settle() -> None:
+            if not done.done():
+                done.set_result(res)
+            step.set()
+        loop.call_soon_threadsafe(settle)
 
-    engine.submit(rid, ids, params, on_done)
+    on_step = (lambda: loop.call_soon_threadsafe(step.set)) if stream else None
+    handle = engine.submit(rid, ids, params, on_done, top_n=top_n if opts["return_logprob"] else 0, on_step=on_step)
     try:
-        res = await done
-    except asyncio.CancelledError:  # the client went away: stop spending compute on it
+        if not stream:
+            res = await done
+            return web.json_response(_render(engine, res, opts, params))
+        return await _stream(request, engine, handle, done, step, opts, params)
+    except (asyncio.CancelledError, ConnectionError):  # the client went away: stop spending compute on it
         engine.abort(rid=rid, message="client disconnected")
         raise
-    return web.json_response(_render(engine, res, return_logprob, params.skip_special_tokens))
+
+
+class _IncrementalText:
+    """Text of a growing id list without decoding it all again per token (what SGLang's
+    detokenizer does with its offsets): ids are folded into a fixed prefix once their text is
+    whole (no incomplete UTF-8 character at the end)."""
+
+    def __init__(self, tokenizer, skip_special: bool):
+        self.tok, self.skip = tokenizer, skip_special
+        self.prefix, self.folded = "", 0
+
+    def __call__(self, ids: list[int]) -> str:
+        if len(ids) - self.folded > 32:
+            cut = len(ids) - 8
+            part = self.tok.decode(ids[self.folded:cut], skip_special_tokens=self.skip)
+            if not part.endswith("\ufffd"):
+                self.prefix, self.folded = self.prefix + part, cut
+        return self.prefix + self.tok.decode(ids[self.folded:], skip_special_tokens=self.skip)
+
+
+async def _stream(request, engine: Engine, handle, done, step: asyncio.Event, opts: dict, params) -> web.StreamResponse:
+    """SSE as SGLang's /generate streams: one ``data:`` object per new token, then ``[DONE]``."""
+    incremental = request.app[INCREMENTAL_KEY]
+    out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await out.prepare(request)
+    sent, sent_text = 0, 0
+    decode = _IncrementalText(engine.tokenizer, params.skip_special_tokens)
+
+    async def send(obj: dict) -> None:
+        await out.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+
+    while True:
+        await step.wait()
+        step.clear()
+        if done.done():
+            break
+        n = len(handle.output)
+        if n == sent:
+            continue
+        ids = handle.output[:n]
+        text = decode(ids).rstrip("\ufffd")  # an incomplete UTF-8 character waits for its next token
+        lo = sent if incremental else 0
+        await send(_payload(engine, handle.rid, ids[lo:], handle.logprobs[lo:n], handle.top_logprobs[lo:n], None,
+                            handle.weight_version or engine.weight_version, len(handle.input_ids),
+                            handle.cached_tokens, n, text[sent_text:] if incremental else text, opts))
+        sent, sent_text = n, len(text)
+    res = done.result()
+    text = _text(engine, res.output_ids, res.finish_reason, params)
+    lo = sent if incremental else 0
+    await send(_payload(engine, res.rid, res.output_ids[lo:], res.logprobs[lo:], res.top_logprobs[lo:],
+                        res.finish_reason, res.weight_version, res.prompt_tokens, res.cached_tokens,
+                        len(res.output_ids), text[sent_text:] if incremental else text, opts, res.e2e_latency_s))
+    await out.write(b"data: [DONE]\n\n")
+    await out.write_eof()
+    return out
 
 
 async def abort_request(request: web.Request) -> web.Response:
@@ -195,20 +317,21 @@ async def abort_request(request: web.Request) -> web.Response:
         raise BadRequest(f"rid must be a string, got {rid!r}")
     if rid is None and not abort_all:
         raise BadRequest("give rid or abort_all: true")
-    n = request.app[ENGINE_KEY].abort(rid=rid, abort_all=abort_all)
-    return web.json_response({"success": True, "aborted": n})
+    request.app[ENGINE_KEY].abort(rid=rid, abort_all=abort_all)
+    return web.Response(status=200)  # SGLang answers an empty 200
 
 
 async def release_memory(request: web.Request) -> web.Response:
     tags = _tags(await _body(request, {"tags"}))
+    faults.hit("engine", "release")
     await asyncio.to_thread(request.app[ENGINE_KEY].release, tags)
-    return web.json_response({"success": True, "message": f"released {tags}"})
+    return web.json_response(None)  # SGLang's handler returns nothing: FastAPI sends null
 
 
 async def resume_memory(request: web.Request) -> web.Response:
     tags = _tags(await _body(request, {"tags"}))
     await asyncio.to_thread(request.app[ENGINE_KEY].resume, tags)
-    return web.json_response({"success": True, "message": f"resumed {tags}"})
+    return web.json_response(None)
 
 
 async def update_weights_from_disk(request: web.Request) -> web.Response:
@@ -224,23 +347,30 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     abort_all = data.get("abort_all_requests", False)
     if not isinstance(abort_all, bool):
         raise BadRequest(f"abort_all_requests must be true or false, got {abort_all!r}")
+    faults.hit("engine", "weight_load")
     try:
         waited = await asyncio.to_thread(engine.update_weights_from_disk, path, version, abort_all)
-    except Refused as e:  # SGLang answers {success: false, message} with 400
-        return web.json_response({"success": False, "message": e.message,
-                                  "error": {"message": e.message, "code": e.status}}, status=e.status)
-    return web.json_response({"success": True, "message": f"loaded {path}", "weight_version": engine.weight_version,
-                              "num_paused_requests": waited})
+    except Refused as e:  # SGLang answers {success: false, message, num_paused_requests} with 400
+        return web.json_response({"success": False, "message": e.message, "num_paused_requests": 0}, status=e.status)
+    message = "Succeeded to update model weights."
+    if version is not None:
+        message += f" Weight version updated to {version}."
+    return web.json_response({"success": True, "message": message, "num_paused_requests": waited})
 
 
 async def flush_cache(request: web.Request) -> web.Response:
     await _body(request, set())
-    request.app[ENGINE_KEY].flush_cache()
-    return web.json_response({"success": True, "message": "cache flushed"})
+    status = 200
+    try:
+        request.app[ENGINE_KEY].flush_cache()
+    except Refused:
+        status = 400
+    return web.Response(status=status, text="Cache flushed.\nPlease check backend logs for more details. "
+                        "(When there are running or waiting requests, the operation will not be performed.)\n")
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok", **request.app[ENGINE_KEY].load()})
+    return web.Response(status=503 if request.app[ENGINE_KEY].stopping else 200)  # SGLang: empty body
 
 
 async def get_weight_version(request: web.Request) -> web.Response:
@@ -249,20 +379,27 @@ async def get_weight_version(request: web.Request) -> web.Response:
 
 async def get_model_info(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
-    ident = await asyncio.to_thread(engine.identity)
     return web.json_response({
-        "model_path": str(engine.model_dir), "tokenizer_path": str(engine.model_dir / "tokenizer.json"),
-        "is_generation": True, "engine": "gyre-embedded", "weight_version": engine.weight_version,
-        "identity": ident, "model_hash": ident.get("model_hash"), "tokenizer_hash": ident.get("tokenizer_hash"),
-        "vocab_size": engine.vocab_size, "max_context_length": engine.max_context,
-        "max_new_tokens_cap": engine.max_new_tokens_cap, "max_running_requests": engine.max_running,
-    })
+        "model_path": str(engine.model_dir), "tokenizer_path": str(engine.model_dir),
+        "is_generation": True, "preferred_sampling_params": None, "weight_version": engine.weight_version})
 
 
-def make_app(engine: Engine, api_key: str | None = None, max_body_bytes: int = 8 << 20) -> web.Application:
+async def get_server_info(request: web.Request) -> web.Response:
+    """The subset of SGLang's server args + scheduler info that describes this engine."""
+    engine = request.app[ENGINE_KEY]
+    return web.json_response({
+        "model_path": str(engine.model_dir), "tokenizer_path": str(engine.model_dir),
+        "context_length": engine.max_context, "max_running_requests": engine.max_running,
+        "incremental_streaming_output": request.app[INCREMENTAL_KEY], "weight_version": engine.weight_version,
+        "max_req_input_len": engine.max_context - 1, "version": "gyre-embedded"})
+
+
+def make_app(engine: Engine, api_key: str | None = None, max_body_bytes: int = 8 << 20,
+             incremental_streaming_output: bool = False) -> web.Application:
     app = web.Application(middlewares=[_errors, _auth(api_key)], client_max_size=max_body_bytes)
     app[ENGINE_KEY] = engine
     app[LIMIT_KEY] = max_body_bytes
+    app[INCREMENTAL_KEY] = incremental_streaming_output
     app.router.add_post("/generate", generate)
     app.router.add_post("/abort_request", abort_request)
     app.router.add_post("/release_memory_occupation", release_memory)
@@ -270,9 +407,10 @@ def make_app(engine: Engine, api_key: str | None = None, max_body_bytes: int = 8
     app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
     app.router.add_post("/flush_cache", flush_cache)
     # /get_server_info, /server_info and /model_info: what sglang-router asks when a worker joins.
-    for path, handler in (("/health", health), ("/get_weight_version", get_weight_version),
+    for path, handler in (("/health", health), ("/health_generate", health), ("/flush_cache", flush_cache),
+                          ("/get_weight_version", get_weight_version),
                           ("/get_model_info", get_model_info), ("/model_info", get_model_info),
-                          ("/get_server_info", get_model_info), ("/server_info", get_model_info)):
+                          ("/get_server_info", get_server_info), ("/server_info", get_server_info)):
         app.router.add_get(path, handler)
     return app
 
@@ -281,11 +419,11 @@ class EngineServer:
     """The HTTP server for an :class:`Engine`, started inside a running event loop."""
 
     def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
-                 max_body_bytes: int = 8 << 20):
+                 max_body_bytes: int = 8 << 20, incremental_streaming_output: bool = False):
         self.engine, self.host, self.port = engine, host, port
         # handler_cancellation: a client that disconnects aborts its request (like SGLang).
-        self._runner = web.AppRunner(make_app(engine, api_key, max_body_bytes), access_log=None,
-                                     handler_cancellation=True)
+        self._runner = web.AppRunner(make_app(engine, api_key, max_body_bytes, incremental_streaming_output),
+                                     access_log=None, handler_cancellation=True)
         self.url = ""
 
     async def start(self) -> str:
@@ -301,9 +439,10 @@ class EngineServer:
         await self._runner.cleanup()
 
 
-async def serve(engine: Engine, host: str, port: int, api_key: str | None, max_body_bytes: int) -> None:
+async def serve(engine: Engine, host: str, port: int, api_key: str | None, max_body_bytes: int,
+                incremental_streaming_output: bool = False) -> None:
     """Serve until cancelled (SIGINT/SIGTERM); print the ready marker once listening."""
-    server = EngineServer(engine, host, port, api_key, max_body_bytes)
+    server = EngineServer(engine, host, port, api_key, max_body_bytes, incremental_streaming_output)
     url = await server.start()
     ident = await asyncio.to_thread(engine.identity)
     print(f"gyre engine: serving {engine.model_dir} (model_hash {ident.get('model_hash', '?')[:16]}, "

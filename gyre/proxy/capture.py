@@ -14,16 +14,26 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from gyre.proxy.chat import Message, render_body
+import numpy as np
+
+from gyre.proxy.chat import Control, Message, render_body
 from gyre.traj.record import ExecutionRecord
 from gyre.traj.tree import ROOT, CallRecord, Segment, TrajectoryTree
 
 
 class Renderer:
-    """ChatML segments over a `tokenizers.Tokenizer` (the model's own tokenizer.json)."""
+    """ChatML segments over a `tokenizers.Tokenizer` (the model's own tokenizer.json).
+
+    Two encoders: ``encode`` for the template's own text (control tokens honoured) and
+    ``encode_text`` for message text, where special tokens are plain characters, so only the
+    template produces control ids (a tool output cannot forge a turn)."""
 
     def __init__(self, tokenizer):
         self.tok = tokenizer
+        from tokenizers import Tokenizer
+
+        self._plain = Tokenizer.from_str(tokenizer.to_str())
+        self._plain.encode_special_tokens = True
         self.im_end = self._special("<|im_end|>")
         self.eos = self._special("<|endoftext|>")
         self.newline = self.encode("\n")
@@ -38,6 +48,19 @@ class Renderer:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
+    def encode_text(self, text: str) -> list[int]:
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    def encode_parts(self, parts: list) -> list[int]:
+        """Text pieces as plain text, :class:`~gyre.proxy.chat.Control` pieces as their one id."""
+        out: list[int] = []
+        for p in parts:
+            if isinstance(p, Control):
+                out.append(self._special(p.text))
+            elif p:
+                out.extend(self.encode_text(p))
+        return out
+
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)
 
@@ -49,8 +72,64 @@ class Renderer:
 class PreparedCall:
     segments: list[Segment]
     prompt_tokens: list[int]
-    input_ids: list[int]
+    n_input: int  # len(input_ids)
     n_reused: int  # messages whose ids came from the tree or from earlier outputs
+    nodes: list[int | None] = field(default_factory=list)  # the tree node of each reused segment
+
+    @property
+    def input_ids(self) -> list[int]:
+        """The ids the engine gets (built on demand: 32K+ of them are rarely needed as a list)."""
+        return np.concatenate([np.asarray(s.tokens, dtype=np.int64) for s in self.segments]
+                              + [np.asarray(self.prompt_tokens, dtype=np.int64)]).tolist()
+
+
+class WireIds:
+    """Input ids with their JSON text already made: the engine client sends ``json_text``
+    instead of encoding 30K+ integers again (2 ms per call at 32K tokens). Behaves as a
+    read-only sequence; the ids themselves are only built if someone iterates them (a router
+    continuing a broken stream)."""
+
+    def __init__(self, json_text: str, length: int, build):
+        self.json_text, self._len, self._build, self._ids = json_text, length, build, None
+
+    def _list(self) -> list[int]:
+        if self._ids is None:
+            self._ids = self._build()
+        return self._ids
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self):
+        return iter(self._list())
+
+    def __getitem__(self, i):
+        return self._list()[i]
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other)
+
+    def __add__(self, other) -> list[int]:
+        return self._list() + list(other)
+
+
+def wire_ids(session: "ExecutionSession", prepared: PreparedCall, tail: list[int]) -> WireIds:
+    """``prepared.input_ids + tail`` with its JSON digits built from per-node pieces encoded once
+    per execution (a long execution re-sends the same stored ids on every call)."""
+    parts = []
+    for seg, nid in zip(prepared.segments, prepared.nodes):
+        piece = session.wire.get(nid) if nid is not None else None
+        if piece is None:
+            piece = json.dumps(np.asarray(seg.tokens).tolist())[1:-1]
+            if nid is not None:
+                session.wire[nid] = piece
+        if piece:
+            parts.append(piece)
+    tail = list(tail)
+    rest = list(prepared.prompt_tokens) + tail
+    if rest:
+        parts.append(json.dumps(rest)[1:-1])
+    return WireIds(", ".join(parts), prepared.n_input + len(tail), lambda: prepared.input_ids + tail)
 
 
 @dataclass
@@ -61,6 +140,7 @@ class ExecutionSession:
     generated: dict[str, list[int]] = field(default_factory=dict)
     ended: bool = False
     in_flight: int = 0
+    wire: dict[int, str] = field(default_factory=dict)  # node id -> JSON digits of its tokens
 
     @property
     def tree(self) -> TrajectoryTree:
@@ -77,6 +157,7 @@ def prepare_call(r: Renderer, session: ExecutionSession, messages: list[Message]
     tree = session.tree
     salt = tools_salt(tools)
     segments: list[Segment] = []
+    nodes: list[int | None] = []
     parent, matching, is_open, prev_tool, reused = ROOT, True, False, False, 0
     for i, msg in enumerate(messages):
         key = msg.key(salt if i == 0 else "")
@@ -85,6 +166,7 @@ def prepare_call(r: Renderer, session: ExecutionSession, messages: list[Message]
             if nid is not None:
                 node = tree.nodes[nid]
                 segments.append(Segment(key, node.tokens, node.message_role))
+                nodes.append(nid)
                 parent, reused = nid, reused + 1
                 is_open = msg.role == "tool" or (node.is_target and int(node.tokens[-1]) != r.im_end)
                 prev_tool = msg.role == "tool"
@@ -97,24 +179,27 @@ def prepare_call(r: Renderer, session: ExecutionSession, messages: list[Message]
             toks = prefix + r.assistant_head + out_ids
             is_open, reused = (out_ids[-1] != r.im_end) if out_ids else True, reused + 1
         else:
-            toks = prefix + r.encode(render_body(msg, tools, i == 0, prev_tool))
+            toks = prefix + r.encode_parts(render_body(msg, tools, i == 0, prev_tool))
             is_open = msg.role == "tool"
         segments.append(Segment(key, toks, msg.role))
+        nodes.append(None)
         prev_tool = msg.role == "tool"
     prompt = ([r.im_end] if is_open else []) + r.newline + r.assistant_head
-    input_ids = [int(t) for s in segments for t in s.tokens] + prompt
-    return PreparedCall(segments, prompt, input_ids, reused)
+    n_input = sum(len(s.tokens) for s in segments) + len(prompt)
+    return PreparedCall(segments, prompt, n_input, reused, nodes)
 
 
 def record_call(session: ExecutionSession, prepared: PreparedCall, reply: Message, output_ids: list[int],
                 logprobs: list[float], *, agent_role: str, weight_version: str, endpoint: str,
-                finish_reason: str, t_start: float) -> CallRecord:
+                finish_reason: str, t_start: float, replay_ids: list[int] | None = None) -> CallRecord:
+    """Record the call; ``replay_ids`` (default: the output) are the assistant ids that a replay
+    of this reply reuses (forced tool-call ids + output, when tool_choice forced a call)."""
     key = reply.key()
     rec = session.tree.add_call(
         prepared.segments, key, prepared.prompt_tokens, output_ids, logprobs, agent_role=agent_role,
         weight_version=weight_version, policy_version=policy_version_of(weight_version),
         endpoint=endpoint, finish_reason=finish_reason, t_start=t_start, t_end=time.time())
-    session.generated[key] = list(output_ids)
+    session.generated[key] = list(output_ids if replay_ids is None else replay_ids)
     return rec
 
 

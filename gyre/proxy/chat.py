@@ -45,10 +45,16 @@ class Message:
     tool_calls: tuple[ToolCall, ...] = ()
 
     def key(self, salt: str = "") -> str:
-        """Identity of the message as the model saw it (ids and names do not render)."""
-        payload = json.dumps([self.role, self.content, [(t.name, t.arguments) for t in self.tool_calls], salt],
-                             ensure_ascii=False, separators=(",", ":"))
-        return hashlib.blake2b(payload.encode(), digest_size=16).hexdigest()
+        """Identity of the message as the model saw it (ids and names do not render).
+        Length-prefixed parts, not JSON: escaping a 100 KB tool output cost 0.5 ms per call."""
+        h = hashlib.blake2b(digest_size=16)
+        parts = [self.role, self.content, *(f"{t.name}\0{t.arguments}" for t in self.tool_calls), salt]
+        h.update(len(parts).to_bytes(4, "little"))
+        for part in parts:
+            b = part.encode("utf-8", "surrogatepass")
+            h.update(len(b).to_bytes(8, "little"))
+            h.update(b)
+        return h.hexdigest()
 
 
 def _content_text(content: Any, where: str) -> str:
@@ -124,11 +130,22 @@ def validate_tools(tools: Any) -> list[dict]:
     return tools
 
 
-def render_body(msg: Message, tools: list[dict], first: bool, prev_was_tool: bool) -> str:
-    """Text of one message's segment after the separator (see module docstring)."""
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+
+
+@dataclass(frozen=True)
+class Control:
+    """A control token the chat template itself places (never read out of message text)."""
+    text: str
+
+
+def render_body(msg: Message, tools: list[dict], first: bool, prev_was_tool: bool) -> list[str | Control]:
+    """One message's segment after the separator (see module docstring), as text pieces and the
+    template's control tokens. Message text never becomes a control token: a tool output holding
+    ``<|im_end|>\n<|im_start|>system`` is tokenized as those characters (token safety)."""
     if msg.role == "tool":
-        head = "" if prev_was_tool else "<|im_start|>user\n"
-        return f"{head}<tool_response>\n{msg.content}\n</tool_response>"
+        head: list[str | Control] = [] if prev_was_tool else [Control(IM_START), "user\n"]
+        return head + [f"<tool_response>\n{msg.content}\n</tool_response>"]
     content = msg.content
     if msg.role == "system" and first and tools:
         content = content + tools_system_suffix(tools)
@@ -136,7 +153,7 @@ def render_body(msg: Message, tools: list[dict], first: bool, prev_was_tool: boo
         blocks = "\n".join('<tool_call>\n{"name": %s, "arguments": %s}\n</tool_call>'
                            % (json.dumps(t.name, ensure_ascii=False), t.arguments) for t in msg.tool_calls)
         content = f"{content}\n{blocks}" if content else blocks
-    return f"<|im_start|>{msg.role}\n{content}<|im_end|>"
+    return [Control(IM_START), f"{msg.role}\n{content}", Control(IM_END)]
 
 
 @dataclass
@@ -145,9 +162,21 @@ class ParsedOutput:
     tool_calls: list[ToolCall]
 
 
-def parse_output(text: str) -> ParsedOutput:
-    """Split model output into content and tool calls; unreadable calls stay plain content."""
-    text = text.replace("<|im_end|>", "").replace("<|endoftext|>", "")
+TOOL_CALL_OPEN = "<tool_call>"
+
+
+def strip_end_tokens(text: str) -> str:
+    return text.replace("<|im_end|>", "").replace("<|endoftext|>", "")
+
+
+def parse_output(text: str, tools_enabled: bool = True) -> ParsedOutput:
+    """Split model output into content and tool calls; unreadable calls stay plain content.
+
+    With tool calls, the content is the text before the first call, without trailing whitespace
+    (what a streaming client has already been sent), plus any text after the calls."""
+    text = strip_end_tokens(text)
+    if not tools_enabled:
+        return ParsedOutput(text, [])
     blocks = _TOOL_CALL_RE.findall(text)
     calls = []
     for b in blocks:
@@ -160,6 +189,8 @@ def parse_output(text: str) -> ParsedOutput:
         except (ValueError, KeyError, TypeError, MessageError):
             return ParsedOutput(text, [])
     if calls:
-        rest = _TOOL_CALL_RE.sub("", text).strip()
+        before = text[: text.find(TOOL_CALL_OPEN)].rstrip()
+        after = _TOOL_CALL_RE.sub("", text[len(before):]).strip()
+        rest = before + ("\n" + after if before and after else after)
         return ParsedOutput(rest or None, calls)
     return ParsedOutput(text, [])

@@ -40,7 +40,8 @@ async def serve(args: argparse.Namespace) -> None:
     admin_key = args.admin_key or env("GYRE_ADMIN_KEY") or secrets.token_urlsafe(24)
     router = Router(args.engine, api_key=args.engine_api_key or env("GYRE_ENGINE_API_KEY"))
     proxy = Proxy(router, Tokenizer.from_file(str(tok_file)), identity=model_identity(model_dir),
-                  default_max_tokens=cfg.proxy.default_max_tokens, max_tokens_cap=cfg.proxy.max_tokens_cap)
+                  default_max_tokens=cfg.proxy.default_max_tokens, max_tokens_cap=cfg.proxy.max_tokens_cap,
+                  context_length=_context_length(model_dir))
     app = create_app(proxy, admin_key=admin_key, max_body_bytes=cfg.proxy.max_body_bytes)
     runner, port = await start_site(app, args.host or cfg.proxy.host, cfg.proxy.port if args.port is None else args.port)
     if not (args.admin_key or env("GYRE_ADMIN_KEY")):
@@ -51,6 +52,17 @@ async def serve(args: argparse.Namespace) -> None:
     finally:
         await runner.cleanup()
         await router.close()
+
+
+def _context_length(model_dir: Path) -> int | None:
+    """max_position_embeddings from config.json; None (ask the engines) when there is none."""
+    import json
+
+    try:
+        v = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
+    return v if isinstance(v, int) and v > 1 else None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,6 +5,13 @@ Harnesses speak OpenAI chat; the proxy renders with exact token reuse, calls the
 answers in OpenAI's format (JSON or SSE). Each execution has its own API key; the key decides
 which tree a call lands in. Head-side code registers and ends executions through the `Proxy`
 object or the admin routes (guarded by the job's admin key).
+
+What a harness can rely on (errors, parameters, streaming, cancellation, token safety) is
+docs/openai.md. In short: client mistakes are OpenAI-shaped 4xx (a too-long prompt is 400
+``context_length_exceeded``, checked before the engine is called), engine faults 503; streamed
+tokens are passed on as the engine produces them; a call whose client went away, or whose
+generation the engines kept aborting, is never recorded (it never trains) and is counted in
+``/gyre/stats`` under ``abandoned``.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import collections
 import hmac
 import json
 import logging
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -21,9 +29,13 @@ from typing import Any
 
 from aiohttp import web
 
+from gyre.engine.client import EngineError
+from gyre.engine.router import RouterError
 from gyre.proxy.capture import (ExecutionSession, PreparedCall, Renderer, new_api_key,
-                                prepare_call, record_call)
+                                prepare_call, record_call, wire_ids)
 from gyre.proxy.chat import Message, MessageError, parse_messages, parse_output, validate_tools
+from gyre.proxy.params import CallParams, RequestError, forced_prefix, parse_params
+from gyre.proxy.streaming import ContentStream
 from gyre.traj.record import ExecutionRecord
 
 log = logging.getLogger("gyre.proxy")
@@ -41,89 +53,76 @@ def agent_role_of(model: Any, header: str | None) -> str:
     return "main"
 
 
-class RequestError(Exception):
-    def __init__(self, status: int, message: str, code: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.code = status, message, code
+def _error(status: int, message: str, type: str = "invalid_request_error", code: str | None = None,
+           param: str | None = None) -> web.Response:
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    return web.json_response({"error": {"message": message, "type": type, "param": param, "code": code}},
+                             status=status)
 
 
-def _error(status: int, message: str, code: str = "invalid_request_error") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": code, "code": status}}, status=status)
+_CONTEXT_RE = re.compile(r"\((\d+) tokens\) is longer than the model's context length \((\d+) tokens\)")
+
+
+def context_error(tokens: int, limit: int) -> RequestError:
+    """OpenAI's own wording and code, which the openai SDK and litellm map to their
+    context-window exceptions (so a harness can compact and go on)."""
+    return RequestError(400, f"This model's maximum context length is {limit} tokens. However, your messages "
+                             f"resulted in {tokens} tokens. Please reduce the length of the messages.",
+                        code="context_length_exceeded", param="messages")
+
+
+def engine_failure(e: Exception) -> RequestError:
+    """An engine-side failure as the harness should see it: its own request's fault -> 4xx,
+    the backend's -> 5xx (retryable)."""
+    if isinstance(e, EngineError) and e.status is not None and 400 <= e.status < 500 and e.status != 429:
+        m = _CONTEXT_RE.search(e.message)
+        if m:
+            return context_error(int(m.group(1)), int(m.group(2)) - 1)
+        return RequestError(400, f"the model engine refused the request: {e.message}")
+    return RequestError(503, f"model backend unavailable, retry later: {e}", "server_error", "backend_unavailable")
+
+
+class AbortedCall(Exception):
+    """The engine aborted the generation and the router could not finish it elsewhere."""
 
 
 @dataclass
-class SamplingRequest:
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    stop: list[str]
-    stream: bool
-    include_usage: bool
+class Call:
+    """One chat completion between parsing and recording."""
+    sess: ExecutionSession
+    body: dict
+    role: str
+    params: CallParams
+    tools: list[dict]
+    prepared: PreparedCall
+    forced: list[int]  # assistant ids placed before sampling (tool_choice), recorded as prompt
+    engine_params: dict
+    rid: str
+    t0: float
+    engine_s: float = 0.0  # time on the wire to the engine and back (not the proxy's own work)
 
-
-def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
-    v = body.get(name, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
-        raise RequestError(400, f"{name}: expected a number in [{lo}, {hi}], got {v!r}")
-    return float(v)
-
-
-def parse_sampling(body: dict, default_max: int, cap: int) -> SamplingRequest:
-    n = body.get("n", 1)
-    if n not in (1, None):
-        raise RequestError(400, f"n: only n=1 is supported (got {n!r}); send n separate requests instead")
-    mt = body.get("max_completion_tokens", body.get("max_tokens"))
-    if mt is None:
-        mt = default_max
-    if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
-        raise RequestError(400, f"max_tokens: expected a positive integer, got {mt!r}")
-    stop = body.get("stop") or []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 16:
-        raise RequestError(400, "stop: expected a non-empty string or a list of up to 16 non-empty strings")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise RequestError(400, f"stream: expected true or false, got {stream!r}")
-    opts = body.get("stream_options") or {}
-    return SamplingRequest(
-        max_new_tokens=min(mt, cap),
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1.0,
-        stop=stop, stream=stream,
-        include_usage=bool(isinstance(opts, dict) and opts.get("include_usage")))
-
-
-def truncate_at_stop(r: Renderer, ids: list[int], lps: list[float], stop: list[str]) -> tuple[list[int], list[float], bool]:
-    """Cut the output after the first token that completes a stop string (OpenAI `stop`).
-
-    The kept tokens are exactly what was sampled, so training on them stays token-true.
-    """
-    if not stop:
-        return ids, lps, False
-    text = ""
-    for k in range(len(ids)):
-        text += r.decode([ids[k]])
-        if any(s in text for s in stop):
-            return ids[: k + 1], lps[: k + 1], True
-    return ids, lps, False
+    @property
+    def id(self) -> str:
+        return f"chatcmpl-{self.rid}"
 
 
 class Proxy:
     """Sessions, rendering and capture; `create_app` exposes it over HTTP."""
 
     def __init__(self, router, tokenizer, *, model_name: str = "gyre", default_max_tokens: int = 512,
-                 max_tokens_cap: int = 4096, identity: dict | None = None):
+                 max_tokens_cap: int = 4096, identity: dict | None = None, context_length: int | None = None):
         self.router = router
         self.renderer = Renderer(tokenizer)
         self.model_name = model_name
         self.default_max_tokens, self.max_tokens_cap = default_max_tokens, max_tokens_cap
         self.identity = identity or {}
+        # the longest prompt the engine accepts (SGLang's max_req_input_len); asked once if not given
+        self.max_input_tokens: int | None = None if context_length is None else context_length - 1
         self.sessions: dict[str, ExecutionSession] = {}  # api key -> session
         self.by_id: dict[str, ExecutionSession] = {}
         self.calls_total = 0
+        # calls that never reached their client whole: not in any tree (never trained), counted here
+        self.abandoned: collections.Counter[str] = collections.Counter()
         # seconds each call spent in the proxy itself (handler time minus the engine round trip)
         self.overhead_s: collections.deque[float] = collections.deque(maxlen=100_000)
 
@@ -147,57 +146,190 @@ class Proxy:
 
     def session_for(self, auth: str | None) -> ExecutionSession:
         if not auth or not auth.startswith("Bearer "):
-            raise RequestError(401, "missing API key: send 'Authorization: Bearer <execution key>'", "authentication_error")
+            raise RequestError(401, "missing API key: send 'Authorization: Bearer <execution key>'",
+                               "authentication_error", "invalid_api_key")
         key = auth[7:].strip()
         sess = self.sessions.get(key)
         if sess is None:
-            raise RequestError(401, "unknown or revoked API key", "authentication_error")
+            raise RequestError(401, "unknown or revoked API key", "authentication_error", "invalid_api_key")
         return sess
 
     # -- one call -------------------------------------------------------------------------
-    async def complete(self, sess: ExecutionSession, body: dict, role: str) -> tuple[dict, SamplingRequest, float]:
-        """Run one call; returns the OpenAI response, the sampling request and engine seconds."""
+    async def _input_limit(self) -> int | None:
+        if self.max_input_tokens is None:
+            info = getattr(self.router, "server_info", None)
+            if info is not None:
+                try:
+                    data = await info()
+                    limit = data.get("max_req_input_len") or (data.get("context_length") or 0) - 1
+                    self.max_input_tokens = int(limit) if limit and limit > 0 else None
+                except Exception as e:  # the engine's own check (mapped to the same 400) still holds
+                    log.warning("could not read the engines' context length: %s", e)
+        return self.max_input_tokens
+
+    async def prepare(self, sess: ExecutionSession, body: dict, role: str) -> Call:
         messages = parse_messages(body.get("messages"))
         tools = validate_tools(body.get("tools"))
-        sp = parse_sampling(body, self.default_max_tokens, self.max_tokens_cap)
-        prepared: PreparedCall = prepare_call(self.renderer, sess, messages, tools)
-        params = {"max_new_tokens": sp.max_new_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
-                  "stop_token_ids": self.renderer.stop_ids()}
+        p = parse_params(body, tools, self.default_max_tokens, self.max_tokens_cap)
+        prepared = prepare_call(self.renderer, sess, messages, tools)
+        forced = self.renderer.encode(forced_prefix(p)) if forced_prefix(p) else []
+        n_prompt = prepared.n_input + len(forced)
+        limit = await self._input_limit()
+        max_new = p.max_new_tokens
+        if limit is not None:
+            if n_prompt > limit:  # before calling the engine: the harness must compact
+                raise context_error(n_prompt, limit + 1)
+            max_new = min(max_new, limit + 1 - n_prompt)  # as SGLang clamps to the context
+        stop = list(p.stop) + (["<tool_call>"] if p.tool_choice == "none" and tools else [])
+        eparams: dict[str, Any] = {"max_new_tokens": max_new, "temperature": p.temperature, "top_p": p.top_p,
+                                   "stop_token_ids": self.renderer.stop_ids()}
+        if stop:
+            eparams["stop"] = stop
+        if p.seed is not None:
+            eparams["sampling_seed"] = p.seed
         rid = f"{sess.record.execution_id}-{uuid.uuid4().hex[:12]}"
-        t0 = time.time()
-        sess.in_flight += 1
-        t_engine = time.perf_counter()
-        try:
-            res = await self.router.generate(sess.record.execution_id, prepared.input_ids, params, rid=rid)
-        finally:
-            sess.in_flight -= 1
-        engine_s = time.perf_counter() - t_engine
+        return Call(sess, body, role, p, tools, prepared, forced, eparams, rid, time.time())
+
+    def _generate_args(self, c: Call) -> tuple:
+        return (c.sess.record.execution_id, wire_ids(c.sess, c.prepared, c.forced), c.engine_params)
+
+    def finish(self, c: Call, res) -> tuple[dict, Any]:
+        """Record a finished generation and build the OpenAI response (non-streamed shape)."""
+        if res.finish_reason == "abort":
+            self.abandoned["aborted"] += 1
+            raise AbortedCall(res.finish_message or "generation aborted")
+        sess, p = c.sess, c.params
         out_ids, lps = list(res.output_ids), list(res.logprobs)
-        out_ids, lps, hit_stop = truncate_at_stop(self.renderer, out_ids, lps, sp.stop)
-        text = self.renderer.decode(out_ids)
-        if hit_stop:
-            text = text[: min(text.find(s) for s in sp.stop if s in text)]
-        parsed = parse_output(text)
+        text = self.renderer.decode(c.forced + out_ids)
+        matched_stop = res.finish_reason == "stop" and isinstance(res.meta_info.get("finish_reason", {}).get("matched"), str)
+        hits = [text.find(s) for s in c.engine_params.get("stop", ()) if s in text]
+        if hits:
+            text = text[: min(hits)]
+        parsed = parse_output(text, tools_enabled=bool(c.tools) and p.tool_choice != "none")
         reply = Message("assistant", parsed.content or "", tuple(parsed.tool_calls))
         if sess.ended:  # the execution ended while its call ran: answer, but do not record
-            raise RequestError(409, "execution ended while the call was running", "execution_ended")
-        call = record_call(sess, prepared, reply, out_ids, lps, agent_role=role,
+            raise RequestError(409, "execution ended while the call was running", "invalid_request_error",
+                               "execution_ended")
+        prepared = c.prepared
+        if c.forced:  # forced ids are context the model saw, not samples
+            prepared = PreparedCall(prepared.segments, prepared.prompt_tokens + c.forced,
+                                    prepared.n_input + len(c.forced), prepared.n_reused, prepared.nodes)
+        call = record_call(sess, prepared, reply, out_ids, lps, agent_role=c.role,
                            weight_version=str(res.weight_version), endpoint=res.endpoint,
-                           finish_reason=res.finish_reason, t_start=t0)
+                           finish_reason=res.finish_reason, t_start=c.t0, replay_ids=c.forced + out_ids)
         self.calls_total += 1
-        finish = "tool_calls" if parsed.tool_calls else ("length" if res.finish_reason == "length" and not hit_stop else "stop")
+        if parsed.tool_calls:
+            finish = "tool_calls"
+        elif res.finish_reason == "length" and not matched_stop and not hits:
+            finish = "length"
+        else:
+            finish = "stop"
         msg: dict[str, Any] = {"role": "assistant", "content": parsed.content}
         if parsed.tool_calls:
             msg["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:16]}", "type": "function",
                                   "function": {"name": t.name, "arguments": t.arguments}} for t in parsed.tool_calls]
-        return {
-            "id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(t0),
-            "model": body.get("model") or self.model_name,
-            "choices": [{"index": 0, "message": msg, "finish_reason": finish, "logprobs": None}],
-            "usage": {"prompt_tokens": len(prepared.input_ids), "completion_tokens": len(out_ids),
-                      "total_tokens": len(prepared.input_ids) + len(out_ids)},
+        n_in = prepared.n_input
+        resp = {
+            "id": c.id, "object": "chat.completion", "created": int(c.t0),
+            "model": c.body.get("model") or self.model_name,
+            "choices": [{"index": 0, "message": msg, "finish_reason": finish,
+                         "logprobs": self._logprobs(out_ids, res) if p.logprobs else None}],
+            "usage": {"prompt_tokens": n_in, "completion_tokens": len(out_ids), "total_tokens": n_in + len(out_ids)},
             "gyre": {"call_index": call.index, "weight_version": call.weight_version, "reused_messages": prepared.n_reused},
-        }, sp, engine_s
+        }
+        return resp, parsed
+
+    def _logprobs(self, out_ids: list[int], res) -> dict:
+        """OpenAI's ``logprobs.content``: every sampled token but a final end token, with the
+        log-prob of the distribution it was drawn from (the one training uses)."""
+        stop = set(self.renderer.stop_ids())
+        n = len(out_ids) - (1 if out_ids and out_ids[-1] in stop else 0)
+
+        def entry(tid: int, lp: float) -> dict:
+            tok = self.renderer.decode([tid])
+            return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8", "surrogatepass"))}
+
+        content = []
+        for k in range(n):
+            e = entry(out_ids[k], res.logprobs[k])
+            tops = res.top_logprobs[k] if k < len(res.top_logprobs) else []
+            e["top_logprobs"] = [entry(t, lp) for lp, t in tops]
+            content.append(e)
+        return {"content": content, "refusal": None}
+
+    async def complete(self, c: Call) -> dict:
+        """Run one call to the end (non-streamed); returns the OpenAI response."""
+        try:
+            res = await self.router.generate(*self._generate_args(c), rid=c.rid,
+                                             top_logprobs_num=c.params.top_logprobs)
+        except asyncio.CancelledError:  # the client went away: the router aborted the engine request
+            self.abandoned["client_disconnected"] += 1
+            raise
+        except (EngineError, RouterError) as e:
+            raise engine_failure(e) from None
+        c.engine_s = res.wire_s
+        return self.finish(c, res)[0]
+
+    async def stream(self, c: Call, out: web.StreamResponse) -> None:
+        """Stream one call: content deltas as tokens come, tool calls and usage at the end."""
+        p = c.params
+        base = {"id": c.id, "object": "chat.completion.chunk", "created": int(c.t0),
+                "model": c.body.get("model") or self.model_name}
+        tools_on = bool(c.tools) and p.tool_choice != "none"
+        content = ContentStream(c.engine_params.get("stop", []), tools_on)
+        if c.forced:
+            content.closed = True  # the whole output is a tool call
+
+        async def send(delta: dict, finish: str | None = None, **extra) -> None:
+            chunk = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, **extra}]}
+            await out.write(b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n")
+
+        await send({"role": "assistant", "content": ""})
+        final = None
+        gen = self.router.generate_stream(*self._generate_args(c), rid=c.rid, top_logprobs_num=p.top_logprobs)
+        try:
+            async for snap in gen:  # the router ends after the final snapshot
+                if snap.finish_reason is not None:
+                    final = snap
+                    continue
+                delta = content.delta(self.renderer.decode(c.forced + snap.output_ids))
+                if delta:
+                    await send({"content": delta})
+        except (asyncio.CancelledError, ConnectionError):
+            self.abandoned["client_disconnected"] += 1
+            raise
+        except (EngineError, RouterError) as e:
+            err = engine_failure(e)
+            await self._stream_error(out, err)
+            return
+        finally:
+            await gen.aclose()
+        if final is None:
+            await self._stream_error(out, RequestError(503, "model backend ended the stream early", "server_error"))
+            return
+        try:
+            resp, parsed = self.finish(c, final)
+        except AbortedCall as e:
+            await self._stream_error(out, RequestError(503, f"generation aborted, retry: {e}", "server_error",
+                                                       "generation_aborted"))
+            return
+        choice = resp["choices"][0]
+        rest = content.rest(parsed.content)
+        if rest:
+            await send({"content": rest})
+        for i, tc in enumerate(choice["message"].get("tool_calls") or []):
+            await send({"tool_calls": [{"index": i, **tc}]})
+        await send({}, choice["finish_reason"], logprobs=choice["logprobs"])
+        if p.include_usage:
+            await out.write(b"data: " + json.dumps({**base, "choices": [], "usage": resp["usage"]}).encode() + b"\n\n")
+        await out.write(b"data: [DONE]\n\n")
+
+    @staticmethod
+    async def _stream_error(out: web.StreamResponse, e: RequestError) -> None:
+        """After the headers went out, an error can only travel as an event (the openai SDK
+        raises it as an APIError)."""
+        body = {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
+        await out.write(b"data: " + json.dumps(body).encode() + b"\n\n")
 
     def overhead_percentiles(self) -> dict:
         if not self.overhead_s:
@@ -207,22 +339,7 @@ class Proxy:
         return {"calls": len(ms), "p50_ms": pick(0.5), "p99_ms": pick(0.99), "mean_ms": sum(ms) / len(ms)}
 
 
-def _sse_chunks(resp: dict, include_usage: bool) -> list[dict]:
-    """One OpenAI completion as the chunk sequence a streaming client expects."""
-    base = {"id": resp["id"], "object": "chat.completion.chunk", "created": resp["created"], "model": resp["model"]}
-    choice = resp["choices"][0]
-    msg = choice["message"]
-    chunks = [{**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}]
-    if msg.get("content"):
-        chunks.append({**base, "choices": [{"index": 0, "delta": {"content": msg["content"]}, "finish_reason": None}]})
-    for i, tc in enumerate(msg.get("tool_calls") or []):
-        delta = {"tool_calls": [{"index": i, "id": tc["id"], "type": "function",
-                                 "function": {"name": tc["function"]["name"], "arguments": tc["function"]["arguments"]}}]}
-        chunks.append({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
-    chunks.append({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}]})
-    if include_usage:
-        chunks.append({**base, "choices": [], "usage": resp["usage"]})
-    return chunks
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}")
 
 
 async def _read_json(request: web.Request) -> dict:
@@ -239,8 +356,16 @@ async def _read_json(request: web.Request) -> dict:
         body = json.loads(text)
     except json.JSONDecodeError as e:
         raise RequestError(400, f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}")
+    except RecursionError:
+        raise RequestError(400, "request body is nested too deeply")
     if not isinstance(body, dict):
         raise RequestError(400, f"request body must be a JSON object, got {type(body).__name__}")
+    if "\\u" in text and _SURROGATE_ESCAPE.search(text):  # cheap test first: bodies reach MBs
+        try:  # a pair is joined by json.loads; a lone half cannot be encoded
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestError(400, "request body contains a lone UTF-16 surrogate escape (\\ud800-\\udfff "
+                                    "without its pair); send valid Unicode text")
     return body
 
 
@@ -250,19 +375,24 @@ def create_app(proxy: Proxy, *, admin_key: str, max_body_bytes: int = 8 << 20) -
         try:
             return await handler(request)
         except RequestError as e:
-            return _error(e.status, e.message, e.code)
+            return _error(e.status, e.message, e.type, e.code, e.param)
         except MessageError as e:
-            return _error(400, str(e))
+            return _error(400, str(e), param="messages")
+        except AbortedCall as e:
+            return _error(503, f"generation aborted by the engine, retry: {e}", "server_error", "generation_aborted")
         except web.HTTPException as e:
             if e.status == 413:
                 return _error(413, f"request body larger than the limit of {max_body_bytes} bytes")
             if e.status in (404, 405):
                 return _error(e.status, f"no route {request.method} {request.path}; "
-                                        "this proxy serves POST /v1/chat/completions and GET /v1/models", "not_found")
+                                        "this proxy serves POST /v1/chat/completions and GET /v1/models",
+                              code="not_found")
             raise
-        except Exception as e:  # an engine failure must reach the harness as a clean 5xx
+        except (asyncio.CancelledError, ConnectionError):
+            raise
+        except Exception as e:  # a bug must cost one request, not the proxy
             log.exception("call failed")
-            return _error(503, f"model backend unavailable: {type(e).__name__}: {e}", "backend_error")
+            return _error(500, f"internal error in the proxy: {type(e).__name__}: {e}", "server_error")
 
     app = web.Application(client_max_size=max_body_bytes, middlewares=[errors])
 
@@ -270,16 +400,15 @@ def create_app(proxy: Proxy, *, admin_key: str, max_body_bytes: int = 8 << 20) -
         t0 = time.perf_counter()
         sess = proxy.session_for(request.headers.get("Authorization"))
         body = await _read_json(request)
-        resp, sp, engine_s = await proxy.complete(sess, body, agent_role_of(body.get("model"), request.headers.get(ROLE_HEADER)))
-        if not sp.stream:
+        call = await proxy.prepare(sess, body, agent_role_of(body.get("model"), request.headers.get(ROLE_HEADER)))
+        if not call.params.stream:
+            resp = await proxy.complete(call)
             out = web.json_response(resp)
-            proxy.overhead_s.append(time.perf_counter() - t0 - engine_s)
+            proxy.overhead_s.append(time.perf_counter() - t0 - call.engine_s)
             return out
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await out.prepare(request)
-        for chunk in _sse_chunks(resp, sp.include_usage):
-            await out.write(f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode())
-        await out.write(b"data: [DONE]\n\n")
+        await proxy.stream(call, out)
         await out.write_eof()
         return out
 
@@ -318,8 +447,11 @@ def create_app(proxy: Proxy, *, admin_key: str, max_body_bytes: int = 8 << 20) -
 
     async def stats_all(request: web.Request) -> web.Response:
         require_admin(request)
-        return web.json_response({"executions": len(proxy.by_id), "calls": proxy.calls_total,
-                                  "overhead": proxy.overhead_percentiles()})
+        out = {"executions": len(proxy.by_id), "calls": proxy.calls_total,
+               "abandoned": dict(proxy.abandoned), "overhead": proxy.overhead_percentiles()}
+        if request.query.get("reset") == "1":  # start a new measurement window (benchmarks)
+            proxy.overhead_s.clear()
+        return web.json_response(out)
 
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/v1/models", models)
@@ -332,7 +464,9 @@ def create_app(proxy: Proxy, *, admin_key: str, max_body_bytes: int = 8 << 20) -
 
 async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
     """Start serving `app`; returns the runner and the bound port (port 0 = any free port)."""
-    runner = web.AppRunner(app, access_log=None)
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts the
+    # engine request (aiohttp's default since 3.9 lets the handler run on unseen).
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

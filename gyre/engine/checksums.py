@@ -1,0 +1,84 @@
+"""Checksums of exported weights, and the checks an engine runs before serving new weights.
+
+Manifest: ``weights.sha256.json`` next to the ``*.safetensors`` files::
+
+    {"format": "gyre-weights-sha256/1", "files": {"model.safetensors": "<sha256 hex>", ...}}
+
+:func:`write_checksums` is what an exporter calls after writing the files (atomically, last, so
+a manifest never describes files still being written); :func:`verify_checksums` is what the engine
+calls before loading. A directory without a manifest (a plain Hugging Face checkpoint) passes the
+checksum step; every load still refuses non-finite tensors (:func:`check_finite`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from gyre.fsio import atomic_write_json
+
+MANIFEST = "weights.sha256.json"
+FORMAT = "gyre-weights-sha256/1"
+_CHUNK = 8 << 20
+
+
+class WeightCheckError(ValueError):
+    """The weights on disk are not the ones that were exported, or are not usable."""
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_checksums(model_dir: str | Path) -> Path:
+    """Write the manifest for every ``*.safetensors`` file of ``model_dir``; returns its path."""
+    d = Path(model_dir)
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise WeightCheckError(f"{d}: no *.safetensors file to checksum")
+    manifest = {"format": FORMAT, "files": {f.name: sha256_file(f) for f in files}}
+    atomic_write_json(d / MANIFEST, manifest)
+    return d / MANIFEST
+
+
+def verify_checksums(model_dir: str | Path) -> bool:
+    """Check the files against the manifest; False when there is no manifest, raise on mismatch."""
+    d = Path(model_dir)
+    path = d / MANIFEST
+    if not path.exists():
+        return False
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        files = manifest["files"]
+        if manifest.get("format") != FORMAT or not isinstance(files, dict):
+            raise ValueError(f"format is {manifest.get('format')!r}, expected {FORMAT!r}")
+    except (ValueError, KeyError, TypeError) as e:
+        raise WeightCheckError(f"{path}: unreadable checksum manifest ({e})") from None
+    on_disk = {f.name for f in d.glob("*.safetensors")}
+    unlisted = sorted(on_disk - set(files))
+    if unlisted:
+        raise WeightCheckError(f"{d}: {unlisted} not in {MANIFEST} (files added after the export?)")
+    for name, want in sorted(files.items()):
+        f = d / name
+        if not f.is_file():
+            raise WeightCheckError(f"{d}: {name} is listed in {MANIFEST} but missing")
+        got = sha256_file(f)
+        if got != want:
+            raise WeightCheckError(f"{f}: sha256 {got[:16]}... does not match the exported {want[:16]}... "
+                                   "(the file was changed or corrupted after export)")
+    return True
+
+
+def check_finite(tensors: dict) -> None:
+    """Refuse NaN/Inf anywhere: such weights answer with garbage or nothing at all."""
+    import torch
+
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise WeightCheckError(f"tensor {name} has {bad} non-finite value(s) (NaN or Inf)")
