@@ -10,7 +10,7 @@ def test_command_has_what_a_cell_needs():
     assert cmd[:3] == ["python", "-m", "sglang.launch_server"]
     for flag in ("--skip-tokenizer-init", "--enable-memory-saver"):
         assert flag in cmd
-    assert cmd[cmd.index("--tp") + 1] == "8" and cmd[cmd.index("--port") + 1] == "31000"
+    assert cmd[cmd.index("--tp-size") + 1] == "8" and "--tp" not in cmd and cmd[cmd.index("--port") + 1] == "31000"
     assert cmd[cmd.index("--api-key") + 1] == "k" and "--nnodes" not in cmd
 
 
