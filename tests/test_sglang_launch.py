@@ -1,6 +1,5 @@
 """SGLang's command lines (one server per node of a cell), checked against SGLang 0.5.23's flag list."""
 
-import shlex
 import subprocess
 
 import pytest
@@ -47,11 +46,11 @@ def test_srun_step_gives_each_node_its_rank_by_slurm_node_name():
     assert "--nodes=2" in cmd and "--ntasks-per-node=1" in cmd and "--nodelist=node03,node01" in cmd
     script = cmd[-1]
     assert cmd[-3:-1] == ["bash", "-c"]
-    # Run the per-node script with `exec` replaced by `echo`, as each Slurm task would.
+    # Run the per-node script with `exec` replaced by printing its argv, as each Slurm task would.
     for node, rank in (("node03", "0"), ("node01", "1")):
-        out = subprocess.run(["bash", "-c", script.replace("exec ", "echo ")], env={"SLURMD_NODENAME": node},
+        out = subprocess.run(["bash", "-c", script.replace("exec ", "printf '%s\\n' ")], env={"SLURMD_NODENAME": node},
                              capture_output=True, text=True, check=True).stdout
-        argv = shlex.split(out)
+        argv = out.splitlines()
         assert argv[argv.index("--node-rank") + 1] == rank and argv[argv.index("--model-path") + 1] == "/m dir"
     bad = subprocess.run(["bash", "-c", script], env={"SLURMD_NODENAME": "node09"}, capture_output=True, text=True)
     assert bad.returncode == 2 and "node09 is not one of" in bad.stderr
