@@ -225,20 +225,16 @@ class EngineHandle:
             self._stopped = True
             return code
         deadline = time.monotonic() + timeout
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(max(0.1, min(2.0, deadline - time.monotonic())))
-                except subprocess.TimeoutExpired:
-                    pass
-        for p in self.procs:
+        first, rest = self.procs[0], self.procs[1:]
+        if first.poll() is None:
+            first.send_signal(signal.SIGTERM)
+        _wait_or_kill(first, deadline)
+        for p in rest:  # the other node ranks end with rank 0; a short grace before SIGTERM
             try:
-                p.wait(max(0.0, deadline - time.monotonic()))
+                p.wait(max(0.0, min(2.0, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:
-                with _suppress_gone():
-                    os.killpg(p.pid, signal.SIGKILL)  # its own session: children go too
-                p.wait()
+                p.send_signal(signal.SIGTERM)
+            _wait_or_kill(p, deadline)
         self._stopped = True
         return self.procs[0].returncode
 
@@ -247,6 +243,15 @@ class EngineHandle:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _wait_or_kill(p: subprocess.Popen, deadline: float) -> None:
+    try:
+        p.wait(max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        with _suppress_gone():
+            os.killpg(p.pid, signal.SIGKILL)  # its own session: its children go too
+        p.wait()
 
 
 class _suppress_gone:
