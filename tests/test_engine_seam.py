@@ -3,10 +3,13 @@ same command line), and every admin call goes through SGLang's documented routes
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import shutil
 import threading
 import urllib.request
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
@@ -140,3 +143,54 @@ def test_two_node_ranks_serve_together_and_fail_together(tiny):
     with start_cell_engine(cfg, tiny, api_key=KEY, nodes=["node-a", "node-b"]) as h2:
         pass
     assert all(p.poll() is not None for p in h2.procs) and h2.procs[1].returncode == 0
+
+
+def _child_commands(parent: int | None = None) -> list[str]:
+    """Command lines of a process's children (from /proc: what really runs)."""
+    parent = os.getpid() if parent is None else parent
+    return [Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            for pid in filter(str.isdigit, os.listdir("/proc")) if _ppid(pid) == parent]
+
+
+def test_gyre_rollout_serves_through_sglang_when_the_backend_says_so(tmp_path):
+    from gyre.rollout import Rollout
+
+    agent = '["{python}", "-m", "gyre.harness.reference_agent", "--max-tokens", "16", "--max-turns", "2"]'
+    cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", "engine.endpoints=1", "harness.group_size=1",
+                             'harness.tasks=["fizzbuzz"]', f"harness.command={agent}", "harness.timeout_s=120",
+                             "eval.timeout_s=60", *STANDIN])
+    ro = Rollout(cfg, progress=False)
+    seen: list[str] = []
+
+    before = set(_child_commands())  # e.g. the module's own stand-in
+
+    async def main():
+        task = asyncio.create_task(ro.run())
+        await ro.started.wait()
+        seen.extend(c for c in _child_commands() if c not in before)
+        return await task
+
+    summary = asyncio.run(main())
+    assert summary.executions == {"done": 1} and summary.calls > 0
+    engines = [c for c in seen if "-m gyre.engine." in c]
+    assert len(engines) == 1 and "-m gyre.engine.sglang_standin --model-path" in engines[0], seen
+    assert "--skip-tokenizer-init --enable-memory-saver" in engines[0]
+
+
+def test_gyre_engine_starts_sglang_through_the_seam(tiny):
+    from gyre.engine.launch import start_engine  # runs `python -m gyre.engine.cli`, waits for its ready line
+
+    sets = [a for o in STANDIN for a in ("--set", o)]
+    with start_engine(tiny, api_key=KEY, extra_args=[*sets, "--weight-version", "9"]) as cli:
+        cmds = _child_commands(cli.proc.pid)
+        assert len(cmds) == 1 and "-m gyre.engine.sglang_standin" in cmds[0] and "--weight-version 9" in cmds[0]
+        assert SGLangAdmin(cli.url, KEY).weight_version() == "9"
+        cli.stop(timeout=60)  # SIGTERM; generous: on a loaded 2-core machine two processes shut down
+    assert cli.proc.returncode == 0  # SIGTERM: the engine was stopped through its handle
+
+
+def _ppid(pid) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1

@@ -45,6 +45,14 @@ def run(args: argparse.Namespace) -> int:
 
         model = ensure_tiny_model(default_tiny_dir(cfg))
 
+    host = args.host if args.host is not None else cfg.engine.host
+    port = args.port if args.port is not None else cfg.engine.port
+    if cfg.engine.backend != "embedded":  # SGLang (or its stand-in), started through the one seam
+        from gyre.engine.launch import serve_cell_engine
+
+        cfg.engine.host = host
+        return serve_cell_engine(cfg, model, api_key=api_key, port=port, weight_version=args.weight_version)
+
     import torch
 
     from gyre.engine.runtime import Engine
@@ -60,8 +68,6 @@ def run(args: argparse.Namespace) -> int:
     except (ModelFormatError, OSError) as e:
         print(f"gyre engine: cannot serve {model}: {e}", file=sys.stderr)
         return 2
-    host = args.host if args.host is not None else cfg.engine.host
-    port = args.port if args.port is not None else cfg.engine.port
 
     async def main() -> None:
         task = asyncio.current_task()

@@ -301,8 +301,10 @@ def start_cell_engine(cfg, model_dir: str | os.PathLike, *, api_key: str | None,
     nodes = list(nodes) or ["localhost"]
     wildcard = e.host in ("0.0.0.0", "::", "")
     if e.backend == "embedded":
+        settings = [a for k in ("max_running_requests", "max_new_tokens_cap", "max_body_bytes")
+                    for a in ("--set", f"engine.{k}={getattr(e, k)}")]  # the caller's config, not defaults
         proc = start_engine(model_dir, port=port, api_key=api_key, host=e.host,
-                            extra_args=["--weight-version", str(weight_version), *extra_args],
+                            extra_args=["--weight-version", str(weight_version), *settings, *extra_args],
                             timeout_s=e.startup_timeout_s)
         url = proc.url.replace("127.0.0.1", socket.getfqdn()) if wildcard else proc.url
         handle = EngineHandle([proc.proc], url, "embedded", nodes[:1], api_key, output=proc.output,
@@ -343,3 +345,29 @@ def start_cell_engine(cfg, model_dir: str | os.PathLike, *, api_key: str | None,
             handle.stop(timeout=5)
             raise
     return handle
+
+
+def serve_cell_engine(cfg, model_dir: str | os.PathLike, *, api_key: str | None, port: int,
+                      weight_version: str = "0") -> int:
+    """``gyre engine`` for a backend other than the in-process embedded one: start it through the
+    seam, print the ready marker, and run until SIGINT/SIGTERM or until the engine exits."""
+    from gyre.engine.server import READY_MARKER
+
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            handle = start_cell_engine(cfg, model_dir, api_key=api_key, port=port, weight_version=weight_version)
+        except EngineStartError as e:
+            print(f"gyre engine: {e}", file=sys.stderr)
+            return 1
+        with handle:
+            print(f"{READY_MARKER} {handle.url}", flush=True)
+            while not stop.wait(0.5):
+                if not handle.alive():
+                    print(f"gyre engine: the {handle.backend} engine exited\n{handle.tail()}", file=sys.stderr)
+                    return 1
+        return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
