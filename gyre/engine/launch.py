@@ -323,6 +323,9 @@ def start_cell_engine(cfg, model_dir: str | os.PathLike, *, api_key: str | None,
         port = free_port()
     if not port:
         raise ConfigError("engine.port: a cell engine launched through srun needs a real port (not 0)")
+    if not local and e.host in ("127.0.0.1", "localhost", "::1"):
+        raise ConfigError(f"engine.host {e.host}: an engine launched on the cell's nodes must be reachable from "
+                          "the head; set engine.host = \"0.0.0.0\" (the URL then names the cell's node 0)")
     dist_host = "127.0.0.1" if local else nodes[0]
     if n > 1 and not dist_init_port:
         dist_init_port = free_port() if local else port + 100
