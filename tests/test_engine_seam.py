@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import threading
+import urllib.error
 import urllib.request
 from pathlib import Path
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import os
 import signal
 import socket
@@ -249,17 +250,9 @@ def _wait_or_kill(p: subprocess.Popen, deadline: float) -> None:
     try:
         p.wait(max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
-        with _suppress_gone():
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)  # its own session: its children go too
         p.wait()
-
-
-class _suppress_gone:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, typ, *_):
-        return typ is not None and issubclass(typ, ProcessLookupError)
 
 
 def _collect(proc: subprocess.Popen, sink: collections.deque, prefix: str) -> None:
