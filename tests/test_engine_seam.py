@@ -221,3 +221,9 @@ def test_release_when_idle_aborts_what_runs_then_releases(standin):
     assert result["meta_info"]["finish_reason"]["type"] == "abort"
     admin.resume_memory_occupation()
     assert _generate(standin.url)["output_ids"]
+
+
+def test_a_missing_launcher_says_how_to_fix_it(tiny):
+    cfg = load_config(None, STANDIN + ["engine.sglang_launcher=gyre_missing_pkg.launch_server"])
+    with pytest.raises(EngineStartError, match="install SGLang on the GPU nodes, or set it to gyre.engine.sglang_standin"):
+        start_cell_engine(cfg, tiny, api_key=KEY)

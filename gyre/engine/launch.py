@@ -337,6 +337,13 @@ def start_cell_engine(cfg, model_dir: str | os.PathLike, *, api_key: str | None,
     if wait:
         try:
             handle.wait_healthy(e.startup_timeout_s)
+        except EngineStartError as err:
+            handle.stop(timeout=5)
+            if f"No module named '{e.sglang_launcher.split('.')[0]}'" in str(err):
+                raise EngineStartError(f"{err}\n(engine.sglang_launcher = {e.sglang_launcher!r} is not installed for "
+                                       f"{sys.executable}: install SGLang on the GPU nodes, or set it to "
+                                       "gyre.engine.sglang_standin to test without GPUs)") from None
+            raise
         except BaseException:
             handle.stop(timeout=5)
             raise
