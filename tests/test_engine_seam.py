@@ -142,10 +142,11 @@ def test_two_node_ranks_serve_together_and_fail_together(tiny):
         SGLangAdmin(h.url, KEY).resume_memory_occupation()
         h.procs[1].kill()                        # a node of the cell dies: the engine is dead
         assert h.procs[0].wait(30) == 1 and not h.alive()
-    # stop() ends every rank: rank 1 exits when rank 0 goes
+    # the other way round: rank 1 exits by itself (code 0) when rank 0 goes; stop() ends every rank
     with start_cell_engine(cfg, tiny, api_key=KEY, nodes=["node-a", "node-b"]) as h2:
-        pass
-    assert all(p.poll() is not None for p in h2.procs) and h2.procs[1].returncode == 0
+        h2.procs[0].terminate()
+        assert h2.procs[1].wait(120) == 0 and h2.procs[0].wait(120) == 0
+    assert all(p.poll() is not None for p in h2.procs) and not h2.alive()
 
 
 def _child_commands(parent: int | None = None) -> list[str]:

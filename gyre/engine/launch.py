@@ -232,7 +232,7 @@ class EngineHandle:
         _wait_or_kill(first, deadline)
         for p in rest:  # the other node ranks end with rank 0; a short grace before SIGTERM
             try:
-                p.wait(max(0.0, min(2.0, deadline - time.monotonic())))
+                p.wait(max(0.0, min(5.0, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:
                 p.send_signal(signal.SIGTERM)
             _wait_or_kill(p, deadline)
