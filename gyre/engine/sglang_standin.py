@@ -97,12 +97,8 @@ class _Parser(argparse.ArgumentParser):
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = _Parser(prog=PROG, allow_abbrev=False,
                 description=f"SGLang {SGLANG_VERSION} launch_server command line, served by Gyre's embedded engine")
-    seen: set[str] = set()
-    for flag, (dest, typ) in HONOURED.items():
+    for dest, typ in dict(HONOURED.values()).items():  # one argument per dest, with SGLang's aliases
         aliases = [f for f, (d, _) in HONOURED.items() if d == dest]
-        if dest in seen:
-            continue
-        seen.add(dest)
         if typ is None:
             p.add_argument(*aliases, dest=dest, action="store_true")
         else:
