@@ -20,7 +20,8 @@ from gyre.engine.tiny_model import ensure_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "mpi_scripts" / "cell_head.py"
-BOUND_S = 360  # 2 cells x (engine + 2 trainer ranks) on a shared 2-core machine
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+BOUND_S = 300
 
 
 def _mpiexec() -> str | None:
@@ -68,7 +69,7 @@ def test_hello_carries_working_engine_urls(run):
     for cell, info in d["hello"].items():
         assert info["cell"] == int(cell) and info["engine_url"].startswith("http://")
         assert info["engine_pid"] > 0 and info["trainer_pid"] > 0 and info["version"] == 0
-        assert info["trainer_ranks"] == 2 and len(info["trainer_hosts"]) == 2  # train.local_ranks=2
+        assert info["trainer_ranks"] == 1 == len(info["trainer_hosts"])  # train.local_ranks (N x M: test_cell_agent_parts)
     assert d["checks"]["hello_generate"] == [200, 200]
     assert d["checks"]["health_without_key"] == 401  # the job's key guards the endpoint
 
@@ -95,7 +96,7 @@ def test_reduce_over_both_cells_equals_one_trainer_on_both_micro_batches(run):
         assert r["info"]["version"] == 1
         norms.append(r["info"]["grad_norm"])
     assert norms[0] == norms[1] == pytest.approx(d["ref_grad_norm_1"], rel=1e-6)
-    # 2 cells x 2 ranks: the first reduce over {0, 1} formed its group; after cell 1's trainer
+    # the first reduce over {0, 1} formed its group; after cell 1's trainer
     # was restarted (a new incarnation) the same membership formed a new one
     assert all(not r["info"]["group_cached"] and r["info"]["group_form_ms"] > 0 for r in d["reduce_step0"])
     assert all(not r["info"]["group_cached"] for r in d["reduce_step2"])

@@ -128,3 +128,45 @@ def test_rows_split_over_ranks_sum_to_the_whole_micro_batch():
     merged = merge_stats(parts)
     assert merged["targets"] == ref["targets"] and merged["loss"] == pytest.approx(ref["loss"], rel=1e-6)
     assert torch.allclose(one.flat_grads(), two.flat_grads(), atol=1e-7)
+
+
+def test_two_cells_of_two_ranks_reduce_to_one_process(tmp_path):
+    """N cells x M ranks (2 x 2, gloo) over a cross-cell group give the update of one process
+    doing every micro-batch; the group is formed once per membership and then cached."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gyre.engine.tiny_model import ensure_tiny_model
+    from gyre.train.export import load_hf_dir
+    from gyre.train.groups import serve_store
+    from gyre.train.trainer import EmbeddedTrainer
+    from gyre.train.worker import TrainerProcess
+
+    model = ensure_tiny_model(tmp_path / "tiny")
+    cfg = TrainConfig(dtype="float32", lr=1e-2, adam_eps=1.0)
+    store = serve_store()
+    cells = [TrainerProcess(cfg, model, cell=c, ranks=2, store=("127.0.0.1", store.port), timeout_s=600)
+             for c in (0, 1)]
+    data = [_batch(), _batch([1, 0])]
+    try:
+        for t in cells:
+            t.wait_ready()
+        ref = EmbeddedTrainer(cfg, model)
+        with ThreadPoolExecutor(2) as pool:
+            for step in range(2):
+                for t, mb in zip(cells, data):
+                    t.forward_backward(to_wire(mb), step)
+                    t.stash(step)
+                    ref.forward_backward(mb)
+                red = list(pool.map(lambda t: t.reduce(step, [0, 1], 1), cells))
+                assert red[0]["cached"] == red[1]["cached"] == (step == 1)
+                if step == 0:
+                    assert all(r["form_ms"] > 0 for r in red)
+                out = [t.apply(step) for t in cells]
+                want = ref.optimizer_step()
+                assert out[0]["grad_norm"] == out[1]["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+        cells[0].export_weights(tmp_path / "w", 2)
+        got, exp = load_hf_dir(tmp_path / "w")[1], ref.hf_state_dict()
+        assert max(float((got[k] - exp[k]).abs().max()) for k in exp) <= 1e-6
+    finally:
+        for t in cells:
+            t.close()

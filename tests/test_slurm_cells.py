@@ -19,7 +19,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_slurm import REPO, _tail, cluster, sbatch, wait_gone  # noqa: E402,F401  (cluster: fixture)
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 NODES = [["node01", "node02"], ["node03", "node04"]]
 
 
@@ -49,7 +49,7 @@ srun --mpi=pmi2 --kill-on-bad-exit=1 --het-group=0 -N1 -n1 {py} {args} : \\
      --het-group=1 -N2 -n2 --ntasks-per-node=1 -w {NODES[0][0]},{NODES[1][0]} {py} {args}
 """)
     job = sbatch(cluster, ["-o", out, script])
-    wait_gone(cluster, job, 480, out)
+    wait_gone(cluster, job, 900, out)
     assert out_json.exists(), _tail(out)
     d = json.loads(out_json.read_text())
     assert "error" not in d, d["error"] + _tail(out)

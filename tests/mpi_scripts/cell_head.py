@@ -21,7 +21,7 @@ import urllib.request
 from pathlib import Path
 
 SWITCHES = 6
-TRAIN_OVERRIDES = ["train.dtype=float32", "train.lr=1e-3", "train.adam_eps=1.0", "train.local_ranks=2"]
+TRAIN_OVERRIDES = ["train.dtype=float32", "train.lr=1e-3", "train.adam_eps=1.0"]  # Slurm: a rank per node
 # rows of the toy step: (sequence, prompt length, advantage); one execution per row
 ROWS = [([1, 2, 3, 40, 41, 42, 43], 3, 1.0), ([1, 2, 3, 50, 51], 3, -1.0),
         ([9, 8, 60, 61, 62, 63, 64, 65], 2, 0.5), ([9, 8, 70], 2, -0.5)]
@@ -141,7 +141,7 @@ def scenario(h: Head, run: Path, model: Path, out: dict) -> None:
 
     torch.set_num_threads(1)
     c = out["checks"]
-    hello = {e.cell: e.info for e in (h.event("hello", cell, 180) for cell in range(h.cells))}
+    hello = {e.cell: e.info for e in (h.event("hello", cell, 400) for cell in range(h.cells))}
     urls = {cell: info["engine_url"] for cell, info in hello.items()}
     out["hello"] = hello
     c["hello_generate"] = [h.generate(urls[i]) for i in range(2)]
