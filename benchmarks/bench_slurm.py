@@ -207,12 +207,20 @@ def main() -> dict:
 
 
 if __name__ == "__main__":
+    import argparse
     import shutil
 
-    if os.geteuid() != 0 or not shutil.which("sbatch") or not shutil.which("slurmctld"):
-        print("bench_slurm: skipped (needs root and the Slurm packages: see slurm/README.md)")
-        sys.exit(0)
-    res = main()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", choices=("weight_sync",), help="re-measure one part, keeping the others' figures")
+    only = p.parse_args().only
     path = ROOT / "benchmarks" / "results" / "slurm.json"
+    if only == "weight_sync":  # no Slurm needed: the shared filesystem of this machine
+        with tempfile.TemporaryDirectory() as d:
+            res = {**(json.loads(path.read_text()) if path.exists() else {}), **weight_sync(Path(d))}
+    else:
+        if os.geteuid() != 0 or not shutil.which("sbatch") or not shutil.which("slurmctld"):
+            print("bench_slurm: skipped (needs root and the Slurm packages: see slurm/README.md)")
+            sys.exit(0)
+        res = main()
     path.write_text(json.dumps(res, indent=2) + "\n")
     print(json.dumps(res, indent=2))

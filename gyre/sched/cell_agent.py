@@ -257,11 +257,15 @@ class CellAgent:
             rep.already, rep.weight_version = True, self.engine_version
             return
         self._ensure_trainer()
-        with timed(phases, "stash"):
-            self._stash(self.trainer.step)
-        with timed(phases, "offload"):
-            self.trainer.offload(on_wait=self._beat)
-        self.role = Role.ROLLOUT
+        try:
+            with timed(phases, "stash"):
+                self._stash(self.trainer.step)
+            with timed(phases, "offload"):
+                self.trainer.offload(on_wait=self._beat)
+            self.role = Role.ROLLOUT
+        except TrainerDied as e:  # the switch goes on: a new trainer starts offloaded, the head
+            self.role = Role.ROLLOUT  # hears of the lost micro-batches at prepare_reduce
+            self._trainer_died(str(e))
         with timed(phases, "resume"):
             if not self._ensure_engine():  # a restarted engine holds its memory already
                 self._admin("resume_memory_occupation", MEMORY_TAGS)
