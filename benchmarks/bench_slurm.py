@@ -106,7 +106,10 @@ srun --mpi=pmi2 --kill-on-bad-exit=1 --het-group=0 -N1 -n1 {sys.executable} {arg
     return {"dp_group_form_ms": max(r["info"]["group_form_ms"] for r in d["reduce_step0"]),
             "reduce_matches_single": max(d["checks"][k] for k in ("v1_max_diff", "v2_max_diff", "v3_max_diff")) <= 1e-6,
             "reduce_max_abs_diff": max(d["checks"][k] for k in ("v1_max_diff", "v2_max_diff", "v3_max_diff")),
-            "trainer_hosts": {c: h["trainer_hosts"] for c, h in d["hello"].items()}}
+            "trainer_hosts": {c: h["trainer_hosts"] for c, h in d["hello"].items()},
+            "cell_nodes": len(NODES[0]),
+            "trainer_nodes_per_cell": min(len(set(h["trainer_hosts"])) for h in d["hello"].values()),
+            "engine_nodes_per_cell": min(len(set(h["engine_nodes"])) for h in d["hello"].values())}
 
 
 def weight_sync(tmp: Path, ranks: int = 2) -> dict:
@@ -127,6 +130,7 @@ def weight_sync(tmp: Path, ranks: int = 2) -> dict:
     cfg_hf = Qwen2Config.from_pretrained(str(tiny))
     cfg_hf.hidden_size, cfg_hf.intermediate_size, cfg_hf.num_hidden_layers = 512, 1536, 4
     cfg_hf.num_attention_heads, cfg_hf.num_key_value_heads = 8, 4
+    cfg_hf.layer_types = ["full_attention"] * cfg_hf.num_hidden_layers
     torch.manual_seed(0)
     Qwen2ForCausalLM(cfg_hf).to(torch.float32).save_pretrained(model)
     shutil.copyfile(tiny / "tokenizer.json", model / "tokenizer.json")
@@ -198,9 +202,9 @@ def main() -> dict:
             sync = weight_sync(Path(d))
     finally:
         subprocess.run([devcluster, "down"], env=env, capture_output=True, timeout=120)
-    out = {"devcluster_up_s": bring_up, "cells": 2, "cell_nodes": 2, "steps": 2,
+    out = {"devcluster_up_s": bring_up, "cells": 2, "steps": 2, **cells, **sync,
            "trainer_nodes_per_cell": slurm.pop("trainer_nodes_per_cell"),
-           "engine_nodes_per_cell": slurm.pop("engine_nodes_per_cell"), **cells, **sync}
+           "engine_nodes_per_cell": slurm.pop("engine_nodes_per_cell")}
     out.update({f"slurm_{k}": v for k, v in slurm.items()})
     out.update({f"mpiexec_{k}": v for k, v in local.items()})
     return out
@@ -211,12 +215,19 @@ if __name__ == "__main__":
     import shutil
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", choices=("weight_sync",), help="re-measure one part, keeping the others' figures")
+    p.add_argument("--only", choices=("weight_sync", "cells"), help="re-measure one part, keeping the others' figures")
     only = p.parse_args().only
     path = ROOT / "benchmarks" / "results" / "slurm.json"
     if only == "weight_sync":  # no Slurm needed: the shared filesystem of this machine
         with tempfile.TemporaryDirectory() as d:
             res = {**(json.loads(path.read_text()) if path.exists() else {}), **weight_sync(Path(d))}
+    elif only == "cells":  # the cell scenario on the dev cluster only
+        env = dict(os.environ, SLURM_CONF=f"{STATE}/slurm.conf", GYRE_PYTHON=sys.executable,
+                   PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+        subprocess.run([str(ROOT / "slurm" / "devcluster.sh"), "up"], env=env, check=True, capture_output=True, timeout=120)
+        with tempfile.TemporaryDirectory() as d:
+            os.chmod(d, 0o755)
+            res = {**(json.loads(path.read_text()) if path.exists() else {}), **cell_scenario(Path(d), env)}
     else:
         if os.geteuid() != 0 or not shutil.which("sbatch") or not shutil.which("slurmctld"):
             print("bench_slurm: skipped (needs root and the Slurm packages: see slurm/README.md)")
