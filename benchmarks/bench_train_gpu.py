@@ -4,9 +4,11 @@ Runs only where a GPU is available (exits 0 with a message otherwise); a few min
 Model: a random Qwen2 of ~0.2B parameters built in code (no hub). Measures
   * steps: Megatron bf16 forward/backward + optimizer step time and tokens/s on a toy batch;
   * agreement: trainer log-probs of recorded targets vs a transformers forward of the *exported*
-    weights (fp32: should be exact up to kernel rounding; bf16: within bf16 noise);
+    weights (fp32: should be exact up to kernel rounding; bf16: within bf16 noise), and vs the
+    embedded engine sampling path (prefill + KV-cached decode) on the exported weights;
   * offload/restore: seconds and bytes per phase, GPU memory before/after, bit-identity after restore.
-Writes benchmarks/results/ablation_gpu.json. `--dry-run` runs the same code on the CPU with a
+Writes benchmarks/results/ablation_gpu.json (flat keys). Run it on a device with
+`benchmarks/gpu_check.sh` (carries Megatron-Core as a wheel). `--dry-run` runs the same code on the CPU with a
 tiny model and writes nothing (to check the script itself where no GPU is lent).
 """
 
@@ -41,12 +43,16 @@ def model_config():
                              intermediate_size=2816)
 
 
+def toy_sequences(vocab: int) -> tuple[list[list[int]], list[int]]:
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(1, vocab, (SEQ - 7 * i,), generator=g).tolist() for i in range(ROWS)]
+    return seqs, [SEQ // 8] * ROWS
+
+
 def toy_batch(vocab: int):
     from gyre.batch import expanded_batch
 
-    g = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(1, vocab, (SEQ - 7 * i,), generator=g).tolist() for i in range(ROWS)]
-    plens = [SEQ // 8] * ROWS
+    seqs, plens = toy_sequences(vocab)
     old = [[-5.0] * (len(s) - p) for s, p in zip(seqs, plens)]
     adv = [1.0 if i % 2 == 0 else -1.0 for i in range(ROWS)]
     return expanded_batch(seqs, plens, old_logprobs=old, advantages=adv,
@@ -80,6 +86,45 @@ def agreement(t, mb, dtype: torch.dtype) -> dict:
     diff = (mine - ref).abs()
     del hf
     return {"max_abs": float(diff.max()), "mean_abs": float(diff.mean()), "targets": mb.num_targets}
+
+
+def engine_agreement(t, vocab: int, rows: int = 2, decode: int = 32) -> dict:
+    """Trainer log-probs vs the behaviour log-probs the embedded engine computes while sampling the
+    same tokens from the *exported* weights: prefill the prompt, then one KV-cached decode step per
+    token, float32 on the CPU, through the engine's own log-prob function. (SGLang's CUDA stack
+    cannot be carried to the device, so the embedded engine is the engine checked here.)"""
+    from gyre.batch import expanded_batch
+    from gyre.engine.qwen import CausalLM
+    from gyre.engine.sampling import filtered_logprobs
+
+    seqs, plens = toy_sequences(vocab)
+    seqs, plens = [s[:p + decode] for s, p in zip(seqs[:rows], plens[:rows])], plens[:rows]
+    mb = expanded_batch(seqs, plens, old_logprobs=[[0.0] * decode] * rows, advantages=[1.0] * rows,
+                        execution_index=list(range(rows)))
+    mine = t.logprobs(mb)
+    with tempfile.TemporaryDirectory() as d:
+        t.export_weights(d, weight_version=1)
+        lm = CausalLM.from_dir(d)
+    ref = []
+    for seq, p in zip(seqs, plens):
+        cache = lm.new_cache()
+        logits = lm.forward(seq[:p], cache)
+        for tok in seq[p:]:
+            ref.append(float(filtered_logprobs(logits, 1.0, 0, 1.0)[tok]))  # temperature 1, no filter
+            logits = lm.decode([tok], [cache])[0]
+    diff = (mine - torch.tensor(ref)).abs()
+    return {"max_abs": float(diff.max()), "mean_abs": float(diff.mean()), "targets": len(ref)}
+
+
+def flat(d: dict, prefix: str = "") -> dict:
+    """Nested results as one level of ``a.b.c`` keys (benchmarks write flat figures)."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def run_steps(t, mb) -> dict:
@@ -206,6 +251,7 @@ def main() -> int:
 
     t32 = trainer("float32", hf.config, hf_state)
     result["agreement_fp32"] = agreement(t32, mb, torch.float32)
+    result["engine_agreement_fp32"] = engine_agreement(t32, hf.config.vocab_size)
     del t32
     if not DRY:
         torch.cuda.empty_cache()
@@ -214,6 +260,7 @@ def main() -> int:
     result["agreement_bf16_initial"] = agreement(t, mb, torch.bfloat16)
     result["steps_bf16"] = run_steps(t, mb)
     result["agreement_bf16_trained"] = agreement(t, mb, torch.bfloat16)
+    result["engine_agreement_bf16_trained"] = engine_agreement(t, hf.config.vocab_size)
     result["offload_restore_bf16"] = offload_cycle(t)
     result["step_after_restore"] = run_steps(t, mb)["loss"][:1]
     del t
@@ -222,7 +269,7 @@ def main() -> int:
     print(json.dumps(result, indent=2))
     if not DRY:
         OUT.parent.mkdir(parents=True, exist_ok=True)
-        OUT.write_text(json.dumps(result, indent=2))
+        OUT.write_text(json.dumps(flat(result), indent=2))
     return 0
 
 

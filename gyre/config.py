@@ -55,6 +55,13 @@ class EngineConfig:
     max_body_bytes: int = _f(8 << 20, min=1024)
     request_timeout_s: float = _f(600.0, min=0.001)
     connect_retries: int = _f(3, min=0)
+    sglang_launcher: str = _f("sglang.launch_server",
+                              help="module run as `python -m MODULE` for engine.backend = sglang; tests use "
+                                   "gyre.engine.sglang_standin (same flags, serves with the embedded engine)")
+    sglang_args: list = _f([], help="extra sglang.launch_server flags, e.g. ['--mem-fraction-static', '0.8']")
+    tp_size: int = _f(0, min=0, help="SGLang --tp-size over a cell; 0 = sched.gpus_per_node x the cell's nodes")
+    startup_timeout_s: float = _f(1800.0, min=1.0, help="bound on an engine's start until /health answers "
+                                                          "(large models load for minutes)")
 
 
 @dataclass
@@ -139,6 +146,10 @@ class TrainConfig:
                     help="training dtype; auto = bfloat16 on CUDA, float32 on CPU")
     export_dir: str = _f("", help="where weights are exported for the engines; empty = <run.dir>/weights")
     checkpoint_dir: str = _f("", help="trainer checkpoints; empty = <run.dir>/checkpoints")
+    tensor_parallel: int = _f(1, min=1, help="Megatron tensor-parallel size inside a cell (divides its trainer ranks)")
+    pipeline_parallel: int = _f(1, min=1, help="Megatron pipeline-parallel size inside a cell")
+    local_ranks: int = _f(1, min=1, help="trainer ranks per cell under `gyre run` (one machine); under Slurm a "
+                                        "cell has one rank per GPU slot of its nodes (one per node on CPU)")
 
 
 @dataclass

@@ -33,7 +33,8 @@ from pathlib import Path
 from gyre.fsio import atomic_write_json
 from gyre.config import GyreConfig, default_tiny_dir
 from gyre.sched.cells import Cell, cell_stats
-from gyre.sched.protocol import Command, Event, Reply
+from gyre.sched.protocol import (Command, Event, PrepareReduce, PushWeights, Reduce, Reply, Stop, ToRollout, ToTrain,
+                                 Train, reply_for)
 from gyre.rollout import FINISHED
 from gyre.sched.state import ClusterState, ExecView, GroupView, Role
 
@@ -131,7 +132,7 @@ class Head:
     async def _replace_endpoint(self, cell: Cell, old: str) -> None:
         await self.router.remove_endpoint(old, abort=True)
         if cell.role is Role.ROLLOUT:
-            await self._call(cell, Command("push_weights", {"version": self.version, "weights": self.weights_path()}))
+            await self._call(cell, PushWeights(version=self.version, weights=self.weights_path()))
             self.router.add_endpoint(cell.engine_url)
 
     async def _call(self, cell: Cell, cmd: Command, timeout: float = 600.0) -> Reply:
@@ -144,7 +145,7 @@ class Head:
                 return await asyncio.wait_for(fut, timeout)
             except asyncio.TimeoutError:
                 self._futures.pop(cmd.seq, None)
-                return Reply(cmd.seq, cell.id, cmd.kind, False, error=f"no reply within {timeout} s")
+                return reply_for(cmd, cell.id, ok=False, error=f"no reply within {timeout} s")
 
     def _spawn(self, coro) -> asyncio.Task:
         t = asyncio.get_running_loop().create_task(coro)
@@ -212,7 +213,7 @@ class Head:
         # cells boot as rollout; the policy's initial train cells switch once, before any work
         await asyncio.gather(*(self._to_train(c) for c, r in zip(self.cells, roles) if r is Role.TRAIN))
         if self.version > 0:
-            await asyncio.gather(*(self._call(c, Command("push_weights", {"version": self.version, "weights": self.weights_path()}))
+            await asyncio.gather(*(self._call(c, PushWeights(version=self.version, weights=self.weights_path()))
                                    for c in self.cells if c.role is Role.ROLLOUT))
         self.proxy = Proxy(self.router, load_tokenizer(self.model_dir), identity=identity,
                            default_max_tokens=cfg.proxy.default_max_tokens, max_tokens_cap=cfg.proxy.max_tokens_cap)
@@ -243,7 +244,7 @@ class Head:
         t1 = time.time()
         for c in self.cells:
             c.close(t1)
-        await asyncio.gather(*(self._call(c, Command("stop"), timeout=60) for c in self.cells))
+        await asyncio.gather(*(self._call(c, Stop(), timeout=60) for c in self.cells))
         await self.router.close()
         self.ledger.close()
         self.steps_file.close()
@@ -301,7 +302,7 @@ class Head:
         t = time.time()
         cell.set_role(Role.TO_TRAIN, t)
         await self.router.remove_endpoint(cell.engine_url, abort=True)  # aborted calls retry elsewhere
-        rep = await self._call(cell, Command("to_train", {"version": self.version, "checkpoint": self.checkpoint_path()}))
+        rep = await self._call(cell, ToTrain(version=self.version, checkpoint=self.checkpoint_path() or None))
         cell.switch_phases.append({"to": "train", "ok": rep.ok, "wall_s": time.time() - t, **rep.phases})
         if rep.ok:
             cell.set_role(Role.TRAIN, time.time())
@@ -312,14 +313,14 @@ class Head:
     async def _to_rollout(self, cell: Cell) -> None:
         t = time.time()
         version = self.version
-        rep = await self._call(cell, Command("to_rollout", {"version": version, "weights": self.weights_path(version)}))
+        rep = await self._call(cell, ToRollout(version=version, weights=self.weights_path(version)))
         cell.switch_phases.append({"to": "rollout", "ok": rep.ok, "wall_s": time.time() - t, **rep.phases})
         if not rep.ok:
             self.errors.append(f"cell {cell.id} to_rollout failed: {rep.error}")
             cell.set_role(Role.FAILED, time.time())
             return
         if self.version != version:  # a step ended while it switched: load the newest weights first
-            await self._call(cell, Command("push_weights", {"version": self.version, "weights": self.weights_path()}))
+            await self._call(cell, PushWeights(version=self.version, weights=self.weights_path()))
         self.router.add_endpoint(cell.engine_url)
         cell.set_role(Role.ROLLOUT, time.time())
 
@@ -428,16 +429,15 @@ class Head:
 
     async def _train(self, cell: Cell, mid: int) -> None:
         t = time.time()
-        rep = await self._call(cell, Command("train", {"step": self.step.index, "mb_id": mid,
-                                                        "batch": self.step.batches[mid]}))
+        rep = await self._call(cell, Train(step=self.step.index, mb_id=mid, batch=self.step.batches[mid]))
         cell.mb_in_flight = None
         cell.busy_intervals.append((t, time.time()))
         if rep.ok:
             self.step.done.add(mid)
             cell.step_mbs.add(mid)
-            self.step.stats.append(rep.info.get("stats", {}))
+            self.step.stats.append(rep.stats)
         else:  # its trainer died: this micro-batch and the ones it held go back to the queue
-            lost = set(rep.info.get("lost", [])) | {mid}
+            lost = set(getattr(rep, "lost", [])) | {mid}
             self._requeue(cell, lost)
 
     def _requeue(self, cell: Cell, lost: set[int]) -> None:
@@ -463,11 +463,11 @@ class Head:
             participants = [c for c in self.cells if c.role is not Role.FAILED and (c.step_mbs or c.role is Role.TRAIN)]
             if not any(c.role is Role.TRAIN for c in participants):
                 return  # no trainer to apply the step: wait for the policy to bring one
-            reps = await asyncio.gather(*(self._call(c, Command("prepare_reduce", {"step": s.index})) for c in participants))
+            reps = await asyncio.gather(*(self._call(c, PrepareReduce(step=s.index)) for c in participants))
             lost = False
             for c, r in zip(participants, reps):
-                if not r.ok or r.info.get("lost"):
-                    self._requeue(c, set(r.info.get("lost", [])))
+                if not r.ok or getattr(r, "lost", None):
+                    self._requeue(c, set(getattr(r, "lost", [])))
                     lost = True
             if lost:
                 return  # lost gradients are recomputed; the next tick finishes the step again
@@ -476,8 +476,16 @@ class Head:
             args = {"step": s.index, "participants": [c.id for c in participants], "leader": leader.id,
                     "weights_dir": str(self.weights_root / f"v{new}"), "checkpoint_dir": str(self.ckpt_root / f"v{new}")}
             t = time.time()
-            reps = await asyncio.gather(*(self._call(c, Command("reduce", args)) for c in participants))
+            reps = await asyncio.gather(*(self._call(c, Reduce(**args)) for c in participants))
             bad = [f"cell {r.cell}: {r.error.splitlines()[0] if r.error else 'failed'}" for r in reps if not r.ok]
+            if bad and all(r.ok or getattr(r, "retry", False) for r in reps):
+                # no cell applied the step (a trainer died before the commit): hand the lost
+                # micro-batches out again; the next tick reduces again
+                for c, r in zip(participants, reps):
+                    self._requeue(c, set(getattr(r, "lost", [])))
+                self.events.append({"t": time.time() - self.t0, "cell": None, "kind": "reduce_retry",
+                                    "info": {"step": s.index, "why": bad}})
+                return
             if bad:  # replicas may now disagree: stop rather than train on
                 self.errors.append(f"step {s.index}: reduce failed: {'; '.join(bad)}")
                 self._stop.set()
@@ -486,7 +494,7 @@ class Head:
             self.version = new
             pushes = [c for c in self.cells if c.role is Role.ROLLOUT]
             t = time.time()
-            await asyncio.gather(*(self._call(c, Command("push_weights", {"version": new, "weights": self.weights_path()}))
+            await asyncio.gather(*(self._call(c, PushWeights(version=new, weights=self.weights_path()))
                                    for c in pushes))
             self._close_step(s, participants, reps, reduce_s, time.time() - t)
         finally:
@@ -506,7 +514,7 @@ class Head:
                "participants": [c.id for c in participants], "reward_mean": statistics.fmean(rewards) if rewards else None,
                "reward_n": len(rewards), "staleness_mean": statistics.fmean(stal) if stal else 0, "staleness_max": max(stal, default=0),
                "loss": sum(losses), "ratio_mean": statistics.fmean(ratios) if ratios else None,
-               "kl_old_max": max(kls, default=None), "grad_norm": next((r.info.get("grad_norm") for r in reps if r.info.get("grad_norm") is not None), None),
+               "kl_old_max": max(kls, default=None), "grad_norm": next((r.grad_norm for r in reps if getattr(r, "grad_norm", None) is not None), None),
                "reduce_s": reduce_s, "push_s": push_s, "t_start": s.started_at - self.t0, "t_end": time.time() - self.t0}
         self.step_log.append(row)
         self.steps_file.write(json.dumps(row) + "\n")

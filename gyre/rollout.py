@@ -1,6 +1,6 @@
 """`gyre rollout`: run G executions per task of a suite through the proxy, evaluate, write shards.
 
-One process plays the head on one machine: it starts M engine endpoints (embedded by default),
+One process plays the head on one machine: it starts M engine endpoints (``engine.backend``),
 the router and the proxy, then runs the harness pool. Each finished execution is ended at the
 proxy (its key revoked, its tree handed over), scored from its workspace off the critical path,
 and buffered for the next shard. Ctrl-C / SIGTERM stops the harnesses, writes everything that
@@ -156,7 +156,7 @@ class Rollout:
         self._stop.set()
 
     async def run(self, resume: bool = False) -> RolloutSummary:
-        from gyre.engine.launch import start_engine
+        from gyre.engine.launch import start_cell_engine
         from gyre.engine.router import Router
         from gyre.engine.tiny_model import ensure_tiny_model, load_tokenizer, model_identity
         from gyre.harness.evaluator import EvaluatorPool
@@ -184,7 +184,8 @@ class Rollout:
         engine_key = secrets.token_urlsafe(24)  # the job's secret: engines accept nothing else
 
         with contextlib.ExitStack() as stack:
-            engines = [stack.enter_context(start_engine(model_dir=model_dir, api_key=engine_key))
+            # engine.backend picks embedded engines or SGLang servers (one per endpoint, on this machine)
+            engines = [stack.enter_context(start_cell_engine(cfg, model_dir, api_key=engine_key))
                        for _ in range(cfg.engine.endpoints)]
             router = Router([e.url for e in engines], api_key=engine_key, timeout_s=cfg.engine.request_timeout_s)
             proxy = Proxy(router, load_tokenizer(model_dir), identity=identity,

@@ -76,34 +76,97 @@ def test_wire_round_trip_is_exact_and_checked():
 
 
 def test_trainer_process_survives_nothing_but_reports_everything(tmp_path):
+    """A two-rank cell trainer: requests reach every rank, a rank's death is the trainer's."""
     from gyre.engine.tiny_model import ensure_tiny_model
+    from gyre.train.export import load_hf_dir
     from gyre.train.worker import TrainerDied, TrainerError, TrainerProcess
 
     model = ensure_tiny_model(tmp_path / "tiny")
-    tp = TrainerProcess(TrainConfig(dtype="float32"), model, offloaded=True, timeout_s=60)
+    tp = TrainerProcess(TrainConfig(dtype="float32"), model, offloaded=True, timeout_s=60, ranks=2)
     try:
         ticks = []
         tp.wait_ready(on_wait=lambda: ticks.append(1))
-        assert tp.step == 0 and tp.num_grad_elements > 0
-        with pytest.raises(TrainerError, match="offload only between steps|already offloaded"):
-            tp.offload()  # an error in the trainer: the process stays usable
+        assert tp.step == 0 and tp.num_grad_elements > 0 and len(tp.pids) == 2
+        assert len(tp.hostnames()) == 2
+        with pytest.raises(TrainerError, match="rank 0.*(offload only between steps|already offloaded)"):
+            tp.offload()  # an error in the trainer: the processes stay usable
         tp.restore()
-        assert np.count_nonzero(tp.grads()) == 0
-        stats = tp.forward_backward(to_wire(_batch()))
-        assert stats["targets"] == _batch().num_targets
-        g = tp.grads(clear=True)
-        assert g.dtype == np.float32 and g.shape == (tp.num_grad_elements,) and np.abs(g).sum() > 0
-        out = tp.apply(g)
-        assert out["step"] == 1 == tp.step and out["grad_norm"] > 0
+        stats = tp.forward_backward(to_wire(_batch()), 0)
+        assert stats["targets"] == _batch().num_targets  # rows split over the ranks, stats merged
+        tp.stash(0)
+        red = tp.reduce(0, [0], 1)
+        assert red["grad_norm_total"] > 0 and not red["cached"]
+        assert tp.reduce(0, [0], 2)["cached"]  # the same membership: the cached group
+        out = tp.apply(0)
+        assert out["step"] == 1 == tp.step and out["grad_norm"] == pytest.approx(red["grad_norm_total"], rel=1e-5)
         tp.save_checkpoint(tmp_path / "ckpt")
         tp.load_checkpoint(tmp_path / "ckpt")
         tp.offload()  # loaded tensors are releasable (Trainer.own_storage)
         tp.restore()
         tp.export_weights(tmp_path / "w1", tp.step)
-        assert (tmp_path / "w1" / "model.safetensors").exists()
-        os.kill(tp.pid, signal.SIGKILL)
-        with pytest.raises(TrainerDied, match="SIGKILL"):
-            tp.forward_backward(to_wire(_batch()))
+        assert sorted(p.name for p in (tmp_path / "w1").glob("*.safetensors")) == [
+            "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+        assert load_hf_dir(tmp_path / "w1")[1].keys()  # the index and both pieces load
+        os.kill(tp.pids[1], signal.SIGKILL)  # not rank 0: the cell's trainer is dead all the same
+        with pytest.raises(TrainerDied, match="rank 1 died .*SIGKILL"):
+            tp.forward_backward(to_wire(_batch()), 1)
         assert not tp.alive()
     finally:
         tp.close()
+
+
+def test_rows_split_over_ranks_sum_to_the_whole_micro_batch():
+    from gyre.train.rank import merge_stats, rows_of
+    from gyre.train.trainer import EmbeddedTrainer
+
+    mb = _batch()
+    one = EmbeddedTrainer(TrainConfig(dtype="float32"), random_qwen2(seed=0, std=0.1))
+    two = EmbeddedTrainer(TrainConfig(dtype="float32"), random_qwen2(seed=0, std=0.1))
+    ref = one.forward_backward(mb)
+    parts = [two.forward_backward(rows_of(mb, r, 2)) for r in range(2)]
+    assert rows_of(_batch([0]), 1, 2) is None  # a rank with no row has nothing to do
+    merged = merge_stats(parts)
+    assert merged["targets"] == ref["targets"] and merged["loss"] == pytest.approx(ref["loss"], rel=1e-6)
+    assert torch.allclose(one.flat_grads(), two.flat_grads(), atol=1e-7)
+
+
+def test_two_cells_of_two_ranks_reduce_to_one_process(tmp_path):
+    """N cells x M ranks (2 x 2, gloo) over a cross-cell group give the update of one process
+    doing every micro-batch; the group is formed once per membership and then cached."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gyre.engine.tiny_model import ensure_tiny_model
+    from gyre.train.export import load_hf_dir
+    from gyre.train.groups import serve_store
+    from gyre.train.trainer import EmbeddedTrainer
+    from gyre.train.worker import TrainerProcess
+
+    model = ensure_tiny_model(tmp_path / "tiny")
+    cfg = TrainConfig(dtype="float32", lr=1e-2, adam_eps=1.0)
+    store = serve_store()
+    cells = [TrainerProcess(cfg, model, cell=c, ranks=2, store=("127.0.0.1", store.port), timeout_s=600)
+             for c in (0, 1)]
+    data = [_batch(), _batch([1, 0])]
+    try:
+        for t in cells:
+            t.wait_ready()
+        ref = EmbeddedTrainer(cfg, model)
+        with ThreadPoolExecutor(2) as pool:
+            for step in range(2):
+                for t, mb in zip(cells, data):
+                    t.forward_backward(to_wire(mb), step)
+                    t.stash(step)
+                    ref.forward_backward(mb)
+                red = list(pool.map(lambda t: t.reduce(step, [0, 1], 1), cells))
+                assert red[0]["cached"] == red[1]["cached"] == (step == 1)
+                if step == 0:
+                    assert all(r["form_ms"] > 0 for r in red)
+                out = [t.apply(step) for t in cells]
+                want = ref.optimizer_step()
+                assert out[0]["grad_norm"] == out[1]["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+        cells[0].export_weights(tmp_path / "w", 2)
+        got, exp = load_hf_dir(tmp_path / "w")[1], ref.hf_state_dict()
+        assert max(float((got[k] - exp[k]).abs().max()) for k in exp) <= 1e-6
+    finally:
+        for t in cells:
+            t.close()

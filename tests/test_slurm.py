@@ -25,8 +25,16 @@ SBATCH = REPO / "launchers" / "gyre.sbatch"
 DEMO = REPO / "launchers" / "demo.toml"
 STATE = os.environ.get("GYRE_SLURM_DIR", "/tmp/gyre-devcluster")
 APT = "apt-get install -y slurmctld slurmd slurm-client munge iproute2"
-# the demo on 1 head + 2 cells x 4 nodes, small enough for ~30 s per job
-FAST = ["run.steps=2", "harness.group_size=4", "sched.cells=2", "sched.cell_nodes=4", "sched.gpus_per_node=8"]
+# the demo on 1 head + 2 cells x 2 nodes (a trainer rank on every node), small enough for ~1 min per job
+FAST = ["run.steps=2", "harness.group_size=4", "sched.cells=2", "sched.cell_nodes=2", "sched.gpus_per_node=8"]
+CELL_NODES = [["node01", "node02"], ["node03", "node04"]]
+
+
+def script4(tmp_path: Path) -> Path:
+    """launchers/gyre.sbatch with component 1 = 4 nodes (2 cells x 2)."""
+    script = tmp_path / "gyre4.sbatch"
+    script.write_text(SBATCH.read_text().replace("--partition=cells --nodes=8", "--partition=cells --nodes=4"))
+    return script
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -129,30 +137,34 @@ def _lines(p: Path) -> list[dict]:
     return [json.loads(x) for x in p.read_text().splitlines() if x.strip()] if p.exists() else []
 
 
-def test_sbatch_demo_two_cells_of_four(cluster, tmp_path):
-    """1 head + 2 cells x 4 nodes: >= 2 steps, cell ranks on the first node of their blocks."""
+def test_sbatch_demo_two_cells_of_two_nodes_use_every_node(cluster, tmp_path):
+    """1 head + 2 cells x 2 nodes: >= 2 steps; each cell's agent on its first node, its trainer
+    ranks on both of its nodes (hostnames the ranks report), one engine per cell."""
     run, out = tmp_path / "run", tmp_path / "job.out"
     t0 = time.time()
-    job = sbatch(cluster, ["-o", out, SBATCH, DEMO, f"run.dir={run}", *FAST])
-    wait_for(lambda: bool(_lines(run / "steps.jsonl")), 180, "first step", cluster, job, out)
+    job = sbatch(cluster, ["-o", out, script4(tmp_path), DEMO, f"run.dir={run}", *FAST])
+    wait_for(lambda: bool(_lines(run / "steps.jsonl")), 240, "first step", cluster, job, out)
     first = time.time() - t0
-    wait_gone(cluster, job, 180, out)
+    wait_gone(cluster, job, 240, out)
     print(f"sbatch -> first step {first:.1f} s, -> job gone {time.time() - t0:.1f} s")
     assert (run / "report.json").exists(), _tail(out)
     report = json.loads((run / "report.json").read_text())
     assert not report["stopped"] and not report["errors"], report["errors"]
     assert len(report["steps"]) >= 2
     layout = json.loads((run / "slurm.json").read_text())
-    assert [c["nodes"] for c in layout["cells"]] == [[f"node{i:02d}" for i in range(1, 5)],
-                                                      [f"node{i:02d}" for i in range(5, 9)]]
+    assert [c["nodes"] for c in layout["cells"]] == CELL_NODES
     # each cell rank ran where it was pinned: the first node of its block
-    assert [c["hostname"] for c in report["cells"]] == ["node01", "node05"]
+    assert [c["hostname"] for c in report["cells"]] == ["node01", "node03"]
+    for i, nodes in enumerate(CELL_NODES):
+        cell = json.loads((run / "cells" / f"cell{i}.json").read_text())
+        assert sorted(cell["trainer_hosts"]) == nodes, cell  # one rank per node (CPU), from the ranks
+        assert cell["engine_nodes"] and cell["engine_nodes"][0] == nodes[0], cell
     for c in report["cells"]:  # per-cell stats as with `gyre run`
         assert {"rollout_s", "train_s", "switching_s", "utilisation"} <= set(c)
     from gyre.cluster.slurm import collect_status
 
     st = collect_status(run)
-    assert st["steps_done"] >= 2 and st["finished"] and [c["hostname"] for c in st["cells"]] == ["node01", "node05"]
+    assert st["steps_done"] >= 2 and st["finished"] and [c["hostname"] for c in st["cells"]] == ["node01", "node03"]
 
 
 def test_mismatched_allocation_fails_at_once(cluster, tmp_path):
@@ -161,7 +173,7 @@ def test_mismatched_allocation_fails_at_once(cluster, tmp_path):
     script.write_text(SBATCH.read_text().replace("--partition=cells --nodes=8", "--partition=cells --nodes=7"))
     run, out = tmp_path / "run", tmp_path / "job.out"
     t0 = time.time()
-    job = sbatch(cluster, ["-o", out, script, DEMO, f"run.dir={run}", *FAST])
+    job = sbatch(cluster, ["-o", out, script, DEMO, f"run.dir={run}", *FAST, "sched.cell_nodes=4"])
     wait_gone(cluster, job, 60, out)
     text = _tail(out)
     assert time.time() - t0 < 60
@@ -174,7 +186,7 @@ def test_preemption_requeue_resume(cluster, tmp_path):
     state.json, and finishes; no execution trains twice."""
     run, out = tmp_path / "run", tmp_path / "job.out"
     steps = 3
-    args = ["-o", out, SBATCH, DEMO, f"run.dir={run}", *FAST, f"run.steps={steps}"]
+    args = ["-o", out, script4(tmp_path), DEMO, f"run.dir={run}", *FAST, f"run.steps={steps}"]
     job = sbatch(cluster, args)
     wait_for(lambda: bool(_lines(run / "steps.jsonl")), 180, "first step", cluster, job, out)
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=cluster, check=True, timeout=30)
@@ -207,7 +219,7 @@ def test_scancel_leaves_shards_readable(cluster, tmp_path):
     from gyre.traj.store import iter_executions, shard_paths
 
     run, out = tmp_path / "run", tmp_path / "job.out"
-    job = sbatch(cluster, ["-o", out, SBATCH, DEMO, f"run.dir={run}", *FAST, "run.steps=50"])
+    job = sbatch(cluster, ["-o", out, script4(tmp_path), DEMO, f"run.dir={run}", *FAST, "run.steps=50"])
     wait_for(lambda: bool(_lines(run / "steps.jsonl")), 180, "first step", cluster, job, out)
     subprocess.run(["scancel", job], env=cluster, check=True, timeout=30)
     wait_gone(cluster, job, 60, out)

@@ -465,3 +465,24 @@ if __name__ == "__main__":
         sys.exit(_prepare_main(sys.argv[2:]))
     print("usage: python -m gyre.cluster.slurm prepare --config FILE [section.key=value ...]", file=sys.stderr)
     sys.exit(2)
+
+
+# ---- job steps a cell starts from inside the job ---------------------------------------------------
+def cell_step_prefix(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The ``srun`` prefix for a step over a cell's nodes, run from a cell agent's task.
+
+    The agents' step already holds the nodes, so the new step shares them (``--overlap``). In a
+    heterogeneous job a step of component 1 must name the leader's job id plus ``--het-group=1``
+    (the component's own id is refused: "Job not heterogeneous job leader"); measured on the dev
+    cluster (Slurm 22.05).
+    """
+    get = _getter(environ)
+    het = get("SLURM_HET_SIZE")
+    leader = get("SLURM_JOB_ID_HET_GROUP_0") if het else None
+    job = leader or get("SLURM_JOB_ID")
+    if not job:
+        raise SlurmEnvError("SLURM_JOB_ID not set: a cell step can only be started from inside the job")
+    prefix = ["srun", "--overlap", "--mpi=none", f"--jobid={job}"]
+    if het:
+        prefix.append("--het-group=1")
+    return prefix

@@ -82,6 +82,14 @@ def run(args: argparse.Namespace) -> int:
 
         model = ensure_tiny_model(default_tiny_dir(cfg))
 
+    host = args.host if args.host is not None else cfg.engine.host
+    port = args.port if args.port is not None else cfg.engine.port
+    if cfg.engine.backend != "embedded":  # SGLang (or its stand-in), started through the one seam
+        from gyre.engine.launch import serve_cell_engine
+
+        cfg.engine.host = host
+        return serve_cell_engine(cfg, model, api_key=api_key, port=port, weight_version=args.weight_version)
+
     import torch
 
     from gyre.engine.runtime import Engine
@@ -97,8 +105,6 @@ def run(args: argparse.Namespace) -> int:
     except (ModelFormatError, OSError) as e:
         print(f"gyre engine: cannot serve {model}: {e}", file=sys.stderr)
         return 2
-    host = args.host if args.host is not None else cfg.engine.host
-    port = args.port if args.port is not None else cfg.engine.port
     if key_file is not None:
         print(f"gyre engine: no API key given; generated one in {key_file} (mode 0600). Clients send "
               "'Authorization: Bearer <key>'", file=sys.stderr, flush=True)

@@ -1,28 +1,29 @@
-"""Start a real SGLang server as a cell's engine (GPU nodes). Written against SGLang's documented
-launch options (`python -m sglang.launch_server --help`, 0.5.x); it cannot run on CPU machines,
-so only the command line is tested here.
+"""Command lines that start SGLang (or its stand-in) as a cell's engine, one server process per node.
+
+Written against ``python -m sglang.launch_server`` of SGLang 0.5.23 (flag names checked against the
+parser its ``server_args.py`` builds; see :mod:`gyre.engine.sglang_flags`). It cannot run on CPU
+machines; tests run the same command lines with ``gyre.engine.sglang_standin`` as the module.
 
 What a Gyre cell needs from it:
 - ``--skip-tokenizer-init``: the proxy sends ``input_ids`` and reads ``output_ids`` (token truth);
-- ``--enable-memory-saver``: `/release_memory_occupation` and `/resume_memory_occupation` for
-  role switches (released weights are freed, so the cell agent pushes weights after a resume);
-- ``--tp`` over the cell's GPUs, and ``--nnodes/--node-rank/--dist-init-addr`` when a cell spans
-  several nodes (one server process per node, rank 0 serves HTTP);
+- ``--enable-memory-saver``: ``/release_memory_occupation`` and ``/resume_memory_occupation`` for
+  role switches (released weights are freed, so the cell agent loads weights after a resume);
+- ``--tp-size`` over the cell's GPUs (SGLang asserts it is divisible by ``--nnodes``), and
+  ``--nnodes/--node-rank/--dist-init-addr`` when a cell spans several nodes: one server process per
+  node, node rank 0 serves HTTP, the others join through node 0's dist-init address. (``--tp`` also
+  works on SGLang only as an argparse prefix of ``--tp-size``; the exact name is used here.)
 - ``--api-key``: the job's engine secret (SGLang takes it only on the command line; on a shared
-  cluster prefer nodes that are allocated exclusively, since `ps` shows arguments).
+  cluster prefer nodes allocated exclusively, since ``ps`` shows arguments).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
+import re
+import shlex
 import sys
-import time
-import urllib.request
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from gyre.engine.launch import EngineProcess, EngineStartError
+_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
 @dataclass
@@ -37,45 +38,66 @@ class SGLangSpec:
     dist_init_addr: str = ""          # host:port of node 0 of the cell, when nnodes > 1
     mem_fraction_static: float | None = None
     weight_version: str = "0"
+    launcher: str = "sglang.launch_server"  # the module run with ``python -m``
     extra: list[str] = field(default_factory=list)
 
-    def command(self, python: str = sys.executable) -> list[str]:
+    def check(self) -> None:
+        if not _MODULE.match(self.launcher):
+            raise ValueError(f"engine.sglang_launcher {self.launcher!r} is not a module name; "
+                             "use e.g. sglang.launch_server or gyre.engine.sglang_standin")
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError("a cell spanning several nodes needs dist_init_addr (node 0's host:port)")
-        cmd = [python, "-m", "sglang.launch_server", "--model-path", self.model_path,
-               "--host", self.host, "--port", str(self.port), "--tp", str(self.tp),
+        if self.tp < 1 or self.tp % self.nnodes:
+            raise ValueError(f"--tp-size {self.tp} must be a positive multiple of the cell's {self.nnodes} "
+                             "node(s) (SGLang asserts tp_size % nnodes == 0); set engine.tp_size")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node rank {self.node_rank} is outside 0..{self.nnodes - 1}")
+
+    def command(self, python: str = sys.executable, node_rank: int | str | None = None) -> list[str]:
+        """The launch command of one node; ``node_rank`` overrides ``self.node_rank`` (a string such
+        as ``"$r"`` when a shell picks the rank per node)."""
+        self.check()
+        cmd = [python, "-m", self.launcher, "--model-path", self.model_path,
+               "--host", self.host, "--port", str(self.port), "--tp-size", str(self.tp),
                "--skip-tokenizer-init", "--enable-memory-saver", "--weight-version", self.weight_version]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
         if self.nnodes > 1:
-            cmd += ["--nnodes", str(self.nnodes), "--node-rank", str(self.node_rank),
+            rank = self.node_rank if node_rank is None else node_rank
+            cmd += ["--nnodes", str(self.nnodes), "--node-rank", str(rank),
                     "--dist-init-addr", self.dist_init_addr]
         if self.mem_fraction_static is not None:
             cmd += ["--mem-fraction-static", str(self.mem_fraction_static)]
-        return cmd + list(self.extra)
+        return cmd + [str(a) for a in self.extra]
 
 
-def start_sglang(spec: SGLangSpec, timeout_s: float = 1800.0, env: dict | None = None) -> EngineProcess:
-    """Start the server and wait until GET /health answers (large models load for minutes)."""
-    proc = subprocess.Popen(spec.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            bufsize=1, env=env or dict(os.environ))
-    host = "127.0.0.1" if spec.host in ("0.0.0.0", "::") else spec.host
-    url = f"http://{host}:{spec.port}"
-    deadline = time.monotonic() + timeout_s
-    headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise EngineStartError(f"sglang exited with {proc.returncode} while starting: {' '.join(spec.command()[:6])} ...")
-        try:
-            with urllib.request.urlopen(urllib.request.Request(url + "/health", headers=headers), timeout=5) as r:
-                if r.status == 200:
-                    return EngineProcess(proc, url, None)
-        except OSError:
-            time.sleep(2.0)
-    proc.kill()
-    raise EngineStartError(f"sglang did not answer /health at {url} within {timeout_s:.0f} s")
+def srun_step(spec: SGLangSpec, nodes: list[str], srun: list[str], python: str = sys.executable) -> list[str]:
+    """ONE Slurm job step running one server per node of the cell. Each task finds its node rank
+    by its Slurm node name (``SLURMD_NODENAME``), so rank 0 is ``nodes[0]`` whatever order Slurm
+    numbers the step's nodes in. ``--kill-on-bad-exit``: a node whose server dies ends the step,
+    which the agent then sees as a dead engine."""
+    if len(nodes) != spec.nnodes:
+        raise ValueError(f"{len(nodes)} node names for a spec of {spec.nnodes} node(s)")
+    cases = "".join(f"{shlex.quote(n)}) r={i};; " for i, n in enumerate(nodes))
+    launch = shlex.join(spec.command(python, node_rank="RANK")).replace("--node-rank RANK", '--node-rank "$r"')
+    script = (f'case "$SLURMD_NODENAME" in {cases}*) echo "gyre: node $SLURMD_NODENAME is not one of '
+              f'{shlex.quote(",".join(nodes))}" >&2; exit 2;; esac; exec {launch}')
+    n = len(nodes)
+    return [*srun, f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1", f"--nodelist={','.join(nodes)}",
+            "--kill-on-bad-exit=1", "bash", "-c", script]
 
 
-def model_dir_ok(path: str | os.PathLike) -> bool:
-    p = Path(path)
-    return (p / "config.json").is_file() and any(p.glob("*.safetensors"))
+def start_sglang(spec: SGLangSpec, timeout_s: float = 1800.0, env: dict | None = None):
+    """One node's server on this machine, waited for until ``/health`` answers (kept for old
+    callers; new code uses :func:`gyre.engine.launch.start_cell_engine`)."""
+    from gyre.engine.launch import EngineHandle
+
+    host = "127.0.0.1" if spec.host in ("0.0.0.0", "::", "") else spec.host
+    handle = EngineHandle.spawn([spec.command()], f"http://{host}:{spec.port}", "sglang", ["localhost"],
+                                spec.api_key, env=env)
+    try:
+        handle.wait_healthy(timeout_s)
+    except BaseException:
+        handle.stop(timeout=2)
+        raise
+    return handle

@@ -3,25 +3,31 @@
     mpiexec -n 1+N python -m gyre.sched.cell_agent --run-dir DIR --model DIR [--config FILE]
         [--engine-key-file FILE] [section.key=value ...]        # ranks >= 1; rank 0 is the head
 
-The agent starts its engine (an HTTP subprocess) and its trainer (a child process, offloaded:
-cells start in rollout), sends Event ``hello``, then obeys the head's commands one at a time
-(semantics in :mod:`gyre.sched.protocol`). Between commands it sends a heartbeat every
-``HEARTBEAT_S`` and watches its children: a dead engine is restarted (new port, current weights,
-Event ``engine_restarted``), a dead trainer is restarted from the latest checkpoint it was told
-about (Event ``trainer_restarted``) and the micro-batches whose gradients died with it are
-reported ``lost``. Every failing command is answered with ``ok=False`` and the reason; the agent
-itself only ends on ``stop``.
+The agent starts its engine (through the one engine seam, gyre.engine.launch.start_cell_engine)
+and its trainer: ranks of gyre.train.rank over the cell's nodes (an srun step under Slurm, local
+processes otherwise), offloaded since cells start in rollout. It sends Event ``hello``, then obeys
+the head's commands one at a time (typed, gyre.sched.protocol; a dispatch table picks the
+handler). Between commands it sends a heartbeat every ``HEARTBEAT_S`` and watches its children:
+a dead engine is restarted (Event ``engine_restarted``), a dead trainer is restarted from the
+latest checkpoint it was told about (Event ``trainer_restarted``) and the micro-batches whose
+gradients died with it are reported ``lost``. Every failing command is answered with
+``ok=False`` and the reason; the agent itself only ends on ``stop``.
 
-Gradient bookkeeping of one step: ``done`` = micro-batches whose gradients sit in the trainer
-process, ``held`` = gradients already pulled into the agent (a role switch or prepare_reduce),
-``lost`` = micro-batches whose gradients died with a trainer. A reduce sums ``held`` over the
-participants and starts the next step.
+Gradients stay in the trainer ranks: ``done`` = micro-batches trained this step, ``held_mbs`` =
+those already summed over the cell (prepare_reduce, a role switch), ``lost`` = those whose
+gradients died with a trainer. The reduce goes over torch.distributed groups among the trainer
+ranks of the participant cells (gyre.train.groups); this link carries control only. The agent of
+cell 0 serves the job's TCPStore those groups meet in and tells the other agents where it is.
+
+Commit order of a reduce: every participant sums; the leader applies, exports (one piece per
+rank) and checkpoints, then sets the step's commit key; the other train cells apply only after
+the commit. A death before the commit changes nothing anywhere (reply ``retry``); after it, a
+cell whose trainer died loads the leader's checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import os
@@ -30,24 +36,23 @@ import socket
 import sys
 import time
 import traceback
-import urllib.request
 from pathlib import Path
 
-import numpy as np
-
+from gyre import faults
 from gyre.config import GyreConfig, env, load_config
-from gyre.engine.client import EngineClient
-from gyre.engine.launch import EngineProcess, start_engine
+from gyre.fsio import atomic_write_json
 from gyre.sched import mpi_link
-from gyre.sched.protocol import TAG_REDUCE, Command, Event, Reply
-from gyre.train.worker import TrainerDied, TrainerProcess
+from gyre.sched.protocol import (TAG_STORE, Command, Event, PrepareReduce, PushWeights, Reduce, Reply, Role, Stop,
+                                 ToRollout, ToTrain, Train, reply_for)
+from gyre.train.worker import TrainerDied, TrainerError, TrainerProcess
 
 HEARTBEAT_S = 1.0
 POLL_S = 0.02            # command poll granularity while idle
 ENGINE_CALL_S = 120.0    # bound on one engine admin call (weight loads included)
-DRAIN_S = 30.0           # default bound on waiting for in-flight requests before a release
+DRAIN_S = 30.0           # default bound on a release the engine refuses while requests run
 REDUCE_S = 600.0         # bound on waiting for the other participants of a reduce
 ENGINE_RETRY_S = 5.0     # wait between attempts to restart a failed engine
+STORE_WAIT_S = 300.0     # bound on waiting for cell 0's agent to say where the store is
 MEMORY_TAGS = ["kv_cache", "weights"]
 
 
@@ -84,41 +89,99 @@ class CellAgent:
         self.api_key = api_key
         self._engine_args = (["--config", config_file] if config_file else []) + \
             [a for o in overrides or [] for a in ("--set", o)]
-        self.role = "rollout"
+        self.role = Role.ROLLOUT
         self.version = 0                      # newest policy version this cell has heard of
         self.checkpoint: str | None = None    # newest trainer checkpoint this cell has heard of
-        self.engine: EngineProcess | None = None
-        self.client: EngineClient | None = None
+        self.engine = None                    # gyre.engine.launch.EngineHandle
+        self.admin = None                     # gyre.engine.sglang_api.SGLangAdmin
         self.engine_weights = str(self.model_dir)  # what the engine serves (restarts load it)
         self.engine_version = "0"
         self._engine_retry_at = 0.0
         self.trainer: TrainerProcess | None = None
-        self.n_grad = 0
+        self.trainer_gen = 0
+        self.trainer_hosts: list[str] = []
+        self.store = None                     # the job's TCPStore (served here on cell 0)
+        self.store_addr: tuple[str, int] | None = None
         self.done: list = []
-        self.held: np.ndarray | None = None
         self.held_mbs: list = []
         self.lost: list = []
+        self._attempts: dict[tuple, int] = {}
         self._last_sent = 0.0
-        self._loop = asyncio.new_event_loop()
+        self.slurm = self._slurm_layout()
+
+    # --- where the cell's processes run -----------------------------------------------------
+    def _slurm_layout(self) -> dict | None:
+        """Under Slurm: this cell's nodes (run_dir/slurm.json, written by `prepare` for this job)."""
+        job = env("SLURM_JOB_ID")
+        path = self.run_dir / "slurm.json"
+        if not job or not path.exists():
+            return None
+        rec = json.loads(path.read_text())
+        cells = rec.get("cells", [])
+        if self.cell >= len(cells):
+            return None
+        from gyre.cluster.slurm import cell_step_prefix
+
+        return {"nodes": list(cells[self.cell]["nodes"]), "srun": cell_step_prefix()}
+
+    def _advertise(self) -> str:
+        return socket.getfqdn() if (self.slurm or self.cfg.engine.host in ("0.0.0.0", "")) else "127.0.0.1"
+
+    def trainer_ranks(self) -> int:
+        if self.slurm is None:
+            return self.cfg.train.local_ranks
+        import torch
+
+        per_node = self.cfg.sched.gpus_per_node if torch.cuda.is_available() and self.cfg.sched.gpus_per_node else 1
+        return per_node * len(self.slurm["nodes"])
+
+    def _srun(self) -> list[str] | None:
+        if self.slurm is None:
+            return None
+        # a step of its own inside the job, sharing the nodes with the agents' and engines' steps
+        return list(self.slurm["srun"])
 
     # --- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
+        self._share_store()
         self.trainer = self._new_trainer()  # loads while the engine starts
         self._start_engine()
-        self.trainer.wait_ready()
-        self.n_grad = self.trainer.num_grad_elements
+        self.trainer.wait_ready(on_wait=self._beat)
+        self.trainer_hosts = self.trainer.hostnames()
+        layout = {"cell": self.cell, "agent_host": socket.gethostname(), "trainer_ranks": self.trainer.ranks,
+                  "trainer_hosts": self.trainer_hosts, "engine_backend": self.engine.backend,
+                  "engine_nodes": list(self.engine.nodes) or [socket.gethostname()],
+                  "nodes": self.slurm["nodes"] if self.slurm else [socket.gethostname()]}
+        # what runs where, for operators and the dev-cluster tests (the head's files are its own)
+        atomic_write_json(self.run_dir / "cells" / f"cell{self.cell}.json", layout)
         self._event("hello", engine_url=self.engine.url, hostname=socket.gethostname(), pid=os.getpid(),
-                    cell=self.cell, engine_pid=self.engine.proc.pid, trainer_pid=self.trainer.pid,
-                    version=self.version)
+                    engine_pid=self.engine.proc.pid, trainer_pid=self.trainer.pid, version=self.version, **layout)
+
+    def _share_store(self) -> None:
+        """Cell 0 serves the job's TCPStore and sends its address to the other agents (control)."""
+        from gyre.train.groups import connect_store, serve_store
+
+        if self.cell == 0:
+            self.store = serve_store()
+            self.store_addr = (self._advertise(), self.store.port)
+            for rank in range(2, self.comm.Get_size()):
+                mpi_link.send(self.comm, self.store_addr, rank, TAG_STORE)
+        else:
+            addr = mpi_link.poll(self.comm, mpi_link.cell_rank(0), TAG_STORE, STORE_WAIT_S)
+            if addr is None:
+                raise RuntimeError(f"cell 0 did not say where the trainer store is within {STORE_WAIT_S:.0f} s")
+            self.store_addr = tuple(addr)
+            self.store = connect_store(*self.store_addr)
 
     def run(self) -> int:
         """Serve commands until ``stop``; returns the exit code."""
         while True:
             cmd = mpi_link.recv_command(self.comm, POLL_S)
             if cmd is not None:
+                faults.hit("agent", "command")
                 mpi_link.send_reply(self.comm, self.handle(cmd))
                 self._last_sent = time.monotonic()
-                if cmd.kind == "stop":
+                if isinstance(cmd, Stop):
                     return 0
             try:
                 self._watch()
@@ -129,198 +192,235 @@ class CellAgent:
 
     def close(self) -> None:
         """End both children (idempotent)."""
-        trainer, engine, client = self.trainer, self.engine, self.client
-        self.trainer = self.engine = self.client = None
+        trainer, engine = self.trainer, self.engine
+        self.trainer = self.engine = self.admin = None
         if trainer is not None:
             trainer.close()
         if engine is not None:
             engine.stop()
-        if client is not None:
-            self._loop.run_until_complete(client.close())
 
     # --- dispatch ---------------------------------------------------------------------------
+    def handlers(self) -> dict:
+        return {ToTrain: self._to_train, ToRollout: self._to_rollout, PushWeights: self._push_weights,
+                Train: self._train, PrepareReduce: self._prepare_reduce, Reduce: self._reduce, Stop: self._stop}
+
     def handle(self, cmd: Command) -> Reply:
         phases: dict[str, float] = {}
-        reply = Reply(seq=cmd.seq, cell=self.cell, kind=cmd.kind, ok=True, phases=phases)
+        reply = reply_for(cmd, self.cell, phases=phases)
         t0 = time.perf_counter()
         try:
-            reply.info = getattr(self, f"_cmd_{cmd.kind}")(cmd.args, phases) or {}
+            handler = self.handlers().get(type(cmd))
+            if handler is None:
+                raise CommandError(f"unknown command {type(cmd).__name__}")
+            handler(cmd, reply, phases)
         except CommandError as e:
             reply.ok, reply.error = False, str(e)
         except TrainerDied as e:
             self._trainer_died(str(e))
             reply.ok, reply.error = False, f"{e}; restarted it"
-            reply.info = {"lost": list(self.lost)}
         except Exception as e:  # noqa: BLE001 - an unexpected failure costs this command only
             reply.ok = False
             reply.error = f"{cmd.kind} failed: {type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"
+        if hasattr(reply, "lost"):  # told once: the head hands them out again
+            reply.lost = sorted(set(reply.lost) | set(self.lost))
+            self.lost = []
         phases["total"] = time.perf_counter() - t0
-        reply.info.setdefault("role", self.role)
+        reply.role = self.role
         return reply
 
     # --- commands ---------------------------------------------------------------------------
-    def _cmd_to_train(self, a: dict, phases: dict) -> dict:
-        version, ckpt = int(a.get("version", self.version)), a.get("checkpoint")
-        self._heard(version, ckpt)
-        if self.role == "train":  # catch up (it may have sat out a reduce)
+    def _to_train(self, c: ToTrain, rep, phases: dict) -> None:
+        self._heard(c.version, c.checkpoint)
+        if self.role is Role.TRAIN:  # catch up (it may have sat out a reduce)
             self._ensure_trainer()
             with timed(phases, "load"):
-                self._catch_up(version)
-            return {"already": True, "version": self.trainer.step}
+                self._catch_up(c.version)
+            rep.already, rep.version = True, self.trainer.step
+            return
         self._ensure_engine()
         self._ensure_trainer()  # before the role changes: a restarted trainer starts offloaded
         with timed(phases, "drain"):
-            aborted = self._drain(float(a.get("drain_timeout_s", DRAIN_S)))
-        with timed(phases, "release"):
-            self._engine(self.client.release_memory(MEMORY_TAGS))
-        self.role = "train"  # from here the engine holds no memory
+            rep.aborted = self._drain_and_release(c.drain_timeout_s, phases)
+        self.role = Role.TRAIN  # from here the engine holds no memory
         with timed(phases, "restore"):
             self.trainer.restore(on_wait=self._beat)
         with timed(phases, "load"):
-            self._catch_up(version)
-        return {"version": self.trainer.step, "aborted": aborted, "trainer_pid": self.trainer.pid}
+            self._catch_up(c.version)
+        rep.version, rep.trainer_pid = self.trainer.step, self.trainer.pid
 
-    def _cmd_to_rollout(self, a: dict, phases: dict) -> dict:
-        version, weights = a.get("version"), a.get("weights")
-        if version is not None:
-            self._heard(int(version), None)
-        if self.role == "rollout":
+    def _to_rollout(self, c: ToRollout, rep, phases: dict) -> None:
+        if c.version is not None:
+            self._heard(int(c.version), None)
+        if self.role is Role.ROLLOUT:
             with timed(phases, "load"):
-                self._load_weights(version, weights)
-            return {"already": True, "weight_version": self.engine_version}
+                self._load_weights(c.version, c.weights)
+            rep.already, rep.weight_version = True, self.engine_version
+            return
         self._ensure_trainer()
-        with timed(phases, "stash"):
-            self._stash()
-        with timed(phases, "offload"):
-            self.trainer.offload(on_wait=self._beat)
-        self.role = "rollout"
+        try:
+            with timed(phases, "stash"):
+                self._stash(self.trainer.step)
+            with timed(phases, "offload"):
+                self.trainer.offload(on_wait=self._beat)
+            self.role = Role.ROLLOUT
+        except TrainerDied as e:  # the switch goes on: a new trainer starts offloaded, the head
+            self.role = Role.ROLLOUT  # hears of the lost micro-batches at prepare_reduce
+            self._trainer_died(str(e))
         with timed(phases, "resume"):
             if not self._ensure_engine():  # a restarted engine holds its memory already
-                self._engine(self.client.resume_memory(MEMORY_TAGS))
+                self._admin("resume_memory_occupation", MEMORY_TAGS)
         with timed(phases, "load"):
-            self._load_weights(version, weights)
-        return {"weight_version": self.engine_version, "held_mbs": list(self.held_mbs)}
+            self._load_weights(c.version, c.weights)
+        rep.weight_version, rep.held_mbs = self.engine_version, list(self.held_mbs)
 
-    def _cmd_push_weights(self, a: dict, phases: dict) -> dict:
-        if self.role != "rollout":
+    def _push_weights(self, c: PushWeights, rep, phases: dict) -> None:
+        if self.role is not Role.ROLLOUT:
             raise CommandError("push_weights: the cell is in train role (its engine holds no memory)")
-        self._heard(int(a["version"]), None)
+        self._heard(int(c.version), None)
         self._ensure_engine()
         with timed(phases, "load"):
-            self._load_weights(a["version"], a.get("weights"))
-        return {"weight_version": self.engine_version}
+            self._load_weights(c.version, c.weights)
+        rep.weight_version = self.engine_version
 
-    def _cmd_train(self, a: dict, phases: dict) -> dict:
-        if self.role != "train":
-            raise CommandError(f"train: the cell is in {self.role} role; send to_train first")
-        mb_id = a["mb_id"]
+    def _train(self, c: Train, rep, phases: dict) -> None:
+        if self.role is not Role.TRAIN:
+            raise CommandError(f"train: the cell is in {self.role.value} role; send to_train first")
         self._ensure_trainer()
-        if "step" in a and int(a["step"]) != self.trainer.step:
-            raise CommandError(f"train: micro-batch {mb_id} is for step {a['step']} but the trainer "
+        if self.trainer.step < c.step:  # it died applying the last step: the leader's checkpoint has it
+            with timed(phases, "load"):
+                self._catch_up(c.step)
+        if self.trainer.step != c.step:
+            raise CommandError(f"train: micro-batch {c.mb_id} is for step {c.step} but the trainer "
                                f"is at step {self.trainer.step}")
         with timed(phases, "forward_backward"):
             try:
-                stats = self.trainer.forward_backward(a["batch"], on_wait=self._beat)
-            except TrainerDied as e:
-                self.done.append(mb_id)  # its gradients died with the others of this step
-                raise e
-        self.done.append(mb_id)
-        return {"mb_id": mb_id, "stats": stats}
+                rep.stats = self.trainer.forward_backward(c.batch, c.step, on_wait=self._beat)
+            except TrainerDied:
+                self.done.append(c.mb_id)  # its gradients died with the others of this step
+                raise
+        self.done.append(c.mb_id)
+        rep.mb_id = c.mb_id
 
-    def _cmd_prepare_reduce(self, a: dict, phases: dict) -> dict:
+    def _prepare_reduce(self, c: PrepareReduce, rep, phases: dict) -> None:
         self._ensure_trainer()
-        with timed(phases, "pull"):
-            self._stash()
-        return {"mb_ids": list(self.held_mbs), "lost": list(self.lost)}
+        with timed(phases, "stash"):
+            self._stash(c.step)
+        rep.mb_ids, rep.lost = list(self.held_mbs), list(self.lost)
 
-    def _cmd_reduce(self, a: dict, phases: dict) -> dict:
-        step, participants, leader = int(a["step"]), sorted(int(c) for c in a["participants"]), int(a["leader"])
-        if self.cell not in participants:
-            raise CommandError(f"reduce: cell {self.cell} is not among the participants {participants}")
-        # nothing may keep this cell out of the collective: the others would wait for it
-        with timed(phases, "pull"):
+    def _reduce(self, c: Reduce, rep, phases: dict) -> None:
+        from gyre.train.groups import abort_attempt, attempt_key
+
+        members = sorted(int(x) for x in c.participants)
+        if self.cell not in members:
+            raise CommandError(f"reduce: cell {self.cell} is not among the participants {members}")
+        key = (c.step, tuple(members))
+        attempt = self._attempts[key] = self._attempts.get(key, 0) + 1
+        base = attempt_key(c.step, members, attempt)
+        leader = self.cell == c.leader
+        rep.mb_ids, rep.version = list(self.held_mbs), c.step
+
+        def fail(why: str, died: bool) -> None:
+            """Nothing was applied anywhere: the others stop waiting, the head repeats the step."""
+            abort_attempt(self.store, c.step, members, attempt, f"cell {self.cell}: {why.splitlines()[0]}")
+            if died:
+                self._trainer_died(why)
+            rep.ok, rep.retry, rep.error, rep.lost = False, True, why, list(self.lost)
+
+        # 1. sum over the participants (every rank of every participant cell)
+        try:
+            self._ensure_trainer()
+            if self.lost:  # its gradients died before this reduce: the head must hand them out again
+                return fail(f"reduce: micro-batches {self.lost} of cell {self.cell} were lost", False)
+            with timed(phases, "allreduce"):
+                info = self.trainer.reduce(c.step, members, attempt, on_wait=self._beat,
+                                           timeout_s=c.timeout_s)
+            rep.group_form_ms, rep.group_cached = info["form_ms"], info["cached"]
+            rep.grad_norm = info["grad_norm_total"]
+        except TrainerDied as e:
+            return fail(str(e), True)
+        except TrainerError as e:  # another member died, or did not come
+            return fail(str(e), False)
+        # 2. the leader commits the step: apply, export, checkpoint
+        commit = base + "/commit"
+        if leader:
+            if self.role is not Role.TRAIN:
+                return fail(f"reduce: leader cell {self.cell} is not in train role", False)
             try:
-                self._stash()  # a no-op when prepare_reduce came first, as it should
+                with timed(phases, "apply"):
+                    stats = self.trainer.apply(c.step, on_wait=self._beat)
+                with timed(phases, "export"):
+                    rep.weights = self.trainer.export_weights(c.weights_dir, stats["step"], on_wait=self._beat)
+                with timed(phases, "checkpoint"):
+                    rep.checkpoint = self.trainer.save_checkpoint(c.checkpoint_dir, on_wait=self._beat)
             except TrainerDied as e:
-                self._trainer_died(str(e))
-        local = self.held if self.held is not None else np.zeros(self.n_grad, np.float32)
-        with timed(phases, "allreduce"):
-            total = self._allreduce(local, participants, float(a.get("timeout_s", REDUCE_S)))
-        info = {"version": step + 1, "mb_ids": list(self.held_mbs), "lost": list(self.lost),
-                "grad_norm": float(np.linalg.norm(total.astype(np.float64)))}
-        self.held, self.held_mbs, self.lost = None, [], []  # the step is over for this cell
-        self.version = max(self.version, step + 1)
-        if self.role != "train":  # it loads the new checkpoint when it next switches to train
-            self._heard(step + 1, a.get("checkpoint_dir"))
-            if self.cell == leader:
-                raise CommandError(f"reduce: leader cell {leader} is not in train role")
-            return info
-        self._ensure_trainer()  # a restart here loads the checkpoint of `step`: still valid
-        if self.trainer.step != step:
-            raise CommandError(f"reduce: the trainer is at step {self.trainer.step}, not {step}; "
-                               "the sum was not applied")
-        with timed(phases, "apply"):
-            stats = self.trainer.apply(total, on_wait=self._beat)
-        info.update(grad_norm=stats["grad_norm"], version=stats["step"])
-        if self.cell == leader:
-            with timed(phases, "export"):
-                info["weights"] = self.trainer.export_weights(a["weights_dir"], stats["step"], on_wait=self._beat)
-            with timed(phases, "checkpoint"):
-                info["checkpoint"] = self.trainer.save_checkpoint(a["checkpoint_dir"], on_wait=self._beat)
-        # only now: a trainer restarted before the leader wrote it must not look for it
-        self._heard(step + 1, a.get("checkpoint_dir"))
-        return info
+                return fail(str(e), True)
+            except TrainerError as e:
+                return fail(str(e), False)
+            rep.grad_norm = stats["grad_norm"]
+            self.store.set(commit, "1")
+        else:
+            with timed(phases, "commit_wait"):
+                if not self._wait_commit(commit, base + "/abort", c.timeout_s):
+                    return fail(f"reduce: the leader (cell {c.leader}) did not commit step {c.step}", False)
+            if self.role is Role.TRAIN:
+                try:
+                    with timed(phases, "apply"):
+                        rep.grad_norm = self.trainer.apply(c.step, on_wait=self._beat)["grad_norm"]
+                except TrainerDied as e:  # the step is committed: the new trainer loads the leader's checkpoint
+                    self._trainer_died(str(e), lose=False)
+                    self._heard(c.step + 1, c.checkpoint_dir)
+                    with timed(phases, "load"):
+                        self._catch_up(c.step + 1)
+                    rep.caught_up = True
+        # the step is over for this cell
+        self.held_mbs, self.done = [], []
+        self.version = max(self.version, c.step + 1)
+        self._heard(c.step + 1, c.checkpoint_dir)
+        rep.version = c.step + 1
 
-    def _cmd_stop(self, a: dict, phases: dict) -> dict:
+    def _wait_commit(self, commit: str, abort: str, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not self.store.check([commit]):
+            if self.store.check([abort]) or time.monotonic() > deadline:
+                return False
+            self._beat()
+            time.sleep(0.002)
+        return True
+
+    def _stop(self, c: Stop, rep, phases: dict) -> None:
         with timed(phases, "close"):
             self.close()
-        return {}
 
     # --- gradients --------------------------------------------------------------------------
-    def _stash(self) -> None:
-        """Move this step's gradients from the trainer into the agent (they survive a trainer
-        death and a role switch there)."""
+    def _stash(self, step: int | None = None) -> None:
+        """Sum this step's gradients over the cell's ranks (they stay there, between steps)."""
         if not self.done:
             return
-        g = self.trainer.grads(clear=True, on_wait=self._beat)
-        self.held = g if self.held is None else self.held + g
+        self.trainer.stash(self.version if step is None else step, on_wait=self._beat)
         self.held_mbs += self.done
         self.done = []
-
-    def _allreduce(self, local: np.ndarray, participants: list[int], timeout_s: float) -> np.ndarray:
-        from mpi4py import MPI
-
-        group = self.comm.Get_group().Incl([mpi_link.cell_rank(c) for c in participants])
-        sub = self.comm.Create_group(group, tag=TAG_REDUCE)  # only the participants call this
-        group.Free()
-        total = np.empty_like(local)
-        req = sub.Iallreduce(local, total, op=MPI.SUM)
-        deadline = time.monotonic() + timeout_s
-        while not req.Test():
-            if time.monotonic() > deadline:
-                # the collective cannot be cancelled: leave `sub` to it rather than free it
-                raise CommandError(f"reduce: participants {participants} did not all join within "
-                                   f"{timeout_s:.0f} s")
-            self._beat()
-            time.sleep(0.0005)
-        sub.Free()
-        return total
 
     # --- trainer ----------------------------------------------------------------------------
     def _new_trainer(self) -> TrainerProcess:
         # in rollout the trainer waits offloaded; in train it must be ready to compute
+        self.trainer_gen += 1
+        slurm = self.slurm
         return TrainerProcess(self.cfg.train, self.model_dir, seed=self.cfg.run.seed,
-                              offloaded=self.role == "rollout", checkpoint=self.checkpoint)
+                              offloaded=self.role is Role.ROLLOUT, checkpoint=self.checkpoint,
+                              cell=self.cell, gen=self.trainer_gen, ranks=self.trainer_ranks(),
+                              store=self.store_addr, advertise=self._advertise(), srun=self._srun(),
+                              nodes=slurm["nodes"] if slurm else ())
 
     def _ensure_trainer(self) -> None:
         if not self.trainer.alive():
-            self._trainer_died("the trainer process exited")
+            self._trainer_died("a trainer process exited")
         self.trainer.wait_ready(on_wait=self._beat)
 
-    def _trainer_died(self, reason: str) -> None:
+    def _trainer_died(self, reason: str, lose: bool = True) -> None:
         """Restart the trainer; the micro-batches whose gradients it held join ``lost``."""
-        self.lost += self.done
-        self.done = []
+        if lose:
+            self.lost += self.held_mbs + self.done
+        self.held_mbs, self.done = [], []
         old = self.trainer.pid
         with contextlib.suppress(Exception):
             self.trainer.kill()
@@ -329,6 +429,8 @@ class CellAgent:
                     trainer_pid=self.trainer.pid, checkpoint=self.checkpoint)
 
     def _catch_up(self, version: int) -> None:
+        if self.trainer.step is None:
+            self.trainer.wait_ready(on_wait=self._beat)
         if self.trainer.step < version:
             if not self.checkpoint:
                 raise CommandError(f"the trainer is at step {self.trainer.step} but version {version} "
@@ -345,39 +447,41 @@ class CellAgent:
 
     # --- engine -----------------------------------------------------------------------------
     def _start_engine(self) -> None:
-        """Start an engine serving what the last one served. It boots from the model directory
-        (exported weights carry no tokenizer), then loads the current weights if they differ."""
-        if self.cfg.engine.backend == "sglang":  # GPU nodes: a real SGLang server (unchecked here)
-            from gyre.engine.sglang_launch import SGLangSpec, start_sglang
+        """Start an engine serving what the last one served, through the one engine seam. It
+        boots from the model directory (exported weights carry no tokenizer), then loads the
+        current weights if they differ."""
+        from gyre.engine.launch import start_cell_engine
+        from gyre.engine.sglang_api import SGLangAdmin
 
-            eng = start_sglang(SGLangSpec(str(self.model_dir), host=self.cfg.engine.host,
-                                          port=self.cfg.engine.port + self.cell, api_key=self.api_key,
-                                          tp=max(1, self.cfg.sched.gpus_per_node)))
-        else:
-            eng = start_engine(self.model_dir, port=0, api_key=self.api_key, host=self.cfg.engine.host,
-                               extra_args=["--weight-version", "0", *self._engine_args])
-        if self.cfg.engine.host in ("0.0.0.0", ""):  # reachable from the head's node
-            eng.url = eng.url.replace("127.0.0.1", socket.getfqdn())
-        self.engine = eng
-        self.client = EngineClient(eng.url, self.api_key, timeout_s=ENGINE_CALL_S, connect_retries=1)
+        slurm = self.slurm
+        srun = None
+        port = 0
+        if slurm is not None and self.cfg.engine.backend == "sglang":
+            srun = list(slurm["srun"])
+            port = self.cfg.engine.port + self.cell
+        self.engine = start_cell_engine(self.cfg, self.model_dir, api_key=self.api_key,
+                                        nodes=slurm["nodes"] if slurm else (), port=port, srun=srun,
+                                        extra_args=["--weight-version", "0", *self._engine_args])
+        self.admin = SGLangAdmin(self.engine.url, self.api_key, timeout_s=ENGINE_CALL_S)
         if self.engine_version != "0":
-            self._engine(self.client.update_weights_from_disk(self.engine_weights, self.engine_version))
+            self._admin("update_weights_from_disk", self.engine_weights, self.engine_version)
+
+    def _admin(self, call: str, *args, **kw):
+        return getattr(self.admin, call)(*args, **kw)
 
     def _ensure_engine(self) -> bool:
         """Restart the engine if it died; True if it did. Raises if no engine can be had."""
-        if self.engine is not None and self.engine.proc.poll() is None:
+        if self.engine is not None and self.engine.alive():
             return False
         old = self.engine
-        code = old.proc.returncode if old is not None else None
+        code = old.proc.poll() if old is not None else None
         if old is not None:
             old.stop(timeout=2)
-        if self.client is not None:
-            self._loop.run_until_complete(self.client.close())
-        self.engine = self.client = None
+        self.engine = self.admin = None
         try:
             self._start_engine()
-            if self.role == "train":  # back to where the old one was: no memory held
-                self._engine(self.client.release_memory(MEMORY_TAGS))
+            if self.role is Role.TRAIN:  # back to where the old one was: no memory held
+                self._admin("release_memory_occupation", MEMORY_TAGS)
         except Exception as e:
             if self.engine is not None:  # half started (e.g. the weights failed to load): not usable
                 self.engine.stop(timeout=2)
@@ -386,38 +490,32 @@ class CellAgent:
             self._event("fatal", what="engine", error=f"cannot restart the engine: {e}")
             raise CommandError(f"the engine died and could not be restarted: {e}") from e
         self._event("engine_restarted", engine_url=self.engine.url, engine_pid=self.engine.proc.pid,
-                    old_url=old.url if old else None, exit_code=code, role=self.role,
+                    old_url=old.url if old else None, exit_code=code, role=self.role.value,
                     weight_version=self.engine_version)
         return True
 
-    def _engine(self, coro, timeout_s: float = ENGINE_CALL_S):
-        return self._loop.run_until_complete(asyncio.wait_for(coro, timeout_s))
+    def _drain_and_release(self, timeout_s: float, phases: dict) -> int:
+        """Release the engine's memory with SGLang's documented API only. The head took the cell
+        out of the router and aborted the router's requests there first (it knows the in-flight
+        count; the engine's /health tells nothing); whatever still runs is aborted here, and
+        a release the engine refuses while requests finish is retried within ``timeout_s``."""
+        from gyre.engine.sglang_api import SGLangAPIError
 
-    def _engine_load(self) -> dict:
-        req = urllib.request.Request(self.engine.url + "/health",
-                                     headers={"Authorization": f"Bearer {self.api_key}"})
-        with urllib.request.urlopen(req, timeout=5) as resp:
-            return json.load(resp)
-
-    def _drain(self, timeout_s: float) -> int:
-        """Wait (bounded) until the engine runs nothing; then abort what is left. The head has
-        taken the cell out of the router and aborted first, so this is normally instant."""
+        self._admin("abort_request", abort_all=True)
         deadline = time.monotonic() + timeout_s
+        tries = 0
         while True:
-            load = self._engine_load()
-            if load.get("running", 0) + load.get("queued", 0) == 0:
-                return 0
-            if time.monotonic() > deadline:
-                break
-            self._beat()
-            time.sleep(0.01)
-        n = int(self._engine(self.client.abort(abort_all=True)).get("aborted", 0))
-        for _ in range(500):  # aborted requests end at their next decode step
-            load = self._engine_load()
-            if load.get("running", 0) + load.get("queued", 0) == 0:
-                break
-            time.sleep(0.01)
-        return n
+            tries += 1
+            try:
+                with timed(phases, "release"):
+                    self._admin("release_memory_occupation", MEMORY_TAGS)
+                return tries - 1
+            except SGLangAPIError as e:
+                if time.monotonic() > deadline:
+                    raise CommandError(f"the engine refused to release its memory for {timeout_s:.0f} s: {e}") from e
+                self._admin("abort_request", abort_all=True)  # aborted requests end at their next step
+                self._beat()
+                time.sleep(0.01)
 
     def _load_weights(self, version, weights) -> None:
         if version is None or str(version) == self.engine_version:
@@ -425,22 +523,21 @@ class CellAgent:
         if not weights:
             raise CommandError(f"the engine serves version {self.engine_version}; version {version} "
                                "needs its weights directory")
-        self._engine(self.client.update_weights_from_disk(str(weights), str(version)))
+        self._admin("update_weights_from_disk", str(weights), str(version))
         self.engine_weights, self.engine_version = str(weights), str(version)
 
     # --- watching and heartbeats ------------------------------------------------------------
     def _watch(self) -> None:
         if self.trainer is not None and not self.trainer.alive():
-            self._trainer_died("the trainer process exited")
-        if (self.engine is None or self.engine.proc.poll() is not None) and \
-                time.monotonic() >= self._engine_retry_at:
+            self._trainer_died("a trainer process exited")
+        if (self.engine is None or not self.engine.alive()) and time.monotonic() >= self._engine_retry_at:
             with contextlib.suppress(CommandError):  # reported as Event fatal; retried later
                 self._ensure_engine()
 
     def _beat(self) -> None:
         if time.monotonic() - self._last_sent < HEARTBEAT_S:
             return
-        self._event("heartbeat", role=self.role, trainer_step=self.trainer.step if self.trainer else None,
+        self._event("heartbeat", role=self.role.value, trainer_step=self.trainer.step if self.trainer else None,
                     engine_version=self.engine_version, engine_url=self.engine.url if self.engine else None,
                     engine_pid=self.engine.proc.pid if self.engine else None,
                     trainer_pid=self.trainer.pid if self.trainer else None)
@@ -467,9 +564,9 @@ def serve_failed(comm, error: str) -> int:
         cmd = mpi_link.recv_command(comm, 1.0)
         if cmd is None:
             continue
-        stopped = cmd.kind == "stop"
-        mpi_link.send_reply(comm, Reply(seq=cmd.seq, cell=cell, kind=cmd.kind, ok=stopped,
-                                        error="" if stopped else f"cell {cell} failed to start: {error}"))
+        stopped = isinstance(cmd, Stop)
+        mpi_link.send_reply(comm, reply_for(cmd, cell, ok=stopped,
+                                            error="" if stopped else f"cell {cell} failed to start: {error}"))
         if stopped:
             return 0  # the failure went to the head as Event fatal; the head owns the job's status
 

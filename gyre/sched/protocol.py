@@ -1,66 +1,204 @@
 """Control messages between the head (MPI rank 0) and the cell agents (ranks 1..N).
 
-Small, typed and pickled (mpi4py's lowercase send/recv). The head sends one `Command` at a time
-to a cell and gets exactly one `Reply` with the same ``seq``; agents also send unsolicited
-`Event`s (hello, heartbeat, a child process restarted). Bulk tensors travel only in ``train``
-(one micro-batch as numpy arrays) and in the gradient all-reduce, never in replies.
+One dataclass per head->agent command and one per reply; the agent picks its handler from a
+dispatch table keyed by the command's class. Small and pickled (mpi4py's lowercase send/recv):
+the head sends one command at a time to a cell and gets exactly one reply with the same ``seq``;
+agents also send unsolicited `Event`s (hello, heartbeat, a child process restarted). Bulk data
+travels only in `Train` (one micro-batch as numpy arrays); gradients never cross this link (they
+are reduced over torch.distributed groups among the trainer ranks, gyre.train.groups).
 
-Command kinds and their ``args`` (the agent answers each with ``Reply.phases`` = seconds per phase):
+Lost micro-batches (their gradients died with a trainer) are reported once, in the next reply
+that has a ``lost`` field (train, prepare_reduce, reduce); the head hands them out again.
 
-``to_train``      {version, checkpoint}          drain + release engine memory, restore trainer,
-                                                 load the checkpoint if the trainer is behind
-``to_rollout``    {version, weights}             stash this step's gradients, offload trainer,
-                                                 resume engine memory, load ``weights`` if behind
-``push_weights``  {version, weights}             engine /update_weights_from_disk
-``train``         {step, mb_id, batch}           forward+backward of one micro-batch (gradients
-                                                 accumulate in the trainer); info: stats
-``prepare_reduce``{step}                         pull this step's gradients into the agent;
-                                                 info: {mb_ids, lost}: micro-batches whose
-                                                 gradients died with a killed trainer
-``reduce``        {step, participants, leader,   all-reduce (sum) over exactly ``participants``
-                   weights_dir, checkpoint_dir}  (a communicator made for them), optimizer step
-                                                 on train cells, the leader exports weights and
-                                                 writes the checkpoint; info: {grad_norm, version}
-``stop``          {}                             end children, exit
+Every reply carries ``ok``, ``error`` (why not ok), ``phases`` (seconds per phase) and the cell's
+``role`` afterwards. A failed `Reduce` with ``retry=True`` changed nothing anywhere (no cell
+applied the step): the head hands ``lost`` micro-batches out again and repeats the reduce.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
+
+from gyre.sched.state import Role  # the one role type, head and agents
 
 TAG_COMMAND = 11
 TAG_REPLY = 12
 TAG_EVENT = 13
-TAG_REDUCE = 14  # reserved for data traffic inside a reduce
+TAG_STORE = 14  # agent of cell 0 -> the other agents: where the job's trainer store listens
 
-COMMANDS = ("to_train", "to_rollout", "push_weights", "train", "prepare_reduce", "reduce", "stop")
 EVENTS = ("hello", "heartbeat", "engine_restarted", "trainer_restarted", "fatal")
 
 _seq = itertools.count(1)
 
 
-@dataclass
+def _next_seq() -> int:
+    return next(_seq)
+
+
+# --- commands (head -> agent) ------------------------------------------------------------------------
+
+@dataclass(kw_only=True)
 class Command:
-    kind: str
-    args: dict[str, Any] = field(default_factory=dict)
-    seq: int = field(default_factory=lambda: next(_seq))
-
-    def __post_init__(self) -> None:
-        if self.kind not in COMMANDS:
-            raise ValueError(f"unknown command {self.kind!r}; known: {', '.join(COMMANDS)}")
+    kind: ClassVar[str] = ""
+    seq: int = field(default_factory=_next_seq)
 
 
-@dataclass
+@dataclass(kw_only=True)
+class ToTrain(Command):
+    """Drain and release the engine's memory, restore the trainer, load ``checkpoint`` if behind."""
+    kind: ClassVar[str] = "to_train"
+    version: int
+    checkpoint: str | None = None
+    drain_timeout_s: float = 30.0
+
+
+@dataclass(kw_only=True)
+class ToRollout(Command):
+    """Stash this step's gradients (they stay in the trainer ranks), offload the trainer, resume
+    the engine's memory and load ``weights`` if it serves an older version."""
+    kind: ClassVar[str] = "to_rollout"
+    version: int | None = None
+    weights: str | None = None
+
+
+@dataclass(kw_only=True)
+class PushWeights(Command):
+    """The engine loads ``weights`` (``/update_weights_from_disk``)."""
+    kind: ClassVar[str] = "push_weights"
+    version: int
+    weights: str
+
+
+@dataclass(kw_only=True)
+class Train(Command):
+    """Forward+backward of one micro-batch over the cell's trainer ranks (gradients accumulate)."""
+    kind: ClassVar[str] = "train"
+    step: int
+    mb_id: int
+    batch: dict
+
+
+@dataclass(kw_only=True)
+class PrepareReduce(Command):
+    """Sum this step's gradients over the cell's ranks (held in the trainer ranks)."""
+    kind: ClassVar[str] = "prepare_reduce"
+    step: int
+
+
+@dataclass(kw_only=True)
+class Reduce(Command):
+    """Sum the held gradients over exactly ``participants`` (a torch.distributed group per
+    membership); the leader applies, exports the weights to ``weights_dir`` (one piece per rank)
+    and writes ``checkpoint_dir``, then commits; the other train cells apply after the commit."""
+    kind: ClassVar[str] = "reduce"
+    step: int
+    participants: list[int]
+    leader: int
+    weights_dir: str
+    checkpoint_dir: str
+    timeout_s: float = 600.0
+
+
+@dataclass(kw_only=True)
+class Stop(Command):
+    """End the engine and the trainer ranks, then the agent."""
+    kind: ClassVar[str] = "stop"
+
+
+COMMANDS: dict[str, type[Command]] = {c.kind: c for c in (ToTrain, ToRollout, PushWeights, Train, PrepareReduce,
+                                                          Reduce, Stop)}
+
+
+# --- replies (agent -> head) -------------------------------------------------------------------------
+
+@dataclass(kw_only=True)
 class Reply:
+    kind: ClassVar[str] = ""
     seq: int
     cell: int
-    kind: str
-    ok: bool
-    phases: dict[str, float] = field(default_factory=dict)
-    info: dict[str, Any] = field(default_factory=dict)
+    ok: bool = True
     error: str = ""
+    role: Role = Role.ROLLOUT
+    phases: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """The reply's own fields as a dict (read-only view, for logs and reports)."""
+        base = {f.name for f in dataclasses.fields(Reply)}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in base}
+        out["role"] = self.role.value
+        return out
+
+
+@dataclass(kw_only=True)
+class ToTrainReply(Reply):
+    kind: ClassVar[str] = "to_train"
+    version: int | None = None
+    aborted: int = 0
+    trainer_pid: int | None = None
+    already: bool = False
+
+
+@dataclass(kw_only=True)
+class ToRolloutReply(Reply):
+    kind: ClassVar[str] = "to_rollout"
+    weight_version: str = ""
+    held_mbs: list[int] = field(default_factory=list)
+    already: bool = False
+
+
+@dataclass(kw_only=True)
+class PushWeightsReply(Reply):
+    kind: ClassVar[str] = "push_weights"
+    weight_version: str = ""
+
+
+@dataclass(kw_only=True)
+class TrainReply(Reply):
+    kind: ClassVar[str] = "train"
+    mb_id: int | None = None
+    stats: dict[str, float] = field(default_factory=dict)
+    lost: list[int] = field(default_factory=list)   # micro-batches whose gradients died (a trainer death)
+
+
+@dataclass(kw_only=True)
+class PrepareReduceReply(Reply):
+    kind: ClassVar[str] = "prepare_reduce"
+    mb_ids: list[int] = field(default_factory=list)
+    lost: list[int] = field(default_factory=list)
+
+
+@dataclass(kw_only=True)
+class ReduceReply(Reply):
+    kind: ClassVar[str] = "reduce"
+    version: int | None = None
+    mb_ids: list[int] = field(default_factory=list)
+    lost: list[int] = field(default_factory=list)
+    retry: bool = False               # failed before any cell applied the step: repeat it
+    grad_norm: float | None = None
+    weights: str | None = None        # leader: the exported directory
+    checkpoint: str | None = None     # leader: the checkpoint directory
+    group_form_ms: float = 0.0        # forming the cross-cell group (0 when cached)
+    group_cached: bool = False
+    caught_up: bool = False           # the trainer died applying; it loaded the leader's checkpoint
+
+
+@dataclass(kw_only=True)
+class StopReply(Reply):
+    kind: ClassVar[str] = "stop"
+
+
+REPLIES: dict[type[Command], type[Reply]] = {ToTrain: ToTrainReply, ToRollout: ToRolloutReply,
+                                             PushWeights: PushWeightsReply, Train: TrainReply,
+                                             PrepareReduce: PrepareReduceReply, Reduce: ReduceReply, Stop: StopReply}
+
+
+def reply_for(cmd: Command, cell: int, **fields) -> Reply:
+    """The reply class that answers ``cmd`` (an unknown command gets a plain failed Reply)."""
+    return REPLIES.get(type(cmd), Reply)(seq=cmd.seq, cell=cell, **fields)
 
 
 @dataclass

@@ -89,3 +89,85 @@ def save_torch_atomic(path_dir: str | os.PathLike, payload: dict, *, filename: s
     with atomic_dir(path_dir) as tmp:
         torch.save(payload, tmp / filename)
     return Path(path_dir)
+
+
+# --- parallel export: every rank of the leader cell writes one piece ---------------------------------
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def write_checksums(out_dir: Path) -> None:
+    """Hook for the engine's checksum manifest (verified on load): called once per export, on
+    the complete temporary directory, before it is renamed into place. The proxy/engine helper's
+    `write_checksums(dir)` goes here; until it lands this writes nothing."""
+
+
+def assign_pieces(state: dict[str, Tensor], parts: int) -> list[list[str]]:
+    """Tensor names per piece, balanced by bytes (largest first onto the lightest piece); the
+    same on every rank because it depends only on names and shapes."""
+    pieces: list[list[str]] = [[] for _ in range(parts)]
+    load = [0] * parts
+    for name in sorted(state, key=lambda k: (-state[k].numel() * state[k].element_size(), k)):
+        i = min(range(parts), key=lambda j: (load[j], j))
+        pieces[i].append(name)
+        load[i] += state[name].numel() * state[name].element_size()
+    return [sorted(p) for p in pieces]
+
+
+def piece_name(rank: int, size: int) -> str:
+    return WEIGHTS_FILE if size == 1 else f"model-{rank + 1:05d}-of-{size:05d}.safetensors"
+
+
+def export_pieces(state: dict[str, Tensor], hf_config, out_dir: str | os.PathLike, weight_version: int | str,
+                  *, rank: int = 0, size: int = 1, barrier=lambda: None, broadcast=lambda x: x) -> Path:
+    """Write the weights as ``size`` safetensors pieces in parallel (rank r writes piece r) plus
+    the transformers index, into one temporary directory renamed into place by rank 0 when every
+    piece is on disk. Engines load the result with ``/update_weights_from_disk``. Every rank calls
+    this with the same state; ``barrier``/``broadcast`` are the cell's collectives."""
+    from safetensors.torch import save_file
+
+    final = Path(out_dir)
+    tmp_name = broadcast(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}" if rank == 0 else None)
+    tmp = final.parent / tmp_name
+    if rank == 0:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir(mode=0o700)
+    barrier()
+    try:
+        names = assign_pieces(state, size)
+        mine = {k: state[k].detach().to("cpu").contiguous() for k in names[rank]}
+        path = tmp / piece_name(rank, size)
+        save_file(mine, str(path), metadata={"format": "pt", "weight_version": str(weight_version)})
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        barrier()
+        if rank == 0:
+            dtypes = {v.dtype for v in state.values()}
+            cfg = hf_config.to_dict()
+            if len(dtypes) == 1:
+                cfg["torch_dtype"] = cfg["dtype"] = str(dtypes.pop()).removeprefix("torch.")
+            (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+            (tmp / VERSION_FILE).write_text(json.dumps({"weight_version": str(weight_version)}))
+            if size > 1:
+                total = sum(v.numel() * v.element_size() for v in state.values())
+                index = {"metadata": {"total_size": total},
+                         "weight_map": {k: piece_name(r, size) for r, ks in enumerate(names) for k in ks}}
+                (tmp / INDEX_FILE).write_text(json.dumps(index, indent=1, sort_keys=True))
+            write_checksums(tmp)
+            _fsync_tree(tmp)
+            old = None
+            if final.exists():
+                old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+                os.replace(final, old)
+            os.replace(tmp, final)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    barrier()
+    return final

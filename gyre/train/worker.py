@@ -1,29 +1,29 @@
-"""The trainer as a child process that a cell agent supervises.
+"""A cell's trainer as seen by its agent: ``ranks`` processes of gyre.train.rank over the cell's nodes.
 
-A trainer that dies (kill -9, out of memory) costs the cell the micro-batches of its current step,
-never the agent: each Trainer call is one request/response over a socket pair, with a timeout,
-and a dead child shows up as :class:`TrainerDied` on the next call or in :meth:`alive`.
+Launch: local processes (``gyre run``, tests) or ONE ``srun`` job step over the cell's nodes
+(``srun=[...]`` prefix given by the agent under Slurm). Rank 0 connects back to a listener here
+(authenticated with a key only the job's processes hold) and answers for the cell; every request
+is carried out by every rank. A trainer with any dead rank is dead as a whole: the first call
+that notices raises :class:`TrainerDied`, the agent kills what is left and starts a new
+incarnation (``gen`` + 1), which forms new groups from the job's store.
 
-The child is a fresh interpreter (``python -m gyre.train.worker --fd N``), not a multiprocessing
-child: a spawned child re-imports the parent's ``__main__``, which under MPI could initialise MPI
-a second time in a process the launcher does not know. Tensors cross as numpy arrays (by value).
+The processes are fresh interpreters (``python -m gyre.train.rank``), not multiprocessing
+children: a spawned child re-imports the parent's ``__main__``, which under MPI could initialise
+MPI a second time in a process the launcher does not know.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
+import secrets
 import signal
-import socket
 import subprocess
 import sys
+import threading
 import time
-import traceback
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Listener
 from typing import Any, Callable
-
-import numpy as np
 
 from gyre.config import TrainConfig
 
@@ -31,69 +31,120 @@ DEFAULT_TIMEOUT_S = 600.0
 
 
 class TrainerError(RuntimeError):
-    """The trainer raised; the process is alive and usable."""
+    """The trainer raised; its processes are alive and usable."""
 
 
 class TrainerDied(RuntimeError):
-    """The trainer process is gone, or did not answer in time (and was killed)."""
+    """A trainer process is gone, or the trainer did not answer in time (and was killed)."""
 
 
 class TrainerProcess:
-    """Parent side. Construction starts the child and returns at once; the first call (or
-    :meth:`wait_ready`) waits until the model is loaded.
+    """Parent side. Construction starts the ranks and returns at once; the first call (or
+    :meth:`wait_ready`) waits until every rank has loaded the model.
 
-    ``offloaded=True`` starts the trainer offloaded (cells start in rollout); ``checkpoint`` is
-    loaded before that when given. Every call accepts ``on_wait``: called about every
-    ``tick_s`` while waiting (a cell agent sends heartbeats from it).
+    ``store``: (host, port) of the job's TCPStore; None = serve a private one (a lone cell).
+    ``advertise``: the host name rank 0 dials back (this node's name under Slurm).
+    ``srun``: None = local processes; else the argv prefix of one job step over ``nodes`` with
+    ``ranks`` tasks (e.g. ``["srun", "--overlap", "--jobid", ID]``).
+    Every call accepts ``on_wait``: called about every ``tick_s`` while waiting.
     """
 
     def __init__(self, cfg: TrainConfig, model_dir: str | os.PathLike, seed: int = 0, *,
                  offloaded: bool = False, checkpoint: str | os.PathLike | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, tick_s: float = 0.5) -> None:
-        self.timeout_s, self.tick_s = timeout_s, tick_s
-        parent, child = socket.socketpair()
-        try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "gyre.train.worker", "--fd", str(child.fileno())],
-                pass_fds=[child.fileno()], stdin=subprocess.DEVNULL)
-        finally:
-            child.close()
-        self._conn = Connection(parent.detach())
-        self._conn.send({"cfg": dataclasses.asdict(cfg), "model_dir": str(model_dir), "seed": seed,
-                         "offloaded": offloaded,
-                         "checkpoint": str(checkpoint) if checkpoint else None})
+                 timeout_s: float = DEFAULT_TIMEOUT_S, tick_s: float = 0.5, cell: int = 0, gen: int = 0,
+                 ranks: int = 1, store: tuple[str, int] | None = None, advertise: str = "127.0.0.1",
+                 srun: list[str] | None = None, nodes: list[str] | tuple = ()) -> None:
+        self.timeout_s, self.tick_s, self.cell, self.gen, self.ranks = timeout_s, tick_s, cell, gen, ranks
+        self._own_store = None
+        self._srun = srun is not None
+        if store is None:
+            from gyre.train.groups import serve_store
+
+            self._own_store = serve_store()
+            store = ("127.0.0.1", self._own_store.port)
+        self.store_addr = store
+        authkey = secrets.token_bytes(32)
+        self._listener = Listener(("0.0.0.0" if advertise != "127.0.0.1" else "127.0.0.1", 0), authkey=authkey)
+        port = self._listener.address[1]
+        self._accepted: list = []
+        threading.Thread(target=self._accept, daemon=True, name=f"trainer-accept-{cell}").start()
+        base = [sys.executable, "-m", "gyre.train.rank", "--cell", str(cell), "--gen", str(gen),
+                "--store", f"{store[0]}:{store[1]}", "--agent", f"{advertise}:{port}",
+                "--timeout-s", str(timeout_s)]
+        env = {**os.environ, "GYRE_TRAINER_AUTHKEY": authkey.hex()}
+        if srun is None:
+            self.procs = [subprocess.Popen(base + ["--rank", str(r), "--size", str(ranks)], env=env,
+                                           stdin=subprocess.DEVNULL) for r in range(ranks)]
+        else:
+            if not nodes or ranks % len(nodes):
+                raise ValueError(f"{ranks} trainer ranks cannot be spread evenly over nodes {list(nodes)}")
+            step = [*srun, f"--nodes={len(nodes)}", f"--ntasks={ranks}", f"--ntasks-per-node={ranks // len(nodes)}",
+                    f"--nodelist={','.join(nodes)}", "--kill-on-bad-exit=1", "--cpu-bind=none"]
+            self.procs = [subprocess.Popen(step + base, env=env, stdin=subprocess.DEVNULL, start_new_session=True)]
+        self._init = {"cfg": dataclasses.asdict(cfg), "model_dir": str(model_dir), "seed": seed,
+                      "offloaded": offloaded, "checkpoint": str(checkpoint) if checkpoint else None}
+        self._conn = None
         self.step: int | None = None  # the trainer's optimizer step = its policy version
         self.num_grad_elements = 0
         self._ready = False
 
+    def _accept(self) -> None:
+        try:
+            self._accepted.append(self._listener.accept())
+        except Exception as e:  # noqa: BLE001 - a bad handshake or a closed listener: rank 0 never came
+            self._accepted.append(e)
+
     @property
     def pid(self) -> int:
-        return self.proc.pid
+        return self.procs[0].pid
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return all(p.poll() is None for p in self.procs)
 
     def wait_ready(self, timeout_s: float | None = None, on_wait: Callable[[], Any] | None = None) -> None:
         if self._ready:
             return
-        info = self._receive("start", timeout_s or self.timeout_s, on_wait)
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        while not self._accepted:
+            if not self.alive():
+                raise self._died("start")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise TrainerDied(f"trainer rank 0 of cell {self.cell} did not connect within "
+                                  f"{timeout_s or self.timeout_s:.0f} s; killed it")
+            if on_wait is not None:
+                on_wait()
+            time.sleep(0.01)
+        got = self._accepted[0]
+        if isinstance(got, Exception):
+            self.kill()
+            raise TrainerDied(f"trainer rank 0 of cell {self.cell} could not connect: {got}")
+        self._conn = got
+        self._conn.send(self._init)
+        info = self._receive("start", deadline - time.monotonic(), on_wait)
         self.num_grad_elements = info["num_grad_elements"]
         self._ready = True
 
-    # --- the Trainer API ----------------------------------------------------------------------
-    def forward_backward(self, wire_mb: dict, **kw) -> dict:
-        """One micro-batch (:func:`gyre.batch.to_wire` form); returns its loss stats."""
-        return self._call("forward_backward", wire_mb, **kw)
+    # --- the cell trainer's requests ------------------------------------------------------------
+    def forward_backward(self, wire_mb: dict, step: int = 0, **kw) -> dict:
+        """One micro-batch (:func:`gyre.batch.to_wire` form), rows split over the ranks; its stats."""
+        return self._call("forward_backward", wire_mb, step, **kw)
 
-    def grads(self, clear: bool = False, **kw) -> np.ndarray:
-        """Flat float32 gradients accumulated since the last step (zeros if none); ``clear``
-        drops them from the trainer (so it is between steps and can offload)."""
-        return self._call("grads", clear, **kw)
+    def stash(self, step: int, **kw) -> dict:
+        """Sum this step's gradients over the cell's ranks into the ranks' held vector."""
+        return self._call("stash", step, **kw)
 
-    def apply(self, grad_sum: np.ndarray, **kw) -> dict:
-        """Set the gradients to ``grad_sum`` and take the optimizer step; returns step stats
-        (``grad_norm``, ``step`` = the new policy version)."""
-        return self._call("apply", np.ascontiguousarray(grad_sum, dtype=np.float32), **kw)
+    def reduce(self, step: int, members: list[int], attempt: int, **kw) -> dict:
+        """Sum the held gradients over the member cells (cross-cell groups)."""
+        return self._call("reduce", step, sorted(members), attempt, **kw)
+
+    def apply(self, step: int, **kw) -> dict:
+        """The optimizer step with the last reduce's sum; returns step stats (``grad_norm``, ``step``)."""
+        return self._call("apply", step, **kw)
 
     def offload(self, **kw) -> dict:
         return self._call("offload", **kw)
@@ -110,28 +161,49 @@ class TrainerProcess:
     def export_weights(self, out_dir: str | os.PathLike, version: int | str, **kw) -> str:
         return self._call("export_weights", str(out_dir), version, **kw)
 
-    # --- lifecycle ----------------------------------------------------------------------------
+    def hostnames(self, **kw) -> list[str]:
+        return self._call("hostname", **kw)
+
+    # --- lifecycle ------------------------------------------------------------------------------
     def kill(self) -> None:
-        if self.alive():
-            self.proc.kill()
-        self.proc.wait(timeout=10)
-        self._conn.close()
+        if self._srun and self.procs[0].poll() is None:
+            # srun forwards SIGTERM to every task of the step and ends it; SIGKILL would leave
+            # the remote ranks to Slurm's own clean-up
+            self.procs[0].terminate()
+            try:
+                self.procs[0].wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        self._close_channels()
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Ask the child to exit; kill it if it does not within ``timeout_s``."""
-        if self.alive() and not self._conn.closed:
+        """Ask the ranks to exit; kill them if they do not within ``timeout_s``."""
+        if self._conn is not None and not self._conn.closed and self.alive():
             try:
                 self._conn.send(("close", ()))
-                self.proc.wait(timeout=timeout_s)
+                for p in self.procs:
+                    p.wait(timeout=timeout_s)
             except (OSError, subprocess.TimeoutExpired):
                 pass
-        if self.alive():
-            self.proc.kill()
-        self.proc.wait(timeout=10)
-        if not self._conn.closed:
-            self._conn.close()
+        self.kill()
 
-    # --- transport ----------------------------------------------------------------------------
+    def _close_channels(self) -> None:
+        if self._conn is not None and not self._conn.closed:
+            self._conn.close()
+        try:
+            self._listener.close()
+        except OSError:
+            pass
+
+    # --- transport ------------------------------------------------------------------------------
     def _call(self, method: str, *args, timeout_s: float | None = None,
               on_wait: Callable[[], Any] | None = None) -> Any:
         timeout_s = timeout_s or self.timeout_s
@@ -148,9 +220,9 @@ class TrainerProcess:
             left = deadline - time.monotonic()
             if left <= 0:
                 # its state (and our pipe) is now unknown: a stale answer must not be taken
-                # for the next request's, so the child goes
+                # for the next request's, so the ranks go
                 self.kill()
-                raise TrainerDied(f"trainer process {self.pid} did not answer {method} within "
+                raise TrainerDied(f"trainer of cell {self.cell} did not answer {method} within "
                                   f"{timeout_s:.0f} s; killed it")
             try:
                 if self._conn.poll(min(left, self.tick_s)):
@@ -158,100 +230,24 @@ class TrainerProcess:
                     break
             except (EOFError, OSError):
                 raise self._died(method) from None
+            if not self.alive():  # a rank other than 0 died: rank 0 may wait in a collective forever
+                raise self._died(method)
             if on_wait is not None:
                 on_wait()
         self.step = step
         if status == "err":
             if method == "start":
-                self.proc.wait(timeout=30)
-                raise TrainerDied(f"trainer process {self.pid} failed to start: {value}")
+                self.kill()
+                raise TrainerDied(f"trainer of cell {self.cell} failed to start: {value}")
             raise TrainerError(f"trainer {method} failed: {value}")
         return value
 
     def _died(self, method: str) -> TrainerDied:
-        try:
-            rc = self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:  # pipe broken but process still there: finish it
-            self.proc.kill()
-            rc = self.proc.wait(timeout=10)
+        dead = [(i, p.poll()) for i, p in enumerate(self.procs) if p.poll() is not None]
+        self.kill()
+        if not dead:
+            return TrainerDied(f"trainer of cell {self.cell} lost its connection during {method}")
+        i, rc = dead[0]
         how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
-        return TrainerDied(f"trainer process {self.pid} died ({how}) during {method}")
-
-
-# --- child side ----------------------------------------------------------------------------------
-
-def _handlers(trainer) -> dict[str, Callable]:
-    import torch
-
-    from gyre.batch import from_wire
-
-    def grads(clear: bool) -> np.ndarray:
-        g = trainer.flat_grads().numpy().astype(np.float32, copy=True)
-        if clear:
-            trainer.clear_gradients()
-        return g
-
-    def load_checkpoint(path: str) -> None:
-        trainer.load_checkpoint(path)
-        trainer.own_storage()
-
-    def apply(vec: np.ndarray) -> dict:
-        trainer.set_flat_grads(torch.from_numpy(vec))
-        return trainer.apply_gradients()
-
-    return {
-        "forward_backward": lambda wire: trainer.forward_backward(from_wire(wire)),
-        "grads": grads,
-        "apply": apply,
-        "offload": trainer.offload,
-        "restore": trainer.restore,
-        "save_checkpoint": lambda path: str(trainer.save_checkpoint(path)),
-        "load_checkpoint": load_checkpoint,
-        "export_weights": lambda out, version: str(trainer.export_weights(out, version)),
-    }
-
-
-def serve(conn: Connection) -> int:
-    init = conn.recv()
-    try:
-        import torch
-
-        from gyre.train.backends import make_trainer
-
-        torch.set_num_threads(1)  # cells share cores with their engine and with each other
-        trainer = make_trainer(TrainConfig(**init["cfg"]), init["model_dir"], seed=init["seed"])
-        if init["checkpoint"]:
-            trainer.load_checkpoint(init["checkpoint"])
-        trainer.own_storage()  # so that offload can release what was loaded
-        if init["offloaded"]:
-            trainer.offload()
-    except Exception as e:
-        conn.send(("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}", None))
-        return 1
-    conn.send(("ok", {"num_grad_elements": trainer.num_grad_elements()}, trainer.step))
-    handlers = _handlers(trainer)
-    while True:
-        try:
-            method, args = conn.recv()
-        except (EOFError, OSError):
-            return 0  # the agent is gone: nothing left to serve
-        if method == "close":
-            return 0
-        try:
-            if method not in handlers:
-                raise ValueError(f"unknown trainer request {method!r}")
-            reply = ("ok", handlers[method](*args), trainer.step)
-        except Exception as e:
-            reply = ("err", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}", trainer.step)
-        conn.send(reply)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="trainer child process of a cell agent (internal)")
-    p.add_argument("--fd", type=int, required=True, help="inherited socket to the agent")
-    args = p.parse_args(argv)
-    return serve(Connection(args.fd))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        what = f"rank {i}" if len(self.procs) > 1 else "the srun step" if self.ranks > 1 else f"process {self.procs[i].pid}"
+        return TrainerDied(f"trainer of cell {self.cell}: {what} died ({how}) during {method}")

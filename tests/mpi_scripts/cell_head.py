@@ -21,7 +21,7 @@ import urllib.request
 from pathlib import Path
 
 SWITCHES = 6
-TRAIN_OVERRIDES = ["train.dtype=float32", "train.lr=1e-3", "train.adam_eps=1.0"]
+TRAIN_OVERRIDES = ["train.dtype=float32", "train.lr=1e-3", "train.adam_eps=1.0"]  # Slurm: a rank per node
 # rows of the toy step: (sequence, prompt length, advantage); one execution per row
 ROWS = [([1, 2, 3, 40, 41, 42, 43], 3, 1.0), ([1, 2, 3, 50, 51], 3, -1.0),
         ([9, 8, 60, 61, 62, 63, 64, 65], 2, 0.5), ([9, 8, 70], 2, -0.5)]
@@ -65,9 +65,9 @@ class Head:
             self.events.append(msg)
 
     def send(self, cell: int, kind: str, **args):
-        from gyre.sched.protocol import Command
+        from gyre.sched.protocol import COMMANDS
 
-        cmd = Command(kind, args)
+        cmd = COMMANDS[kind](**args)
         self.link.send_command(cell, cmd)
         return cmd.seq, time.perf_counter()
 
@@ -82,7 +82,7 @@ class Head:
     def call(self, cell: int, kind: str, timeout_s: float = 120.0, **args):
         seq, t0 = self.send(cell, kind, **args)
         reply = self.wait(seq, timeout_s)
-        reply.info["rtt_s"] = time.perf_counter() - t0
+        reply.rtt_s = time.perf_counter() - t0
         return reply
 
     def call_all(self, cells, kind: str, **args) -> list:
@@ -117,17 +117,17 @@ class Head:
         return self.http(url, "/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})[0]
 
     def weight_version(self, url: str) -> str:
-        return self.http(url, "/get_weight_version")[1].get("weight_version")
+        return self.http(url, "/model_info")[1].get("weight_version")
 
 
 def reply_dict(r) -> dict:
-    return {"ok": r.ok, "error": r.error, "phases": r.phases, "info": r.info}
+    return {"ok": r.ok, "error": r.error, "phases": r.phases, "info": {**r.info, "rtt_s": getattr(r, "rtt_s", None)}}
 
 
 def max_diff(weights_dir: Path, state: dict) -> float:
-    from safetensors.torch import load_file
+    from gyre.train.export import load_hf_dir
 
-    got = load_file(str(weights_dir / "model.safetensors"))
+    got = load_hf_dir(weights_dir)[1]  # one piece per trainer rank of the leader cell
     assert got.keys() == state.keys(), (sorted(got), sorted(state))
     return max(float((got[k] - state[k]).abs().max()) for k in state)
 
@@ -141,7 +141,7 @@ def scenario(h: Head, run: Path, model: Path, out: dict) -> None:
 
     torch.set_num_threads(1)
     c = out["checks"]
-    hello = {e.cell: e.info for e in (h.event("hello", cell, 180) for cell in range(h.cells))}
+    hello = {e.cell: e.info for e in (h.event("hello", cell, 400) for cell in range(h.cells))}
     urls = {cell: info["engine_url"] for cell, info in hello.items()}
     out["hello"] = hello
     c["hello_generate"] = [h.generate(urls[i]) for i in range(2)]
@@ -256,8 +256,9 @@ def main() -> int:
     if comm.Get_rank() != 0:
         from gyre.sched.cell_agent import main as agent_main
 
+        on_slurm = ["engine.host=0.0.0.0"] if os.environ.get("SLURM_JOB_ID") else []  # the head is on another node
         return agent_main(["--run-dir", str(run), "--model", str(model), "--engine-key-file", str(key_file),
-                           *TRAIN_OVERRIDES])
+                           *TRAIN_OVERRIDES, *on_slurm])
     return head_main(comm, run, model, key_file, out_path)
 
 

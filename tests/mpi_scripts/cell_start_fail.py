@@ -14,7 +14,7 @@ from pathlib import Path
 
 def head(comm, out_path: Path) -> int:
     from gyre.sched.mpi_link import HeadLink
-    from gyre.sched.protocol import Command, Reply
+    from gyre.sched.protocol import COMMANDS, Reply
 
     inbox: queue.Queue = queue.Queue()
     out: dict = {}
@@ -25,7 +25,7 @@ def head(comm, out_path: Path) -> int:
         fatal = next_msg()
         out["first_event"] = [fatal.kind, fatal.info]
         for kind in ("to_train", "stop"):
-            cmd = Command(kind, {"version": 0} if kind == "to_train" else {})
+            cmd = COMMANDS[kind](**({"version": 0} if kind == "to_train" else {}))
             link.send_command(0, cmd)
             msg = next_msg()
             while not isinstance(msg, Reply):

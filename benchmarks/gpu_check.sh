@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The trainer's GPU check (issue 11 item 8): Megatron-Core bf16 steps, offload/restore timing and
+# log-prob agreement (trainer vs transformers vs the engine's sampling path) on one GPU, written
+# to benchmarks/results/ablation_gpu.json (and copied to $OUT when the device tool sets it).
+#
+# The device machine has torch but no Megatron-Core and no network, so Megatron-Core travels as a
+# wheel (pure dependencies torch, numpy, packaging are already there):
+#
+#   here, once, from the repo root:   benchmarks/gpu_check.sh fetch
+#       downloads megatron-core for the device's Python 3.12 into .whl/ and git-ignores .whl/
+#   on the device (the `run` tool):   command="benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=570
+#
+# The benchmark itself is bounded to 8 minutes (timeout 480 below). GYRE_WHEELS overrides .whl.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+WHEELS="${GYRE_WHEELS:-.whl}"
+MEGATRON="megatron-core==0.16.1"   # the version gyre/train/megatron_cpu.py and the tests were written against
+
+if [ "${1:-}" = "fetch" ]; then
+    exclude="$(git rev-parse --git-path info/exclude)"
+    grep -qxF "/.whl/" "$exclude" 2>/dev/null || echo "/.whl/" >> "$exclude"
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$WHEELS" "$MEGATRON"
+    ls -la "$WHEELS"
+    exit 0
+fi
+
+if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "gpu_check: no CUDA device visible to python3's torch; run this on the device machine" >&2
+    exit 2
+fi
+shopt -s nullglob
+wheels=("$WHEELS"/megatron_core-*.whl)
+if [ ${#wheels[@]} -eq 0 ]; then
+    echo "gpu_check: no megatron_core wheel in $WHEELS; run '$0 fetch' here first and carry $WHEELS" >&2
+    exit 2
+fi
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gyre-site \
+    "${wheels[@]}"
+export PYTHONPATH="/tmp/gyre-site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+python3 -c "import megatron.core, torch; print('megatron-core', megatron.core.__version__, 'torch', torch.__version__, torch.cuda.get_device_name())"
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true
+
+status=0
+rm -f benchmarks/results/ablation_gpu.json   # only this run's figures go back
+timeout -k 10 480 python3 benchmarks/bench_train_gpu.py || status=$?
+if [ -n "${OUT:-}" ] && [ -f benchmarks/results/ablation_gpu.json ]; then
+    cp benchmarks/results/ablation_gpu.json "$OUT/"
+fi
+exit $status

@@ -1,0 +1,376 @@
+"""One trainer rank of a cell: ``python -m gyre.train.rank`` (started by gyre.train.worker).
+
+A cell's trainer is ``size`` of these processes, one per GPU slot (one per node on CPU), spread
+over the cell's nodes (an ``srun`` step under Slurm, local processes under ``gyre run``). They form
+the cell's torch.distributed world (gloo on CPU, NCCL on GPU) with Megatron-Core's parallel state
+inside it. Rank 0 connects back to the cell agent and receives its requests; every request is
+broadcast to all ranks, which all carry it out (forward/backward on their rows of the micro-batch,
+offload, restore, reduce, optimizer step, export and checkpoint), and rank 0 answers for the cell.
+
+Gradients never leave the trainer ranks: ``stash`` sums this step's gradients over the cell into a
+held vector (so the trainer is between steps and can offload), ``reduce`` sums the held vectors of
+the member cells over a cross-cell process group (gyre.train.groups), ``apply`` takes the step.
+A reduce that has to be retried for the same step (a member died) contributes the same held vector
+again; a rank that already applied that step only contributes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import sys
+import time
+import traceback
+from multiprocessing.connection import Client
+from typing import Any, Callable
+
+import numpy as np
+
+from gyre import faults
+
+CTRL_TIMEOUT = datetime.timedelta(days=30)   # ranks wait for the agent's next request this long
+
+
+def _env_int(*names: str) -> int | None:
+    from gyre.config import env
+
+    for n in names:
+        v = env(n)
+        if v not in (None, ""):
+            return int(v)
+    return None
+
+
+def merge_stats(parts: list[dict | None]) -> dict:
+    """One micro-batch's stats from its row slices on the ranks (sums; means weighted by targets)."""
+    parts = [p for p in parts if p]
+    if not parts:
+        return {"loss": 0.0, "targets": 0, "tokens": 0, "fwd_bwd_s": 0.0}
+    out: dict = {}
+    n = sum(p["targets"] for p in parts)
+    for k in parts[0]:
+        vals = [p.get(k, 0.0) for p in parts]
+        if k in ("loss", "targets", "tokens"):
+            out[k] = sum(vals)
+        elif k.endswith("_max") or k == "fwd_bwd_s":
+            out[k] = max(vals)
+        elif k.endswith("_min"):
+            out[k] = min(vals)
+        else:
+            out[k] = sum(v * p["targets"] for v, p in zip(vals, parts)) / max(n, 1)
+    return out
+
+
+def rows_of(mb, rank: int, size: int):
+    """The rows ``rank::size`` of a micro-batch, targets re-indexed; None if it has none."""
+    import torch
+
+    from gyre.batch import MicroBatch
+
+    if size == 1:
+        return mb
+    B, S = mb.input_ids.shape
+    rows = list(range(rank, B, size))
+    if not rows:
+        return None
+    row_of_target = mb.pred_pos // S
+    keep = torch.isin(row_of_target, torch.tensor(rows))
+    new_row = torch.full((B,), -1, dtype=torch.long)
+    new_row[rows] = torch.arange(len(rows))
+    pred = new_row[row_of_target[keep]] * S + mb.pred_pos[keep] % S
+    idx = torch.tensor(rows)
+    return MicroBatch(input_ids=mb.input_ids[idx], position_ids=mb.position_ids[idx],
+                      attention_mask=mb.attention_mask[idx], pred_pos=pred, target_ids=mb.target_ids[keep],
+                      old_logprobs=mb.old_logprobs[keep], advantages=mb.advantages[keep],
+                      weights=mb.weights[keep], staleness=mb.staleness[keep],
+                      execution_index=mb.execution_index[keep], temperature=mb.temperature)
+
+
+class Rank:
+    """What every rank does for each request (all ranks call the same method in the same order)."""
+
+    def __init__(self, init: dict, *, cell: int, rank: int, size: int, store, incarnation: str) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from gyre.config import TrainConfig
+        from gyre.train.groups import CrossCellReducer
+        from gyre.train.backends import make_trainer
+
+        self.cell, self.rank, self.size, self.store = cell, rank, size, store
+        cfg = TrainConfig(**init["cfg"])
+        if cfg.backend == "megatron":
+            from gyre.train.dist import init_megatron
+
+            init_megatron(tensor_parallel=cfg.tensor_parallel, pipeline_parallel=cfg.pipeline_parallel,
+                          seed=init["seed"])
+        elif cfg.tensor_parallel * cfg.pipeline_parallel != 1:
+            raise ValueError("train.tensor_parallel / pipeline_parallel > 1 need train.backend = \"megatron\"")
+        self.trainer = make_trainer(cfg, init["model_dir"], seed=init["seed"])
+        if init["checkpoint"]:
+            self.trainer.load_checkpoint(init["checkpoint"])
+        self.trainer.own_storage()  # so that offload can release what was loaded
+        if init["offloaded"]:
+            self.trainer.offload()
+        self.dp_group, self.dp_rank, self.dp_size = self._data_parallel()
+        self.device = self.trainer.device
+        self.reducer = CrossCellReducer(store, cell=cell, local_rank=rank, incarnation=incarnation,
+                                        device=self.device if self.device.type == "cuda" else torch.device("cpu"))
+        self.held: torch.Tensor | None = None   # this cell's summed gradients of step held_step
+        self.held_step = -1
+        self.total: torch.Tensor | None = None  # the cross-cell sum of the last reduce
+        self.total_step = -1
+        self._dist = dist
+
+    def _data_parallel(self):
+        """The cell's data-parallel group of this rank (Megatron's, or the whole cell)."""
+        dist = __import__("torch.distributed", fromlist=["x"])
+        if self.trainer.cfg.backend == "megatron":
+            from megatron.core import parallel_state as ps
+
+            return ps.get_data_parallel_group(), ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        return dist.group.WORLD, self.rank, self.size
+
+    # --- requests -------------------------------------------------------------------------------
+    def _new_step(self, step: int) -> None:
+        if step > self.held_step:  # the held gradients of an older (committed) step are done with
+            self.held, self.held_step = None, step
+
+    def forward_backward(self, wire: dict, step: int) -> dict | None:
+        from gyre.batch import from_wire
+
+        faults.hit("trainer", "micro_batch")
+        self._new_step(step)
+        mb = rows_of(from_wire(wire), self.dp_rank, self.dp_size)
+        return self.trainer.forward_backward(mb) if mb is not None else None
+
+    def _local_grads(self):
+        from gyre.train.trainer import Trainer
+
+        # the base implementation: this rank's own accumulated gradients, no reduction
+        return Trainer.flat_grads(self.trainer)
+
+    def stash(self, step: int) -> dict:
+        """Sum this step's gradients over the cell into ``held``; the trainer is then between steps."""
+        faults.hit("trainer", "prepare_reduce")
+        return self._stash(step)
+
+    def _stash(self, step: int) -> dict:
+        self._new_step(step)
+        if self._any_work() == 0:  # collective: every rank takes the same branch
+            return {"held": self.held is not None}
+        g = self._local_grads().to(self.device)
+        if self.dp_size > 1:
+            self._dist.all_reduce(g, group=self.dp_group)
+        g = g.cpu()
+        self.held = g if self.held is None else self.held + g
+        self.trainer.clear_gradients()
+        return {"held": True}
+
+    def _any_work(self) -> int:
+        """Micro-batch slices done since the last stash on any rank of the cell (collective)."""
+        import torch
+
+        n = torch.tensor([float(self.trainer._acc["micro_batches"])])
+        if self.size > 1:
+            self._dist.all_reduce(n, group=self.ctrl)
+        return int(n.item())
+
+    def reduce(self, step: int, members: list[int], attempt: int) -> dict:
+        """Sum the held gradients over the member cells: shard ``dp_rank`` of the vector crosses
+        cells among the ranks of the same coordinate, then the cell gathers the shards."""
+        import torch
+
+        from gyre.train.groups import shard_bounds
+
+        faults.hit("trainer", "reduce")
+        self._stash(step)  # a no-op after prepare_reduce
+        n = self.trainer.num_grad_elements()
+        local = self.held if self.held is not None else torch.zeros(n)
+        lo, hi = shard_bounds(n, self.dp_size, self.dp_rank)
+        res, error = None, None
+        try:
+            res = self.reducer.allreduce(local[lo:hi], step, members, attempt)
+        except Exception as e:  # noqa: BLE001 - the cell's other ranks must hear it before gathering
+            error = e
+        failed = torch.tensor([0.0 if error is None else 1.0])
+        if self.size > 1:
+            self._dist.all_reduce(failed, group=self.ctrl)
+        if failed.item():
+            self.reducer.forget(members)
+            raise error if error is not None else RuntimeError("another rank of the cell failed the reduce")
+        total = res.total
+        if self.dp_size > 1:
+            pieces = [torch.empty(b - a, dtype=torch.float32, device=total.device)
+                      for a, b in (shard_bounds(n, self.dp_size, i) for i in range(self.dp_size))]
+            self._dist.all_gather(pieces, total, group=self.dp_group)
+            total = torch.cat(pieces)
+        self.total, self.total_step = total.cpu(), step
+        return {"form_ms": res.form_ms, "cached": res.cached, "wait_ms": res.wait_ms,
+                "grad_norm_total": float(total.double().norm())}
+
+    def apply(self, step: int) -> dict:
+        faults.hit("trainer", "optimizer_step")
+        if self.total is None or self.total_step != step:
+            raise RuntimeError(f"apply: no reduced gradients of step {step}")
+        if self.trainer.step != step:
+            raise RuntimeError(f"apply: the trainer is at step {self.trainer.step}, not {step}")
+        self.trainer.set_flat_grads(self.total.to(self.device))
+        out = self.trainer.apply_gradients()
+        self.total = None
+        return out
+
+    def export_weights(self, out_dir: str, version) -> str:
+        from gyre.train.export import export_pieces
+
+        faults.hit("trainer", "export")
+        return str(export_pieces(self.trainer.hf_state_dict(), self.trainer.hf_config, out_dir, version,
+                                 rank=self.rank, size=self.size, barrier=self.barrier, broadcast=self.bcast))
+
+    def save_checkpoint(self, path: str) -> str:
+        faults.hit("trainer", "checkpoint")
+        return str(self.trainer.save_checkpoint(path))
+
+    def load_checkpoint(self, path: str) -> None:
+        self.trainer.load_checkpoint(path)
+        self.trainer.own_storage()
+        self.held, self.held_step, self.total = None, -1, None
+
+    def offload(self) -> dict:
+        return self.trainer.offload()
+
+    def restore(self) -> dict:
+        return self.trainer.restore()
+
+    def hostname(self) -> str:
+        return socket.gethostname()
+
+    # --- collectives of the control path --------------------------------------------------------
+    ctrl = None
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            self._dist.barrier(group=self.ctrl)
+
+    def bcast(self, obj):
+        if self.size == 1:
+            return obj
+        box = [obj]
+        self._dist.broadcast_object_list(box, src=0, group=self.ctrl)
+        return box[0]
+
+    def handlers(self) -> dict[str, Callable]:
+        return {"forward_backward": self.forward_backward, "stash": self.stash, "reduce": self.reduce,
+                "apply": self.apply, "export_weights": self.export_weights,
+                "save_checkpoint": self.save_checkpoint, "load_checkpoint": self.load_checkpoint,
+                "offload": self.offload, "restore": self.restore, "hostname": self.hostname}
+
+
+def combine(method: str, results: list[tuple[str, Any]]) -> tuple[str, Any]:
+    """Rank 0's answer for the cell from every rank's (status, value)."""
+    errors = [f"rank {i}: {v}" for i, (s, v) in enumerate(results) if s == "err"]
+    if errors:
+        return "err", "; ".join(errors)
+    values = [v for _, v in results]
+    if method == "forward_backward":
+        return "ok", merge_stats(values)
+    if method == "hostname":
+        return "ok", values
+    if method == "reduce":
+        return "ok", {**values[0], "form_ms": max(v["form_ms"] for v in values),
+                      "cached": all(v["cached"] for v in values)}
+    return "ok", values[0]
+
+
+def serve(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from gyre.train.groups import connect_store
+
+    rank = args.rank if args.rank is not None else _env_int("SLURM_PROCID")
+    size = args.size if args.size is not None else _env_int("SLURM_NTASKS")
+    if rank is None or size is None:
+        print("gyre.train.rank: give --rank/--size or run under srun", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)  # cells share cores with their engine and with each other
+    host, port = args.store.rsplit(":", 1)
+    store = connect_store(host, int(port))
+    cuda = torch.cuda.is_available()
+    if cuda:  # one rank per GPU slot: Slurm's local id (or the rank) picks the device
+        local = _env_int("SLURM_LOCALID", "LOCAL_RANK") or 0
+        torch.cuda.set_device(local % torch.cuda.device_count())
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.PrefixStore(f"cell/{args.cell}/{args.gen}/", store),
+                            rank=rank, world_size=size, timeout=datetime.timedelta(seconds=args.timeout_s))
+    ctrl = dist.new_group(backend="gloo", timeout=CTRL_TIMEOUT) if size > 1 else None
+    conn = None
+    if rank == 0:
+        ahost, aport = args.agent.rsplit(":", 1)
+        conn = Client((ahost, int(aport)), authkey=bytes.fromhex(os.environ["GYRE_TRAINER_AUTHKEY"]))
+        init = conn.recv()
+    else:
+        init = None
+    if size > 1:
+        box = [init]
+        dist.broadcast_object_list(box, src=0, group=ctrl)
+        init = box[0]
+    try:
+        r = Rank(init, cell=args.cell, rank=rank, size=size, store=store, incarnation=f"{args.cell}.{args.gen}")
+        r.ctrl = ctrl
+        status: tuple[str, Any] = ("ok", {"num_grad_elements": r.trainer.num_grad_elements(), "ranks": size})
+    except Exception as e:  # noqa: BLE001 - the agent hears why
+        r, status = None, ("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+    if size > 1:
+        gathered = [None] * size if rank == 0 else None
+        dist.gather_object(status, gathered, dst=0, group=ctrl)
+        status = combine("start", gathered) if rank == 0 else status
+    if rank == 0:
+        conn.send((status[0], status[1], r.trainer.step if r else None))
+    if r is None:
+        return 1
+    handlers = r.handlers()
+    while True:
+        if rank == 0:
+            try:
+                req = conn.recv()
+            except (EOFError, OSError):
+                req = ("close", ())
+        else:
+            req = None
+        req = r.bcast(req)
+        method, rargs = req
+        if method == "close":
+            return 0
+        try:
+            if method not in handlers:
+                raise ValueError(f"unknown trainer request {method!r}")
+            status = ("ok", handlers[method](*rargs))
+        except Exception as e:  # noqa: BLE001
+            status = ("err", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}")
+        if size > 1:
+            gathered = [None] * size if rank == 0 else None
+            dist.gather_object(status, gathered, dst=0, group=ctrl)
+            if rank == 0:
+                status = combine(method, gathered)
+        elif method in ("forward_backward", "hostname", "reduce"):
+            status = combine(method, [status])
+        if rank == 0:
+            conn.send((status[0], status[1], r.trainer.step))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m gyre.train.rank", description="one trainer rank of a cell (internal)")
+    p.add_argument("--cell", type=int, required=True)
+    p.add_argument("--gen", type=int, required=True, help="trainer incarnation of the cell (restarts count up)")
+    p.add_argument("--rank", type=int, default=None, help="default $SLURM_PROCID")
+    p.add_argument("--size", type=int, default=None, help="default $SLURM_NTASKS")
+    p.add_argument("--store", required=True, help="HOST:PORT of the job's TCPStore")
+    p.add_argument("--agent", required=True, help="HOST:PORT where the cell agent waits for rank 0")
+    p.add_argument("--timeout-s", type=float, default=600.0, help="bound on one collective inside the cell")
+    return serve(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
