@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from gyre.engine.checksums import write_checksums  # the manifest the engine verifies on load
+
 WEIGHTS_FILE = "model.safetensors"
 VERSION_FILE = "gyre_weights.json"
 
@@ -66,6 +68,7 @@ def write_hf_weights(out_dir: str | os.PathLike, state: dict[str, Tensor], hf_co
             cfg["torch_dtype"] = cfg["dtype"] = str(dtypes.pop()).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
         (tmp / VERSION_FILE).write_text(json.dumps({"weight_version": str(weight_version)}))
+        write_checksums(tmp)
     return Path(out_dir)
 
 
@@ -94,12 +97,6 @@ def save_torch_atomic(path_dir: str | os.PathLike, payload: dict, *, filename: s
 # --- parallel export: every rank of the leader cell writes one piece ---------------------------------
 
 INDEX_FILE = "model.safetensors.index.json"
-
-
-def write_checksums(out_dir: Path) -> None:
-    """Hook for the engine's checksum manifest (verified on load): called once per export, on
-    the complete temporary directory, before it is renamed into place. The proxy/engine helper's
-    `write_checksums(dir)` goes here; until it lands this writes nothing."""
 
 
 def assign_pieces(state: dict[str, Tensor], parts: int) -> list[list[str]]:
