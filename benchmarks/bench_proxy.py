@@ -32,6 +32,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -245,7 +246,8 @@ async def main() -> dict:
             proxy.wait(10)
 
     # 32K contexts against the echo engine; proxy alone on `lo`, engine + load generator on `hi`
-    echo, echo_url = start_echo_engine(ROOT / "benchmarks" / "results")
+    tmp = Path(tempfile.mkdtemp(prefix="gyre-bench-proxy-"))
+    echo, echo_url = start_echo_engine(tmp)
     try:
         proxy, purl = start_proxy(echo_url, model)
         try:
