@@ -210,7 +210,7 @@ def main() -> dict:
                      for c in sorted(rec.tree.calls, key=lambda c: c.t_start)] for rec in recs]
         calls = [c for ex in per_exec for c in ex]
         model = ensure_tiny_model(default_tiny_dir(cfg))
-        with start_engine(model_dir=model) as eng:
+        with start_engine(model_dir=model, extra_args=["--no-api-key"]) as eng:  # loopback replay only
             engine_s = asyncio.run(replay(eng.url, per_exec, CONCURRENCY))
     n_exec, n_calls = len(recs), len(calls)
     return {"executions": n_exec, "calls": n_calls, "wall_s": wall, "engine_replay_s": engine_s,

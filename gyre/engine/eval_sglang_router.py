@@ -128,7 +128,7 @@ def main() -> int:
     p.add_argument("--model", default=None)
     p.add_argument("-n", type=int, default=400)
     args = p.parse_args()
-    engines = [start_engine(args.model), start_engine(args.model)]
+    engines = [start_engine(args.model, extra_args=["--no-api-key"]) for _ in range(2)]  # sglang-router sends no key
     port = _free_port()
     router = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([args.router_python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
