@@ -148,7 +148,11 @@ class SchedConfig:
     cells: int = _f(2, min=1)
     cell_nodes: int = _f(4, min=1)
     gpus_per_node: int = _f(8, min=0)
-    staleness: int = _f(0, min=0)
+    staleness: int = _f(0, min=0, help="max lag k in rollout syncs (= optimizer steps when steps_per_sync = 1)")
+    staleness_rule: str = _f("window", choices=("window", "count"),
+                             help="window: a group lagging more than k syncs is dropped (and replaced); "
+                                  "count: AReaL's rule, at rollout sync r at most (r+k+1) x groups-per-round started")
+    steps_per_sync: int = _f(1, min=1, help="optimizer steps fed by one rollout round; weights pushed once per round")
     rollout_cells_async: int = _f(1, min=0, help="rollout pool size for scheme A")
     to_train_s: float = _f(8.52, min=0.0, help="expected rollout->train switch time (paper: 8.52 s)")
     to_rollout_s: float = _f(3.46, min=0.0, help="expected train->rollout switch time (paper: 3.46 s)")

@@ -182,6 +182,7 @@ class StepResult:
     started_at: float | None
     ended_at: float
     admission: Admission                  # what the next step received / what expired
+    microbatches: tuple = ()              # the ended step's micro-batch ids (the driver frees their payload)
 
 
 @dataclass(frozen=True)
@@ -464,7 +465,8 @@ class Coordinator:
         dropped = tuple(self._drop(g) for g in list(self._waiting.values())
                         if self._expired(g, self.version))
         adm = Admission(dropped=dropped) + self._fill(now)
-        res = StepResult(st.index, self.version, tuple(trained), push_due, st.started_at, now, adm)
+        res = StepResult(st.index, self.version, tuple(trained), push_due, st.started_at, now, adm,
+                         tuple(st.work))
         self.steps.append(res)
         return res
 
