@@ -47,9 +47,15 @@ def expired(step: int, version: int, staleness: int, steps_per_sync: int = 1, ba
     return rule == "window" and sync_lag(step, version, steps_per_sync, base) > staleness
 
 
-def window_budget(groups_per_round: int, staleness: int, groups_open: int) -> int:
-    """Window rule: at most (k + 1) rounds of groups open (started, not trained or dropped)."""
-    return max(0, groups_per_round * (staleness + 1) - groups_open)
+def window_budget(groups_per_step: int, staleness: int, groups_open: int, steps_per_sync: int = 1,
+                  rollout_sync: int = 0, step: int = 0) -> int:
+    """Window rule: start no group that could not train within the bound even if every open group
+    ended now. A group started while sync r serves trains at the latest in the last step of round
+    r + k; the steps from the open one (`step`, counted from the run's base) up to there hold
+    Q slots each, and the open groups take theirs first. With b = 1 and the newest weights
+    serving (r = step) this is the familiar Q x (k + 1) - open."""
+    last = (rollout_sync + staleness + 1) * steps_per_sync  # first step past the window
+    return max(0, groups_per_step * (last - step) - groups_open)
 
 
 def count_budget(groups_per_round: int, staleness: int, rollout_sync: int, groups_started: int) -> int:
@@ -63,7 +69,7 @@ def start_budget(state: ClusterState) -> int:
         return 0
     if state.starts_allowed is not None:
         return state.starts_allowed
-    return window_budget(state.groups_per_step, state.staleness, state.groups_open)
+    return max(0, state.groups_per_step * (state.staleness + 1) - state.groups_open)
 
 
 def fifo_key(g: GroupView) -> tuple:

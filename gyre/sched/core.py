@@ -257,7 +257,8 @@ class Coordinator:
         if s.staleness_rule == "count":
             rule = count_budget(s.groups_per_round, s.staleness, self.rollout_sync, self.started)
         else:
-            rule = window_budget(s.groups_per_round, s.staleness, self.n_open)
+            rule = window_budget(s.groups_per_step, s.staleness, self.n_open, s.steps_per_sync,
+                                 self.rollout_sync, self.version - s.start_version)
         return min(rule, self.groups_still_needed)
 
     def _expired(self, g: GroupRecord, step: int) -> bool:
