@@ -35,14 +35,3 @@ def speedup_table(pairs: list[tuple[str, str, float | None, float]]) -> str:
         lines.append(f"| {a} vs {b} | {_fmt(p)}× | {g:.2f}× |" if p is not None
                      else f"| {a} vs {b} | – | {g:.2f}× |")
     return "\n".join(lines)
-
-
-def plan_table(rows: list[dict]) -> str:
-    lines = ["| nodes | cells × nodes | run | hours | × bound | utilisation | GPU-h used | GPU-h wasted | |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        mark = "**recommended**" if r.get("recommended") else ""
-        lines.append(f"| {r['nodes']} | {r['cells']} × {r['cell_size']} | {r['label']} | {r['hours']:.2f} "
-                     f"| {r['ratio_to_lower_bound']:.3f} | {r['utilisation']:.1%} | {r['gpu_hours_used']:.0f} "
-                     f"| {r['gpu_hours_wasted']:.0f} | {mark} |")
-    return "\n".join(lines)
