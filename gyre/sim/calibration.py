@@ -123,11 +123,11 @@ def prefill_tokens_per_s(m: ModelSpec, hw: Hardware = H200) -> float:
     return m.replica_gpus * hw.bf16_tflops * 1e12 * PREFILL_MFU / (2 * m.active)
 
 
-def execs_per_cell(c: ClusterModel, model_share: float) -> float:
+def execs_per_cell(c: ClusterModel, model_share: float, keep: float = 0.0) -> float:
     """E's sizing from the decode model: the most executions one cell serves while each call keeps
     KEEP_SOLO_SPEED of its solo speed: speed(L)/speed(1) = (1 + h)/(L + h) >= keep."""
     h = c.half_load * c.scale
-    calls = (1 + h) / KEEP_SOLO_SPEED - h
+    calls = (1 + h) / (keep or KEEP_SOLO_SPEED) - h
     return max(1.0, calls / max(model_share, 1e-6)) / c.scale
 
 

@@ -25,14 +25,14 @@ def nl2repo_cluster(nodes: int = 32, cell_nodes: int = 4, **over) -> ClusterMode
     return P122B.cluster(nodes=nodes, cell_nodes=cell_nodes, **over)
 
 
-def hints_for(cluster: ClusterModel, workload: Workload) -> Hints:
+def hints_for(cluster: ClusterModel, workload: Workload, keep_solo_speed: float = 0.0) -> Hints:
     """What a policy is told about costs: the same numbers the coordinator would configure. E's
     sizing (executions per rollout cell) is derived from the decode model, not a constant."""
     mean_train = sum(e.train_tokens for i in range(8) for e in workload.group(i).execs) / (8 * workload.group_size)
     return Hints(to_train_s=cluster.to_train_s, to_rollout_s=cluster.to_rollout_s, push_s=cluster.push_s,
                  eval_s=cluster.eval_s, half_load=cluster.half_load, ref_load=cluster.ref_load,
                  model_share=workload.model_share, cell_scale=cluster.scale,
-                 execs_per_cell=execs_per_cell(cluster, workload.model_share),
+                 execs_per_cell=execs_per_cell(cluster, workload.model_share, keep_solo_speed),
                  mean_duration_s=workload.mean_duration_s, duration_sigma=workload.sigma,
                  train_tokens_per_exec=mean_train, train_tokens_per_s=cluster.train_tokens_per_s)
 
@@ -51,11 +51,13 @@ class Scenario:
     staleness_rule: str = "window"
     steps_per_sync: int = 1
     preset: str = ""              # the preset it models (reported with the run)
+    keep_solo_speed: float = 0.0  # E's sizing target (0 = calibration.KEEP_SOLO_SPEED)
 
     def policy(self, workload: Workload) -> Policy:
         n = self.cluster.cells
         rc = self.async_rollout_cells or max(1, n // 2)
-        return make_policy(self.scheme, self.staleness, hints_for(self.cluster, workload), rollout_cells=rc)
+        return make_policy(self.scheme, self.staleness, hints_for(self.cluster, workload, self.keep_solo_speed),
+                           rollout_cells=rc)
 
     def run(self, workload: Workload | None = None) -> SimResult:
         w = workload or Workload.named(self.workload, self.seed)
