@@ -168,9 +168,12 @@ class SimConfig:
     nodes: int = _f(32, min=1)
     groups_per_step: int = _f(16, min=1, help="queries per training step (G executions each)")
     seed: int = _f(0, min=0, help="workload seed")
-    train_tokens_per_s: float = _f(2200.0, min=0.001, help="training tokens/s of one 4-node cell (fitted)")
-    ref_load: float = _f(384.0, min=0.001, help="calls per cell under which durations were measured (fitted)")
-    half_load: float = _f(4.0, min=0.001, help="calls per cell at which a call decodes at half solo speed")
+    train_tokens_per_s: float = _f(43800.0, min=0.001, help="training tokens/s of one 4-node cell "
+                                   "(nl2repo-122b-32n: FLOP arithmetic at 25% MFU, gyre/sim/calibration.py)")
+    ref_load: float = _f(22.7, min=0.001, help="calls per cell under which durations were measured "
+                         "(nl2repo-122b-32n: the load its E0 run serves)")
+    half_load: float = _f(128.0, min=0.001, help="calls per cell at which a call decodes at half solo speed "
+                          "(16 TP2 replicas x 8 calls)")
     eval_s: float = _f(60.0, min=0.0, help="evaluation time of a finished execution")
 
 

@@ -95,7 +95,7 @@ def test_lower_bound_holds_on_the_work_trained_when_groups_drop():
     sim, r = _sim("C", 2, steps=8, q=4)
     assert r.dropped_groups > 0
     trained = [[g.id for g in s.groups] for s in sim.core.steps]
-    assert r.lower_bound_s == pytest.approx(lower_bound_trained(sim.w, sim.c, trained, arrival=False))
+    assert r.lower_bound_s == pytest.approx(lower_bound_trained(sim.w, sim.c, trained, arrival=False, max_open=4 * 3))
     assert r.lower_bound_s <= r.makespan_s
     assert lower_bound(sim.w, sim.c, 8, 4, 2) != pytest.approx(r.lower_bound_s)  # not the first groups
 

@@ -16,8 +16,9 @@ Two limits, the larger wins:
   at most every cell: step >= x + those tokens / (all cells' training rate) + optimizer step, and
   the next step's decoding waits for the weight push. The bound
   takes the best x for every step (groups ready by x are credited greedily, which only makes the
-  bound lower). Under k > 0 or with bursts a policy may reorder which groups train when; only the
-  work limit holds.
+  bound lower). Under k > 0 or with bursts a policy may reorder which groups train when.
+- concurrency (window rule): at most b x Q x (k + 1) groups are open at once, and each stays open
+  at least as long as its slowest execution alone on a cell plus evaluation.
 """
 
 from __future__ import annotations
@@ -26,10 +27,17 @@ from gyre.sim.cluster import ClusterModel
 from gyre.sim.workload import GroupSpec, Workload
 
 
-def lower_bound_trained(w: Workload, c: ClusterModel, trained_by_step: list[list[int]], arrival: bool) -> float:
-    """Bound on the groups trained, step by step (workload group ids); `arrival` at k = 0, b = 1."""
+def lower_bound_trained(w: Workload, c: ClusterModel, trained_by_step: list[list[int]], arrival: bool,
+                        max_open: int = 0) -> float:
+    """Bound on the groups trained, step by step (workload group ids); `arrival` at k = 0, b = 1.
+
+    `max_open` (window rule: b x Q x (k + 1)) adds the concurrency limit: a group is open from its
+    start until it trains, at least as long as its slowest execution alone on a cell plus its
+    evaluation, and at most max_open groups are open at once, so the makespan is at least the sum
+    of those times over the trained groups / max_open."""
     sat = (c.ref_load + c.half_load) * c.scale
-    roll = train = arr = 0.0
+    roll = train = arr = busy = 0.0
+    solo = c.solo_speed
     n = len(trained_by_step)
     for s, ids in enumerate(trained_by_step):
         batch = [w.group(i) for i in ids]
@@ -37,10 +45,13 @@ def lower_bound_trained(w: Workload, c: ClusterModel, trained_by_step: list[list
             for e in g.execs:
                 roll += e.duration_s * w.model_share / sat
                 train += e.train_tokens / c.train_rate(1)
+            busy += max(e.duration_s * (1 - w.model_share) + e.duration_s * w.model_share / solo
+                        for e in g.execs) + c.eval_s
         if arrival and batch:
             arr += _step_arrival_bound(batch, w.model_share, c, sat) + c.opt_s + (c.push_s if s < n - 1 else 0.0)
     work = (roll + train) / c.cells
-    return max(work, arr)
+    conc = busy / max_open if max_open > 0 else 0.0
+    return max(work, arr, conc)
 
 
 def lower_bound(w: Workload, c: ClusterModel, steps: int, groups_per_step: int, staleness: int) -> float:

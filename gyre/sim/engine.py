@@ -512,7 +512,9 @@ class Simulator:
         c = self.c
         lag = self.core.lag_stats()
         exact = self.p.staleness == 0 and self.s.steps_per_sync == 1
-        bound = lower_bound_trained(self.w, c, self.trained_by_step, arrival=exact)
+        window = self.s.staleness_rule == "window"
+        bound = lower_bound_trained(self.w, c, self.trained_by_step, arrival=exact, max_open=(
+            self.s.steps_per_sync * self.s.groups_per_step * (self.p.staleness + 1) if window else 0))
         return SimResult(
             label=self.p.label, scheme=self.p.scheme, staleness=self.p.staleness, nodes=c.nodes,
             cells=c.cells, cell_size=c.cell_nodes, gpus_per_cell=c.gpus_per_cell, steps=self.s.steps,
@@ -533,8 +535,8 @@ class Simulator:
             trainer_idle_share=self.role_idle[1] / self.role_time[1] if self.role_time[1] else 0.0,
             rollout_idle_share=self.role_idle[0] / self.role_time[0] if self.role_time[0] else 0.0,
             mean_load=self.load_num / self.load_den if self.load_den else 0.0,
-            bound_basis=("the groups actually trained, by step (work and, at staleness 0 without "
-                         "bursts, arrival)" if exact else "the groups actually trained (work only)"),
+            bound_basis=("the groups actually trained: work" + (", open-group concurrency" if window else "")
+                         + (", per-step arrival" if exact else "")),
             outcomes=self.outcomes, roles=self.role_log, usage=self.usage,
             idle=self._idle_spans(end))
 
