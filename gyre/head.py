@@ -260,8 +260,11 @@ class Head:
             elif sw.to is Role.ROLLOUT and cell.role is Role.TRAIN:
                 cell.set_role(Role.TO_ROLLOUT, now)
                 self._spawn(self._to_rollout(cell))
-        for g in self.core.start_groups(decision.start_groups, now):
+        started = self.core.start_groups(decision.start_groups, now)
+        for g in started:
             self._start_group(g, now)
+        if started:  # ids are never reused, even after a hard stop
+            self._write_state()
         self._dispatch()
         if self.core.step_ready() and all(c.role.settled or c.role is Role.FAILED for c in self.cells):
             # (a cell mid-switch would miss the step: wait until it lands)
@@ -504,6 +507,9 @@ class Head:
 
     def _save_state(self) -> None:
         self._flush(force=True)  # shards first: state never points past what is on disk
+        self._write_state()
+
+    def _write_state(self) -> None:
         v = self.core.version
         atomic_write_json(self.run_dir / "state.json", {
             "version": v, "rollout_version": self.core.rollout_version, "groups_started": self.core.next_group,
