@@ -241,15 +241,20 @@ def test_microbatches_stream_and_lost_ones_are_requeued():
     assert c.step_ready()
 
 
-def test_fluid_training_for_the_simulator():
+def test_training_progress_is_exact_when_all_work_is_done():
+    """No float residue: a policy deciding on `train_tokens_left <= 0` sees exactly 0 (the
+    simulator and the head must not diverge on summation order)."""
     c = core(steps=1, q=1, k=0)
     (g,) = launch(c, 1)
-    finish(c, g, 1.0, version=0, tokens=100)
-    c.microbatches_added(g, {("g", g): 100.0})
-    c.tokens_trained(60)
-    assert not c.step_ready() and c.step.tokens_left == pytest.approx(40)
-    c.tokens_trained(40)
-    assert c.step_ready()
+    finish(c, g, 1.0, version=0)
+    work = {i: t for i, t in enumerate([0.1, 0.2, 0.3, 1e-9, 7.7])}
+    c.microbatches_added(g, work)
+    for _ in work:
+        c.microbatch_trained(c.next_microbatch())
+    st = c.cluster_state(2.0, ())
+    assert st.train_tokens_left == 0.0 and st.train_tokens_done == sum(work.values())
+    c.microbatches_lost([4])
+    assert c.step.tokens_left == pytest.approx(7.7)
 
 
 def test_cluster_state_counts_and_resume_ids():

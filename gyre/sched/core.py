@@ -10,8 +10,7 @@ order, and act on what it answers (ARCHITECTURE.md invariant 3):
     call_ended / execution_ended
     execution_evaluated(...)              ->     Admission: groups assigned to the open step, dropped
     microbatches_added / next_microbatch /
-    microbatch_trained / microbatches_lost /
-    tokens_trained                               (the open step's training work, streamed)
+    microbatch_trained / microbatches_lost       (the open step's training work, streamed)
     step_ready() / step_ending(now) /
     step_aborted() / step_ended(now)      ->     StepResult: trained groups and their lags, push due?
     weights_pushed(version)
@@ -141,25 +140,22 @@ class StepRecord:
     queue: list = field(default_factory=list)         # micro-batches waiting for a trainer
     in_flight: set = field(default_factory=set)
     done: set = field(default_factory=set)
-    fluid_done: float = 0.0                            # tokens drained without micro-batch ids (simulator)
     reducing: bool = False
-
-    @property
-    def tokens_total(self) -> float:
-        return float(sum(self.work.values()))
+    # running sums, updated in event order (deterministic, and O(1) for the simulator's many reads)
+    tokens_total: float = 0.0
+    _done_sum: float = 0.0
 
     @property
     def tokens_done(self) -> float:
-        return min(self.tokens_total, float(sum(self.work[m] for m in self.done)) + self.fluid_done)
+        return self.tokens_total if len(self.done) == len(self.work) else min(self._done_sum, self.tokens_total)
 
     @property
     def tokens_left(self) -> float:
-        return max(0.0, self.tokens_total - self.tokens_done)
+        return 0.0 if len(self.done) == len(self.work) else max(0.0, self.tokens_total - self._done_sum)
 
     @property
     def trained(self) -> bool:
-        return not self.queue and not self.in_flight and (len(self.done) == len(self.work)
-                                                          or self.tokens_left <= _EPS)
+        return not self.queue and not self.in_flight and len(self.done) == len(self.work)
 
 
 @dataclass(frozen=True)
@@ -230,6 +226,7 @@ class Coordinator:
         self.n_open = 0
         self._serial = 0
         self._mb_owner: dict = {}   # micro-batch id -> group id
+        self._running_views: tuple | None = None    # cached: rebuilt only after a change
         self._waiting: dict[int, GroupRecord] = {}  # the admission queue (kept: the simulator asks often)
 
     # ---- queries ------------------------------------------------------------------------------
@@ -269,7 +266,9 @@ class Coordinator:
         """The one builder of what a policy sees. While the step's optimizer step runs, one token
         of work is reported left: the trainers are still busy with it."""
         s, st = self.spec, self.step
-        running = tuple(e.view(self.groups[e.group].started_version) for e in self.running.values())
+        if self._running_views is None:
+            self._running_views = tuple(e.view(self.groups[e.group].started_version) for e in self.running.values())
+        running = self._running_views
         waiting = sum(1 for g in self._waiting.values() if not self._expired(g, self.version))
         left = st.tokens_left
         if st.reducing:
@@ -310,22 +309,26 @@ class Coordinator:
         g.state = GroupState.RUNNING
         self.execs[key] = e
         self.running[key] = e
+        self._running_views = None
         return e
 
     def call_started(self, key: Hashable) -> None:
         e = self.execs[key]
         e.in_call, e._view = True, None
+        self._running_views = None
 
     def call_ended(self, key: Hashable, calls: float = 1.0) -> None:
         e = self.execs[key]
         e.in_call, e._view = False, None
         e.calls_done += calls
+        self._running_views = None
 
     def execution_ended(self, key: Hashable, now: float) -> None:
         e = self.execs[key]
         if e.ended_at is None:
             e.ended_at, e.in_call = now, False
             self.running.pop(key, None)
+            self._running_views = None
 
     def execution_evaluated(self, key: Hashable, now: float, *, version: int = -1, tokens: float = 0.0,
                             usable: bool = True) -> Admission:
@@ -391,6 +394,7 @@ class Coordinator:
             if mb in self.step.work:
                 raise CoreError(f"micro-batch {mb!r} added twice")
             self.step.work[mb] = float(t)
+            self.step.tokens_total += float(t)
             self.step.queue.append(mb)
             self._mb_owner[mb] = group
 
@@ -407,7 +411,9 @@ class Coordinator:
         if mb not in st.work:
             raise CoreError(f"micro-batch {mb!r} is not part of step {st.index}")
         st.in_flight.discard(mb)
-        st.done.add(mb)
+        if mb not in st.done:
+            st.done.add(mb)
+            st._done_sum += st.work[mb]
 
     def microbatches_lost(self, mbs: Iterable[Hashable]) -> None:
         """A trainer died: these go back to the queue (their gradients are recomputed)."""
@@ -416,18 +422,11 @@ class Coordinator:
             if mb not in st.work:
                 continue
             st.in_flight.discard(mb)
-            st.done.discard(mb)
+            if mb in st.done:
+                st.done.discard(mb)
+                st._done_sum -= st.work[mb]
             if mb not in st.queue:
                 st.queue.append(mb)
-
-    def tokens_trained(self, tokens: float) -> None:
-        """Fluid progress (the simulator drains work at a rate instead of by micro-batch)."""
-        st = self.step
-        st.fluid_done = min(st.tokens_total, st.fluid_done + tokens)
-        if st.tokens_left <= _EPS:
-            st.queue.clear()
-            st.in_flight.clear()
-            st.done.update(st.work)
 
     # ---- step end -------------------------------------------------------------------------------
     def step_ready(self) -> bool:
