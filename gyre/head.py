@@ -260,11 +260,7 @@ class Head:
             elif sw.to is Role.ROLLOUT and cell.role is Role.TRAIN:
                 cell.set_role(Role.TO_ROLLOUT, now)
                 self._spawn(self._to_rollout(cell))
-        started = self.core.start_groups(decision.start_groups, now)
-        for g in started:
-            self._start_group(g, now)
-        if started:  # ids are never reused, even after a hard stop
-            self._write_state()
+        self._start_groups(decision.start_groups, now)
         self._dispatch()
         if self.core.step_ready() and all(c.role.settled or c.role is Role.FAILED for c in self.cells):
             # (a cell mid-switch would miss the step: wait until it lands)
@@ -313,6 +309,17 @@ class Head:
             self.router.add_endpoint(cell.engine_url)
 
     # ==== executions ============================================================================
+    # The sync handlers below (_start_groups, _execution_done, _step_ended, _step_committed) are
+    # the head's whole translation of what happened into core events; the async code around them
+    # is messaging and I/O. tests/test_coordinator_core.py replays a simulator trace through them.
+    def _start_groups(self, n: int, now: float) -> list[GroupRecord]:
+        started = self.core.start_groups(n, now)
+        for g in started:
+            self._start_group(g, now)
+        if started:  # ids are never reused, even after a hard stop
+            self._write_state()
+        return started
+
     def _start_group(self, g: GroupRecord, now: float) -> None:
         task = self.task_of[g.id] = next(self.task_cycle)
         for k in range(self.cfg.harness.group_size):
@@ -323,13 +330,17 @@ class Head:
     async def _execution(self, gid: int, task, eid: str) -> None:
         rec = await run_and_evaluate(self.proxy, self.pool, self.evaluators, task, eid, gid, self.base_url,
                                      on_ended=lambda _status: self.core.execution_ended(eid, time.time()))
+        self._execution_done(eid, rec, time.time())
+
+    def _execution_done(self, eid: str, rec, now: float) -> None:
+        """An execution ended and was scored: its record goes to the shards, the core admits."""
         self.records[eid] = rec
         self.status_counts[rec.status] = self.status_counts.get(rec.status, 0) + 1
         self.harness_errors += rec.status in ("failed", "crashed")
         self.records_buffer.append(rec)
         self._flush()
         usable = rec.status in FINISHED and math.isfinite(rec.reward)
-        adm = self.core.execution_evaluated(eid, time.time(), version=rec.min_version,
+        adm = self.core.execution_evaluated(eid, now, version=rec.min_version,
                                             tokens=float(rec.tree.stats().unique_tokens), usable=usable)
         self._on_admission(adm)
 
@@ -421,20 +432,30 @@ class Head:
                 self._stop.set()
                 return
             reduce_s = time.time() - t
-            faults.hit("head", "step_end")
-            res = self.core.step_ended(time.time())
+            res = self._step_ended(time.time())
             ended = True
             push_s = 0.0
             if res.push_due:  # end of a rollout round: rollout cells get the new weights
                 t = time.time()
                 await asyncio.gather(*(self._cmd_push(c, res.version) for c in self.cells if c.role is Role.ROLLOUT))
-                self.core.weights_pushed(res.version)
                 push_s = time.time() - t
-            self._close_step(res, participants, reps, reduce_s, push_s)
-            self._on_admission(res.admission)
+            self._step_committed(res, participants, reps, reduce_s, push_s)
         finally:
             if not ended:
                 self.core.step_aborted()
+
+    def _step_ended(self, now: float) -> StepResult:
+        """The optimizer step was applied on every participant: the version moves on."""
+        faults.hit("head", "step_end")
+        return self.core.step_ended(now)
+
+    def _step_committed(self, res: StepResult, participants: list[Cell], reps: list[Reply], reduce_s: float,
+                        push_s: float) -> None:
+        """(Weights pushed if the round ended) the step is written down; the next one fills."""
+        if res.push_due:
+            self.core.weights_pushed(res.version)
+        self._close_step(res, participants, reps, reduce_s, push_s)
+        self._on_admission(res.admission)
 
     def _close_step(self, res: StepResult, participants: list[Cell], reps: list[Reply], reduce_s: float,
                     push_s: float) -> None:

@@ -276,3 +276,146 @@ def test_bad_spec_is_refused():
         CoreSpec(steps=1, groups_per_step=1, group_size=1, staleness_rule="hard")
     with pytest.raises(ValueError, match="steps_per_sync"):
         CoreSpec(steps=1, groups_per_step=1, group_size=1, steps_per_sync=0)
+
+
+# ---- one trace, two drivers -------------------------------------------------------------------
+
+class RecordingCoordinator(Coordinator):
+    """The simulator's core, logging every event it is told (the trace replayed into the head)."""
+
+    def __init__(self, spec, key):
+        super().__init__(spec, key)
+        self.trace: list[tuple] = []
+
+    def start_groups(self, n, now):
+        out = super().start_groups(n, now)
+        if out:
+            self.trace.append(("start", n, now))
+        return out
+
+    def execution_started(self, group, key, now):
+        self.trace.append(("exec", group, key))
+        return super().execution_started(group, key, now)
+
+    def execution_evaluated(self, key, now, *, version=-1, tokens=0.0, usable=True):
+        self.trace.append(("evaluated", key, now, version))
+        return super().execution_evaluated(key, now, version=version, tokens=tokens, usable=usable)
+
+    def step_ending(self, now):
+        self.trace.append(("step_ending", now))
+        return super().step_ending(now)
+
+    def step_ended(self, now):
+        res = super().step_ended(now)
+        self.trace.append(("step_ended", now, res.push_due))
+        return res
+
+    def weights_pushed(self, version):
+        self.trace.append(("pushed", version))
+        return super().weights_pushed(version)
+
+
+def simulated_trace(k: int, b: int, steps: int, q: int, g: int, slow_group: int):
+    from gyre.sim.cluster import ClusterModel
+    from gyre.sim.engine import Simulator, SimSpec
+    from gyre.sim.workload import ExecSpec, GroupSpec, Workload
+
+    def group(i: int) -> GroupSpec:  # fixed durations; one group far slower than the others
+        d = 40_000.0 if i == slow_group else 1_000.0 + 37.0 * (i % 5)
+        return GroupSpec(f"g{i}", tuple(ExecSpec(d + 11.0 * m, 4, 100.0, 50.0 + m) for m in range(g)))
+
+    w = Workload(group, g, 0.8, "scripted", 1_000.0, 0.1)
+    cluster = ClusterModel(nodes=2, cell_nodes=1, gpus_per_node=1, ref_cell_nodes=1, min_cell_nodes=1,
+                           half_load=1e6, ref_load=1, eval_s=0, push_s=0, opt_s=0, to_train_s=0,
+                           to_rollout_s=0)
+    sim = Simulator(make_policy("E", k), w, cluster,
+                    SimSpec(steps=steps, groups_per_step=q, segments=1, tick_s=500.0, steps_per_sync=b))
+    sim.core = RecordingCoordinator(sim.core.spec, sim.core.key)
+    sim.run()
+    return sim.core
+
+
+def head_for_replay(tmp_path, spec: CoreSpec, key):
+    """A real Head with the real core, ledger, shards and materializer; only its I/O edges are
+    absent: no cells (nothing to message) and no harness (the trace says how executions ended)."""
+    import itertools
+    from types import SimpleNamespace
+
+    from gyre.config import GyreConfig
+    from gyre.harness.execute import shard_identity
+    from gyre.head import Head
+    from gyre.traj.select import SelectionSpec
+    from gyre.traj.store import ShardWriter
+
+    cfg = GyreConfig()
+    cfg.run.dir, cfg.run.steps, cfg.run.groups_per_step = str(tmp_path), spec.steps, spec.groups_per_step
+    cfg.harness.group_size = spec.group_size
+    cfg.sched.staleness, cfg.sched.steps_per_sync = spec.staleness, spec.steps_per_sync
+    head = Head(cfg, None, 2)
+    head.core = Coordinator(spec, key)
+    head.model_dir = head.weights_root = head.ckpt_root = tmp_path
+    head.spec = SelectionSpec.from_config(cfg.selection)
+    head.task_cycle = itertools.cycle([SimpleNamespace(name="task")])
+    head.writer = ShardWriter.from_config(cfg.store, tmp_path / "shards", shard_identity({"model_hash": "m" * 8, "tokenizer_hash": "t" * 8}))
+    head.ledger = open(tmp_path / "ledger.jsonl", "a")
+    head.steps_file = open(tmp_path / "steps.jsonl", "a")
+    head._spawn = lambda coro: coro.close()  # executions are played from the trace
+    return head
+
+
+def record(eid: str, gid: int, member: int, version: int):
+    from gyre.traj.record import ExecutionRecord
+    from gyre.traj.tree import Segment, TrajectoryTree
+
+    t = TrajectoryTree()
+    t.add_call([Segment("task", [5, 6, 7, member + 8], "user")], "a", [3, 4], [20 + member, 30, 31],
+               [-0.5, -1.0, -0.25], agent_role="main", policy_version=version)
+    return ExecutionRecord(eid, "task", gid, "done", float(member % 2), "tests", tree=t)
+
+
+@pytest.mark.parametrize("k,b", [(1, 1), (0, 2), (2, 1)])
+def test_one_trace_through_the_simulator_and_the_head_gives_the_same_steps(tmp_path, k, b):
+    steps, q, g = 5, 2, 2
+    sim = simulated_trace(k, b, steps, q, g, slow_group=1)
+    head = head_for_replay(tmp_path, sim.spec, sim.key)
+    eid_of = {}
+    for ev in sim.trace:
+        kind = ev[0]
+        if kind == "start":
+            started = head._start_groups(ev[1], ev[2])
+            assert started  # the head's core allows the same starts
+        elif kind == "exec":
+            gid, key = ev[1], ev[2]
+            eid_of[key] = (gid, len([1 for x in eid_of.values() if x[0] == gid]))
+        elif kind == "evaluated":
+            gid, m = eid_of[ev[1]]
+            eid = f"q{gid}-task-g{m}"
+            head._execution_done(eid, record(eid, gid, m, ev[3]), ev[2])
+        elif kind == "step_ending":
+            while (mb := head.core.next_microbatch()) is not None:  # the trainers' replies
+                head.core.microbatch_trained(mb)
+            assert head.core.step_ready()
+            head.core.step_ending(ev[1])
+        elif kind == "step_ended":
+            res = head._step_ended(ev[1])
+            assert res.push_due == ev[2]
+            if not res.push_due or head.core.done:  # (the simulator pushes nothing after the last step)
+                head._step_committed(res, [], [], 0.0, 0.0)
+        elif kind == "pushed":
+            head._step_committed(res, [], [], 0.0, 0.0)
+    head.ledger.close()
+    assert head.core.done and sim.done
+    sim_steps = [[gid for gid in (x.id for x in r.groups)] for r in sim.steps]
+    head_steps = [[x.id for x in r.groups] for r in head.core.steps]
+    assert head_steps == sim_steps
+    dropped = {gid for gid, x in sim.groups.items() if x.state is S.DROPPED}
+    assert {gid for gid, x in head.core.groups.items() if x.state is S.DROPPED} == dropped
+    if k == 1:
+        assert dropped  # the slow group was dropped as stale and replaced in both
+    # the head wrote down exactly that: each trained execution once, in its step
+    import json
+    rows = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    trained = {(r["group"], r["step"]) for r in rows if r["admitted"]}
+    assert trained == {(gid, s) for s, gids in enumerate(sim_steps) for gid in gids}
+    assert all(not r["admitted"] and r["reason"].startswith("stale") for r in rows if r["group"] in dropped)
+    assert head.core.lag_stats().worst_syncs == sim.lag_stats().worst_syncs <= k
