@@ -50,6 +50,7 @@ class Head:
         self.run_dir = Path(cfg.run.dir)
         self.cells = [Cell(i, i + 1) for i in range(n_cells)]
         self.core: Coordinator | None = None
+        self._committed = 0                              # version of the last step written down
         self.mb_ids = itertools.count()
         # payload of the open step (the core keeps which micro-batch is where)
         self.batches: dict[int, dict] = {}              # micro-batch id -> wire dict
@@ -186,6 +187,7 @@ class Head:
             steps=cfg.run.steps, groups_per_step=cfg.run.groups_per_step, group_size=cfg.harness.group_size,
             staleness=s.staleness, staleness_rule=s.staleness_rule, steps_per_sync=s.steps_per_sync,
             start_version=version, first_group=first_group), self.policy.admission_key)
+        self._committed = version
         if self.resume:
             self.ledger.write(json.dumps({"resume": True, "version": version, "at": time.time()}) + "\n")
         self._save_state()  # a stop before the first step close still resumes
@@ -485,6 +487,7 @@ class Head:
                "t_end": res.ended_at - self.t0}
         self.step_log.append(row)
         self.steps_file.write(json.dumps(row) + "\n")
+        self._committed = res.version
         for c in self.cells:  # the next step may already be training: free only this step's
             c.step_mbs.difference_update(res.microbatches)
         for m in res.microbatches:
@@ -531,9 +534,11 @@ class Head:
         self._write_state()
 
     def _write_state(self) -> None:
-        v = self.core.version
+        # the last *committed* step: a step that ended but is not yet written down (its weights
+        # still being pushed) is redone after a hard stop, never counted as trained unrecorded
+        v = self._committed
         atomic_write_json(self.run_dir / "state.json", {
-            "version": v, "rollout_version": self.core.rollout_version, "groups_started": self.core.next_group,
+            "version": v, "rollout_version": min(v, self.core.rollout_version), "groups_started": self.core.next_group,
             "weights": self.weights_path(v), "checkpoint": self.checkpoint_path(v)})
 
     def _load_state(self) -> tuple[int, int]:

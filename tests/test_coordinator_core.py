@@ -353,6 +353,7 @@ def head_for_replay(tmp_path, spec: CoreSpec, key):
     cfg.sched.staleness, cfg.sched.steps_per_sync = spec.staleness, spec.steps_per_sync
     head = Head(cfg, None, 2)
     head.core = Coordinator(spec, key)
+    head._committed = spec.start_version
     head.model_dir = head.weights_root = head.ckpt_root = tmp_path
     head.spec = SelectionSpec.from_config(cfg.selection)
     head.task_cycle = itertools.cycle([SimpleNamespace(name="task")])
