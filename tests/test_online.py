@@ -166,6 +166,7 @@ HOLD_AGENT = ROOT / "tests" / "harness_scripts" / "hold_agent.py"
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # a gyre run on a loaded 2-core machine; normally ~60 s
 @pytest.mark.parametrize("scheme,k", [("E", 1), ("C", 2)])  # both schemes, both bounds; (E, 2) and (C, 1) pass too
 def test_run_stale_drop_replaces_the_group_and_every_step_completes(tmp_path, scheme, k):
     """Group 0 is held (tests/harness_scripts/hold_agent.py) until k + 1 steps have closed, so
@@ -193,6 +194,7 @@ def test_run_stale_drop_replaces_the_group_and_every_step_completes(tmp_path, sc
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # two gyre runs
 def test_head_fault_phase_step_end_resume(tmp_path):
     """The head is SIGKILLed at its first step end (after the reduce, before the step is
     committed); `gyre run --resume` finishes the run: nothing trained twice, nothing lost."""
@@ -225,3 +227,22 @@ def executions_in_shards(run_dir: Path) -> set[str]:
     from gyre.traj.store import iter_executions
 
     return {rec.execution_id for rec in iter_executions(run_dir / "shards")} if (run_dir / "shards").exists() else set()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_burst_feeds_two_steps_from_one_round_and_pushes_once(tmp_path):
+    """sched.steps_per_sync=2 at staleness 0: one rollout round (2 x Q groups, all served by v0)
+    feeds two optimizer steps; the rollout weights are pushed once, after the second."""
+    run_dir = tmp_path / "b"
+    rc, out = gyre_run(run_dir, "sched.steps_per_sync=2", "harness.group_size=2")
+    assert rc == 0, out[-3000:]
+    rep = report(run_dir)
+    assert rep["version"] == 2 and not rep["errors"]
+    assert [s["pushed"] for s in rep["steps"]] == [False, True]
+    assert rep["steps"][0]["staleness_max"] == 0 and rep["steps"][1]["staleness_max"] == 1  # optimizer steps
+    assert all(s["lag_syncs_max"] == 0 for s in rep["steps"])  # ... but the same rollout round
+    assert rep["lag"]["worst_steps"] == 1 and rep["lag"]["worst_syncs"] == 0
+    rows = check_ledger(run_dir)
+    assert sum(r["admitted"] for r in rows) == 2 * 2 * 2
+    assert {r["version"] for r in rows if r["admitted"]} == {0}  # every trained group was served by v0
