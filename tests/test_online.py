@@ -179,7 +179,7 @@ def test_run_stale_drop_replaces_the_group_and_every_step_completes(tmp_path, sc
     rc, out = gyre_run(run_dir, f"sched.scheme={scheme}", f"sched.staleness={k}", f"run.groups_per_step={q}",
                        f"harness.group_size={g}", "harness.timeout_s=600",
                        f'harness.command=["{{python}}", "{HOLD_AGENT}", "{{execution_id}}"]',
-                       "harness.env=[" + ", ".join(f'"{h}"' for h in hold) + "]", steps=steps)
+                       "harness.env=[" + ", ".join(f'"{h}"' for h in hold) + "]", steps=steps, timeout=800)
     assert rc == 0, out[-3000:]
     rep = report(run_dir)
     assert rep["version"] == steps and not rep["errors"], rep["errors"]
@@ -202,7 +202,7 @@ def test_head_fault_phase_step_end_resume(tmp_path):
     env = {"GYRE_FAULT": "head:step_end:1", "GYRE_FAULT_DIR": str(faults_dir)}
     proc = gyre_run(run_dir, "harness.group_size=2", wait=False, env=env)
     try:
-        out, _ = proc.communicate(timeout=400)
+        out, _ = proc.communicate(timeout=550)
     finally:
         try:  # engines and trainers of the dead job's cells must not outlive it
             os.killpg(proc.pid, signal.SIGKILL)
@@ -212,7 +212,7 @@ def test_head_fault_phase_step_end_resume(tmp_path):
     assert (faults_dir / "fired-head-step_end-1").exists()
     assert json.loads((run_dir / "state.json").read_text())["version"] == 0  # step 0 never committed
     in_shards_first = executions_in_shards(run_dir)
-    rc, out = gyre_run(run_dir, "harness.group_size=2", resume=True, env=env)
+    rc, out = gyre_run(run_dir, "harness.group_size=2", resume=True, env=env, timeout=550)
     assert rc == 0, out[-3000:]
     assert report(run_dir)["version"] == 2
     steps = [json.loads(s)["step"] for s in (run_dir / "steps.jsonl").read_text().splitlines()]
@@ -235,7 +235,7 @@ def test_burst_feeds_two_steps_from_one_round_and_pushes_once(tmp_path):
     """sched.steps_per_sync=2 at staleness 0: one rollout round (2 x Q groups, all served by v0)
     feeds two optimizer steps; the rollout weights are pushed once, after the second."""
     run_dir = tmp_path / "b"
-    rc, out = gyre_run(run_dir, "sched.steps_per_sync=2", "harness.group_size=2")
+    rc, out = gyre_run(run_dir, "sched.steps_per_sync=2", "harness.group_size=2", timeout=800)
     assert rc == 0, out[-3000:]
     rep = report(run_dir)
     assert rep["version"] == 2 and not rep["errors"]
