@@ -225,7 +225,6 @@ class Coordinator:
         self.trained = 0            # groups trained by this job
         self.n_open = 0
         self._serial = 0
-        self._mb_owner: dict = {}   # micro-batch id -> group id
         self._running_views: tuple | None = None    # cached: rebuilt only after a change
         self._waiting: dict[int, GroupRecord] = {}  # the admission queue (kept: the simulator asks often)
 
@@ -396,7 +395,6 @@ class Coordinator:
             self.step.work[mb] = float(t)
             self.step.tokens_total += float(t)
             self.step.queue.append(mb)
-            self._mb_owner[mb] = group
 
     def next_microbatch(self) -> Hashable | None:
         """The next queued micro-batch for an idle trainer (work goes by progress)."""
@@ -460,8 +458,6 @@ class Coordinator:
         self.version += 1
         push_due = (self.version - s.start_version) % s.steps_per_sync == 0 or self.done
         self.step = StepRecord(self.version)
-        for mb in st.work:
-            self._mb_owner.pop(mb, None)
         dropped = tuple(self._drop(g) for g in list(self._waiting.values())
                         if self._expired(g, self.version))
         adm = Admission(dropped=dropped) + self._fill(now)
