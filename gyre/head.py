@@ -402,11 +402,20 @@ class Head:
             cell.step_mbs.add(mid)
             self.mb_stats[mid] = rep.info.get("stats", {})
         else:  # its trainer died: this micro-batch and the ones it held go back to the queue
-            self._requeue(cell, set(rep.info.get("lost", [])) | {mid})
+            self._requeue(cell, (set(rep.info.get("lost", [])) & cell.step_mbs) | {mid})
 
     def _requeue(self, cell: Cell, lost: set[int]) -> None:
         cell.step_mbs.difference_update(lost)
         self.core.microbatches_lost(sorted(lost))
+
+    def _lost_at_prepare(self, cell: Cell, rep: Reply) -> set[int]:
+        """Micro-batches whose gradients this cell no longer holds. The agent reports every
+        micro-batch it lost in the step, again at each prepare_reduce; one already requeued (and
+        trained again, maybe on another cell) must not be requeued again, or the step never
+        ends and its gradient would count twice. So what it says it *holds* decides."""
+        if rep.ok and "mb_ids" in rep.info:
+            return cell.step_mbs - set(rep.info["mb_ids"])
+        return set(rep.info.get("lost", [])) & cell.step_mbs
 
     async def _finish_step(self) -> None:
         index = self.core.step.index
@@ -419,8 +428,9 @@ class Head:
             reps = await asyncio.gather(*(self._cmd_prepare_reduce(c, index) for c in participants))
             lost = False
             for c, r in zip(participants, reps):
-                if not r.ok or r.info.get("lost"):
-                    self._requeue(c, set(r.info.get("lost", [])))
+                gone = self._lost_at_prepare(c, r)
+                if gone or not r.ok:
+                    self._requeue(c, gone)
                     lost = True
             if lost:
                 return  # lost gradients are recomputed; the next tick finishes the step again

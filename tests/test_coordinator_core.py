@@ -420,3 +420,34 @@ def test_one_trace_through_the_simulator_and_the_head_gives_the_same_steps(tmp_p
     assert trained == {(gid, s) for s, gids in enumerate(sim_steps) for gid in gids}
     assert all(not r["admitted"] and r["reason"].startswith("stale") for r in rows if r["group"] in dropped)
     assert head.core.lag_stats().worst_syncs == sim.lag_stats().worst_syncs <= k
+
+
+def test_head_requeues_a_lost_micro_batch_once(tmp_path):
+    """An agent keeps reporting the micro-batches its dead trainer lost until the step's reduce;
+    the head requeues each once (before, a repeated report requeued a micro-batch that another cell
+    had trained again: the step never ended and that gradient would have counted twice)."""
+    from gyre.sched.protocol import Reply
+
+    c = core(steps=1, q=1, g=2, k=0)
+    head = head_for_replay(tmp_path, c.spec, c.key)
+    head._start_groups(1, 0.0)
+    for m in range(2):
+        eid = f"q0-task-g{m}"
+        head._execution_done(eid, record(eid, 0, m, 0), 1.0)
+    core_ = head.core
+    c1, c2 = head.cells[0], head.cells[1]
+    a = core_.next_microbatch()
+    core_.microbatch_trained(a)
+    c1.step_mbs.add(a)                              # cell 1 trained a ...
+    head._requeue(c1, {a, 99} & c1.step_mbs)        # ... then its trainer died (a lost)
+    assert core_.step.queue[-1] == a and a not in c1.step_mbs
+    while (mb := core_.next_microbatch()) is not None:  # cell 2 trains everything, a included
+        core_.microbatch_trained(mb)
+        c2.step_mbs.add(mb)
+    assert core_.step_ready()
+    again = Reply(1, c1.id, "prepare_reduce", True, info={"mb_ids": [], "lost": [a]})
+    held = Reply(2, c2.id, "prepare_reduce", True, info={"mb_ids": sorted(c2.step_mbs), "lost": []})
+    assert head._lost_at_prepare(c1, again) == set() and head._lost_at_prepare(c2, held) == set()
+    died = Reply(3, c2.id, "prepare_reduce", False, info={"lost": [a, 12345]})
+    assert head._lost_at_prepare(c2, died) == {a}    # only what it held counts
+    head.ledger.close()
