@@ -159,7 +159,11 @@ class SchedConfig:
     cells: int = _f(2, min=1)
     cell_nodes: int = _f(4, min=1)
     gpus_per_node: int = _f(8, min=0)
-    staleness: int = _f(0, min=0)
+    staleness: int = _f(0, min=0, help="max lag k in rollout syncs (= optimizer steps when steps_per_sync = 1)")
+    staleness_rule: str = _f("window", choices=("window", "count"),
+                             help="window: a group lagging more than k syncs is dropped (and replaced); "
+                                  "count: AReaL's rule, at rollout sync r at most (r+k+1) x groups-per-round started")
+    steps_per_sync: int = _f(1, min=1, help="optimizer steps fed by one rollout round; weights pushed once per round")
     rollout_cells_async: int = _f(1, min=0, help="rollout pool size for scheme A")
     to_train_s: float = _f(8.52, min=0.0, help="expected rollout->train switch time (paper: 8.52 s)")
     to_rollout_s: float = _f(3.46, min=0.0, help="expected train->rollout switch time (paper: 3.46 s)")
@@ -175,9 +179,12 @@ class SimConfig:
     nodes: int = _f(32, min=1)
     groups_per_step: int = _f(16, min=1, help="queries per training step (G executions each)")
     seed: int = _f(0, min=0, help="workload seed")
-    train_tokens_per_s: float = _f(2200.0, min=0.001, help="training tokens/s of one 4-node cell (fitted)")
-    ref_load: float = _f(384.0, min=0.001, help="calls per cell under which durations were measured (fitted)")
-    half_load: float = _f(4.0, min=0.001, help="calls per cell at which a call decodes at half solo speed")
+    train_tokens_per_s: float = _f(43800.0, min=0.001, help="training tokens/s of one 4-node cell "
+                                   "(nl2repo-122b-32n: FLOP arithmetic at 25% MFU, gyre/sim/calibration.py)")
+    ref_load: float = _f(22.7, min=0.001, help="calls per cell under which durations were measured "
+                         "(nl2repo-122b-32n: the load its E0 run serves)")
+    half_load: float = _f(128.0, min=0.001, help="calls per cell at which a call decodes at half solo speed "
+                          "(16 TP2 replicas x 8 calls)")
     eval_s: float = _f(60.0, min=0.0, help="evaluation time of a finished execution")
 
 

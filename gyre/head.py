@@ -1,19 +1,24 @@
-"""The head (MPI rank 0): live coordinator, proxy, router, harness pool, evaluators, shard writer.
+"""The head (MPI rank 0): start-up, messaging and I/O around the coordinator core.
 
-One loop, read top to bottom in `Head.tick`:
+The bookkeeping of groups and steps (states, admission under the staleness rule, replacement of
+dropped groups, bursts, step completion, the `ClusterState` a policy sees) lives in
+`gyre.sched.core.Coordinator`, the object the simulator drives too. The head turns what happens
+(harness processes ending, evaluations, replies of cell agents) into core events and carries out
+what the core and the policy answer. One loop, read top to bottom in `Head.tick`:
 
-1. build the `ClusterState` the policy sees (cells, running executions, groups, open step);
-2. `policy.decide(state, now)` (the same object the simulator drives);
-3. apply its role switches (each a protocol exchange with the cell agent) and start groups;
-4. admit evaluated groups to the open step within the staleness bound, materialize them into
-   micro-batches, and hand micro-batches to idle train cells (work goes by progress);
-5. when the step's micro-batches are all trained: the cells that took part reduce gradients
-   together, take one optimizer step, the policy version increases and rollout cells get the
-   new weights.
+1. `policy.decide(core.cluster_state(now, cells), now)`;
+2. apply its role switches (each a protocol exchange with the cell agent) and start the groups
+   the core lets start;
+3. hand queued micro-batches to idle train cells (work goes by progress); admission happens as
+   groups are evaluated (`_on_admission` materializes what the core assigned);
+4. when the core says the step is ready: the cells that took part reduce gradients together,
+   take one optimizer step, and at the end of a rollout round (`sched.steps_per_sync` steps)
+   rollout cells get the new weights.
 
 Everything that ends is written down: executions to HDF5 shards, which execution trained in
 which step (or why not) to ``ledger.jsonl``, per-step figures to ``steps.jsonl``, and the state
-needed by ``--resume`` to ``state.json``.
+needed by ``--resume`` to ``state.json`` (the commit point of a step: on resume, ledger and step
+rows past it are rolled back, see `_reconcile`).
 """
 
 from __future__ import annotations
@@ -22,57 +27,22 @@ import asyncio
 import itertools
 import json
 import math
-import os
 import secrets
 import signal
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
-from gyre.fsio import atomic_write_json
+from gyre import faults
 from gyre.config import GyreConfig, default_tiny_dir
+from gyre.fsio import atomic_write_json, atomic_write_text
+from gyre.harness.execute import FINISHED, run_and_evaluate
 from gyre.sched.cells import Cell, cell_stats
+from gyre.sched.core import Admission, Coordinator, CoreSpec, GroupRecord, StepResult
 from gyre.sched.protocol import (Command, Event, PrepareReduce, PushWeights, Reduce, Reply, Stop, ToRollout, ToTrain,
                                  Train, reply_for)
-from gyre.rollout import FINISHED
-from gyre.sched.state import ClusterState, ExecView, GroupView, Role
-
-
-@dataclass
-class Group:
-    id: int
-    task: object
-    started_version: int
-    started_at: float
-    execution_ids: list[str] = field(default_factory=list)
-    records: dict = field(default_factory=dict)     # execution id -> ExecutionRecord
-    ready_at: float = 0.0
-    version: int = -1                               # oldest policy version that served it
-    state: str = "running"                          # running | waiting | assigned | trained | dropped
-    step: int = -1
-    train_tokens: float = 0.0
-
-    def view(self) -> GroupView:
-        return GroupView(self.id, self.version, self.ready_at, self.train_tokens)
-
-
-@dataclass
-class OpenStep:
-    index: int
-    groups: list[int] = field(default_factory=list)
-    queue: list[int] = field(default_factory=list)        # micro-batch ids waiting for a cell
-    batches: dict = field(default_factory=dict)           # mb id -> wire dict
-    tokens: dict = field(default_factory=dict)            # mb id -> tokens
-    done: set = field(default_factory=set)
-    started_at: float = 0.0
-    stats: list = field(default_factory=list)
-    reducing: bool = False
-    admitted: list = field(default_factory=list)          # (execution id, group id, staleness)
-
-    @property
-    def tokens_left(self) -> float:
-        return float(sum(t for m, t in self.tokens.items() if m not in self.done))
+from gyre.sched.state import Role
 
 
 class Head:
@@ -80,14 +50,16 @@ class Head:
         self.cfg, self.link, self.resume = cfg, link, resume
         self.run_dir = Path(cfg.run.dir)
         self.cells = [Cell(i, i + 1) for i in range(n_cells)]
-        self.version = 0
-        self.groups: dict[int, Group] = {}
-        self.groups_started = 0                          # next group id: never reused, across resumes
-        self.start_version = 0                           # version when this job started (resume)
+        self.core: Coordinator | None = None
+        self._committed = 0                              # version of the last step written down
         self.mb_ids = itertools.count()
-        self.step = OpenStep(0)
+        # payload of the open step (the core keeps which micro-batch is where)
+        self.batches: dict[int, dict] = {}              # micro-batch id -> wire dict
+        self.admitted: dict[int, list] = {}             # group id -> [(execution id, staleness)]
+        self.mb_stats: dict[int, dict] = {}             # micro-batch id -> trainer stats
+        self.task_of: dict[int, object] = {}            # group id -> task
+        self.records: dict[str, object] = {}            # execution id -> ExecutionRecord
         self.step_log: list[dict] = []
-        self.running: dict[str, tuple[Group, float]] = {}  # execution id -> (group, started_at)
         self._futures: dict[int, asyncio.Future] = {}
         self._locks = [asyncio.Lock() for _ in range(n_cells)]
         self._hello = asyncio.Event()
@@ -102,8 +74,15 @@ class Head:
         self.harness_errors = 0
         self.status_counts: dict[str, int] = {}
 
-    # ---- messages from cells (called in the event loop) -----------------------------------
+    @property
+    def version(self) -> int:
+        return self.core.version if self.core else 0
+
+    # ==== messaging (head <-> cell agents) ======================================================
+    # The only place that builds Commands and reads Replies/Events: a change of the protocol's
+    # types lands here and nowhere else.
     def on_message(self, msg) -> None:
+        """Called in the event loop for every message a cell sends."""
         now = time.time()
         if isinstance(msg, Reply):
             self.cells[msg.cell].last_seen = now
@@ -129,12 +108,6 @@ class Head:
                 self.errors.append(f"cell {cell.id}: {msg.info}")
                 cell.set_role(Role.FAILED, now)
 
-    async def _replace_endpoint(self, cell: Cell, old: str) -> None:
-        await self.router.remove_endpoint(old, abort=True)
-        if cell.role is Role.ROLLOUT:
-            await self._call(cell, PushWeights(version=self.version, weights=self.weights_path()))
-            self.router.add_endpoint(cell.engine_url)
-
     async def _call(self, cell: Cell, cmd: Command, timeout: float = 600.0) -> Reply:
         """Send one command and wait for its reply; commands to one cell never overlap."""
         async with self._locks[cell.id]:
@@ -147,31 +120,50 @@ class Head:
                 self._futures.pop(cmd.seq, None)
                 return reply_for(cmd, cell.id, ok=False, error=f"no reply within {timeout} s")
 
+    def _cmd_to_train(self, cell: Cell, version: int):
+        return self._call(cell, ToTrain(version=version, checkpoint=self.checkpoint_path(version) or None))
+
+    def _cmd_to_rollout(self, cell: Cell, version: int):
+        return self._call(cell, ToRollout(version=version, weights=self.weights_path(version)))
+
+    def _cmd_push(self, cell: Cell, version: int):
+        return self._call(cell, PushWeights(version=version, weights=self.weights_path(version)))
+
+    def _cmd_train(self, cell: Cell, step: int, mid: int):
+        return self._call(cell, Train(step=step, mb_id=mid, batch=self.batches[mid]))
+
+    def _cmd_prepare_reduce(self, cell: Cell, step: int):
+        return self._call(cell, PrepareReduce(step=step))
+
+    def _cmd_reduce(self, cell: Cell, step: int, participants: list[Cell], leader: Cell, new: int):
+        return self._call(cell, Reduce(
+            step=step, participants=[c.id for c in participants], leader=leader.id,
+            weights_dir=str(self.weights_root / f"v{new}"), checkpoint_dir=str(self.ckpt_root / f"v{new}")))
+
+    def _cmd_stop(self, cell: Cell):
+        return self._call(cell, Stop(), timeout=60)
+
+    # ==== paths =================================================================================
+    def weights_path(self, version: int) -> str:
+        return str(self.model_dir) if version == 0 else str(self.weights_root / f"v{version}")
+
+    def checkpoint_path(self, version: int) -> str:
+        return "" if version == 0 else str(self.ckpt_root / f"v{version}")
+
     def _spawn(self, coro) -> asyncio.Task:
         t = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
         return t
 
-    # ---- paths -----------------------------------------------------------------------------
-    def weights_path(self, version: int | None = None) -> str:
-        v = self.version if version is None else version
-        if v == 0:
-            return str(self.model_dir)
-        return str(self.weights_root / f"v{v}")
-
-    def checkpoint_path(self, version: int | None = None) -> str:
-        v = self.version if version is None else version
-        return "" if v == 0 else str(self.ckpt_root / f"v{v}")
-
-    # ---- the run ---------------------------------------------------------------------------
+    # ==== the run ===============================================================================
     async def run(self) -> dict:
         from gyre.engine.router import Router
         from gyre.engine.tiny_model import ensure_tiny_model, load_tokenizer, model_identity
         from gyre.harness.evaluator import EvaluatorPool
+        from gyre.harness.execute import load_tasks, shard_identity
         from gyre.harness.runner import HarnessPool, private_dir
         from gyre.proxy.server import Proxy, create_app, start_site
-        from gyre.rollout import load_tasks, shard_identity
         from gyre.sched import policy_from_config
         from gyre.traj.select import SelectionSpec
         from gyre.traj.store import ShardWriter
@@ -187,11 +179,17 @@ class Head:
         self.task_cycle = itertools.cycle(self.tasks)
         identity = model_identity(self.model_dir)
         self.writer = ShardWriter.from_config(cfg.store, private_dir(cfg.shard_dir()), shard_identity(identity))
+        version, first_group = self._load_state() if self.resume else (0, 0)
         self.ledger = open(self.run_dir / "ledger.jsonl", "a", buffering=1)
         self.steps_file = open(self.run_dir / "steps.jsonl", "a", buffering=1)
+        s = cfg.sched
+        self.core = Coordinator(CoreSpec(
+            steps=cfg.run.steps, groups_per_step=cfg.run.groups_per_step, group_size=cfg.harness.group_size,
+            staleness=s.staleness, staleness_rule=s.staleness_rule, steps_per_sync=s.steps_per_sync,
+            start_version=version, first_group=first_group), self.policy.admission_key)
+        self._committed = version
         if self.resume:
-            self._load_state()
-        self.start_version = self.version
+            self.ledger.write(json.dumps({"resume": True, "version": version, "at": time.time()}) + "\n")
         self._save_state()  # a stop before the first step close still resumes
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -212,8 +210,8 @@ class Head:
                 self.router.add_endpoint(cell.engine_url)
         # cells boot as rollout; the policy's initial train cells switch once, before any work
         await asyncio.gather(*(self._to_train(c) for c, r in zip(self.cells, roles) if r is Role.TRAIN))
-        if self.version > 0:
-            await asyncio.gather(*(self._call(c, PushWeights(version=self.version, weights=self.weights_path()))
+        if self.core.rollout_version > 0:
+            await asyncio.gather(*(self._cmd_push(c, self.core.rollout_version)
                                    for c in self.cells if c.role is Role.ROLLOUT))
         self.proxy = Proxy(self.router, load_tokenizer(self.model_dir), identity=identity,
                            default_max_tokens=cfg.proxy.default_max_tokens, max_tokens_cap=cfg.proxy.max_tokens_cap)
@@ -224,7 +222,7 @@ class Head:
         self.evaluators = EvaluatorPool.from_config(cfg)
         stopped = False
         try:
-            while self.version < cfg.run.steps:
+            while not self.core.done:
                 if self._stop.is_set():
                     stopped = True
                     break
@@ -244,18 +242,18 @@ class Head:
         t1 = time.time()
         for c in self.cells:
             c.close(t1)
-        await asyncio.gather(*(self._call(c, Stop(), timeout=60) for c in self.cells))
+        await asyncio.gather(*(self._cmd_stop(c) for c in self.cells))
         await self.router.close()
         self.ledger.close()
         self.steps_file.close()
         return self.report(t1, stopped)
 
-    # ---- one tick ----------------------------------------------------------------------------
+    # ==== one tick ==============================================================================
     async def tick(self, now: float) -> None:
         self._check_heartbeats(now)
         if now - self._cells_written > 0.5:
             self._write_cells(now)
-        decision = self.policy.decide(self.state(now), now)
+        decision = self.policy.decide(self.core.cluster_state(now, tuple(c.view() for c in self.cells)), now)
         for sw in decision.switches:
             cell = self.cells[sw.cell]
             if sw.to is Role.TRAIN and cell.role is Role.ROLLOUT:
@@ -264,30 +262,12 @@ class Head:
             elif sw.to is Role.ROLLOUT and cell.role is Role.TRAIN:
                 cell.set_role(Role.TO_ROLLOUT, now)
                 self._spawn(self._to_rollout(cell))
-        for _ in range(decision.start_groups):
-            self._start_group(now)
-        self._admit(now)
+        self._start_groups(decision.start_groups, now)
         self._dispatch()
-        if self._step_complete():
-            self.step.reducing = True
+        if self.core.step_ready() and all(c.role.settled or c.role is Role.FAILED for c in self.cells):
+            # (a cell mid-switch would miss the step: wait until it lands)
+            self.core.step_ending(now)
             self._spawn(self._finish_step())
-
-    def state(self, now: float) -> ClusterState:
-        q = self.cfg.run.groups_per_step
-        open_groups = sum(1 for g in self.groups.values() if g.state in ("running", "waiting", "assigned"))
-        waiting = sum(1 for g in self.groups.values() if g.state == "waiting")
-        started = len(self.groups)  # groups started by this job (a resumed job starts at its version)
-        total = (self.cfg.run.steps - self.start_version) * q
-        tokens_left = self.step.tokens_left + (1.0 if self.step.reducing else 0.0)
-        running = tuple(ExecView(i, g.id, g.started_version, t, 0, False)
-                        for i, (eid, (g, t)) in enumerate(sorted(self.running.items())))
-        return ClusterState(
-            version=self.version, staleness=self.cfg.sched.staleness, groups_per_step=q,
-            group_size=self.cfg.harness.group_size, cells=tuple(c.view() for c in self.cells),
-            running=running, groups_open=open_groups, groups_waiting=waiting,
-            step_groups=len(self.step.groups), train_tokens_left=tokens_left,
-            train_tokens_done=float(sum(self.step.tokens[m] for m in self.step.done)),
-            starts_blocked=started >= total)
 
     def _check_heartbeats(self, now: float) -> None:
         limit = self.cfg.run.heartbeat_timeout_s
@@ -297,12 +277,12 @@ class Head:
                 c.set_role(Role.FAILED, now)
                 self._spawn(self.router.remove_endpoint(c.engine_url, abort=True))
 
-    # ---- switches ----------------------------------------------------------------------------
+    # ==== switches ==============================================================================
     async def _to_train(self, cell: Cell) -> None:
         t = time.time()
         cell.set_role(Role.TO_TRAIN, t)
         await self.router.remove_endpoint(cell.engine_url, abort=True)  # aborted calls retry elsewhere
-        rep = await self._call(cell, ToTrain(version=self.version, checkpoint=self.checkpoint_path() or None))
+        rep = await self._cmd_to_train(cell, self.core.version)
         cell.switch_phases.append({"to": "train", "ok": rep.ok, "wall_s": time.time() - t, **rep.phases})
         if rep.ok:
             cell.set_role(Role.TRAIN, time.time())
@@ -312,218 +292,245 @@ class Head:
 
     async def _to_rollout(self, cell: Cell) -> None:
         t = time.time()
-        version = self.version
-        rep = await self._call(cell, ToRollout(version=version, weights=self.weights_path(version)))
+        version = self.core.rollout_version  # the round's weights, not the newest optimizer step's
+        rep = await self._cmd_to_rollout(cell, version)
         cell.switch_phases.append({"to": "rollout", "ok": rep.ok, "wall_s": time.time() - t, **rep.phases})
         if not rep.ok:
             self.errors.append(f"cell {cell.id} to_rollout failed: {rep.error}")
             cell.set_role(Role.FAILED, time.time())
             return
-        if self.version != version:  # a step ended while it switched: load the newest weights first
-            await self._call(cell, PushWeights(version=self.version, weights=self.weights_path()))
+        if self.core.rollout_version != version:  # weights were pushed while it switched
+            await self._cmd_push(cell, self.core.rollout_version)
         self.router.add_endpoint(cell.engine_url)
         cell.set_role(Role.ROLLOUT, time.time())
 
-    # ---- executions ----------------------------------------------------------------------------
-    def _start_group(self, now: float) -> None:
-        g = Group(self.groups_started, next(self.task_cycle), self.version, now)
-        self.groups_started += 1
-        self.groups[g.id] = g
+    async def _replace_endpoint(self, cell: Cell, old: str) -> None:
+        await self.router.remove_endpoint(old, abort=True)
+        if cell.role is Role.ROLLOUT:
+            await self._cmd_push(cell, self.core.rollout_version)
+            self.router.add_endpoint(cell.engine_url)
+
+    # ==== executions ============================================================================
+    # The sync handlers below (_start_groups, _execution_done, _step_ended, _step_committed) are
+    # the head's whole translation of what happened into core events; the async code around them
+    # is messaging and I/O. tests/test_coordinator_core.py replays a simulator trace through them.
+    def _start_groups(self, n: int, now: float) -> list[GroupRecord]:
+        started = self.core.start_groups(n, now)
+        for g in started:
+            self._start_group(g, now)
+        if started:  # ids are never reused, even after a hard stop
+            self._write_state()
+        return started
+
+    def _start_group(self, g: GroupRecord, now: float) -> None:
+        task = self.task_of[g.id] = next(self.task_cycle)
         for k in range(self.cfg.harness.group_size):
-            eid = f"q{g.id}-{g.task.name}-g{k}"
-            g.execution_ids.append(eid)
-            self.running[eid] = (g, now)
-            self._spawn(self._execution(g, eid))
+            eid = f"q{g.id}-{task.name}-g{k}"
+            self.core.execution_started(g.id, eid, now)
+            self._spawn(self._execution(g.id, task, eid))
 
-    async def _execution(self, g: Group, eid: str) -> None:
-        from gyre.rollout import run_and_evaluate
+    async def _execution(self, gid: int, task, eid: str) -> None:
+        rec = await run_and_evaluate(self.proxy, self.pool, self.evaluators, task, eid, gid, self.base_url,
+                                     on_ended=lambda _status: self.core.execution_ended(eid, time.time()))
+        self._execution_done(eid, rec, time.time())
 
-        rec = await run_and_evaluate(self.proxy, self.pool, self.evaluators, g.task, eid, g.id, self.base_url)
-        self.running.pop(eid, None)
+    def _execution_done(self, eid: str, rec, now: float) -> None:
+        """An execution ended and was scored: its record goes to the shards, the core admits."""
+        self.records[eid] = rec
         self.status_counts[rec.status] = self.status_counts.get(rec.status, 0) + 1
         self.harness_errors += rec.status in ("failed", "crashed")
-        g.records[eid] = rec
         self.records_buffer.append(rec)
         self._flush()
-        if len(g.records) == len(g.execution_ids):
-            self._group_ready(g, time.time())
+        usable = rec.status in FINISHED and math.isfinite(rec.reward)
+        adm = self.core.execution_evaluated(eid, now, version=rec.min_version,
+                                            tokens=float(rec.tree.stats().unique_tokens), usable=usable)
+        self._on_admission(adm)
 
-    def _group_ready(self, g: Group, now: float) -> None:
-        versions = [r.min_version for r in g.records.values() if r.min_version >= 0]
-        g.version = min(versions) if versions else g.started_version
-        g.ready_at, g.state = now, "waiting"
-        g.train_tokens = float(sum(r.tree.stats().unique_tokens for r in g.records.values()))
+    def _on_admission(self, adm: Admission) -> None:
+        """Record dropped groups; materialize the groups the core assigned to the open step."""
+        for g in adm.dropped:
+            for eid in g.executions:
+                self._ledger(eid, g, admitted=False, reason=g.reason)
+        for g in adm.assigned:
+            self._materialize(g)
 
-    def _admit(self, now: float) -> None:
-        from gyre.sched.admission import expired, pick
-
-        k = self.cfg.sched.staleness
-        for g in self.groups.values():
-            if g.state == "waiting" and expired(self.step.index, g.version, k):
-                g.state = "dropped"
-                for eid, rec in g.records.items():
-                    self._ledger(eid, g, admitted=False, reason=f"stale: served by v{g.version}, step {self.step.index}, bound {k}")
-        if self.step.reducing:
-            return
-        room = self.cfg.run.groups_per_step - len(self.step.groups)
-        waiting = [g.view() for g in self.groups.values() if g.state == "waiting"]
-        for gv in pick(waiting, self.step.index, k, room, self.policy.admission_key):
-            self._assign(self.groups[gv.id])
-
-    def _assign(self, g: Group) -> None:
+    def _materialize(self, g: GroupRecord) -> None:
         from gyre.batch import to_wire
         from gyre.traj.materialize import materialize, prepare_step
 
-        g.state, g.step = "assigned", self.step.index
-        self.step.groups.append(g.id)
-        if not self.step.started_at:
-            self.step.started_at = time.time()
-        usable = [r for r in g.records.values() if r.status in FINISHED and math.isfinite(r.reward)]
-        for eid, rec in g.records.items():
-            if rec not in usable:
+        usable = [self.records[eid] for eid, e in g.executions.items() if e.usable]
+        for eid, e in g.executions.items():
+            if not e.usable:
+                rec = self.records[eid]
                 self._ledger(eid, g, admitted=False, reason=rec.reward_source or f"status {rec.status}")
         if not usable:
             return
-        batch = prepare_step(usable, self.spec, step_version=self.step.index, estimator=self.cfg.train.advantage)
+        batch = prepare_step(usable, self.spec, step_version=g.step, estimator=self.cfg.train.advantage)
         n_step = self.cfg.run.groups_per_step * self.cfg.harness.group_size
+        admitted = self.admitted.setdefault(g.id, [])
         for sel in batch.executions:  # weights are per step: every execution of the step counts equally
             sel.weight = 1.0 / max(1, sel.n_targets) / n_step
-            self.step.admitted.append((sel.record.execution_id, g.id, sel.staleness))
+            admitted.append((sel.record.execution_id, sel.staleness))
         for eid, reason in batch.skipped:
             self._ledger(eid, g, admitted=False, reason=reason)
         if batch.executions:
-            mats = materialize(batch.executions, layout=self.cfg.train.layout,
-                               micro_batch_tokens=self.cfg.train.micro_batch_tokens, temperature=1.0)
-            for mb in mats:
+            work = {}
+            for mb in materialize(batch.executions, layout=self.cfg.train.layout,
+                                  micro_batch_tokens=self.cfg.train.micro_batch_tokens, temperature=1.0):
                 mid = next(self.mb_ids)
-                self.step.batches[mid] = to_wire(mb)
-                self.step.tokens[mid] = float(mb.input_ids.numel())
-                self.step.queue.append(mid)
+                self.batches[mid] = to_wire(mb)
+                work[mid] = float(mb.input_ids.numel())
+            self.core.microbatches_added(g.id, work)
 
-    def _close_ledger(self, why: str) -> None:
-        """Every execution that ended and did not train gets its line, with the reason."""
-        for g in self.groups.values():
-            if g.state in ("trained", "dropped"):
-                continue
-            for eid in g.records:
-                self._ledger(eid, g, admitted=False, reason=f"{why} before step {self.step.index} closed (group {g.state})")
-
-    def _ledger(self, eid: str, g: Group, *, admitted: bool, reason: str = "", staleness: int | None = None,
-                step: int | None = None) -> None:
-        rec = g.records.get(eid)
-        self.ledger.write(json.dumps({
-            "execution": eid, "group": g.id, "task": g.task.name, "admitted": admitted,
-            "step": step, "staleness": staleness, "reason": reason,
-            "reward": None if rec is None or not math.isfinite(rec.reward) else rec.reward,
-            "version": g.version}) + "\n")
-
-    # ---- training ----------------------------------------------------------------------------
+    # ==== training ==============================================================================
     def _dispatch(self) -> None:
         for cell in self.cells:
-            if not self.step.queue:
-                return
             if cell.role is Role.TRAIN and cell.mb_in_flight is None and not self._locks[cell.id].locked():
-                mid = self.step.queue.pop(0)
+                mid = self.core.next_microbatch()
+                if mid is None:
+                    return
                 cell.mb_in_flight = mid
                 self._spawn(self._train(cell, mid))
 
     async def _train(self, cell: Cell, mid: int) -> None:
         t = time.time()
-        rep = await self._call(cell, Train(step=self.step.index, mb_id=mid, batch=self.step.batches[mid]))
+        rep = await self._cmd_train(cell, self.core.step.index, mid)
         cell.mb_in_flight = None
         cell.busy_intervals.append((t, time.time()))
         if rep.ok:
-            self.step.done.add(mid)
+            self.core.microbatch_trained(mid)
             cell.step_mbs.add(mid)
-            self.step.stats.append(rep.stats)
+            self.mb_stats[mid] = rep.info.get("stats", {})
         else:  # its trainer died: this micro-batch and the ones it held go back to the queue
-            lost = set(getattr(rep, "lost", [])) | {mid}
-            self._requeue(cell, lost)
+            self._requeue(cell, (set(rep.info.get("lost", [])) & cell.step_mbs) | {mid})
 
     def _requeue(self, cell: Cell, lost: set[int]) -> None:
-        for m in lost:
-            self.step.done.discard(m)
-            cell.step_mbs.discard(m)
-            if m not in self.step.queue:
-                self.step.queue.append(m)
+        cell.step_mbs.difference_update(lost)
+        self.core.microbatches_lost(sorted(lost))
 
-    def _step_complete(self) -> bool:
-        s = self.step
-        if s.reducing or not s.groups or s.queue or any(c.mb_in_flight is not None for c in self.cells):
-            return False
-        if len(s.groups) < self.cfg.run.groups_per_step:
-            return False
-        if any(not c.role.settled and c.role is not Role.FAILED for c in self.cells):
-            return False  # a cell mid-switch would miss the step; wait until it lands
-        return True
+    def _lost_at_prepare(self, cell: Cell, rep: Reply) -> set[int]:
+        """Micro-batches whose gradients this cell no longer holds. The agent reports every
+        micro-batch it lost in the step, again at each prepare_reduce; one already requeued (and
+        trained again, maybe on another cell) must not be requeued again, or the step never
+        ends and its gradient would count twice. So what it says it *holds* decides."""
+        if rep.ok and "mb_ids" in rep.info:
+            return cell.step_mbs - set(rep.info["mb_ids"])
+        return set(rep.info.get("lost", [])) & cell.step_mbs
 
     async def _finish_step(self) -> None:
-        s = self.step
+        index = self.core.step.index
+        ended = False
         try:
+            self._flush(force=True)  # the step's executions are on disk before anything is applied
             participants = [c for c in self.cells if c.role is not Role.FAILED and (c.step_mbs or c.role is Role.TRAIN)]
             if not any(c.role is Role.TRAIN for c in participants):
                 return  # no trainer to apply the step: wait for the policy to bring one
-            reps = await asyncio.gather(*(self._call(c, PrepareReduce(step=s.index)) for c in participants))
+            reps = await asyncio.gather(*(self._cmd_prepare_reduce(c, index) for c in participants))
             lost = False
             for c, r in zip(participants, reps):
-                if not r.ok or getattr(r, "lost", None):
-                    self._requeue(c, set(getattr(r, "lost", [])))
+                gone = self._lost_at_prepare(c, r)
+                if gone or not r.ok:
+                    self._requeue(c, gone)
                     lost = True
             if lost:
                 return  # lost gradients are recomputed; the next tick finishes the step again
             leader = min((c for c in participants if c.role is Role.TRAIN), key=lambda c: c.id)
-            new = self.version + 1
-            args = {"step": s.index, "participants": [c.id for c in participants], "leader": leader.id,
-                    "weights_dir": str(self.weights_root / f"v{new}"), "checkpoint_dir": str(self.ckpt_root / f"v{new}")}
+            new = index + 1
             t = time.time()
-            reps = await asyncio.gather(*(self._call(c, Reduce(**args)) for c in participants))
+            reps = await asyncio.gather(*(self._cmd_reduce(c, index, participants, leader, new) for c in participants))
             bad = [f"cell {r.cell}: {r.error.splitlines()[0] if r.error else 'failed'}" for r in reps if not r.ok]
             if bad and all(r.ok or getattr(r, "retry", False) for r in reps):
                 # no cell applied the step (a trainer died before the commit): hand the lost
                 # micro-batches out again; the next tick reduces again
                 for c, r in zip(participants, reps):
-                    self._requeue(c, set(getattr(r, "lost", [])))
+                    self._requeue(c, set(getattr(r, "lost", [])) & c.step_mbs)
                 self.events.append({"t": time.time() - self.t0, "cell": None, "kind": "reduce_retry",
-                                    "info": {"step": s.index, "why": bad}})
+                                    "info": {"step": index, "why": bad}})
                 return
             if bad:  # replicas may now disagree: stop rather than train on
-                self.errors.append(f"step {s.index}: reduce failed: {'; '.join(bad)}")
+                self.errors.append(f"step {index}: reduce failed: {'; '.join(bad)}")
                 self._stop.set()
                 return
             reduce_s = time.time() - t
-            self.version = new
-            pushes = [c for c in self.cells if c.role is Role.ROLLOUT]
-            t = time.time()
-            await asyncio.gather(*(self._call(c, PushWeights(version=new, weights=self.weights_path()))
-                                   for c in pushes))
-            self._close_step(s, participants, reps, reduce_s, time.time() - t)
+            res = self._step_ended(time.time())
+            ended = True
+            push_s = 0.0
+            if res.push_due:  # end of a rollout round: rollout cells get the new weights
+                t = time.time()
+                await asyncio.gather(*(self._cmd_push(c, res.version) for c in self.cells if c.role is Role.ROLLOUT))
+                push_s = time.time() - t
+            self._step_committed(res, participants, reps, reduce_s, push_s)
         finally:
-            s.reducing = False
+            if not ended:
+                self.core.step_aborted()
 
-    def _close_step(self, s: OpenStep, participants: list[Cell], reps: list[Reply], reduce_s: float, push_s: float) -> None:
-        rewards = [r.reward for gid in s.groups for r in self.groups[gid].records.values() if math.isfinite(r.reward)]
-        stal = [self.step.index - self.groups[gid].version for gid in s.groups]
-        for gid in s.groups:
-            self.groups[gid].state = "trained"
-        for eid, gid, stal_e in s.admitted:  # written only now: admitted means trained in this step
-            self._ledger(eid, self.groups[gid], admitted=True, staleness=stal_e, step=s.index)
-        losses = [st.get("loss", 0.0) for st in s.stats]
-        ratios = [st["ratio_mean"] for st in s.stats if st.get("ratio_mean") is not None]
-        kls = [st["kl_old"] for st in s.stats if st.get("kl_old") is not None]
-        row = {"step": s.index, "version": self.version, "groups": len(s.groups), "micro_batches": len(s.batches),
-               "participants": [c.id for c in participants], "reward_mean": statistics.fmean(rewards) if rewards else None,
-               "reward_n": len(rewards), "staleness_mean": statistics.fmean(stal) if stal else 0, "staleness_max": max(stal, default=0),
+    def _step_ended(self, now: float) -> StepResult:
+        """The optimizer step was applied on every participant: the version moves on."""
+        faults.hit("head", "step_end")
+        return self.core.step_ended(now)
+
+    def _step_committed(self, res: StepResult, participants: list[Cell], reps: list[Reply], reduce_s: float,
+                        push_s: float) -> None:
+        """(Weights pushed if the round ended) the step is written down; the next one fills."""
+        if res.push_due:
+            self.core.weights_pushed(res.version)
+        self._close_step(res, participants, reps, reduce_s, push_s)
+        self._on_admission(res.admission)
+
+    def _close_step(self, res: StepResult, participants: list[Cell], reps: list[Reply], reduce_s: float,
+                    push_s: float) -> None:
+        """Step rows and ledger lines, then state.json: the commit point of the step."""
+        rewards = [r.reward for g in res.groups for eid in g.executions
+                   if math.isfinite((r := self.records[eid]).reward)]
+        for g in res.groups:  # written only now: admitted means trained in this step
+            for eid, stal in self.admitted.pop(g.id, []):
+                self._ledger(eid, g, admitted=True, staleness=stal, step=res.index)
+        st = [self.mb_stats.pop(m) for m in res.microbatches if m in self.mb_stats]
+        losses = [x.get("loss", 0.0) for x in st]
+        ratios = [x["ratio_mean"] for x in st if x.get("ratio_mean") is not None]
+        kls = [x["kl_old"] for x in st if x.get("kl_old") is not None]
+        lag = [g.lag_steps for g in res.groups]
+        lag_sync = [g.lag_syncs for g in res.groups]
+        toks = [g.train_tokens for g in res.groups]
+        row = {"step": res.index, "version": res.version, "groups": len(res.groups),
+               "micro_batches": len(res.microbatches), "participants": [c.id for c in participants],
+               "reward_mean": statistics.fmean(rewards) if rewards else None, "reward_n": len(rewards),
+               "staleness_mean": statistics.fmean(lag) if lag else 0, "staleness_max": max(lag, default=0),
+               "staleness_token_mean": sum(a * b for a, b in zip(lag, toks)) / sum(toks) if sum(toks) else 0,
+               "lag_syncs_mean": statistics.fmean(lag_sync) if lag_sync else 0, "lag_syncs_max": max(lag_sync, default=0),
+               "pushed": res.push_due,
                "loss": sum(losses), "ratio_mean": statistics.fmean(ratios) if ratios else None,
                "kl_old_max": max(kls, default=None), "grad_norm": next((r.grad_norm for r in reps if getattr(r, "grad_norm", None) is not None), None),
-               "reduce_s": reduce_s, "push_s": push_s, "t_start": s.started_at - self.t0, "t_end": time.time() - self.t0}
+               "reduce_s": reduce_s, "push_s": push_s, "t_start": (res.started_at or res.ended_at) - self.t0,
+               "t_end": res.ended_at - self.t0}
         self.step_log.append(row)
         self.steps_file.write(json.dumps(row) + "\n")
-        for c in self.cells:
-            c.step_mbs.clear()
-        self.step = OpenStep(self.version)
+        self._committed = res.version
+        for c in self.cells:  # the next step may already be training: free only this step's
+            c.step_mbs.difference_update(res.microbatches)
+        for m in res.microbatches:
+            self.batches.pop(m, None)
         self._save_state()
 
-    # ---- persistence -------------------------------------------------------------------------
+    # ==== ledger ================================================================================
+    def _close_ledger(self, why: str) -> None:
+        """Every execution that ended and did not train gets its line, with the reason."""
+        for g in self.core.unfinished():
+            for eid in g.executions:
+                if eid in self.records:
+                    self._ledger(eid, g, admitted=False,
+                                 reason=f"{why} before step {self.core.step.index} closed (group {g.state.value})")
+
+    def _ledger(self, eid: str, g: GroupRecord, *, admitted: bool, reason: str = "", staleness: int | None = None,
+                step: int | None = None) -> None:
+        rec = self.records.get(eid)
+        self.ledger.write(json.dumps({
+            "execution": eid, "group": g.id, "task": self.task_of[g.id].name, "admitted": admitted,
+            "step": step, "staleness": staleness, "lag_syncs": g.lag_syncs if admitted else None,
+            "reason": reason, "reward": None if rec is None or not math.isfinite(rec.reward) else rec.reward,
+            "version": g.version, "sync": g.sync}) + "\n")
+
+    # ==== persistence ===========================================================================
     def _write_cells(self, now: float) -> None:
         """cells.json: what each cell is doing now (for `gyre status`, operators, fault tests)."""
         self._cells_written = now
@@ -531,7 +538,8 @@ class Head:
                  "mb_in_flight": c.mb_in_flight, **{k: self.cell_info.get(c.id, {}).get(k)
                                                     for k in ("hostname", "engine_pid", "trainer_pid")}}
                 for c in self.cells]
-        atomic_write_json(self.run_dir / "cells.json", {"version": self.version, "step_mbs_left": len(self.step.queue),
+        atomic_write_json(self.run_dir / "cells.json", {"version": self.version,
+                                                         "step_mbs_left": len(self.core.step.queue),
                                                          "cells": rows})
 
     def _flush(self, force: bool = False) -> None:
@@ -541,22 +549,62 @@ class Head:
 
     def _save_state(self) -> None:
         self._flush(force=True)  # shards first: state never points past what is on disk
-        atomic_write_json(self.run_dir / "state.json", {"version": self.version, "groups_started": self.groups_started,
-                                                         "weights": self.weights_path(), "checkpoint": self.checkpoint_path()})
+        self._write_state()
 
-    def _load_state(self) -> None:
+    def _write_state(self) -> None:
+        # the last *committed* step: a step that ended but is not yet written down (its weights
+        # still being pushed) is redone after a hard stop, never counted as trained unrecorded
+        v = self._committed
+        atomic_write_json(self.run_dir / "state.json", {
+            "version": v, "rollout_version": min(v, self.core.rollout_version), "groups_started": self.core.next_group,
+            "weights": self.weights_path(v), "checkpoint": self.checkpoint_path(v)})
+
+    def _load_state(self) -> tuple[int, int]:
+        """(version, next group id) of the last committed step; the ledger is reconciled with it."""
         path = self.run_dir / "state.json"
         if not path.exists():
-            return
+            return 0, 0
         st = json.loads(path.read_text())
-        self.version = int(st["version"])
-        self.step = OpenStep(self.version)
-        # groups of unfinished steps are rerun: what they recorded is in the shards and in the
-        # ledger as not admitted, so nothing trains twice
-        self.groups_started = int(st["groups_started"])
-        self.ledger.write(json.dumps({"resume": True, "version": self.version, "at": time.time()}) + "\n")
+        version = int(st["version"])
+        # groups of unfinished steps are rerun under new ids; what they recorded is in the shards
+        # and (after `_reconcile`) in the ledger as not admitted, so nothing trains twice
+        self._reconcile(version)
+        return version, int(st["groups_started"])
 
-    # ---- report ----------------------------------------------------------------------------
+    def _reconcile(self, version: int) -> None:
+        """Make ledger.jsonl and steps.jsonl agree with the committed state after a hard stop.
+
+        A head killed between a step's ledger lines and state.json leaves lines for a step that
+        the resumed job redoes (the trainer restarts from the committed checkpoint): those become
+        not admitted. Executions in the shards with no ledger line (killed before they were
+        recorded) get one. Rewritten atomically, once, before the resumed job appends."""
+        from gyre.traj.store import iter_executions
+
+        ledger_path, steps_path = self.run_dir / "ledger.jsonl", self.run_dir / "steps.jsonl"
+        lines = ledger_path.read_text().splitlines() if ledger_path.exists() else []
+        out, seen = [], set()
+        for line in lines:
+            row = json.loads(line)
+            if "execution" in row:
+                if row["admitted"] and row["step"] is not None and row["step"] >= version:
+                    row = {**row, "admitted": False, "staleness": None, "lag_syncs": None,
+                           "reason": f"step {row['step']} rolled back: the head stopped before it was committed"}
+                seen.add(row["execution"])
+            out.append(json.dumps(row))
+        for rec in iter_executions(self.cfg.shard_dir()):
+            if rec.execution_id not in seen:
+                seen.add(rec.execution_id)
+                out.append(json.dumps({"execution": rec.execution_id, "group": rec.group, "task": rec.task,
+                                       "admitted": False, "step": None, "staleness": None, "lag_syncs": None,
+                                       "reason": "the head stopped before this execution was admitted or recorded",
+                                       "reward": None, "version": rec.min_version, "sync": None}))
+        atomic_write_text(ledger_path, "".join(line + "\n" for line in out))
+        if steps_path.exists():
+            keep = [line for line in steps_path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] < version]
+            atomic_write_text(steps_path, "".join(line + "\n" for line in keep))
+
+    # ==== report ================================================================================
     def report(self, t1: float, stopped: bool) -> dict:
         from gyre.traj.store import iter_executions
 
@@ -568,7 +616,12 @@ class Head:
         for c in self.cells:
             busy = [iv for url, ivs in by_url.items() if url in self._urls_of(c) for iv in ivs]
             cells.append({**cell_stats(c, self.t0, t1, busy), "switch_phases": c.switch_phases})
-        return {"scheme": self.cfg.sched.scheme, "label": f"{self.cfg.sched.scheme}{self.cfg.sched.staleness}",
+        s = self.cfg.sched
+        dropped = [g for g in self.core.groups.values() if g.state.value == "dropped"]
+        return {"scheme": s.scheme, "label": f"{s.scheme}{s.staleness}", "staleness": s.staleness,
+                "staleness_rule": s.staleness_rule, "steps_per_sync": s.steps_per_sync,
+                "lag": asdict(self.core.lag_stats()), "groups_dropped": len(dropped),
+                "groups_started": self.core.started,
                 "steps": self.step_log, "cells": cells, "wall_s": t1 - self.t0, "stopped": stopped,
                 "errors": self.errors, "harness_errors": self.harness_errors, "events": self.events,
                 "executions": self.status_counts, "version": self.version,
@@ -576,4 +629,3 @@ class Head:
 
     def _urls_of(self, cell: Cell) -> set[str]:
         return {cell.engine_url, *cell.old_urls}
-

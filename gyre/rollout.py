@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gyre.config import GyreConfig, default_tiny_dir, load_config
+from gyre.harness.execute import FINISHED, read_tasks, run_and_evaluate, select_tasks, shard_identity  # noqa: F401 (re-exported)
 
-FINISHED = ("done", "failed", "crashed", "timeout")  # statuses that end an execution for good
 _ATTEMPT = re.compile(r"^(?P<base>.+)-a(?P<n>\d+)$")
 
 
@@ -74,56 +74,6 @@ def plan(tasks, group_size: int, previous: dict[str, tuple[str, int]]) -> tuple[
             p.attempt = attempt + 1
             todo.append(p)
     return todo, skipped
-
-
-async def run_and_evaluate(proxy, pool, evaluators, task, execution_id: str, group: int, base_url: str):
-    """One execution end to end: a key at the proxy, the harness, its tree, the evaluation.
-
-    Returns the ExecutionRecord: status, workspace, tree and (for executions that ended by
-    themselves) reward, passed/total and reward source; stopped ones say why they were not scored.
-    """
-    key = proxy.register(execution_id, task=task.name, group=group)
-    try:
-        result = await pool.run_execution(task, execution_id, api_key=key, base_url=base_url)
-        status, workspace, error = result.status, result.workspace, result.error
-    except RuntimeError as e:  # the pool is stopping: this execution never started
-        status, workspace, error = "stopped", "", str(e)
-    except Exception as e:  # e.g. a reused id whose workspace is kept: recorded, never lost
-        status, workspace, error = "failed", "", f"{type(e).__name__}: {e}"
-    rec = proxy.end(execution_id, status)
-    rec.workspace = workspace
-    if status in FINISHED:
-        ev = await evaluators.evaluate(task, workspace, status)
-        rec.reward = float("nan") if ev.reward is None else float(ev.reward)
-        rec.reward_source, rec.passed, rec.total = ev.source, ev.passed, ev.total
-    else:
-        rec.reward_source = f"not-evaluated: {status}" + (f" ({error})" if error else "")
-    return rec
-
-
-def read_tasks(cfg: GyreConfig):
-    """The configured suite (``harness.suite``, ``strict_suite``, ``image_template``): the Suite
-    (its tasks and the broken folders skipped). Errors are ConfigErrors naming task and file."""
-    from gyre.harness.tasks import read_suite
-
-    h = cfg.harness
-    return read_suite(h.suite, strict=h.strict_suite, image_template=h.image_template)
-
-
-def load_tasks(cfg: GyreConfig) -> list:
-    """The configured suite's tasks, narrowed to ``harness.tasks``."""
-    return select_tasks(read_tasks(cfg).tasks, cfg.harness.tasks)
-
-
-def select_tasks(tasks: list, names: list[str]) -> list:
-    if not names:
-        return tasks
-    known = {t.name for t in tasks}
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        from gyre.config import ConfigError
-        raise ConfigError(f"harness.tasks: {unknown} not in the suite; available: {', '.join(sorted(known))}")
-    return [t for t in tasks if t.name in names]
 
 
 def previous_executions(shard_dir: Path) -> dict[str, tuple[str, int]]:
@@ -259,12 +209,6 @@ class Rollout:
         from tqdm import tqdm
 
         return tqdm(total=total, desc="executions", unit="exec", file=sys.stderr)
-
-
-def shard_identity(identity: dict) -> dict:
-    """The model identity as shard attributes name it."""
-    return {"model": identity.get("model_hash", ""), "tokenizer": identity.get("tokenizer_hash", ""),
-            "model_name": identity.get("name", "")}
 
 
 def _mean(xs: list[float]) -> float:

@@ -18,13 +18,14 @@ ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["harness.group_size=4", "harness.concurrency=8", "sched.min_dwell_s=0.5", "eval.workers=2"]
 
 
-def gyre_run(run_dir: Path, *over: str, steps: int = 2, resume: bool = False, wait: bool = True, timeout: float = 400):
+def gyre_run(run_dir: Path, *over: str, steps: int = 2, resume: bool = False, wait: bool = True, timeout: float = 400,
+             env: dict | None = None):
     cmd = [sys.executable, "-m", "gyre.cli", "run", "--config", str(ROOT / "launchers" / "demo.toml"), "--no-plots"]
     if resume:
         cmd.append("--resume")
     cmd += [f"run.dir={run_dir}", f"run.steps={steps}", *SMALL, *over]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                            start_new_session=True)
+                            start_new_session=True, env=None if env is None else {**os.environ, **env})
     if not wait:
         return proc
     try:
@@ -134,7 +135,7 @@ def test_trainer_kill_mid_step_hands_work_to_others(tmp_path):
     def training_cell():
         c = cells(run_dir)
         return c and next((x for x in c["cells"] if x["role"] == "train" and x["trainer_pid"]), None)
-    victim = wait_for(training_cell, 200, "a cell in train role")
+    victim = wait_for(training_cell, 400, "a cell in train role")  # start-up alone is minutes on a loaded machine
     os.kill(victim["trainer_pid"], signal.SIGKILL)
     out, _ = proc.communicate(timeout=400)
     assert proc.returncode == 0, out[-3000:]
@@ -159,3 +160,89 @@ def test_sigterm_to_head_then_resume_trains_nothing_twice(tmp_path):
     steps = [json.loads(s)["step"] for s in (run_dir / "steps.jsonl").read_text().splitlines()]
     assert sorted(steps) == [0, 1, 2]  # each step once, across the two jobs
     check_ledger(run_dir)
+
+
+HOLD_AGENT = ROOT / "tests" / "harness_scripts" / "hold_agent.py"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # a gyre run on a loaded 2-core machine; normally ~60 s
+@pytest.mark.parametrize("scheme,k", [("E", 1), ("C", 2)])  # both schemes, both bounds; (E, 2) and (C, 1) pass too
+def test_run_stale_drop_replaces_the_group_and_every_step_completes(tmp_path, scheme, k):
+    """Group 0 is held (tests/harness_scripts/hold_agent.py) until k + 1 steps have closed, so
+    it is scored at lag k + 1 and dropped as stale. The run needs a replacement for it to fill its
+    last step (before the coordinator core, the head never started one and hung)."""
+    run_dir, q, g = tmp_path / f"{scheme}{k}", 2, 2
+    steps = k + 2
+    hold = [f"GYRE_HOLD_DIR={tmp_path / 'marks'}", "GYRE_HOLD_PREFIX=q0-", f"GYRE_HOLD_MEMBERS={g}",
+            f"GYRE_HOLD_STEPS_FILE={run_dir / 'steps.jsonl'}", f"GYRE_HOLD_UNTIL_STEPS={k + 1}"]
+    rc, out = gyre_run(run_dir, f"sched.scheme={scheme}", f"sched.staleness={k}", f"run.groups_per_step={q}",
+                       f"harness.group_size={g}", "harness.timeout_s=600",
+                       f'harness.command=["{{python}}", "{HOLD_AGENT}", "{{execution_id}}"]',
+                       "harness.env=[" + ", ".join(f'"{h}"' for h in hold) + "]", steps=steps, timeout=800)
+    assert rc == 0, out[-3000:]
+    rep = report(run_dir)
+    assert rep["version"] == steps and not rep["errors"], rep["errors"]
+    assert rep["groups_dropped"] >= 1 and rep["lag"]["worst_syncs"] <= k
+    assert all(s["staleness_max"] <= k for s in rep["steps"])
+    rows = check_ledger(run_dir)
+    held = [r for r in rows if r["execution"].startswith("q0-")]
+    assert len(held) == g and all(not r["admitted"] and r["reason"].startswith("stale") for r in held), held
+    assert all(r["version"] == 0 for r in held)  # served by the first weights, scored past the bound
+    assert sum(r["admitted"] for r in rows) == steps * q * g  # every step trained a full batch
+    assert rep["groups_started"] == steps * q + rep["groups_dropped"]  # each drop replaced, nothing more
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # two gyre runs
+def test_head_fault_phase_step_end_resume(tmp_path):
+    """The head is SIGKILLed at its first step end (after the reduce, before the step is
+    committed); `gyre run --resume` finishes the run: nothing trained twice, nothing lost."""
+    run_dir, faults_dir = tmp_path / "h", tmp_path / "faults"
+    env = {"GYRE_FAULT": "head:step_end:1", "GYRE_FAULT_DIR": str(faults_dir)}
+    proc = gyre_run(run_dir, "harness.group_size=2", wait=False, env=env)
+    try:
+        out, _ = proc.communicate(timeout=550)
+    finally:
+        try:  # engines and trainers of the dead job's cells must not outlive it
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode != 0, out[-2000:]
+    assert (faults_dir / "fired-head-step_end-1").exists()
+    assert json.loads((run_dir / "state.json").read_text())["version"] == 0  # step 0 never committed
+    in_shards_first = executions_in_shards(run_dir)
+    rc, out = gyre_run(run_dir, "harness.group_size=2", resume=True, env=env, timeout=550)
+    assert rc == 0, out[-3000:]
+    assert report(run_dir)["version"] == 2
+    steps = [json.loads(s)["step"] for s in (run_dir / "steps.jsonl").read_text().splitlines()]
+    assert sorted(steps) == [0, 1]
+    rows = check_ledger(run_dir)
+    assert sum(r["admitted"] for r in rows) == 2 * 2 * 2  # steps x Q x G, each trained once
+    assert in_shards_first <= {r["execution"] for r in rows}  # what the killed head recorded is accounted for
+    assert all(not r["admitted"] for r in rows if r["execution"] in in_shards_first)
+
+
+def executions_in_shards(run_dir: Path) -> set[str]:
+    from gyre.traj.store import iter_executions
+
+    return {rec.execution_id for rec in iter_executions(run_dir / "shards")} if (run_dir / "shards").exists() else set()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_burst_feeds_two_steps_from_one_round_and_pushes_once(tmp_path):
+    """sched.steps_per_sync=2 at staleness 0: one rollout round (2 x Q groups, all served by v0)
+    feeds two optimizer steps; the rollout weights are pushed once, after the second."""
+    run_dir = tmp_path / "b"
+    rc, out = gyre_run(run_dir, "sched.steps_per_sync=2", "harness.group_size=2", timeout=800)
+    assert rc == 0, out[-3000:]
+    rep = report(run_dir)
+    assert rep["version"] == 2 and not rep["errors"]
+    assert [s["pushed"] for s in rep["steps"]] == [False, True]
+    assert rep["steps"][0]["staleness_max"] == 0 and rep["steps"][1]["staleness_max"] == 1  # optimizer steps
+    assert all(s["lag_syncs_max"] == 0 for s in rep["steps"])  # ... but the same rollout round
+    assert rep["lag"]["worst_steps"] == 1 and rep["lag"]["worst_syncs"] == 0
+    rows = check_ledger(run_dir)
+    assert sum(r["admitted"] for r in rows) == 2 * 2 * 2
+    assert {r["version"] for r in rows if r["admitted"]} == {0}  # every trained group was served by v0

@@ -29,6 +29,8 @@ def args(*argv: str) -> argparse.Namespace:
     (["--train-tokens-per-s", "0"], "must be positive"),
     (["--schemes", "E,Z"], "unknown"),
     (["--workload", "nope"], "not a preset"),
+    (["--nodes", "8", "--cell-nodes", "2"], "2-node cell cannot train the 122B-A10B model"),
+    (["--steps-per-sync", "0"], "steps-per-sync"),
 ])
 def test_bad_parameters_get_clear_errors(argv, message):
     with pytest.raises(ConfigError, match=message):
@@ -58,7 +60,7 @@ def test_small_sweep_prints_table_and_recommends(tmp_path, capsys):
 
 
 def test_cells_filter_and_async_skip():
-    scs = plan.scenarios(args("--nodes", "16", "--cell-nodes", "2,4,8", "--cells", "2", "--schemes", "A,E"))
+    scs = plan.scenarios(args("--nodes", "16", "--cell-nodes", "4,8", "--cells", "2", "--schemes", "A,E"))
     assert {(s.cluster.cells, s.cluster.cell_nodes) for s in scs} == {(2, 8)}
 
 
@@ -69,3 +71,24 @@ def test_submitit_local_executor_matches_inline(tmp_path):
     inline = plan.execute(scs, "inline")
     local = plan.execute(scs, "local", jobs_dir=str(tmp_path / "jobs"))
     assert local == inline
+
+
+@pytest.mark.parametrize("preset, nodes, cells, numbers", [
+    ("nl2repo-122b-32n", "8", "2", ["2.0 TB", "1.80 TB", "at least 3 nodes"]),
+    ("nl2repo-2.4t", "384", "4", ["38.4 TB", "3.61 TB", "at least 43 nodes"]),
+])
+def test_plan_refuses_layouts_that_do_not_fit_memory(capsys, preset, nodes, cells, numbers):
+    """Training state (16 bytes/param) against the cell's HBM: refused with the numbers."""
+    assert main(["plan", "--preset", preset, "--nodes", nodes, "--cell-nodes", cells]) == 2
+    err = capsys.readouterr().err
+    assert "cannot train" in err and all(n in err for n in numbers), err
+
+
+def test_feasible_layouts_pass_the_memory_check():
+    from gyre.sim.calibration import MODEL_2P4T, QWEN_122B, check_layout, min_cell_nodes
+
+    assert min_cell_nodes(QWEN_122B) == 3 and min_cell_nodes(MODEL_2P4T) == 43
+    check_layout(QWEN_122B, 4)
+    check_layout(MODEL_2P4T, 48)
+    with pytest.raises(ConfigError, match="42-node cell"):
+        check_layout(MODEL_2P4T, 42)

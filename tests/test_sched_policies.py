@@ -161,13 +161,40 @@ def test_unknown_scheme_and_bad_staleness():
         make_policy("E", -1)
 
 
-def test_policy_from_config_and_fitted_defaults_agree():
+def test_policy_from_config_and_preset_defaults_agree():
     from gyre.config import load_config
     from gyre.sched import policy_from_config
-    from gyre.sim.scenario import FITTED
+    from gyre.sim.calibration import P122B
 
     cfg = load_config(overrides=["sched.scheme=E+", "sched.staleness=2", "sched.to_train_s=10"])
     p = policy_from_config(cfg)
     assert p.label == "E2+" and p.hints.to_train_s == 10.0
-    assert cfg.sim.train_tokens_per_s == FITTED["train_tokens_per_s"]
-    assert cfg.sim.ref_load == FITTED["ref_load"]
+    c = P122B.cluster()
+    assert cfg.sim.train_tokens_per_s == pytest.approx(c.train_tokens_per_s, rel=1e-3)
+    assert (cfg.sim.ref_load, cfg.sim.half_load) == (c.ref_load, c.half_load)
+
+
+def test_sync_lag_and_both_rules_under_bursts():
+    from gyre.sched.admission import count_budget, sync_lag, window_budget
+
+    # b = 2: versions 0,1 are sync 0; 2,3 sync 1 (base 0); resumed at 1: 1,2 sync 0
+    assert sync_lag(1, 0, 2) == 0 and sync_lag(2, 1, 2) == 1 and sync_lag(2, 1, 2, base=1) == 0
+    assert admissible(1, 0, 0, steps_per_sync=2) and expired(2, 0, 0, steps_per_sync=2)
+    assert not expired(9, 0, 0, rule="count") and admissible(9, 0, 0, rule="count")
+    assert not admissible(0, 1, 3, rule="count")  # not even the count rule trains the future
+    assert window_budget(4, 1, 5) == 3  # b = 1, fresh weights: Q(k+1) - open
+    assert window_budget(2, 0, 2, steps_per_sync=2, rollout_sync=0, step=1) == 0  # mid-round: wait
+    assert window_budget(2, 0, 0, steps_per_sync=2, rollout_sync=1, step=2) == 4  # a new round
+    assert count_budget(4, 1, 2, 13) == 3  # (2 + 1 + 1) x 4 - 13
+
+
+def test_start_budget_uses_the_cores_answer_when_given():
+    from dataclasses import replace
+
+    st = state([R, R, T, T], running=0, k=1, open_=0)
+    assert start_budget(st) == 8
+    assert start_budget(replace(st, starts_allowed=3)) == 3
+    assert start_budget(replace(st, starts_allowed=3, starts_blocked=True)) == 0
+    for scheme in ("E", "A", "C"):  # no shipped policy starts more than the rule allows
+        d = make_policy(scheme, 1, HINTS, rollout_cells=2).decide(replace(st, starts_allowed=3), 10_000.0)
+        assert d.start_groups <= 3

@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     if args.strict:
         args.overrides = [*args.overrides, "harness.strict_suite=true"]
     cfg = load_config(args.config, args.overrides)
-    from gyre.rollout import load_tasks
+    from gyre.harness.execute import load_tasks
     load_tasks(cfg)  # a bad suite is a clear message here, not a traceback from the head rank
     run_dir = private_dir(Path(cfg.run.dir))
     if not args.resume and (run_dir / "state.json").exists():

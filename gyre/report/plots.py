@@ -34,7 +34,10 @@ def gantt(result: SimResult, path: str | Path, hours: float | None = None) -> Pa
     ax.set_xlim(0, hours or result.hours)
     ax.set_xlabel("hours")
     ax.set_title(f"{result.label}: cell roles ({result.cells} cells × {result.cell_size} nodes, "
-                 f"{result.steps} steps, {result.hours:.1f} h)")
+                 f"{result.steps} steps, {result.hours:.1f} h)\n"
+                 f"rollout critical {result.rollout_critical_share:.0%} of the time · trainer idle "
+                 f"{result.trainer_idle_share:.0%} · rollout idle {result.rollout_idle_share:.0%} of "
+                 f"their role time", fontsize=10)
     handles = [Patch(color=c, label=r) for r, c in ROLE_COLOURS.items() if r != "failed"]
     handles.append(Patch(facecolor="#F0C4A6", label="pale: idle in that role"))
     ax.legend(handles=handles,
@@ -90,3 +93,31 @@ def _busy_series(r: SimResult, bin_h: float) -> tuple[list[float], list[float]]:
     if r.makespan_s % width:
         ys[-1] = acc[-1] / (r.makespan_s - (n - 1) * width)
     return xs, ys
+
+
+def tornado(rows: list[dict], path: str | Path, title: str) -> Path:
+    """Sensitivity: for each parameter, the ratio at the low and high end of its interval around
+    the base value. rows: {param, low_label, high_label, ratios: {name: (low, high)}}, base: {name}."""
+    names = list(rows[0]["ratios"]) if rows else []
+    fig, axes = plt.subplots(1, len(names), figsize=(5.5 * max(1, len(names)), 0.45 * len(rows) + 1.6),
+                             squeeze=False)
+    for ax, name in zip(axes[0], names):
+        base = rows[0]["base"][name]
+        order = sorted(rows, key=lambda r: abs(r["ratios"][name][1] - r["ratios"][name][0]))
+        for i, r in enumerate(order):
+            lo, hi = r["ratios"][name]
+            ax.barh(i, lo - base, left=base, color="#4C72B0", height=0.6)
+            ax.barh(i, hi - base, left=base, color="#DD8452", height=0.6)
+        ax.axvline(base, color="k", lw=0.8)
+        ax.axvline(1.0, color="#999999", lw=0.8, ls=":")
+        ax.set_yticks(range(len(order)), [f"{r['param']} [{r['low_label']} … {r['high_label']}]" for r in order],
+                      fontsize=8)
+        ax.set_xlabel(f"{name} (base {base:.2f}; dotted: equal time)")
+    axes[0][0].legend(handles=[Patch(color="#4C72B0", label="low end"), Patch(color="#DD8452", label="high end")],
+                      loc="lower right", fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -3,12 +3,14 @@
     policy = make_policy("E", staleness=0, hints=Hints(...))
     decision = policy.decide(state, now)     # no I/O, no sleeping, no clock
 
-The simulator (gyre.sim) and the live coordinator drive the same objects.
+The simulator (gyre.sim) and the live head drive the same objects: the policies and the
+coordinator core (`gyre.sched.core.Coordinator`: lifecycle of groups and steps, admission, bursts).
 """
 
 from __future__ import annotations
 
 from gyre.sched.admission import admissible, expired, pick, start_budget
+from gyre.sched.core import Coordinator, CoreSpec, GroupState, LagStats
 from gyre.sched.elastic import ElasticPolicy
 from gyre.sched.elastic_plus import ElasticPlusPolicy
 from gyre.sched.fixed import AsyncPolicy, ColocatePolicy
@@ -43,6 +45,7 @@ def make_policy(scheme: str, staleness: int = 0, hints: Hints | None = None,
     raise ValueError(f"unknown scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
 
 
-__all__ = ["AsyncPolicy", "CellView", "ClusterState", "ColocatePolicy", "Decision", "ElasticPlusPolicy",
-           "ElasticPolicy", "ExecView", "GroupView", "Hints", "Policy", "Role", "SCHEMES", "Switch",
+__all__ = ["AsyncPolicy", "CellView", "ClusterState", "ColocatePolicy", "Coordinator", "CoreSpec", "Decision",
+           "ElasticPlusPolicy",
+           "ElasticPolicy", "ExecView", "GroupState", "GroupView", "Hints", "LagStats", "Policy", "Role", "SCHEMES", "Switch",
            "admissible", "expired", "make_policy", "pick", "policy_from_config", "start_budget"]

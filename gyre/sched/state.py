@@ -61,6 +61,9 @@ class ClusterState:
     train_tokens_left: float     # assigned to the open step and not yet trained
     train_tokens_done: float = 0.0  # trained so far in the open step
     starts_blocked: bool = False  # the caller has no more work to start (end of the run)
+    starts_allowed: int | None = None  # groups the staleness rule lets start now (None: window rule)
+    steps_per_sync: int = 1      # optimizer steps per rollout round (weights pushed once per round)
+    staleness_rule: str = "window"  # "window" (hard lag bound) or "count" (AReaL's start bound)
 
     def count(self, *roles: Role) -> int:
         return sum(1 for c in self.cells if c.role in roles)

@@ -1,9 +1,11 @@
-"""gyre.sim: a discrete-event simulator that drives the gyre.sched policies, unchanged.
+"""gyre.sim: a discrete-event simulator that drives the gyre.sched policies and coordinator core, unchanged.
 
-    from gyre.sim.scenario import Scenario, nl2repo_cluster
-    result = Scenario("E", 0, nl2repo_cluster()).run()   # 48 steps, 32 nodes, NL2RepoBench preset
-    result.hours, result.lower_bound_hours, result.cell_stats, result.step_stats
+    from gyre.sim.scenario import preset_scenario
+    result = preset_scenario("nl2repo-122b-32n", "E", 0).run()   # 32 nodes, 8 cells x 4, 24 steps
+    result.hours, result.lower_bound_hours, result.lag, result.rollout_critical_share
 
-Modules: workload (presets, trace files), cluster (decode/training/switch costs), engine (the
-event loop), bound (lower bound), scenario (calibration and one-call runs), plan (`gyre plan`).
+Modules: workload (profiles, trace files), calibration (presets: model, hardware, layout and the
+source of every number), cluster (decode/training/switch/re-prefill costs), engine (the event loop
+around gyre.sched.core.Coordinator), bound (lower bound on the work trained), scenario (one-call
+runs), plan (`gyre plan`).
 """

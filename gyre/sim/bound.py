@@ -1,16 +1,24 @@
 """A lower bound on end-to-end time for a workload on a cluster, whatever the policy.
 
+Computed on the groups a run actually trained (``lower_bound_trained``): a run that drops stale
+groups (longer than average) and trains shorter replacements is measured against the work it
+trained, not against the first groups of the workload, so its "x bound" is not flattered. Any
+policy that trains those groups in those steps must do that work.
+
 Two limits, the larger wins:
 - work: every cell busy all the time, decoding at the saturated rate of a cell (load -> infinity)
-  and training at full rate, with no switches, plus every step's optimizer step and weight push:
-  (rollout cell-time + training cell-time) / cells + steps * push.
+  and training at full rate, with no switches: (rollout cell-time + training cell-time) / cells.
+  Optimizer steps and weight pushes occupy only one side of the cluster, so they are not added.
 - arrival (staleness 0 only): step s trains exactly the groups started under version s. A group
   cannot be ready before its slowest execution has run alone on a cell (solo speed) and been
   evaluated, and by time x the cells cannot have decoded more than cells * saturated rate * x.
   So for any x, the training tokens of groups that cannot be ready by x are trained after x on
-  at most every cell: step >= x + those tokens / (all cells' training rate) + push. The bound
+  at most every cell: step >= x + those tokens / (all cells' training rate) + optimizer step, and
+  the next step's decoding waits for the weight push. The bound
   takes the best x for every step (groups ready by x are credited greedily, which only makes the
-  bound lower). Under k > 0 a policy may reorder which groups train when; only the work limit holds.
+  bound lower). Under k > 0 or with bursts a policy may reorder which groups train when.
+- concurrency (window rule): at most b x Q x (k + 1) groups are open at once, and each stays open
+  at least as long as its slowest execution alone on a cell plus evaluation.
 """
 
 from __future__ import annotations
@@ -19,7 +27,35 @@ from gyre.sim.cluster import ClusterModel
 from gyre.sim.workload import GroupSpec, Workload
 
 
+def lower_bound_trained(w: Workload, c: ClusterModel, trained_by_step: list[list[int]], arrival: bool,
+                        max_open: int = 0) -> float:
+    """Bound on the groups trained, step by step (workload group ids); `arrival` at k = 0, b = 1.
+
+    `max_open` (window rule: b x Q x (k + 1)) adds the concurrency limit: a group is open from its
+    start until it trains, at least as long as its slowest execution alone on a cell plus its
+    evaluation, and at most max_open groups are open at once, so the makespan is at least the sum
+    of those times over the trained groups / max_open."""
+    sat = (c.ref_load + c.half_load) * c.scale
+    roll = train = arr = busy = 0.0
+    solo = c.solo_speed
+    n = len(trained_by_step)
+    for s, ids in enumerate(trained_by_step):
+        batch = [w.group(i) for i in ids]
+        for g in batch:
+            for e in g.execs:
+                roll += e.duration_s * w.model_share / sat
+                train += e.train_tokens / c.train_rate(1)
+            busy += max(e.duration_s * (1 - w.model_share) + e.duration_s * w.model_share / solo
+                        for e in g.execs) + c.eval_s
+        if arrival and batch:
+            arr += _step_arrival_bound(batch, w.model_share, c, sat) + c.opt_s + (c.push_s if s < n - 1 else 0.0)
+    work = (roll + train) / c.cells
+    conc = busy / max_open if max_open > 0 else 0.0
+    return max(work, arr, conc)
+
+
 def lower_bound(w: Workload, c: ClusterModel, steps: int, groups_per_step: int, staleness: int) -> float:
+    """The bound on the workload's first steps x Q groups (a plan before any run)."""
     sat = (c.ref_load + c.half_load) * c.scale  # reference model-seconds a saturated cell serves per second
     roll = train = arrival = 0.0
     for s in range(steps):
@@ -29,8 +65,8 @@ def lower_bound(w: Workload, c: ClusterModel, steps: int, groups_per_step: int, 
                 roll += e.duration_s * w.model_share / sat
                 train += e.train_tokens / c.train_rate(1)
         if staleness == 0:
-            arrival += _step_arrival_bound(batch, w.model_share, c, sat) + c.push_s
-    work = (roll + train) / c.cells + steps * c.push_s
+            arrival += _step_arrival_bound(batch, w.model_share, c, sat) + c.opt_s + (c.push_s if s < steps - 1 else 0.0)
+    work = (roll + train) / c.cells
     return max(work, arrival) if staleness == 0 else work
 
 

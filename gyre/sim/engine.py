@@ -1,4 +1,10 @@
-"""Discrete-event simulator that drives a ``gyre.sched`` policy, unchanged.
+"""Discrete-event simulator that drives a ``gyre.sched`` policy and the coordinator core, unchanged.
+
+The lifecycle of groups and steps (states, admission under the staleness rule, replacement of
+dropped groups, bursts of ``steps_per_sync`` optimizer steps per rollout round, lags in steps and
+syncs, the ClusterState a policy sees) is ``gyre.sched.core.Coordinator``'s, the same object the
+live head drives; this module only models time: decoding, environment time, evaluation,
+training, switches, optimizer steps and weight pushes.
 
 Events: execution start and end, model calls and environment time inside an execution (grouped
 into segments of calls), evaluation, training (streamed: admitted work drains at the rate of the
@@ -17,16 +23,16 @@ import time
 from dataclasses import dataclass
 
 from gyre.config import ConfigError
-from gyre.sched.admission import expired, pick
+from gyre.sched.core import Coordinator, CoreSpec
 from gyre.sched.policy import Policy
-from gyre.sched.state import CellView, ClusterState, Decision, ExecView, GroupView, Role
-from gyre.sim.bound import lower_bound
+from gyre.sched.state import CellView, ClusterState, Decision, Role
+from gyre.sim.bound import lower_bound_trained
 from gyre.sim.cluster import ClusterModel
 from gyre.sim.result import BUCKETS, CellStats, SimResult, StepStats
 from gyre.sim.workload import Workload
 
 _EPS = 1e-9
-_ENV, _EVAL, _SWITCH, _PUSH, _TICK = range(5)
+_ENV, _EVAL, _SWITCH, _PUSH, _TICK, _OPT = range(6)
 
 
 class SimError(RuntimeError):
@@ -40,17 +46,21 @@ class SimSpec:
     segments: int = 8          # model-call/environment segments per execution
     tick_s: float = 300.0      # policy re-evaluation period when nothing else happens
     record: bool = True        # keep role and usage timelines (plots)
+    staleness_rule: str = "window"  # "window" (hard lag bound) or "count" (AReaL's start bound)
+    steps_per_sync: int = 1    # optimizer steps per rollout round (weights pushed once per round)
 
     def __post_init__(self) -> None:
-        if self.steps < 1 or self.groups_per_step < 1 or self.segments < 1:
-            raise ConfigError("steps, groups_per_step and segments must be >= 1")
+        if self.steps < 1 or self.groups_per_step < 1 or self.segments < 1 or self.steps_per_sync < 1:
+            raise ConfigError("steps, groups_per_step, segments and steps_per_sync must be >= 1")
+        if self.staleness_rule not in ("window", "count"):
+            raise ConfigError(f"staleness_rule must be 'window' or 'count', got {self.staleness_rule!r}")
         if self.tick_s <= 0:
             raise ConfigError(f"tick_s must be positive, got {self.tick_s}")
 
 
 class _Exec:
     __slots__ = ("id", "group", "version", "started_at", "seg", "env_seg", "model_seg",
-                 "calls_seg", "calls_done", "in_call", "view", "spec", "home", "call_seq", "extra", "lost_at")
+                 "calls_seg", "calls_done", "in_call", "spec", "home", "call_seq", "extra", "lost_at")
 
     def __init__(self, eid, group, version, now, spec, segments, model_share):
         self.id, self.group, self.version, self.started_at, self.spec = eid, group, version, now, spec
@@ -60,7 +70,6 @@ class _Exec:
         self.calls_seg = spec.calls / segments
         self.calls_done = 0.0
         self.in_call = False
-        self.view = None
         self.home = -1        # rollout cell holding its KV/prefix cache; -1 = none
         self.call_seq = -1    # identifies its call's entry in the decode heap
         self.extra = 0.0      # re-prefill owed to the next call after a lost cache
@@ -68,14 +77,13 @@ class _Exec:
 
 
 class _Group:
-    __slots__ = ("id", "spec", "version", "left", "ready_at", "state", "tokens", "exec_ids", "slowest")
+    """The simulator's side of a group: its workload and timing. Its lifecycle (states, version,
+    admission, lags) belongs to the coordinator core's GroupRecord of the same id."""
+    __slots__ = ("id", "spec", "left", "exec_ids", "slowest")
 
-    def __init__(self, gid, spec, version):
-        self.id, self.spec, self.version = gid, spec, version
-        self.left = len(spec.execs)
-        self.ready_at = math.inf
-        self.state = "running"  # running -> waiting -> assigned -> trained | dropped
-        self.tokens = sum(e.train_tokens for e in spec.execs)
+    def __init__(self, gid, spec):
+        self.id, self.spec = gid, spec
+        self.left = len(spec.execs)  # executions not yet ended
         self.exec_ids: list[int] = []
         self.slowest = 0.0  # wall time of its slowest execution so far
 
@@ -87,10 +95,13 @@ class Simulator:
         roles = policy.initial_roles(n)
         if len(roles) != n:
             raise ConfigError(f"{policy.label}: initial_roles gave {len(roles)} roles for {n} cells")
+        self.core = Coordinator(CoreSpec(steps=spec.steps, groups_per_step=spec.groups_per_step,
+                                         group_size=workload.group_size, staleness=policy.staleness,
+                                         staleness_rule=spec.staleness_rule, steps_per_sync=spec.steps_per_sync),
+                                admission_key=policy.admission_key)
         self.role = list(roles)
         self.since = [0.0] * n
         self.now = 0.0
-        self.version = 0
         self.events: list = []
         self.seq = itertools.count()
         self.n_events = 0
@@ -100,20 +111,18 @@ class Simulator:
         self.calls: list = []          # (virtual finish, seq, exec)
         self.in_call = 0
         self.push_until = 0.0
+        self.opt_until = 0.0
         # executions and groups
         self.running: dict[int, _Exec] = {}
-        self.groups: list[_Group] = []
-        self.waiting: dict[int, _Group] = {}
-        self.open_groups = 0
+        self.groups: dict[int, _Group] = {}
         self.next_exec = 0
         self.outcomes: dict[int, tuple] = {}
-        # the open step
-        self.step_groups: list[_Group] = []
-        self.train_left = 0.0
-        self.train_done = 0.0
-        self.step_start = 0.0
+        self.awaiting_eval = 0
+        self.mb_queue: list = []   # (micro-batch id, tokens left) of the open step, in core order
+        self.train_left = 0.0      # tokens of the open step not yet trained (fluid)
         self.steps: list[StepStats] = []
-        self.trained_groups = 0
+        self.trained_by_step: list[list[int]] = []
+        self.dropped = 0
         # accounting
         self.n_rollout = sum(1 for r in roles if r is Role.ROLLOUT)
         self.n_train = sum(1 for r in roles if r is Role.TRAIN)
@@ -130,6 +139,11 @@ class Simulator:
         self.role_open = [(0.0, r.value) for r in roles]
         self.usage: list[tuple[float, int, int, int, int]] = []
         self.buckets: list[tuple[float, tuple[int, ...]]] = []  # when each cell's bucket changed
+        # regime diagnostics
+        self.crit_roll = 0.0         # rollout on the critical path
+        self.role_time = [0.0, 0.0]  # cell-seconds in rollout / train role
+        self.role_idle = [0.0, 0.0]  # ... of which idle
+        self.load_num = self.load_den = 0.0  # call-weighted load per serving cell
         self._push(spec.tick_s, _TICK, None)
 
     # ---- event plumbing -------------------------------------------------------------------
@@ -176,12 +190,28 @@ class Simulator:
             return
         speed, rate = self._speed(), self._train_rate()
         pushing = self.now < self.push_until - _EPS
-        # During the optimizer step and weight push, trainers are busy and rollout cells pause.
-        training = (self.train_left > _EPS and rate > 0) or pushing
+        optimizing = self.now < self.opt_until - _EPS
+        left = self.train_left
+        # During the optimizer step trainers are busy; during a weight push rollout cells pause.
+        training = (left > _EPS and rate > 0) or optimizing
         a = self._assignment(min(self.in_call, self.n_rollout), pushing, training)
         self._acc[a] = self._acc.get(a, 0.0) + dt
         if self.running and not self.n_rollout:
             self.unserved += dt
+        # Regime: rollout is the critical path while executions run (or await evaluation) and the
+        # trainers have nothing admitted to train.
+        if (self.running or self.awaiting_eval) and left <= _EPS and not optimizing:
+            self.crit_roll += dt
+        self.role_time[0] += self.n_rollout * dt
+        self.role_time[1] += self.n_train * dt
+        if not pushing:
+            self.role_idle[0] += max(0, self.n_rollout - self.in_call) * dt
+        if not training:
+            self.role_idle[1] += self.n_train * dt
+        serving = self._serving()
+        if self.in_call and serving:
+            self.load_num += self.in_call * self.in_call / (serving * self.c.scale) * dt
+            self.load_den += self.in_call * dt
         if self.s.record:
             counts = self._assign_counts[a]
             if not self.usage or self.usage[-1][1:] != counts:
@@ -189,14 +219,27 @@ class Simulator:
             if not self.buckets or self.buckets[-1][1] is not a:
                 self.buckets.append((self.now, a))
         self.vclock += speed * dt
-        if self.train_left > _EPS and rate > 0:
-            done = min(self.train_left, rate * dt)
-            self.train_left -= done
-            self.train_done += done
-            if self.train_left < 1e-3:  # float residue of a finished drain, not work
-                self.train_done += self.train_left
-                self.train_left = 0.0
+        if left > _EPS and rate > 0:
+            self._drain(min(left, rate * dt))
         self.now = t
+
+    def _drain(self, tokens: float) -> None:
+        """Training streams the open step's micro-batches (one per execution) in queue order; each
+        one finished is reported to the core as the live trainers report theirs."""
+        self.train_left -= tokens
+        while self.mb_queue and tokens > 0:
+            mb, rem = self.mb_queue[0]
+            if rem > tokens + 1e-3:  # float residue of a finished drain is not work
+                self.mb_queue[0] = (mb, rem - tokens)
+                return
+            tokens -= rem
+            self.mb_queue.pop(0)
+            got = self.core.next_microbatch()
+            if got != mb:
+                raise SimError(f"core handed micro-batch {got!r}, the simulator trained {mb!r}")
+            self.core.microbatch_trained(mb)
+        if not self.mb_queue:
+            self.train_left = 0.0
 
     def _next_time(self) -> float:
         t = self.events[0][0] if self.events else math.inf
@@ -204,26 +247,30 @@ class Simulator:
         if self.calls and speed > 0:
             t = min(t, self.now + max(0.0, self.calls[0][0] - self.vclock) / speed)
         rate = self._train_rate()
-        if self.train_left > _EPS and rate > 0:
-            t = min(t, self.now + self.train_left / rate)
+        left = self.train_left
+        if left > _EPS and rate > 0:
+            t = min(t, self.now + left / rate)
         return t
 
     # ---- executions -----------------------------------------------------------------------
-    def _start_group(self) -> None:
-        gid = len(self.groups)
-        g = _Group(gid, self.w.group(gid), self.version)
-        self.groups.append(g)
-        self.open_groups += 1
+    def _start_group(self, rec) -> None:
+        g = _Group(rec.id, self.w.group(rec.id))
+        self.groups[rec.id] = g
+        # Its version: the oldest weights that serve one of its calls. Decoding pauses during a
+        # weight push, so an execution started then is first served by the version being pushed.
+        version = self.core.version if self.now < self.push_until - _EPS else self.core.rollout_version
         for spec in g.spec.execs:
-            e = _Exec(self.next_exec, g, self.version, self.now, spec, self.s.segments, self.w.model_share)
+            e = _Exec(self.next_exec, g, version, self.now, spec, self.s.segments, self.w.model_share)
             self.next_exec += 1
             g.exec_ids.append(e.id)
             self.running[e.id] = e
+            self.core.execution_started(rec.id, e.id, self.now)
             self._home(e)
             self._begin_call(e)
 
     def _begin_call(self, e: _Exec) -> None:
-        e.in_call, e.view = True, None
+        e.in_call = True
+        self.core.call_started(e.id)
         self.in_call += 1
         self._queue_call(e, e.model_seg + e.extra)
         e.extra = 0.0
@@ -242,27 +289,37 @@ class Simulator:
         if best >= 0:
             self.homed[best] += 1
 
+    def _context(self, e: _Exec) -> float:
+        """Context of its current call: grows linearly over the execution."""
+        return e.spec.context_tokens * (e.seg + 1) / self.s.segments
+
     def _evict(self, cell: int) -> None:
-        """A cell leaves rollout: its executions lose their KV cache and move to other cells."""
+        """A cell leaves rollout: its executions keep their harness state but lose their KV cache;
+        they move to other cells (or wait, if none serves) and re-prefill their context."""
         self.homed[cell] = 0
+        moved = False
         for e in self.running.values():
             if e.home != cell:
                 continue
             self._home(e)
-            if self.c.reprefill_s <= 0 or e.lost_at == self.now:
+            cost = self.c.reprefill(self._context(e))
+            if cost <= 0 or e.lost_at == self.now:
                 continue
             e.lost_at = self.now
             if e.in_call:  # the call in flight is retried elsewhere and re-prefills its context
                 for j, (v, sq, x) in enumerate(self.calls):
                     if sq == e.call_seq:
-                        self.calls[j] = (v + self.c.reprefill_s, sq, x)
-                        heapq.heapify(self.calls)
+                        self.calls[j] = (v + cost, sq, x)
+                        moved = True
                         break
             else:
-                e.extra += self.c.reprefill_s
+                e.extra += cost
+        if moved:
+            heapq.heapify(self.calls)
 
     def _end_call(self, e: _Exec) -> None:
-        e.in_call, e.view = False, None
+        e.in_call = False
+        self.core.call_ended(e.id, e.calls_seg)
         self.in_call -= 1
         e.calls_done += e.calls_seg
         self._push(self.now + e.env_seg, _ENV, e)
@@ -280,79 +337,59 @@ class Simulator:
         self.exec_time += took
         self.execs_ended += 1
         e.group.slowest = max(e.group.slowest, took)
+        e.group.left -= 1
+        self.core.execution_ended(e.id, self.now)
+        self.awaiting_eval += 1
         self._push(self.now + self.c.eval_s, _EVAL, e)
         return True
 
     def _evaluated(self, e: _Exec) -> None:
-        g = e.group
-        g.left -= 1
-        if g.left == 0:
-            g.ready_at = self.now
-            if expired(self.version, g.version, self.p.staleness):
-                self._close(g, ("not_admitted", "stale"))
-                return
-            g.state = "waiting"
-            self.waiting[g.id] = g
-            self._fill_step()
+        self.awaiting_eval -= 1
+        adm = self.core.execution_evaluated(e.id, self.now, version=e.version, tokens=e.spec.train_tokens)
+        self._admitted(adm)
+
+    def _admitted(self, adm) -> None:
+        """Assigned groups become the open step's training work (one fluid batch per group);
+        dropped ones are recorded as not admitted (the core replaces them with new starts)."""
+        for g in adm.assigned:
+            mbs = {("e", eid): self.groups[g.id].spec.execs[j].train_tokens
+                   for j, eid in enumerate(self.groups[g.id].exec_ids)}
+            self.core.microbatches_added(g.id, mbs)
+            self.mb_queue.extend(mbs.items())
+            self.train_left += sum(mbs.values())
+        for g in adm.dropped:
+            self.dropped += 1
+            for eid in self.groups[g.id].exec_ids:
+                self.outcomes[eid] = ("not_admitted", "stale")
 
     # ---- training steps -------------------------------------------------------------------
-    def _fill_step(self) -> None:
-        """Assign admissible waiting groups to the open step in the policy's admission order."""
-        room = self.s.groups_per_step - len(self.step_groups)
-        if room <= 0 or not self.waiting:
-            return
-        views = [GroupView(g.id, g.version, g.ready_at, g.tokens) for g in self.waiting.values()]
-        for v in pick(views, self.version, self.p.staleness, room, self.p.admission_key):
-            g = self.waiting.pop(v.id)
-            g.state = "assigned"
-            self.step_groups.append(g)
-            self.train_left += g.tokens
-
-    def _drop_expired(self) -> None:
-        for g in [g for g in self.waiting.values() if expired(self.version, g.version, self.p.staleness)]:
-            del self.waiting[g.id]
-            self._close(g, ("not_admitted", "stale"))
-
-    def _close(self, g: _Group, outcome: tuple) -> None:
-        g.state = "trained" if outcome[0] == "trained" else "dropped"
-        self.open_groups -= 1
-        for eid in g.exec_ids:
-            self.outcomes[eid] = outcome
-
-    def _finish_step(self) -> None:
-        s = self.version
-        lags = [s - g.version for g in self.step_groups]
-        toks = [g.tokens for g in self.step_groups]
+    def _step_end(self) -> None:
+        res = self.core.step_ended(self.now)
+        gs = res.groups
+        toks = [g.train_tokens for g in gs]
+        tot = sum(toks) or 1.0
         self.steps.append(StepStats(
-            step=s, start_s=self.step_start, end_s=self.now, groups=len(lags),
-            staleness_group_mean=sum(lags) / len(lags),
-            staleness_token_mean=sum(l * t for l, t in zip(lags, toks)) / sum(toks),
-            staleness_max=max(lags)))
-        for g in self.step_groups:
-            self._close(g, ("trained", s))
-        self.trained_groups += len(self.step_groups)
-        self.step_groups, self.train_done, self.train_left = [], 0.0, 0.0
-        self.version += 1
-        self.step_start = self.now
-        self._drop_expired()
-        self._fill_step()
+            step=res.index, start_s=self.steps[-1].end_s if self.steps else 0.0, end_s=self.now,
+            groups=len(gs), staleness_group_mean=sum(g.lag_steps for g in gs) / len(gs),
+            staleness_token_mean=sum(g.lag_steps * t for g, t in zip(gs, toks)) / tot,
+            staleness_max=max(g.lag_steps for g in gs),
+            lag_syncs_group_mean=sum(g.lag_syncs for g in gs) / len(gs),
+            lag_syncs_max=max(g.lag_syncs for g in gs)))
+        self.trained_by_step.append([g.id for g in gs])
+        for g in gs:
+            for eid in self.groups[g.id].exec_ids:
+                self.outcomes[eid] = ("trained", res.index)
+        self._admitted(res.admission)
+        if res.push_due and not self.core.done:
+            if self.c.push_s > 0:  # weight push: rollout cells pause, then serve the new version
+                self.push_until = self.now + self.c.push_s
+                self._push(self.push_until, _PUSH, None)
+            else:
+                self.core.weights_pushed(self.core.version)
 
     # ---- policy ---------------------------------------------------------------------------
     def _state(self) -> ClusterState:
-        running = []
-        for e in self.running.values():
-            if e.view is None:
-                e.view = ExecView(e.id, e.group.id, e.version, e.started_at, int(e.calls_done), e.in_call)
-            running.append(e.view)
-        need = self.s.steps * self.s.groups_per_step - self.trained_groups - self.open_groups
-        return ClusterState(
-            version=self.version, staleness=self.p.staleness, groups_per_step=self.s.groups_per_step,
-            group_size=self.w.group_size,
-            cells=tuple(CellView(i, r, self.since[i]) for i, r in enumerate(self.role)),
-            running=tuple(running), groups_open=self.open_groups,
-            groups_waiting=sum(1 for g in self.waiting.values() if not expired(self.version, g.version, self.p.staleness)),
-            step_groups=len(self.step_groups), train_tokens_left=self.train_left,
-            train_tokens_done=self.train_done, starts_blocked=need <= 0)
+        return self.core.cluster_state(self.now, tuple(CellView(i, r, self.since[i]) for i, r in enumerate(self.role)))
 
     def _apply(self, d: Decision) -> None:
         for sw in d.switches:
@@ -368,9 +405,9 @@ class Simulator:
                 self._evict(i)
             self.switches[i][0 if to_train else 1] += 1
             self._push(self.now + (self.c.to_train_s if to_train else self.c.to_rollout_s), _SWITCH, i)
-        need = self.s.steps * self.s.groups_per_step - self.trained_groups - self.open_groups
-        for _ in range(min(d.start_groups, max(0, need))):
-            self._start_group()
+        if d.start_groups > 0:
+            for rec in self.core.start_groups(d.start_groups, self.now):
+                self._start_group(rec)
 
     def _set_role(self, i: int, role: Role) -> None:
         t0, name = self.role_open[i]
@@ -389,13 +426,13 @@ class Simulator:
         self.decisions += 1
         self._apply(self.p.decide(self._state(), self.now))
         idle_ticks = 0
-        while len(self.steps) < self.s.steps:
+        while not self.core.done:
             t = self._next_time()
             if t == math.inf:
                 raise SimError(f"{self.p.label}: nothing left to happen at t={self.now:.0f}s")
             self._advance(t)
             progressed, wake = self._handle_due()
-            if len(self.steps) >= self.s.steps:
+            if self.core.done:
                 break
             idle_ticks = 0 if progressed else idle_ticks + 1
             if idle_ticks > 1000:
@@ -434,19 +471,22 @@ class Simulator:
                     for e in self.running.values():
                         if e.home < 0:
                             self._home(e)
+            elif kind == _OPT:
+                wake = True
+                self.opt_until = 0.0
+                self._step_end()
             elif kind == _PUSH:
                 wake = True
                 self.push_until = 0.0
-                self._finish_step()
-        if (not self.push_until and self.step_groups and len(self.step_groups) >= self.s.groups_per_step
-                and self.train_left <= 0.0):
-            self.train_left = 0.0
+                self.core.weights_pushed(self.core.version)
+        if not self.opt_until and self.core.step_ready():
             progressed = wake = True
-            if self.c.push_s > 0:  # optimizer step and weight push, then the version moves on
-                self.push_until = self.now + self.c.push_s
-                self._push(self.push_until, _PUSH, None)
+            self.core.step_ending(self.now)
+            if self.c.opt_s > 0:  # the optimizer step; the version moves on after it
+                self.opt_until = self.now + self.c.opt_s
+                self._push(self.opt_until, _OPT, None)
             else:
-                self._finish_step()
+                self._step_end()
         return progressed, wake
 
     def _result(self, wall: float) -> SimResult:
@@ -457,10 +497,9 @@ class Simulator:
                 self.role_log[i].append((t0, end, name))
         for e in list(self.running.values()):
             self.outcomes[e.id] = ("not_admitted", "run_ended")
-        for g in self.groups:
-            if g.state in ("running", "waiting", "assigned"):
-                for eid in g.exec_ids:
-                    self.outcomes[eid] = ("not_admitted", "run_ended")
+        for rec in self.core.unfinished():
+            for eid in self.groups[rec.id].exec_ids:
+                self.outcomes[eid] = ("not_admitted", "run_ended")
         reasons: dict[str, int] = {}
         for o in self.outcomes.values():
             if o[0] == "not_admitted":
@@ -471,17 +510,33 @@ class Simulator:
             for i, b in enumerate(a):
                 sec[i][BUCKETS[b]] += dt
         c = self.c
+        lag = self.core.lag_stats()
+        exact = self.p.staleness == 0 and self.s.steps_per_sync == 1
+        window = self.s.staleness_rule == "window"
+        bound = lower_bound_trained(self.w, c, self.trained_by_step, arrival=exact, max_open=(
+            self.s.steps_per_sync * self.s.groups_per_step * (self.p.staleness + 1) if window else 0))
         return SimResult(
             label=self.p.label, scheme=self.p.scheme, staleness=self.p.staleness, nodes=c.nodes,
             cells=c.cells, cell_size=c.cell_nodes, gpus_per_cell=c.gpus_per_cell, steps=self.s.steps,
             groups_per_step=self.s.groups_per_step, group_size=self.w.group_size, makespan_s=end,
-            lower_bound_s=lower_bound(self.w, c, self.s.steps, self.s.groups_per_step, self.p.staleness),
+            lower_bound_s=bound,
             cell_stats=[CellStats(i, sec[i], *self.switches[i]) for i in range(len(self.role))],
             step_stats=self.steps, executions_started=self.next_exec, executions_trained=trained,
             not_admitted=reasons, unserved_s=self.unserved, events=self.n_events,
             decisions=self.decisions, wall_s=wall,
             mean_rollout_h=self.exec_time / max(1, self.execs_ended) / 3600,
-            mean_query_h=_mean([g.slowest for g in self.groups if g.left == 0]) / 3600,
+            mean_query_h=_mean([g.slowest for g in self.groups.values() if g.left == 0]) / 3600,
+            staleness_rule=self.s.staleness_rule, steps_per_sync=self.s.steps_per_sync,
+            lag={"group_mean_steps": lag.group_mean_steps, "token_mean_steps": lag.token_mean_steps,
+                 "worst_steps": lag.worst_steps, "group_mean_syncs": lag.group_mean_syncs,
+                 "token_mean_syncs": lag.token_mean_syncs, "worst_syncs": lag.worst_syncs},
+            dropped_groups=self.dropped,
+            rollout_critical_share=self.crit_roll / end if end else 0.0,
+            trainer_idle_share=self.role_idle[1] / self.role_time[1] if self.role_time[1] else 0.0,
+            rollout_idle_share=self.role_idle[0] / self.role_time[0] if self.role_time[0] else 0.0,
+            mean_load=self.load_num / self.load_den if self.load_den else 0.0,
+            bound_basis=("the groups actually trained: work" + (", open-group concurrency" if window else "")
+                         + (", per-step arrival" if exact else "")),
             outcomes=self.outcomes, roles=self.role_log, usage=self.usage,
             idle=self._idle_spans(end))
 

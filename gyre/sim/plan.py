@@ -15,11 +15,13 @@ import sys
 from pathlib import Path
 
 from gyre.config import ConfigError
-from gyre.report.tables import plan_table
 from gyre.sched import SCHEMES
+from gyre.sim.calibration import PRESETS, check_layout, preset
 from gyre.sim.cluster import divisors
-from gyre.sim.scenario import ASSUMED, FITTED, Scenario, nl2repo_cluster
+from gyre.sim.scenario import Scenario
 from gyre.sim.workload import Workload
+
+_DEFAULT = preset("nl2repo-122b-32n")
 
 
 def _ints(text: str) -> list[int]:
@@ -33,25 +35,39 @@ def _words(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def plan_table(rows: list[dict]) -> str:
+    lines = ["| nodes | cells × nodes | run | hours | × bound | utilisation | GPU-h used | GPU-h wasted | |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        mark = "**recommended**" if r.get("recommended") else ""
+        lines.append(f"| {r['nodes']} | {r['cells']} × {r['cell_size']} | {r['label']} | {r['hours']:.2f} "
+                     f"| {r['ratio_to_lower_bound']:.3f} | {r['utilisation']:.1%} | {r['gpu_hours_used']:.0f} "
+                     f"| {r['gpu_hours_wasted']:.0f} | {mark} |")
+    return "\n".join(lines)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", default="nl2repo", help="preset name or trace file (CSV/JSON)")
+    p.add_argument("--preset", default=_DEFAULT.name, choices=sorted(PRESETS),
+                   help="model, hardware and rates (gyre/sim/calibration.py); its workload is the default")
+    p.add_argument("--workload", default="", help="workload preset or trace file (CSV/JSON); default: the preset's")
     p.add_argument("--nodes", type=_ints, default=[8, 16, 32], help="node budgets, e.g. 8,16,32")
-    p.add_argument("--cell-nodes", type=_ints, default=[2, 4, 8], help="cell sizes in nodes, e.g. 2,4,8")
+    p.add_argument("--cell-nodes", type=_ints, default=[4, 8], help="cell sizes in nodes, e.g. 4,8 "
+                   "(a cell too small for the model's training state is refused)")
     p.add_argument("--cells", type=_ints, default=None, help="only these cell counts (default: all that fit)")
     p.add_argument("--staleness", type=_ints, default=[0, 2], help="staleness bounds, e.g. 0,1,2")
     p.add_argument("--schemes", type=_words, default=["E", "E+", "A", "C"], help=f"any of {','.join(SCHEMES)}")
     p.add_argument("--steps", type=int, default=48)
-    p.add_argument("--groups-per-step", type=int, default=int(ASSUMED["groups_per_step"]))
+    p.add_argument("--groups-per-step", type=int, default=_DEFAULT.groups_per_step)
     p.add_argument("--seed", type=int, default=0)
-    for name, default, what in (("to-train-s", ASSUMED["to_train_s"], "rollout->train switch"),
-                                ("to-rollout-s", ASSUMED["to_rollout_s"], "train->rollout switch"),
-                                ("push-s", ASSUMED["push_s"], "optimizer step + weight push"),
-                                ("eval-s", ASSUMED["eval_s"], "evaluation of a workspace")):
-        p.add_argument(f"--{name}", type=float, default=default, help=f"seconds per {what}")
-    p.add_argument("--train-tokens-per-s", type=float, default=FITTED["train_tokens_per_s"],
-                   help="training tokens/s of one 4-node cell (default: the NL2RepoBench fit)")
-    p.add_argument("--ref-load", type=float, default=FITTED["ref_load"],
-                   help="calls per cell under which the workload's durations hold (default: the fit)")
+    for name, what in (("to-train-s", "rollout->train switch"), ("to-rollout-s", "train->rollout switch"),
+                       ("push-s", "weight push per rollout round"), ("eval-s", "evaluation of a workspace")):
+        p.add_argument(f"--{name}", type=float, default=None, help=f"seconds per {what} (default: the preset's)")
+    p.add_argument("--train-tokens-per-s", type=float, default=None,
+                   help="training tokens/s of one cell of the preset's size (default: FLOP arithmetic)")
+    p.add_argument("--ref-load", type=float, default=None,
+                   help="calls per cell under which the workload's durations hold (default: the preset's)")
+    p.add_argument("--staleness-rule", choices=("window", "count"), default="window")
+    p.add_argument("--steps-per-sync", type=int, default=1, help="optimizer steps per rollout round")
     p.add_argument("--executor", choices=("inline", "local", "slurm"), default="inline",
                    help="inline (default), or submitit jobs: local processes or Slurm")
     p.add_argument("--jobs-dir", default="gyre-plan-jobs", help="submitit log folder")
@@ -72,35 +88,46 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
         raise ConfigError(f"--cells: zero or negative cells make no cluster, got {args.cells}")
     if any(k < 0 for k in args.staleness):
         raise ConfigError(f"--staleness: must be >= 0, got {args.staleness}")
-    if args.steps < 1 or args.groups_per_step < 1:
-        raise ConfigError("--steps and --groups-per-step must be >= 1")
+    if args.steps < 1 or args.groups_per_step < 1 or args.steps_per_sync < 1:
+        raise ConfigError("--steps, --groups-per-step and --steps-per-sync must be >= 1")
+    p = preset(args.preset)
     bad = [s for s in args.schemes if s not in SCHEMES]
     if bad or not args.schemes:
         raise ConfigError(f"--schemes: unknown {bad or 'none given'}; choose from {', '.join(SCHEMES)}")
+    over = {}
     for name in ("to_train_s", "to_rollout_s", "push_s", "eval_s"):
-        if getattr(args, name) < 0:
-            raise ConfigError(f"--{name.replace('_', '-')}: times cannot be negative, got {getattr(args, name)}")
+        v = getattr(args, name)
+        if v is not None and v < 0:
+            raise ConfigError(f"--{name.replace('_', '-')}: times cannot be negative, got {v}")
+        if v is not None:
+            over[name] = v
     for name in ("train_tokens_per_s", "ref_load"):
-        if getattr(args, name) <= 0:
-            raise ConfigError(f"--{name.replace('_', '-')}: must be positive, got {getattr(args, name)}")
+        v = getattr(args, name)
+        if v is not None and v <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')}: must be positive, got {v}")
+        if v is not None:
+            over[name] = v
     for n, c in itertools.product(args.nodes, args.cell_nodes):
         if c > n:
             raise ConfigError(f"cell size {c} is larger than {n} nodes: that layout has zero cells")
         if n % c:
             raise ConfigError(f"cell size {c} does not divide {n} nodes; divisors of {n}: "
                               f"{', '.join(map(str, divisors(n)))}")
-    Workload.named(args.workload, args.seed)  # fail early on a bad preset or trace
+    for c in sorted(set(args.cell_nodes)):
+        check_layout(p.model, c, p.hw)  # memory: refused with the numbers
+    workload = args.workload or p.workload.name
+    Workload.named(workload, args.seed)  # fail early on a bad preset or trace
     out = []
     for n, c, scheme, k in itertools.product(args.nodes, args.cell_nodes, args.schemes, args.staleness):
         if args.cells is not None and n // c not in args.cells:
             continue
         if scheme == "A" and n // c < 2:
             continue  # async needs a rollout pool and a training pool
-        cluster = nl2repo_cluster(nodes=n, cell_nodes=c, to_train_s=args.to_train_s,
-                                  to_rollout_s=args.to_rollout_s, push_s=args.push_s, eval_s=args.eval_s,
-                                  train_tokens_per_s=args.train_tokens_per_s, ref_load=args.ref_load)
-        out.append(Scenario(scheme, k, cluster, workload=args.workload, steps=args.steps,
-                            groups_per_step=args.groups_per_step, seed=args.seed, record=False))
+        cluster = p.cluster(nodes=n, cell_nodes=c, **over)
+        out.append(Scenario(scheme, k, cluster, workload=workload, steps=args.steps,
+                            groups_per_step=args.groups_per_step, seed=args.seed, record=False,
+                            staleness_rule=args.staleness_rule, steps_per_sync=args.steps_per_sync,
+                            preset=p.name))
     if not out:
         raise ConfigError("the sweep is empty: no (nodes, cell size, cells) combination is left")
     return out

@@ -24,6 +24,8 @@ class StepStats:
     staleness_group_mean: float           # mean of s - v over the step's groups
     staleness_token_mean: float           # the same, weighted by training tokens
     staleness_max: int
+    lag_syncs_group_mean: float = 0.0     # the same lags in rollout syncs (bursts: < steps)
+    lag_syncs_max: int = 0
 
 
 @dataclass
@@ -51,6 +53,19 @@ class SimResult:
     wall_s: float
     mean_rollout_h: float = 0.0           # observed wall time of an execution (paper: 1.93 h)
     mean_query_h: float = 0.0             # observed wall time of a group's slowest (paper: 2.96 h)
+    staleness_rule: str = "window"
+    steps_per_sync: int = 1
+    preset: str = ""
+    # Lags of trained groups (coordinator core's LagStats): optimizer steps and rollout syncs.
+    lag: dict = field(default_factory=dict)
+    dropped_groups: int = 0               # groups dropped as stale (and replaced)
+    # Regime: share of the makespan where rollout is the critical path (no training work admitted
+    # while executions run or await evaluation), and idle shares of train- and rollout-role time.
+    rollout_critical_share: float = 0.0
+    trainer_idle_share: float = 0.0
+    rollout_idle_share: float = 0.0
+    mean_load: float = 0.0                # calls in flight per serving cell, as a call sees it
+    bound_basis: str = ""                 # what the lower bound was computed on
     # Not serialised: per-execution outcome and the timelines behind the plots.
     outcomes: dict[int, tuple] = field(default_factory=dict, repr=False)
     roles: list[list[tuple[float, float, str]]] = field(default_factory=list, repr=False)

@@ -1,0 +1,73 @@
+"""One execution end to end, as every driver of live executions runs it (`gyre rollout`, the head).
+
+A key at the proxy, the harness process, its recorded tree, then the evaluation of its workspace.
+Here rather than in a command module so the head does not import the `gyre rollout` command.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+FINISHED = ("done", "failed", "crashed", "timeout")  # statuses that end an execution for good
+
+
+async def run_and_evaluate(proxy, pool, evaluators, task, execution_id: str, group: int, base_url: str,
+                           on_ended: Callable[[str], None] | None = None):
+    """Run one execution and score it.
+
+    Returns the ExecutionRecord: status, workspace, tree and (for executions that ended by
+    themselves) reward, passed/total and reward source; stopped ones say why they were not scored.
+    `on_ended(status)` is called when the harness has ended, before the evaluation starts (the
+    coordinator stops counting it as running rollout work then).
+    """
+    key = proxy.register(execution_id, task=task.name, group=group)
+    try:
+        result = await pool.run_execution(task, execution_id, api_key=key, base_url=base_url)
+        status, workspace, error = result.status, result.workspace, result.error
+    except RuntimeError as e:  # the pool is stopping: this execution never started
+        status, workspace, error = "stopped", "", str(e)
+    except Exception as e:  # e.g. a reused id whose workspace is kept: recorded, never lost
+        status, workspace, error = "failed", "", f"{type(e).__name__}: {e}"
+    rec = proxy.end(execution_id, status)
+    rec.workspace = workspace
+    if on_ended is not None:
+        on_ended(status)
+    if status in FINISHED:
+        ev = await evaluators.evaluate(task, workspace, status)
+        rec.reward = float("nan") if ev.reward is None else float(ev.reward)
+        rec.reward_source, rec.passed, rec.total = ev.source, ev.passed, ev.total
+    else:
+        rec.reward_source = f"not-evaluated: {status}" + (f" ({error})" if error else "")
+    return rec
+
+
+def read_tasks(cfg):
+    """The configured suite (``harness.suite``, ``strict_suite``, ``image_template``): the Suite
+    (its tasks and the broken folders skipped). Errors are ConfigErrors naming task and file."""
+    from gyre.harness.tasks import read_suite
+
+    h = cfg.harness
+    return read_suite(h.suite, strict=h.strict_suite, image_template=h.image_template)
+
+
+def load_tasks(cfg) -> list:
+    """The configured suite's tasks, narrowed to ``harness.tasks``."""
+    return select_tasks(read_tasks(cfg).tasks, cfg.harness.tasks)
+
+
+def select_tasks(tasks: list, names: list[str]) -> list:
+    """The suite's tasks named in `harness.tasks` (all when empty); unknown names are an error."""
+    if not names:
+        return tasks
+    known = {t.name for t in tasks}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        from gyre.config import ConfigError
+        raise ConfigError(f"harness.tasks: {unknown} not in the suite; available: {', '.join(sorted(known))}")
+    return [t for t in tasks if t.name in names]
+
+
+def shard_identity(identity: dict) -> dict:
+    """The model identity as shard attributes name it (what executions were sampled from)."""
+    return {"model": identity.get("model_hash", ""), "tokenizer": identity.get("tokenizer_hash", ""),
+            "model_name": identity.get("name", "")}

@@ -1,0 +1,478 @@
+"""The coordinator core: the lifecycle of groups and steps, one object for both drivers.
+
+The live head (gyre/head.py) and the simulator (gyre/sim/engine.py) observe different worlds
+(processes and HTTP vs. a workload model) but tell this object the same events, in the same
+order, and act on what it answers (ARCHITECTURE.md invariant 3):
+
+    events in                                    answers out
+    start_groups(n, now)                  ->     the groups started (ids never reused)
+    execution_started / call_started /
+    call_ended / execution_ended
+    execution_evaluated(...)              ->     Admission: groups assigned to the open step, dropped
+    microbatches_added / next_microbatch /
+    microbatch_trained / microbatches_lost       (the open step's training work, streamed)
+    step_ready() / step_ending(now) /
+    step_aborted() / step_ended(now)      ->     StepResult: trained groups and their lags, push due?
+    weights_pushed(version)
+    cluster_state(now, cells)             ->     the ClusterState a policy decides on (the one builder)
+
+It is pure and clock-free: every time is an argument, nothing sleeps, reads a clock or does I/O.
+Policies stay in their own modules; the core only asks their admission order (a key function).
+
+Group states: STARTED (the coordinator started it; no execution has begun) -> RUNNING -> EVALUATED
+(every execution ended and was scored) -> WAITING (in the admission queue) -> ASSIGNED (in the open
+step) -> TRAINED; or DROPPED (too stale for any step it could still reach, window rule only).
+A dropped group is replaced: starts are limited by the groups still *needed*
+(steps x Q - trained - open), never by how many were started, so the last step always fills.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Hashable, Iterable
+
+from gyre.sched.admission import (RULES, AdmissionKey, count_budget, expired, fifo_key, pick,
+                                  sync_of, window_budget)
+from gyre.sched.state import CellView, ClusterState, ExecView, GroupView
+
+_EPS = 1e-6
+
+
+class CoreError(RuntimeError):
+    """An event the lifecycle does not allow (a driver bug, never user input)."""
+
+
+class GroupState(str, Enum):
+    STARTED = "started"
+    RUNNING = "running"
+    EVALUATED = "evaluated"
+    WAITING = "waiting"
+    ASSIGNED = "assigned"
+    TRAINED = "trained"
+    DROPPED = "dropped"
+
+    @property
+    def open(self) -> bool:
+        """Counts against the in-flight budget (started, not yet trained or dropped)."""
+        return self not in (GroupState.TRAINED, GroupState.DROPPED)
+
+
+@dataclass(frozen=True)
+class CoreSpec:
+    steps: int                    # the run ends when `version` reaches this
+    groups_per_step: int          # Q
+    group_size: int               # G
+    staleness: int = 0            # k, in rollout syncs
+    staleness_rule: str = "window"
+    steps_per_sync: int = 1       # b: optimizer steps fed by one rollout round
+    start_version: int = 0        # version at job start (a resumed job starts past 0)
+    first_group: int = 0          # next group id (a resumed job never reuses ids)
+
+    def __post_init__(self) -> None:
+        if self.staleness_rule not in RULES:
+            raise ValueError(f"staleness_rule must be one of {RULES}, got {self.staleness_rule!r}")
+        for name in ("groups_per_step", "group_size", "steps_per_sync"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.staleness < 0:
+            raise ValueError(f"staleness must be >= 0, got {self.staleness}")
+
+    @property
+    def groups_per_round(self) -> int:
+        return self.groups_per_step * self.steps_per_sync
+
+    @property
+    def groups_needed(self) -> int:
+        """Groups this job must train to reach `steps`."""
+        return max(0, self.steps - self.start_version) * self.groups_per_step
+
+
+@dataclass
+class ExecRecord:
+    key: Hashable                 # the driver's execution id
+    serial: int                   # small int for ExecView.id
+    group: int
+    started_at: float
+    calls_done: float = 0.0
+    in_call: bool = False
+    ended_at: float | None = None
+    evaluated: bool = False
+    version: int = -1             # oldest policy version that served it (-1: made no call)
+    tokens: float = 0.0
+    usable: bool = True
+    _view: ExecView | None = None
+
+    def view(self, group_version: int) -> ExecView:
+        if self._view is None:
+            self._view = ExecView(self.serial, self.group, group_version, self.started_at,
+                                  int(self.calls_done), self.in_call)
+        return self._view
+
+
+@dataclass
+class GroupRecord:
+    id: int
+    started_at: float
+    started_version: int          # rollout version serving when it started
+    state: GroupState = GroupState.STARTED
+    executions: dict = field(default_factory=dict)   # key -> ExecRecord
+    ready_at: float = math.inf    # when its last execution was evaluated
+    version: int = -1             # oldest optimizer version that served it (set when evaluated)
+    sync: int = -1                # rollout sync of that version
+    train_tokens: float = 0.0
+    step: int = -1                # step it trained in (or was assigned to)
+    lag_steps: int | None = None  # optimizer-step lag when trained
+    lag_syncs: int | None = None  # rollout-sync lag when trained
+    reason: str = ""              # why it was dropped
+
+    def view(self) -> GroupView:
+        return GroupView(self.id, self.version, self.ready_at, self.train_tokens)
+
+
+@dataclass
+class StepRecord:
+    index: int
+    groups: list = field(default_factory=list)       # group ids, in assignment order
+    started_at: float | None = None                   # first group assigned
+    work: dict = field(default_factory=dict)          # micro-batch id -> tokens
+    queue: list = field(default_factory=list)         # micro-batches waiting for a trainer
+    in_flight: set = field(default_factory=set)
+    done: set = field(default_factory=set)
+    reducing: bool = False
+    # running sums, updated in event order (deterministic, and O(1) for the simulator's many reads)
+    tokens_total: float = 0.0
+    _done_sum: float = 0.0
+
+    @property
+    def tokens_done(self) -> float:
+        return self.tokens_total if len(self.done) == len(self.work) else min(self._done_sum, self.tokens_total)
+
+    @property
+    def tokens_left(self) -> float:
+        return 0.0 if len(self.done) == len(self.work) else max(0.0, self.tokens_total - self._done_sum)
+
+    @property
+    def trained(self) -> bool:
+        return not self.queue and not self.in_flight and len(self.done) == len(self.work)
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What an event changed in the admission queue: the driver materializes `assigned` (into the
+    open step) and records `dropped` as not admitted."""
+    assigned: tuple[GroupRecord, ...] = ()
+    dropped: tuple[GroupRecord, ...] = ()
+
+    def __add__(self, other: "Admission") -> "Admission":
+        return Admission(self.assigned + other.assigned, self.dropped + other.dropped)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    index: int                            # the step that ended
+    version: int                          # optimizer version after it
+    groups: tuple[GroupRecord, ...]       # trained in it, with lag_steps / lag_syncs set
+    push_due: bool                        # end of a rollout round: push weights now
+    started_at: float | None
+    ended_at: float
+    admission: Admission                  # what the next step received / what expired
+    microbatches: tuple = ()              # the ended step's micro-batch ids (the driver frees their payload)
+
+
+@dataclass(frozen=True)
+class LagStats:
+    """Staleness of trained groups: group-weighted mean, token-weighted mean, worst; both units."""
+    groups: int
+    group_mean_steps: float
+    token_mean_steps: float
+    worst_steps: int
+    group_mean_syncs: float
+    token_mean_syncs: float
+    worst_syncs: int
+
+    @staticmethod
+    def of(groups: Iterable[GroupRecord]) -> "LagStats":
+        gs = [g for g in groups if g.lag_steps is not None]
+        if not gs:
+            return LagStats(0, 0.0, 0.0, 0, 0.0, 0.0, 0)
+        tok = sum(g.train_tokens for g in gs)
+
+        def tmean(attr: str) -> float:
+            if tok <= 0:
+                return sum(getattr(g, attr) for g in gs) / len(gs)
+            return sum(getattr(g, attr) * g.train_tokens for g in gs) / tok
+
+        return LagStats(len(gs), sum(g.lag_steps for g in gs) / len(gs), tmean("lag_steps"),
+                        max(g.lag_steps for g in gs), sum(g.lag_syncs for g in gs) / len(gs),
+                        tmean("lag_syncs"), max(g.lag_syncs for g in gs))
+
+
+class Coordinator:
+    def __init__(self, spec: CoreSpec, admission_key: AdmissionKey = fifo_key) -> None:
+        self.spec = spec
+        self.key = admission_key
+        self.version = spec.start_version          # optimizer steps done (= open step index)
+        self.rollout_version = spec.start_version  # weights the rollout side serves
+        self.groups: dict[int, GroupRecord] = {}
+        self.execs: dict[Hashable, ExecRecord] = {}
+        self.running: dict[Hashable, ExecRecord] = {}  # started, not ended
+        self.step = StepRecord(self.version)
+        self.steps: list[StepResult] = []
+        self.next_group = spec.first_group
+        self.started = 0            # groups started by this job
+        self.trained = 0            # groups trained by this job
+        self.n_open = 0
+        self._serial = 0
+        self._running_views: tuple | None = None    # cached: rebuilt only after a change
+        self._waiting: dict[int, GroupRecord] = {}  # the admission queue (kept: the simulator asks often)
+
+    # ---- queries ------------------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self.version >= self.spec.steps
+
+    @property
+    def rollout_sync(self) -> int:
+        return self.sync_of(self.rollout_version)
+
+    def sync_of(self, version: int) -> int:
+        return sync_of(version, self.spec.steps_per_sync, self.spec.start_version)
+
+    def groups_in(self, *states: GroupState) -> list[GroupRecord]:
+        return [g for g in self.groups.values() if g.state in states]
+
+    @property
+    def groups_still_needed(self) -> int:
+        """Groups that must still start for the last step to fill (dropped ones are replaced)."""
+        return max(0, self.spec.groups_needed - self.trained - self.n_open)
+
+    def start_budget(self) -> int:
+        s = self.spec
+        if s.staleness_rule == "count":
+            rule = count_budget(s.groups_per_round, s.staleness, self.rollout_sync, self.started)
+        else:
+            rule = window_budget(s.groups_per_step, s.staleness, self.n_open, s.steps_per_sync,
+                                 self.rollout_sync, self.version - s.start_version)
+        return min(rule, self.groups_still_needed)
+
+    def _expired(self, g: GroupRecord, step: int) -> bool:
+        s = self.spec
+        return expired(step, g.version, s.staleness, s.steps_per_sync, s.start_version, s.staleness_rule)
+
+    def cluster_state(self, now: float, cells: tuple[CellView, ...]) -> ClusterState:
+        """The one builder of what a policy sees. While the step's optimizer step runs, one token
+        of work is reported left: the trainers are still busy with it."""
+        s, st = self.spec, self.step
+        if self._running_views is None:
+            self._running_views = tuple(e.view(self.groups[e.group].started_version) for e in self.running.values())
+        running = self._running_views
+        waiting = sum(1 for g in self._waiting.values() if not self._expired(g, self.version))
+        left = st.tokens_left
+        if st.reducing:
+            left = max(left, 1.0)
+        return ClusterState(
+            version=self.version, staleness=s.staleness, groups_per_step=s.groups_per_step,
+            group_size=s.group_size, cells=tuple(cells), running=running, groups_open=self.n_open,
+            groups_waiting=waiting, step_groups=len(st.groups), train_tokens_left=left,
+            train_tokens_done=st.tokens_done, starts_blocked=self.groups_still_needed <= 0 or self.done,
+            starts_allowed=0 if self.done else self.start_budget(), steps_per_sync=s.steps_per_sync,
+            staleness_rule=s.staleness_rule)
+
+    def lag_stats(self) -> LagStats:
+        return LagStats.of(self.groups_in(GroupState.TRAINED))
+
+    # ---- groups and executions ----------------------------------------------------------------
+    def start_groups(self, n: int, now: float) -> list[GroupRecord]:
+        """Start up to n groups (never past the rule's budget or what the run still needs)."""
+        out = []
+        for _ in range(min(n, 0 if self.done else self.start_budget())):
+            g = GroupRecord(self.next_group, now, self.rollout_version)
+            self.next_group += 1
+            self.started += 1
+            self.n_open += 1
+            self.groups[g.id] = g
+            out.append(g)
+        return out
+
+    def execution_started(self, group: int, key: Hashable, now: float) -> ExecRecord:
+        g = self.groups[group]
+        if g.state not in (GroupState.STARTED, GroupState.RUNNING):
+            raise CoreError(f"group {group} is {g.state.value}: no execution can start in it")
+        if len(g.executions) >= self.spec.group_size:
+            raise CoreError(f"group {group} already has {self.spec.group_size} executions")
+        e = ExecRecord(key, self._serial, group, now)
+        self._serial += 1
+        g.executions[key] = e
+        g.state = GroupState.RUNNING
+        self.execs[key] = e
+        self.running[key] = e
+        self._running_views = None
+        return e
+
+    def call_started(self, key: Hashable) -> None:
+        e = self.execs[key]
+        e.in_call, e._view = True, None
+        self._running_views = None
+
+    def call_ended(self, key: Hashable, calls: float = 1.0) -> None:
+        e = self.execs[key]
+        e.in_call, e._view = False, None
+        e.calls_done += calls
+        self._running_views = None
+
+    def execution_ended(self, key: Hashable, now: float) -> None:
+        e = self.execs[key]
+        if e.ended_at is None:
+            e.ended_at, e.in_call = now, False
+            self.running.pop(key, None)
+            self._running_views = None
+
+    def execution_evaluated(self, key: Hashable, now: float, *, version: int = -1, tokens: float = 0.0,
+                            usable: bool = True) -> Admission:
+        """An execution was scored. `version`: the oldest policy version that served it (-1: it
+        made no call); `tokens`: its training tokens; `usable`: it can train (finished, scored).
+        When its group's last execution is scored the group enters admission."""
+        e = self.execs[key]
+        self.execution_ended(key, now)
+        if e.evaluated:
+            raise CoreError(f"execution {key!r} evaluated twice")
+        e.evaluated, e.version, e.tokens, e.usable = True, version, tokens, usable
+        g = self.groups[e.group]
+        if len(g.executions) < self.spec.group_size or not all(x.evaluated for x in g.executions.values()):
+            return Admission()
+        versions = [x.version for x in g.executions.values() if x.version >= 0]
+        g.version = min(versions) if versions else g.started_version
+        g.sync = self.sync_of(g.version)
+        g.ready_at, g.state = now, GroupState.EVALUATED
+        g.train_tokens = float(sum(x.tokens for x in g.executions.values()))
+        if self._expired(g, self.version):
+            return Admission(dropped=(self._drop(g),))
+        g.state = GroupState.WAITING
+        self._waiting[g.id] = g
+        return self._fill(now)
+
+    def _drop(self, g: GroupRecord) -> GroupRecord:
+        s = self.spec
+        g.reason = (f"stale: served by v{g.version} (sync {g.sync}), step {self.version} "
+                    f"(sync {self.sync_of(self.version)}), bound {s.staleness} sync(s)")
+        g.state = GroupState.DROPPED
+        self._waiting.pop(g.id, None)
+        self.n_open -= 1
+        return g
+
+    def _fill(self, now: float) -> Admission:
+        """Assign admissible waiting groups to the open step, in the policy's admission order."""
+        st, s = self.step, self.spec
+        room = s.groups_per_step - len(st.groups)
+        if room <= 0 or st.reducing or self.done:
+            return Admission()
+        if not self._waiting:
+            return Admission()
+        waiting = [g.view() for g in self._waiting.values()]
+        out = []
+        for v in pick(waiting, self.version, s.staleness, room, self.key, s.steps_per_sync,
+                      s.start_version, s.staleness_rule):
+            g = self.groups[v.id]
+            g.state, g.step = GroupState.ASSIGNED, st.index
+            del self._waiting[g.id]
+            st.groups.append(g.id)
+            out.append(g)
+        if out and st.started_at is None:
+            st.started_at = now
+        return Admission(assigned=tuple(out))
+
+    # ---- training work of the open step ---------------------------------------------------------
+    def microbatches_added(self, group: int, tokens: dict) -> None:
+        """The driver materialized an assigned group: micro-batch id -> tokens, queued in order."""
+        g = self.groups[group]
+        if g.state is not GroupState.ASSIGNED or g.step != self.step.index:
+            raise CoreError(f"group {group} is not assigned to the open step {self.step.index}")
+        for mb, t in tokens.items():
+            if mb in self.step.work:
+                raise CoreError(f"micro-batch {mb!r} added twice")
+            self.step.work[mb] = float(t)
+            self.step.tokens_total += float(t)
+            self.step.queue.append(mb)
+
+    def next_microbatch(self) -> Hashable | None:
+        """The next queued micro-batch for an idle trainer (work goes by progress)."""
+        if not self.step.queue or self.step.reducing:
+            return None
+        mb = self.step.queue.pop(0)
+        self.step.in_flight.add(mb)
+        return mb
+
+    def microbatch_trained(self, mb: Hashable) -> None:
+        st = self.step
+        if mb not in st.work:
+            raise CoreError(f"micro-batch {mb!r} is not part of step {st.index}")
+        st.in_flight.discard(mb)
+        if mb not in st.done:
+            st.done.add(mb)
+            st._done_sum += st.work[mb]
+
+    def microbatches_lost(self, mbs: Iterable[Hashable]) -> None:
+        """A trainer died: these go back to the queue (their gradients are recomputed)."""
+        st = self.step
+        for mb in mbs:
+            if mb not in st.work:
+                continue
+            st.in_flight.discard(mb)
+            if mb in st.done:
+                st.done.discard(mb)
+                st._done_sum -= st.work[mb]
+            if mb not in st.queue:
+                st.queue.append(mb)
+
+    # ---- step end -------------------------------------------------------------------------------
+    def step_ready(self) -> bool:
+        """The open step is full and all of its work trained: its optimizer step may run."""
+        st = self.step
+        return (not self.done and not st.reducing and len(st.groups) >= self.spec.groups_per_step
+                and st.trained)
+
+    def step_ending(self, now: float) -> None:
+        if not self.step_ready():
+            raise CoreError(f"step {self.step.index} is not ready to end")
+        self.step.reducing = True
+
+    def step_aborted(self) -> None:
+        """The optimizer step could not run (lost gradients are requeued): work resumes."""
+        self.step.reducing = False
+
+    def step_ended(self, now: float) -> StepResult:
+        st, s = self.step, self.spec
+        if not st.reducing:
+            raise CoreError(f"step {st.index} ended without step_ending")
+        trained = []
+        for gid in st.groups:
+            g = self.groups[gid]
+            g.state = GroupState.TRAINED
+            g.lag_steps = st.index - g.version
+            g.lag_syncs = self.sync_of(st.index) - g.sync
+            self.n_open -= 1
+            self.trained += 1
+            trained.append(g)
+        self.version += 1
+        push_due = (self.version - s.start_version) % s.steps_per_sync == 0 or self.done
+        self.step = StepRecord(self.version)
+        dropped = tuple(self._drop(g) for g in list(self._waiting.values())
+                        if self._expired(g, self.version))
+        adm = Admission(dropped=dropped) + self._fill(now)
+        res = StepResult(st.index, self.version, tuple(trained), push_due, st.started_at, now, adm,
+                         tuple(st.work))
+        self.steps.append(res)
+        return res
+
+    def weights_pushed(self, version: int) -> None:
+        """The rollout side now serves `version` (the count rule's start bound moves with it)."""
+        if version > self.version:
+            raise CoreError(f"weights v{version} pushed before step {version - 1} ended")
+        self.rollout_version = max(self.rollout_version, version)
+
+    # ---- end of run -----------------------------------------------------------------------------
+    def unfinished(self) -> list[GroupRecord]:
+        """Groups neither trained nor dropped (the driver records them as not admitted)."""
+        return [g for g in self.groups.values() if g.state.open]

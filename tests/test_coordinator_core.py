@@ -1,0 +1,453 @@
+"""The coordinator core on hand-built event sequences (pure: events in, decisions out, no clock)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gyre.sched import make_policy
+from gyre.sched.admission import start_budget
+from gyre.sched.core import Coordinator, CoreError, CoreSpec, GroupState, LagStats
+from gyre.sched.state import CellView, Role
+
+S = GroupState
+
+
+def core(steps=3, q=1, g=1, k=0, rule="window", b=1, **kw) -> Coordinator:
+    return Coordinator(CoreSpec(steps=steps, groups_per_step=q, group_size=g, staleness=k,
+                                staleness_rule=rule, steps_per_sync=b, **kw))
+
+
+def launch(c: Coordinator, n: int, now: float = 0.0) -> list[int]:
+    """Start up to n groups and all of their executions; returns the group ids."""
+    out = []
+    for grp in c.start_groups(n, now):
+        for i in range(c.spec.group_size):
+            c.execution_started(grp.id, (grp.id, i), now)
+        out.append(grp.id)
+    return out
+
+
+def finish(c: Coordinator, gid: int, now: float, version: int, tokens: float = 10.0):
+    """All executions of a group end and are scored; returns the last Admission."""
+    adm = None
+    for i in range(c.spec.group_size):
+        adm = c.execution_evaluated((gid, i), now, version=version, tokens=tokens)
+    return adm
+
+
+def train_and_end(c: Coordinator, now: float):
+    """Add one micro-batch per assigned group, train them all, end the step."""
+    for gid in c.step.groups:
+        if not any(m[0] == gid for m in c.step.work):
+            c.microbatches_added(gid, {(gid, "mb"): c.groups[gid].train_tokens})
+    while (mb := c.next_microbatch()) is not None:
+        c.microbatch_trained(mb)
+    assert c.step_ready()
+    c.step_ending(now)
+    res = c.step_ended(now)
+    if res.push_due:
+        c.weights_pushed(res.version)
+    return res
+
+
+def test_states_follow_the_lifecycle():
+    c = core(steps=1, q=1, g=2)
+    (gid,) = [g.id for g in c.start_groups(1, 0.0)]
+    assert c.groups[gid].state is S.STARTED
+    c.execution_started(gid, "a", 0.0)
+    c.execution_started(gid, "b", 0.0)
+    assert c.groups[gid].state is S.RUNNING
+    with pytest.raises(CoreError):
+        c.execution_started(gid, "c", 0.0)  # a group holds G executions
+    c.execution_ended("a", 1.0)
+    assert [e.group for e in c.cluster_state(1.0, ()).running] == [gid]  # only b still runs
+    adm = c.execution_evaluated("a", 2.0, version=0, tokens=3)
+    assert adm.assigned == () and adm.dropped == ()
+    assert c.groups[gid].state is S.RUNNING  # waits for its last execution
+    adm = c.execution_evaluated("b", 3.0, version=0, tokens=4)
+    g = c.groups[gid]
+    assert adm.assigned == (g,) and g.state is S.ASSIGNED and g.train_tokens == 7 and g.ready_at == 3.0
+    with pytest.raises(CoreError):
+        c.execution_evaluated("b", 3.0, version=0)
+    res = train_and_end(c, 4.0)
+    assert g.state is S.TRAINED and res.groups == (g,) and g.lag_steps == 0 and c.done
+    assert c.start_groups(5, 5.0) == []  # the run is done: nothing starts
+
+
+def test_group_version_is_the_oldest_serving_one_and_made_no_call_falls_back():
+    c = core(steps=2, q=1, g=3, k=2)
+    (gid,) = launch(c, 1)
+    c.execution_evaluated((gid, 0), 1.0, version=1)
+    c.execution_evaluated((gid, 1), 1.0, version=-1)  # made no model call
+    c.execution_evaluated((gid, 2), 1.0, version=0)
+    assert c.groups[gid].version == 0
+
+
+def test_window_rule_drops_a_stale_group_at_evaluation_and_at_step_end():
+    c = core(steps=4, q=1, k=1)
+    a, b, = launch(c, 5)                      # budget Q*(k+1) = 2
+    assert c.start_budget() == 0
+    finish(c, a, 1.0, version=0)
+    train_and_end(c, 2.0)                      # step 0 -> version 1
+    (n,) = launch(c, 5, 2.0)
+    finish(c, n, 3.0, version=1)
+    train_and_end(c, 4.0)                      # step 1 -> version 2
+    adm = finish(c, b, 5.0, version=0)         # lag 2 > 1: dropped when it is scored
+    assert adm.dropped == (c.groups[b],) and c.groups[b].state is S.DROPPED
+    assert "stale" in c.groups[b].reason and "v0" in c.groups[b].reason
+    # a group that waits while the version moves past its bound expires at the step end
+    c2 = core(steps=4, q=1, k=0)
+    x, = launch(c2, 1)
+    finish(c2, x, 1.0, version=0)
+    y, = launch(c2, 1, 1.0) if c2.start_budget() else (None,)
+    assert y is None  # k = 0: one group open at a time
+    train_and_end(c2, 2.0)
+    y, = launch(c2, 1, 2.0)
+    z_adm = finish(c2, y, 3.0, version=0)      # served by v0 but scored at step 1 (k = 0)
+    assert z_adm.dropped and c2.groups[y].state is S.DROPPED
+
+
+def test_waiting_group_expires_when_a_step_ends():
+    c = core(steps=4, q=1, k=1)
+    g0, g1 = launch(c, 2)
+    finish(c, g0, 1.0, version=0)
+    train_and_end(c, 2.0)                      # v1
+    (g2,) = launch(c, 1, 2.0)
+    finish(c, g2, 3.0, version=1)              # fills step 1
+    finish(c, g1, 3.5, version=0)              # lag 1 is admissible, but the step is full
+    assert c.groups[g1].state is S.WAITING
+    assert c.cluster_state(3.5, ()).groups_waiting == 1
+    res = train_and_end(c, 4.0)                # v2: g1 would lag 2 > 1
+    assert res.admission.dropped == (c.groups[g1],) and c.groups[g1].state is S.DROPPED
+    assert c.cluster_state(4.0, ()).groups_waiting == 0
+
+
+def test_hung_sequence_is_replaced_and_the_last_step_fills():
+    """The live hang: at staleness 1 a group dropped as stale was never replaced (the head
+    blocked starts once steps x Q groups had *started*), so the last step never filled."""
+    c = core(steps=3, q=1, k=1)
+    g0, g1 = launch(c, 2)                      # both served by v0
+    finish(c, g0, 1.0, version=0)
+    train_and_end(c, 2.0)                      # v1
+    (g2,) = launch(c, 1, 2.0)
+    finish(c, g2, 3.0, version=1)
+    train_and_end(c, 4.0)                      # v2
+    adm = finish(c, g1, 5.0, version=0)        # the slow one: lag 2 > 1
+    assert adm.dropped and c.started == 3 and c.spec.groups_needed == 3
+    # the old rule (started >= steps x Q) would block here for good
+    st = c.cluster_state(5.0, (CellView(0, Role.ROLLOUT, 0.0),))
+    assert not st.starts_blocked and start_budget(st) == 1
+    d = make_policy("E", 1).decide(st, 5.0)
+    assert d.start_groups == 1                 # a shipped policy asks for the replacement
+    (g3,) = launch(c, d.start_groups, 5.0)
+    finish(c, g3, 6.0, version=2)
+    res = train_and_end(c, 7.0)
+    assert c.done and res.groups == (c.groups[g3],)
+    assert [g.state for g in c.groups.values()] == [S.TRAINED, S.DROPPED, S.TRAINED, S.TRAINED]
+    assert c.cluster_state(7.0, ()).starts_blocked
+
+
+def end_step(c: Coordinator, now: float):
+    for gid in c.step.groups:
+        c.microbatches_added(gid, {gid: 1.0})
+    while (mb := c.next_microbatch()) is not None:
+        c.microbatch_trained(mb)
+    c.step_ending(now)
+    return c.step_ended(now)
+
+
+def test_count_rule_bounds_starts_by_rollout_version_and_drops_nothing():
+    c = core(steps=6, q=2, k=1, rule="count")
+    assert c.start_budget() == 4               # (0 + 1 + 1) x 2
+    g0, g1, g2, late = launch(c, 10)
+    assert c.start_budget() == 0
+    finish(c, g0, 1.0, version=0)
+    finish(c, g1, 1.0, version=0)
+    res = end_step(c, 2.0)
+    assert res.push_due and c.start_budget() == 0  # the bound moves with the rollout version ...
+    c.weights_pushed(res.version)
+    assert c.start_budget() == 2               # ... (1 + 1 + 1) x 2 - 4 started
+    finish(c, g2, 3.0, version=0)              # lag 1
+    g4, g5 = launch(c, 5, 3.0)
+    finish(c, g4, 3.5, version=1)
+    c.weights_pushed(end_step(c, 4.0).version)
+    assert c.start_budget() == 2               # (2 + 1 + 1) x 2 - 6
+    finish(c, g5, 5.0, version=1)
+    adm = finish(c, late, 6.0, version=0)      # lag 2 > k: the count rule drops nothing
+    assert adm.assigned == (c.groups[late],) and not adm.dropped
+    end_step(c, 7.0)
+    assert c.groups[late].lag_steps == 2 and c.lag_stats().worst_steps == 2
+
+
+def test_burst_pushes_once_per_round_and_records_both_lags():
+    c = core(steps=4, q=1, k=0, b=2)
+    assert c.start_budget() == 2               # one round feeds 2 steps
+    a, b = launch(c, 2)
+    finish(c, a, 1.0, version=0)
+    finish(c, b, 1.0, version=0)
+    r0 = train_and_end(c, 2.0)
+    assert not r0.push_due and c.rollout_version == 0 and c.version == 1
+    assert c.groups[b].state is S.ASSIGNED     # same round: lag 1 step, 0 syncs, admitted at k = 0
+    assert c.start_budget() == 0               # the next round waits for the next weights
+    r1 = train_and_end(c, 3.0)
+    assert r1.push_due and c.rollout_version == 2
+    ga, gb = c.groups[a], c.groups[b]
+    assert (ga.lag_steps, ga.lag_syncs) == (0, 0) and (gb.lag_steps, gb.lag_syncs) == (1, 0)
+    assert ga.sync == gb.sync == 0
+    assert c.start_budget() == 2
+    lag = c.lag_stats()
+    assert lag.worst_steps == 1 and lag.worst_syncs == 0 and lag.group_mean_steps == 0.5
+
+
+def test_lag_stats_weigh_groups_and_tokens():
+    c = core(steps=3, q=2, k=2)
+    gs = launch(c, 6)
+    finish(c, gs[0], 1.0, version=0, tokens=10)
+    finish(c, gs[1], 1.0, version=0, tokens=10)
+    train_and_end(c, 2.0)
+    finish(c, gs[2], 3.0, version=0, tokens=30)    # lag 1, heavy
+    finish(c, gs[3], 3.0, version=1, tokens=10)    # lag 0
+    train_and_end(c, 4.0)
+    lag = c.lag_stats()
+    assert lag.groups == 4 and lag.worst_steps == 1
+    assert lag.group_mean_steps == pytest.approx(1 / 4)
+    assert lag.token_mean_steps == pytest.approx(30 / 60)
+    assert lag.group_mean_syncs == lag.group_mean_steps  # b = 1: both units agree
+    assert LagStats.of([]).groups == 0
+
+
+def test_microbatches_stream_and_lost_ones_are_requeued():
+    c = core(steps=2, q=1, k=0)
+    (g,) = launch(c, 1)
+    finish(c, g, 1.0, version=0)
+    c.microbatches_added(g, {1: 100.0, 2: 50.0})
+    with pytest.raises(CoreError):
+        c.microbatches_added(g, {1: 100.0})
+    st = c.cluster_state(1.0, ())
+    assert st.train_tokens_left == 150 and st.step_groups == 1 and st.step_full
+    m1, m2 = c.next_microbatch(), c.next_microbatch()
+    assert (m1, m2) == (1, 2) and c.next_microbatch() is None
+    c.microbatch_trained(1)
+    c.microbatches_lost([2])                   # its trainer died
+    assert not c.step_ready() and c.step.queue == [2]
+    assert c.cluster_state(1.0, ()).train_tokens_done == 100
+    c.microbatch_trained(c.next_microbatch())
+    assert c.step_ready()
+    c.step_ending(2.0)
+    st = c.cluster_state(2.0, ())
+    assert st.train_tokens_left >= 1.0         # the optimizer step is still work for the trainers
+    assert c.next_microbatch() is None
+    c.step_aborted()                           # e.g. a gradient was lost at prepare_reduce
+    assert c.step_ready()
+
+
+def test_training_progress_is_exact_when_all_work_is_done():
+    """No float residue: a policy deciding on `train_tokens_left <= 0` sees exactly 0 (the
+    simulator and the head must not diverge on summation order)."""
+    c = core(steps=1, q=1, k=0)
+    (g,) = launch(c, 1)
+    finish(c, g, 1.0, version=0)
+    work = {i: t for i, t in enumerate([0.1, 0.2, 0.3, 1e-9, 7.7])}
+    c.microbatches_added(g, work)
+    for _ in work:
+        c.microbatch_trained(c.next_microbatch())
+    st = c.cluster_state(2.0, ())
+    assert st.train_tokens_left == 0.0 and st.train_tokens_done == sum(work.values())
+    c.microbatches_lost([4])
+    assert c.step.tokens_left == pytest.approx(7.7)
+
+
+def test_cluster_state_counts_and_resume_ids():
+    c = core(steps=5, q=2, g=2, k=1, start_version=3, first_group=40)
+    assert c.spec.groups_needed == 4 and c.start_budget() == 4
+    gs = launch(c, 3, 10.0)
+    assert gs == [40, 41, 42]
+    finish(c, 40, 11.0, version=3)
+    cells = (CellView(0, Role.ROLLOUT, 0.0), CellView(1, Role.TRAIN, 5.0))
+    st = c.cluster_state(12.0, cells)
+    assert st.cells == cells and st.version == 3 and st.groups_open == 3 and st.step_groups == 1
+    assert len(st.running) == 4 and {e.group for e in st.running} == {41, 42}
+    assert st.starts_allowed == 1 and not st.starts_blocked  # needed 4 - 3 open
+    assert st.steps_per_sync == 1 and st.staleness_rule == "window"
+
+
+def test_bad_spec_is_refused():
+    with pytest.raises(ValueError, match="staleness_rule"):
+        CoreSpec(steps=1, groups_per_step=1, group_size=1, staleness_rule="hard")
+    with pytest.raises(ValueError, match="steps_per_sync"):
+        CoreSpec(steps=1, groups_per_step=1, group_size=1, steps_per_sync=0)
+
+
+# ---- one trace, two drivers -------------------------------------------------------------------
+
+class RecordingCoordinator(Coordinator):
+    """The simulator's core, logging every event it is told (the trace replayed into the head)."""
+
+    def __init__(self, spec, key):
+        super().__init__(spec, key)
+        self.trace: list[tuple] = []
+
+    def start_groups(self, n, now):
+        out = super().start_groups(n, now)
+        if out:
+            self.trace.append(("start", n, now))
+        return out
+
+    def execution_started(self, group, key, now):
+        self.trace.append(("exec", group, key))
+        return super().execution_started(group, key, now)
+
+    def execution_evaluated(self, key, now, *, version=-1, tokens=0.0, usable=True):
+        self.trace.append(("evaluated", key, now, version))
+        return super().execution_evaluated(key, now, version=version, tokens=tokens, usable=usable)
+
+    def step_ending(self, now):
+        self.trace.append(("step_ending", now))
+        return super().step_ending(now)
+
+    def step_ended(self, now):
+        res = super().step_ended(now)
+        self.trace.append(("step_ended", now, res.push_due))
+        return res
+
+    def weights_pushed(self, version):
+        self.trace.append(("pushed", version))
+        return super().weights_pushed(version)
+
+
+def simulated_trace(k: int, b: int, steps: int, q: int, g: int, slow_group: int):
+    from gyre.sim.cluster import ClusterModel
+    from gyre.sim.engine import Simulator, SimSpec
+    from gyre.sim.workload import ExecSpec, GroupSpec, Workload
+
+    def group(i: int) -> GroupSpec:  # fixed durations; one group far slower than the others
+        d = 40_000.0 if i == slow_group else 1_000.0 + 37.0 * (i % 5)
+        return GroupSpec(f"g{i}", tuple(ExecSpec(d + 11.0 * m, 4, 100.0, 50.0 + m) for m in range(g)))
+
+    w = Workload(group, g, 0.8, "scripted", 1_000.0, 0.1)
+    cluster = ClusterModel(nodes=2, cell_nodes=1, gpus_per_node=1, ref_cell_nodes=1, min_cell_nodes=1,
+                           half_load=1e6, ref_load=1, eval_s=0, push_s=0, opt_s=0, to_train_s=0,
+                           to_rollout_s=0)
+    sim = Simulator(make_policy("E", k), w, cluster,
+                    SimSpec(steps=steps, groups_per_step=q, segments=1, tick_s=500.0, steps_per_sync=b))
+    sim.core = RecordingCoordinator(sim.core.spec, sim.core.key)
+    sim.run()
+    return sim.core
+
+
+def head_for_replay(tmp_path, spec: CoreSpec, key):
+    """A real Head with the real core, ledger, shards and materializer; only its I/O edges are
+    absent: no cells (nothing to message) and no harness (the trace says how executions ended)."""
+    import itertools
+    from types import SimpleNamespace
+
+    from gyre.config import GyreConfig
+    from gyre.harness.execute import shard_identity
+    from gyre.head import Head
+    from gyre.traj.select import SelectionSpec
+    from gyre.traj.store import ShardWriter
+
+    cfg = GyreConfig()
+    cfg.run.dir, cfg.run.steps, cfg.run.groups_per_step = str(tmp_path), spec.steps, spec.groups_per_step
+    cfg.harness.group_size = spec.group_size
+    cfg.sched.staleness, cfg.sched.steps_per_sync = spec.staleness, spec.steps_per_sync
+    head = Head(cfg, None, 2)
+    head.core = Coordinator(spec, key)
+    head._committed = spec.start_version
+    head.model_dir = head.weights_root = head.ckpt_root = tmp_path
+    head.spec = SelectionSpec.from_config(cfg.selection)
+    head.task_cycle = itertools.cycle([SimpleNamespace(name="task")])
+    head.writer = ShardWriter.from_config(cfg.store, tmp_path / "shards", shard_identity({"model_hash": "m" * 8, "tokenizer_hash": "t" * 8}))
+    head.ledger = open(tmp_path / "ledger.jsonl", "a")
+    head.steps_file = open(tmp_path / "steps.jsonl", "a")
+    head._spawn = lambda coro: coro.close()  # executions are played from the trace
+    return head
+
+
+def record(eid: str, gid: int, member: int, version: int):
+    from gyre.traj.record import ExecutionRecord
+    from gyre.traj.tree import Segment, TrajectoryTree
+
+    t = TrajectoryTree()
+    t.add_call([Segment("task", [5, 6, 7, member + 8], "user")], "a", [3, 4], [20 + member, 30, 31],
+               [-0.5, -1.0, -0.25], agent_role="main", policy_version=version)
+    return ExecutionRecord(eid, "task", gid, "done", float(member % 2), "tests", tree=t)
+
+
+@pytest.mark.parametrize("k,b", [(1, 1), (0, 2), (2, 1)])
+def test_one_trace_through_the_simulator_and_the_head_gives_the_same_steps(tmp_path, k, b):
+    steps, q, g = 5, 2, 2
+    sim = simulated_trace(k, b, steps, q, g, slow_group=1)
+    head = head_for_replay(tmp_path, sim.spec, sim.key)
+    eid_of = {}
+    for ev in sim.trace:
+        kind = ev[0]
+        if kind == "start":
+            started = head._start_groups(ev[1], ev[2])
+            assert started  # the head's core allows the same starts
+        elif kind == "exec":
+            gid, key = ev[1], ev[2]
+            eid_of[key] = (gid, len([1 for x in eid_of.values() if x[0] == gid]))
+        elif kind == "evaluated":
+            gid, m = eid_of[ev[1]]
+            eid = f"q{gid}-task-g{m}"
+            head._execution_done(eid, record(eid, gid, m, ev[3]), ev[2])
+        elif kind == "step_ending":
+            while (mb := head.core.next_microbatch()) is not None:  # the trainers' replies
+                head.core.microbatch_trained(mb)
+            assert head.core.step_ready()
+            head.core.step_ending(ev[1])
+        elif kind == "step_ended":
+            res = head._step_ended(ev[1])
+            assert res.push_due == ev[2]
+            if not res.push_due or head.core.done:  # (the simulator pushes nothing after the last step)
+                head._step_committed(res, [], [], 0.0, 0.0)
+        elif kind == "pushed":
+            head._step_committed(res, [], [], 0.0, 0.0)
+    head.ledger.close()
+    assert head.core.done and sim.done
+    sim_steps = [[gid for gid in (x.id for x in r.groups)] for r in sim.steps]
+    head_steps = [[x.id for x in r.groups] for r in head.core.steps]
+    assert head_steps == sim_steps
+    dropped = {gid for gid, x in sim.groups.items() if x.state is S.DROPPED}
+    assert {gid for gid, x in head.core.groups.items() if x.state is S.DROPPED} == dropped
+    if k == 1:
+        assert dropped  # the slow group was dropped as stale and replaced in both
+    # the head wrote down exactly that: each trained execution once, in its step
+    import json
+    rows = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    trained = {(r["group"], r["step"]) for r in rows if r["admitted"]}
+    assert trained == {(gid, s) for s, gids in enumerate(sim_steps) for gid in gids}
+    assert all(not r["admitted"] and r["reason"].startswith("stale") for r in rows if r["group"] in dropped)
+    assert head.core.lag_stats().worst_syncs == sim.lag_stats().worst_syncs <= k
+
+
+def test_head_requeues_a_lost_micro_batch_once(tmp_path):
+    """An agent keeps reporting the micro-batches its dead trainer lost until the step's reduce;
+    the head requeues each once (before, a repeated report requeued a micro-batch that another cell
+    had trained again: the step never ended and that gradient would have counted twice)."""
+    from gyre.sched.protocol import Reply
+
+    c = core(steps=1, q=1, g=2, k=0)
+    head = head_for_replay(tmp_path, c.spec, c.key)
+    head._start_groups(1, 0.0)
+    for m in range(2):
+        eid = f"q0-task-g{m}"
+        head._execution_done(eid, record(eid, 0, m, 0), 1.0)
+    core_ = head.core
+    c1, c2 = head.cells[0], head.cells[1]
+    a = core_.next_microbatch()
+    core_.microbatch_trained(a)
+    c1.step_mbs.add(a)                              # cell 1 trained a ...
+    head._requeue(c1, {a, 99} & c1.step_mbs)        # ... then its trainer died (a lost)
+    assert core_.step.queue[-1] == a and a not in c1.step_mbs
+    while (mb := core_.next_microbatch()) is not None:  # cell 2 trains everything, a included
+        core_.microbatch_trained(mb)
+        c2.step_mbs.add(mb)
+    assert core_.step_ready()
+    again = Reply(1, c1.id, "prepare_reduce", True, info={"mb_ids": [], "lost": [a]})
+    held = Reply(2, c2.id, "prepare_reduce", True, info={"mb_ids": sorted(c2.step_mbs), "lost": []})
+    assert head._lost_at_prepare(c1, again) == set() and head._lost_at_prepare(c2, held) == set()
+    died = Reply(3, c2.id, "prepare_reduce", False, info={"lost": [a, 12345]})
+    assert head._lost_at_prepare(c2, died) == {a}    # only what it held counts
+    head.ledger.close()
