@@ -426,7 +426,7 @@ def test_head_requeues_a_lost_micro_batch_once(tmp_path):
     """An agent keeps reporting the micro-batches its dead trainer lost until the step's reduce;
     the head requeues each once (before, a repeated report requeued a micro-batch that another cell
     had trained again: the step never ended and that gradient would have counted twice)."""
-    from gyre.sched.protocol import Reply
+    from gyre.sched.protocol import PrepareReduceReply as Reply
 
     c = core(steps=1, q=1, g=2, k=0)
     head = head_for_replay(tmp_path, c.spec, c.key)
@@ -445,9 +445,9 @@ def test_head_requeues_a_lost_micro_batch_once(tmp_path):
         core_.microbatch_trained(mb)
         c2.step_mbs.add(mb)
     assert core_.step_ready()
-    again = Reply(1, c1.id, "prepare_reduce", True, info={"mb_ids": [], "lost": [a]})
-    held = Reply(2, c2.id, "prepare_reduce", True, info={"mb_ids": sorted(c2.step_mbs), "lost": []})
+    again = Reply(seq=1, cell=c1.id, ok=True, mb_ids=[], lost=[a])
+    held = Reply(seq=2, cell=c2.id, ok=True, mb_ids=sorted(c2.step_mbs), lost=[])
     assert head._lost_at_prepare(c1, again) == set() and head._lost_at_prepare(c2, held) == set()
-    died = Reply(3, c2.id, "prepare_reduce", False, info={"lost": [a, 12345]})
+    died = Reply(seq=3, cell=c2.id, ok=False, lost=[a, 12345])
     assert head._lost_at_prepare(c2, died) == {a}    # only what it held counts
     head.ledger.close()
