@@ -181,7 +181,7 @@ def test_export_loads_in_transformers_with_same_logprobs(backend, tmp_path):
     trainer.optimizer_step()  # export trained weights, not the initial ones
     out = trainer.export_weights(tmp_path / "weights", weight_version=3)
     assert json.loads((out / "gyre_weights.json").read_text()) == {"weight_version": "3"}
-    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "gyre_weights.json"}
+    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "gyre_weights.json", "weights.sha256.json"}
     hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     engine_side = EmbeddedTrainer(TrainConfig(), hf).logprobs(mb)
     assert torch.allclose(engine_side, trainer.logprobs(mb), atol=1e-5)
