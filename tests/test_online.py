@@ -178,6 +178,9 @@ def test_run_stale_drop_replaces_the_group_and_every_step_completes(tmp_path, sc
             f"GYRE_HOLD_STEPS_FILE={run_dir / 'steps.jsonl'}", f"GYRE_HOLD_UNTIL_STEPS={k + 1}"]
     rc, out = gyre_run(run_dir, f"sched.scheme={scheme}", f"sched.staleness={k}", f"run.groups_per_step={q}",
                        f"harness.group_size={g}", "harness.timeout_s=600",
+                       # the hold agent coordinates through files outside its execution (the test's
+                       # marker dir, the run's steps.jsonl): exactly what a sandbox hides, so opt out
+                       "harness.sandbox=none",
                        f'harness.command=["{{python}}", "{HOLD_AGENT}", "{{execution_id}}"]',
                        "harness.env=[" + ", ".join(f'"{h}"' for h in hold) + "]", steps=steps, timeout=800)
     assert rc == 0, out[-3000:]
