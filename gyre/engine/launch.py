@@ -1,8 +1,7 @@
 """Start engines.
 
 :func:`start_cell_engine` is THE seam: it starts a cell's engine, embedded or SGLang, and is what
-``gyre engine``, ``gyre rollout`` and the cell agent call (contract: /work/coord/engine-seam.md,
-repeated in its docstring). Below it, :func:`start_engine` runs ``python -m gyre.engine.cli`` as a
+``gyre engine``, ``gyre rollout`` and the cell agent call (its contract is in its docstring). Below it, :func:`start_engine` runs ``python -m gyre.engine.cli`` as a
 subprocess and returns once it printed its ``GYRE_ENGINE_LISTENING`` line (tests and benchmarks use
 it directly); :class:`InProcessEngine` runs the same server on a background thread of this process
 (no process start-up; used by benchmarks).
