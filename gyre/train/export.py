@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from gyre.engine.checksums import write_checksums  # the manifest the engine verifies on load
+from gyre.fsio import fsync_path
 
 WEIGHTS_FILE = "model.safetensors"
 VERSION_FILE = "gyre_weights.json"
@@ -24,11 +25,20 @@ VERSION_FILE = "gyre_weights.json"
 
 def _fsync_tree(root: Path) -> None:
     for path in sorted(root.rglob("*")) + [root]:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(path)
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    """Make the complete directory `tmp` durable and put it at `final` (rename cannot replace a
+    non-empty directory, so an old one is moved aside first and removed after)."""
+    _fsync_tree(tmp)
+    old = None
+    if final.exists():
+        old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -40,14 +50,7 @@ def atomic_dir(final: str | os.PathLike):
     tmp.mkdir(mode=0o700)
     try:
         yield tmp
-        _fsync_tree(tmp)
-        old = None
-        if final.exists():  # rename cannot replace a non-empty directory: move the old one aside
-            old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(final, old)
-        os.replace(tmp, final)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        _replace_dir(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -135,11 +138,7 @@ def export_pieces(state: dict[str, Tensor], hf_config, out_dir: str | os.PathLik
         mine = {k: state[k].detach().to("cpu").contiguous() for k in names[rank]}
         path = tmp / piece_name(rank, size)
         save_file(mine, str(path), metadata={"format": "pt", "weight_version": str(weight_version)})
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(path)
         barrier()
         if rank == 0:
             dtypes = {v.dtype for v in state.values()}
@@ -154,14 +153,7 @@ def export_pieces(state: dict[str, Tensor], hf_config, out_dir: str | os.PathLik
                          "weight_map": {k: piece_name(r, size) for r, ks in enumerate(names) for k in ks}}
                 (tmp / INDEX_FILE).write_text(json.dumps(index, indent=1, sort_keys=True))
             write_checksums(tmp)
-            _fsync_tree(tmp)
-            old = None
-            if final.exists():
-                old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
-                os.replace(final, old)
-            os.replace(tmp, final)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
+            _replace_dir(tmp, final)
     except BaseException:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
