@@ -451,3 +451,26 @@ def test_head_requeues_a_lost_micro_batch_once(tmp_path):
     died = Reply(seq=3, cell=c2.id, ok=False, lost=[a, 12345])
     assert head._lost_at_prepare(c2, died) == {a}    # only what it held counts
     head.ledger.close()
+
+
+@pytest.mark.parametrize("scheme", ["C", "E", "E+"])
+def test_a_full_step_with_no_work_still_gets_a_trainer(scheme):
+    """Every execution of the step had equal rewards: zero advantage, no micro-batch. The step
+    is ready (only its optimizer step is left) and the policy must bring a trainer for it; a
+    policy that waits for training work leaves the pool in rollout and the run hangs."""
+    c = core(steps=2, q=1, g=2)
+    (g,) = launch(c, 1)
+    finish(c, g, 5.0, version=0)
+    assert c.step.groups == [g] and not c.step.work and c.step_ready()
+    cells = tuple(CellView(i, Role.ROLLOUT, 0.0) for i in range(3))
+    st = c.cluster_state(1_000.0, cells)
+    assert st.step_ready and st.step_full and st.train_tokens_left == 0
+    d = make_policy(scheme, 0).decide(st, 1_000.0)
+    to_train = [s.cell for s in d.switches if s.to is Role.TRAIN]
+    assert to_train, d
+    if scheme != "C":
+        assert len(to_train) < len(cells)  # elastic keeps a cell serving
+    # once a trainer is there the step ends like any other
+    c.step_ending(1_010.0)
+    res = c.step_ended(1_010.0)
+    assert res.version == 1 and [x.id for x in res.groups] == [g] and not c.cluster_state(1_011.0, cells).step_ready

@@ -50,6 +50,14 @@ class LiveStack:
         return next(e for e in self.engines if e.url == url)
 
     def dead(self):
+        """Engines that exited. The victim named in the fault marker is waited for first: its
+        socket closes (the client's error) a moment before the kernel reports it exited."""
+        m = faults.marker("engine", self.phase)
+        if m.exists():
+            pid = int(m.read_text())
+            for e in self.engines:
+                if e.proc.pid == pid:
+                    e.proc.wait(timeout=60)
         return [e for e in self.engines if e.proc.poll() is not None]
 
     def tree(self):

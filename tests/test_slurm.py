@@ -92,8 +92,16 @@ def sbatch(env: dict, args: list, extra_env: dict | None = None) -> str:
 
 
 def job_states(env: dict, job: str) -> set[str]:
-    r = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], env=env, capture_output=True, text=True, timeout=30)
-    return set(r.stdout.split()) if r.returncode == 0 else set()
+    """The job's states; empty once Slurm no longer knows it. A failed squeue (slurmctld busy on a
+    loaded machine) is asked again, not read as "the job ended"."""
+    for _ in range(10):
+        r = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], env=env, capture_output=True, text=True, timeout=30)
+        if r.returncode == 0:
+            return set(r.stdout.split())
+        if "Invalid job id" in r.stderr:
+            return set()
+        time.sleep(1.0)
+    raise AssertionError(f"squeue -j {job} failed 10 times: {r.stderr.strip()}")
 
 
 def wait_gone(env: dict, job: str, timeout: float, out: Path) -> None:
@@ -193,16 +201,9 @@ def test_preemption_requeue_resume(cluster, tmp_path):
     wait_for(lambda: "requeueing" in _tail(out, 100000), 90, "requeue", cluster, job, out)
     wait_for(lambda: "(resuming)" in _tail(out, 100000), 120, "restart with --resume", cluster, job, out)
     # the part this layer owns is done: USR1 -> head stopped -> requeue -> restart with --resume
-    deadline = time.time() + 180
-    while job_states(cluster, job) and time.time() < deadline:
-        if "WorkspaceExists" in _tail(out, 1_000_000):
-            subprocess.run(["scancel", job], env=cluster, capture_output=True, timeout=30)
-            wait_gone_quiet(cluster, job, 30)
-            pytest.xfail("known head gap: on --resume the head restarts group ids at state.json's groups_started "
-                         "(written only at step close, = len(groups) of this attempt), so groups started after the "
-                         "last step close get the ids of existing workspaces (WorkspaceExists) and the run hangs")
-        time.sleep(0.5)
-    wait_gone(cluster, job, 1, out)
+    # (a resumed head once reused group ids and hung on WorkspaceExists: ids now go to state.json
+    # when groups start, so that would fail here as a timeout with the job's output)
+    wait_gone(cluster, job, 180, out)
     text = _tail(out, 100000)
     report = json.loads((run / "report.json").read_text())
     assert not report["stopped"] and not report["errors"], text

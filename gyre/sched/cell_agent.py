@@ -107,6 +107,7 @@ class CellAgent:
         self.lost: list = []
         self._attempts: dict[tuple, int] = {}
         self._last_sent = 0.0
+        self._beat_req = None     # the last heartbeat's isend, while the head has not taken it
         self.slurm = self._slurm_layout()
 
     # --- where the cell's processes run -----------------------------------------------------
@@ -537,10 +538,14 @@ class CellAgent:
     def _beat(self) -> None:
         if time.monotonic() - self._last_sent < HEARTBEAT_S:
             return
-        self._event("heartbeat", role=self.role.value, trainer_step=self.trainer.step if self.trainer else None,
+        if self._beat_req is not None and not self._beat_req.Test():
+            return  # the head has not taken the last one (busy, or gone): never block on a beat
+        info = dict(role=self.role.value, trainer_step=self.trainer.step if self.trainer else None,
                     engine_version=self.engine_version, engine_url=self.engine.url if self.engine else None,
                     engine_pid=self.engine.proc.pid if self.engine else None,
                     trainer_pid=self.trainer.pid if self.trainer else None)
+        self._beat_req = mpi_link.isend_event(self.comm, Event(cell=self.cell, kind="heartbeat", info=info))
+        self._last_sent = time.monotonic()
 
     def _event(self, kind: str, **info) -> None:
         mpi_link.send_event(self.comm, Event(cell=self.cell, kind=kind, info=info))

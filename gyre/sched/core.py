@@ -278,7 +278,7 @@ class Coordinator:
             groups_waiting=waiting, step_groups=len(st.groups), train_tokens_left=left,
             train_tokens_done=st.tokens_done, starts_blocked=self.groups_still_needed <= 0 or self.done,
             starts_allowed=0 if self.done else self.start_budget(), steps_per_sync=s.steps_per_sync,
-            staleness_rule=s.staleness_rule)
+            staleness_rule=s.staleness_rule, step_ready=self.step_ready())
 
     def lag_stats(self) -> LagStats:
         return LagStats.of(self.groups_in(GroupState.TRAINED))

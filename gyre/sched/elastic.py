@@ -36,7 +36,11 @@ class ElasticPolicy(Policy):
         # Start only once a settled rollout cell will serve the new executions.
         starting = budget if settled_rollout else 0
         target = self.rollout_target(state, now, budget)
-        r, _ = heading_counts(state.cells)
+        r, t = heading_counts(state.cells)
+        if state.step_ready and t == 0:
+            # only the optimizer step is left (a step of zero-advantage executions has no work,
+            # so the work-driven target never asks for a trainer): bring one
+            target = min(target, r - 1)
         running = bool(state.running) or starting > 0
         if target > r:
             # An unserved execution overrides the dwell time.

@@ -38,7 +38,8 @@ class ColocatePolicy(Policy):
             return Decision()  # mid-switch: wait until the whole pool has arrived
         training = live[0].role is Role.TRAIN if live else False
         if not training:
-            if state.step_full and state.train_tokens_left > 0:
+            # (a full step with no work, every reward equal, still needs its optimizer step)
+            if state.step_full and (state.train_tokens_left > 0 or state.step_ready):
                 return Decision(tuple(Switch(c.id, Role.TRAIN) for c in live), notes=("batch complete",))
             return Decision(start_groups=start_budget(state))
         # Training: stay while the open step's batch is complete (the next one may already be);

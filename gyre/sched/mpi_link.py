@@ -67,6 +67,14 @@ def send_event(comm, event: Event) -> None:
     send(comm, event, HEAD, TAG_EVENT)
 
 
+def isend_event(comm, event: Event):
+    """Non-blocking `send_event` (for heartbeats: a head that stopped reading must not hold a
+    cell in a send); returns the request, which keeps the pickled buffer alive until it completes."""
+    if not event.t:
+        event.t = time.time()
+    return comm.isend(event, dest=HEAD, tag=TAG_EVENT)
+
+
 class HeadLink:
     """Rank 0's side: one thread owns every MPI call of the head (so MPI needs no thread
     support beyond the default), others talk to it through a queue and a callback.

@@ -64,6 +64,10 @@ class ClusterState:
     starts_allowed: int | None = None  # groups the staleness rule lets start now (None: window rule)
     steps_per_sync: int = 1      # optimizer steps per rollout round (weights pushed once per round)
     staleness_rule: str = "window"  # "window" (hard lag bound) or "count" (AReaL's start bound)
+    # The open step is full and all of its work is trained: only its optimizer step is left, and
+    # that needs a trainer. True with no work at all when every execution of the step had zero
+    # advantage (equal rewards): a policy that waits for work before training would wait forever.
+    step_ready: bool = False
 
     def count(self, *roles: Role) -> int:
         return sum(1 for c in self.cells if c.role in roles)
