@@ -161,12 +161,12 @@ class Head:
         from gyre.engine.router import Router
         from gyre.engine.tiny_model import ensure_tiny_model, load_tokenizer, model_identity
         from gyre.harness.evaluator import EvaluatorPool
-        from gyre.harness.execute import load_tasks, shard_identity
+        from gyre.harness.execute import load_tasks
         from gyre.harness.runner import HarnessPool, private_dir
         from gyre.proxy.server import Proxy, create_app, start_site
         from gyre.sched import policy_from_config
         from gyre.traj.select import SelectionSpec
-        from gyre.traj.store import ShardWriter
+        from gyre.traj.store import ShardWriter, shard_identity
 
         cfg = self.cfg
         private_dir(self.run_dir)

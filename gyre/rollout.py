@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gyre.config import GyreConfig, default_tiny_dir, load_config
-from gyre.harness.execute import FINISHED, read_tasks, run_and_evaluate, select_tasks, shard_identity  # noqa: F401 (re-exported)
+from gyre.harness.execute import FINISHED, read_tasks, run_and_evaluate, select_tasks  # noqa: F401 (re-exported)
 
 _ATTEMPT = re.compile(r"^(?P<base>.+)-a(?P<n>\d+)$")
 
@@ -113,7 +113,7 @@ class Rollout:
         from gyre.harness.runner import HarnessPool, private_dir
         from gyre.harness.sandbox import Environments, SandboxConfig
         from gyre.proxy.server import Proxy, create_app, start_site
-        from gyre.traj.store import ShardWriter
+        from gyre.traj.store import ShardWriter, shard_identity
 
         cfg, t0 = self.cfg, time.monotonic()
         suite = read_tasks(cfg)  # before anything is created: a bad suite is the user's first message

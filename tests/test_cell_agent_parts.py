@@ -75,6 +75,7 @@ def test_wire_round_trip_is_exact_and_checked():
         from_wire(wire)
 
 
+@pytest.mark.slow
 def test_trainer_process_survives_nothing_but_reports_everything(tmp_path):
     """A two-rank cell trainer: requests reach every rank, a rank's death is the trainer's."""
     from gyre.engine.tiny_model import ensure_tiny_model
@@ -130,6 +131,7 @@ def test_rows_split_over_ranks_sum_to_the_whole_micro_batch():
     assert torch.allclose(one.flat_grads(), two.flat_grads(), atol=1e-7)
 
 
+@pytest.mark.slow
 def test_two_cells_of_two_ranks_reduce_to_one_process(tmp_path):
     """N cells x M ranks (2 x 2, gloo) over a cross-cell group give the update of one process
     doing every micro-batch; the group is formed once per membership and then cached."""

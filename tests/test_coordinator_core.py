@@ -342,7 +342,7 @@ def head_for_replay(tmp_path, spec: CoreSpec, key):
     from types import SimpleNamespace
 
     from gyre.config import GyreConfig
-    from gyre.harness.execute import shard_identity
+    from gyre.traj.store import shard_identity
     from gyre.head import Head
     from gyre.traj.select import SelectionSpec
     from gyre.traj.store import ShardWriter

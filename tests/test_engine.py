@@ -460,6 +460,7 @@ def test_client_api(engine, tiny):
     asyncio.run(scenario())
 
 
+@pytest.mark.slow
 def test_unservable_model_fails_to_start_clearly(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     for model in (tmp_path / "missing", tmp_path):

@@ -132,6 +132,7 @@ def test_unknown_and_unmodelled_flags_are_refused(tiny):
         start_cell_engine(load_config(None, STANDIN + ["engine.tp_size=3"]), tiny, api_key=KEY, nodes=["a", "b"])
 
 
+@pytest.mark.slow
 def test_two_node_ranks_serve_together_and_fail_together(tiny):
     cfg = load_config(None, STANDIN)
     with start_cell_engine(cfg, tiny, api_key=KEY, nodes=["node-a", "node-b"]) as h:
@@ -156,6 +157,7 @@ def _child_commands(parent: int | None = None) -> list[str]:
             for pid in filter(str.isdigit, os.listdir("/proc")) if _ppid(pid) == parent]
 
 
+@pytest.mark.slow
 def test_gyre_rollout_serves_through_sglang_when_the_backend_says_so(tmp_path):
     from gyre.rollout import Rollout
 
@@ -181,6 +183,7 @@ def test_gyre_rollout_serves_through_sglang_when_the_backend_says_so(tmp_path):
     assert "--skip-tokenizer-init --enable-memory-saver" in engines[0]
 
 
+@pytest.mark.slow
 def test_gyre_engine_starts_sglang_through_the_seam(tiny):
     from gyre.engine.launch import start_engine  # runs `python -m gyre.engine.cli`, waits for its ready line
 

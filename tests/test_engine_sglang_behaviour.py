@@ -134,6 +134,7 @@ def test_weights_are_verified_before_they_replace_the_served_ones(engine, tiny, 
     request(engine.url, "POST", "/update_weights_from_disk", {"model_path": str(tiny), "weight_version": version})
 
 
+@pytest.mark.slow
 def test_api_key_is_on_by_default(tiny, tmp_path):
     env = dict(os.environ, GYRE_CACHE=str(tmp_path / "cache"))
     proc = subprocess.Popen([sys.executable, "-m", "gyre.engine.cli", "--model", str(tiny), "--port", "0"],

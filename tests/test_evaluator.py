@@ -135,6 +135,7 @@ def test_hostile_workspace(tmp_path, opts):
     assert (outside / "tests" / "precious.txt").read_text() == "keep"
 
 
+@pytest.mark.slow
 def test_evaluation_time_limit_kills_the_tests(tmp_path):
     # the candidate leaves a child with a unique argument; it must not outlive the evaluation
     token = f"{time.time() % 1000:.6f}"

@@ -39,6 +39,7 @@ def chat(stack, key, **body):
 
 # ---- 1. errors as OpenAI sends them --------------------------------------------------------
 
+@pytest.mark.slow
 def test_context_overflow_is_openais_400_for_sdk_and_litellm(stack):
     stack.engine.context_length = 64
     client, key = stack.client()
@@ -127,6 +128,7 @@ def test_streamed_stop_string_never_leaks(stack):
 
 # ---- 3. cancellation -----------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_disconnect_aborts_the_engine_request_and_records_nothing(stack):
     stack.engine.script = [R.encode("slow answer " * 20) + [R.im_end]]
     stack.engine.token_delay_s = 0.2  # ~12 s: longer than the client waits

@@ -152,6 +152,7 @@ open(W + "/report.json", "w").write(json.dumps(report))
 '''
 
 
+@pytest.mark.slow
 def test_hostile_harness_fails_every_attempt_and_keeps_its_own_calls(tmp_path):
     from gyre.engine.router import Router
     from gyre.proxy.capture import Renderer

@@ -12,6 +12,7 @@ from gyre.sim.cluster import ClusterModel
 from gyre.sim.workload import NL2REPO, Workload, read_trace, write_trace
 
 
+@pytest.mark.slow
 def test_preset_reproduces_paper_duration_statistics():
     w = Workload.from_preset(NL2REPO, 0)
     d = np.array([[e.duration_s / 3600 for e in w.group(i).execs] for i in range(20000)])

@@ -30,11 +30,16 @@ FAST = ["run.steps=2", "harness.group_size=4", "sched.cells=2", "sched.cell_node
 CELL_NODES = [["node01", "node02"], ["node03", "node04"]]
 
 
-def script4(tmp_path: Path) -> Path:
-    """launchers/gyre.sbatch with component 1 = 4 nodes (2 cells x 2)."""
-    script = tmp_path / "gyre4.sbatch"
-    script.write_text(SBATCH.read_text().replace("--partition=cells --nodes=8", "--partition=cells --nodes=4"))
+def script4(tmp_path: Path, nodes: int = 4) -> Path:
+    """launchers/gyre.sbatch with component 1 = 4 nodes (2 cells x 2), or `nodes`."""
+    script = tmp_path / f"gyre{nodes}.sbatch"
+    script.write_text(SBATCH.read_text().replace("--partition=cells --nodes=8", f"--partition=cells --nodes={nodes}"))
     return script
+
+
+# requeue/scancel concern the job, not the cell layout (test_sbatch_demo_* checks 2 x 2 nodes):
+# 2 cells of one node each start half the processes
+ONE_NODE_CELLS = [*FAST, "sched.cell_nodes=1"]
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -194,7 +199,7 @@ def test_preemption_requeue_resume(cluster, tmp_path):
     state.json, and finishes; no execution trains twice."""
     run, out = tmp_path / "run", tmp_path / "job.out"
     steps = 3
-    args = ["-o", out, script4(tmp_path), DEMO, f"run.dir={run}", *FAST, f"run.steps={steps}"]
+    args = ["-o", out, script4(tmp_path, 2), DEMO, f"run.dir={run}", *ONE_NODE_CELLS, f"run.steps={steps}"]
     job = sbatch(cluster, args)
     wait_for(lambda: bool(_lines(run / "steps.jsonl")), 180, "first step", cluster, job, out)
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=cluster, check=True, timeout=30)
@@ -220,7 +225,7 @@ def test_scancel_leaves_shards_readable(cluster, tmp_path):
     from gyre.traj.store import iter_executions, shard_paths
 
     run, out = tmp_path / "run", tmp_path / "job.out"
-    job = sbatch(cluster, ["-o", out, script4(tmp_path), DEMO, f"run.dir={run}", *FAST, "run.steps=50"])
+    job = sbatch(cluster, ["-o", out, script4(tmp_path, 2), DEMO, f"run.dir={run}", *ONE_NODE_CELLS, "run.steps=50"])
     wait_for(lambda: bool(_lines(run / "steps.jsonl")), 180, "first step", cluster, job, out)
     subprocess.run(["scancel", job], env=cluster, check=True, timeout=30)
     wait_gone(cluster, job, 60, out)

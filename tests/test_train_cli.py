@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gyre.engine.tiny_model import ensure_tiny_model, model_identity
-from gyre.harness.execute import shard_identity
+from gyre.traj.store import shard_identity
 from gyre.train.cli import main as train_main
 from gyre.traj.record import ExecutionRecord
 from gyre.traj.store import ShardWriter

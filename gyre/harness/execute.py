@@ -66,8 +66,3 @@ def select_tasks(tasks: list, names: list[str]) -> list:
         raise ConfigError(f"harness.tasks: {unknown} not in the suite; available: {', '.join(sorted(known))}")
     return [t for t in tasks if t.name in names]
 
-
-def shard_identity(identity: dict) -> dict:
-    """The model identity as shard attributes name it (what executions were sampled from)."""
-    return {"model": identity.get("model_hash", ""), "tokenizer": identity.get("tokenizer_hash", ""),
-            "model_name": identity.get("name", "")}

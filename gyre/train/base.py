@@ -96,6 +96,11 @@ class Trainer(ABC):
         self._acc = {"loss": 0.0, "targets": 0, "tokens": 0, "micro_batches": 0, "fwd_bwd_s": 0.0,
                      **{k: 0.0 for k in _MEAN_STATS}}
 
+    @property
+    def pending_micro_batches(self) -> int:
+        """Micro-batches whose gradients are accumulated and not yet applied or cleared."""
+        return self._acc["micro_batches"]
+
     def forward_backward(self, mb: MicroBatch) -> dict:
         """Loss and gradients of one micro-batch, added to the gradients of the step so far."""
         t0 = time.perf_counter()

@@ -173,7 +173,7 @@ class Rank:
         """Micro-batch slices done since the last stash on any rank of the cell (collective)."""
         import torch
 
-        n = torch.tensor([float(self.trainer._acc["micro_batches"])])
+        n = torch.tensor([float(self.trainer.pending_micro_batches)])
         if self.size > 1:
             self._dist.all_reduce(n, group=self.ctrl)
         return int(n.item())

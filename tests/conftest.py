@@ -1,0 +1,21 @@
+"""Markers by file, in one place.
+
+`e2e`: whole jobs (a Slurm dev cluster, mpiexec runs of head + cells, whole rollouts). Each is
+many processes and keeps ~1.5 cores busy, so `make test` runs them one at a time after the rest,
+which runs in two pytest-xdist workers. `slow`: left out of `make test-fast` (every e2e test, and
+unit tests that start a process stack for more than ~3 s).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+E2E_FILES = {"test_slurm.py", "test_slurm_cells.py", "test_online.py", "test_cell_agent.py",
+             "test_cell_agent_fault_phase.py", "test_megatron_dist.py", "test_rollout.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in E2E_FILES:
+            item.add_marker(pytest.mark.e2e)
+            item.add_marker(pytest.mark.slow)
