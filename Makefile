@@ -28,9 +28,9 @@ install: $(STAMP)
 test: install
 	@rc=0; \
 	echo "== unit tests ($(JOBS) workers)"; \
-	$(PYTEST) -n $(JOBS) -m "not e2e" $(PYTEST_ARGS) || { r=$$?; [ $$r = 5 ] || rc=$$r; }; \
+	$(PYTEST) -n $(JOBS) -m "not e2e" --durations=10 $(PYTEST_ARGS) || { r=$$?; [ $$r = 5 ] || rc=$$r; }; \
 	echo "== end-to-end tests (one at a time)"; \
-	$(PYTEST) -m e2e $(PYTEST_ARGS) || { r=$$?; [ $$r = 5 ] || rc=$$r; }; \
+	$(PYTEST) -m e2e --durations=15 $(PYTEST_ARGS) || { r=$$?; [ $$r = 5 ] || rc=$$r; }; \
 	exit $$rc
 
 # the unit tests: under 2 minutes on 2 cores; --durations names any test that grew slow
