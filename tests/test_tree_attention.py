@@ -145,7 +145,8 @@ def _trainer(backend, attention, seed=0):
     return EmbeddedTrainer(cfg, hf, device="cpu", attention=attention)
 
 
-@pytest.mark.parametrize("backend", ["embedded", "megatron"])
+# (Megatron's import alone is ~5 CPU-s: its case runs in make test, not make test-fast)
+@pytest.mark.parametrize("backend", ["embedded", pytest.param("megatron", marks=pytest.mark.slow)])
 def test_trainers_tree_path_equals_the_expanded_layout(step, backend, monkeypatch):
     """Tree layout through the tree path == expanded layout through the dense mask (the trainer
     before this path existed): same loss and gradients."""
