@@ -39,6 +39,14 @@ def standin(tiny):
         yield handle
 
 
+def _long_generation(url: str, rid: str) -> tuple[threading.Thread, dict]:
+    """A 4000-token greedy generation running in a thread; its response lands in the dict."""
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(_generate(url, rid=rid, max_new_tokens=4000, ignore_eos=True)))
+    t.start()
+    return t, result
+
+
 def _generate(url: str, rid: str | None = None, max_new_tokens: int = 8, ignore_eos: bool = False) -> dict:
     body = {"input_ids": PROMPT, "return_logprob": True,
             "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": ignore_eos}}
@@ -101,10 +109,7 @@ def test_release_resume_and_weight_load_through_sglangs_routes(standin, tiny, tm
 
 def test_abort_request_ends_a_running_generation(standin):
     admin = SGLangAdmin(standin.url, KEY)
-    result: dict = {}
-    t = threading.Thread(target=lambda: result.update(_generate(standin.url, rid="long-one", max_new_tokens=4000,
-                                                                ignore_eos=True)))
-    t.start()
+    t, result = _long_generation(standin.url, "long-one")
     while t.is_alive():  # abort until the request has been seen (an unknown rid is a no-op in SGLang)
         admin.abort_request(rid="long-one")
         t.join(0.05)
@@ -207,10 +212,7 @@ def test_release_when_idle_aborts_what_runs_then_releases(standin):
     from gyre.engine.sglang_api import release_when_idle
 
     admin = SGLangAdmin(standin.url, KEY)
-    result: dict = {}
-    t = threading.Thread(target=lambda: result.update(_generate(standin.url, rid="late", max_new_tokens=4000,
-                                                                ignore_eos=True)))
-    t.start()
+    t, result = _long_generation(standin.url, "late")
     while True:  # SGLang's documented signal that something runs: flush_cache refuses (400)
         try:
             admin.flush_cache()

@@ -30,7 +30,7 @@ FAST = ["run.steps=2", "harness.group_size=4", "sched.cells=2", "sched.cell_node
 CELL_NODES = [["node01", "node02"], ["node03", "node04"]]
 
 
-def script4(tmp_path: Path, nodes: int = 4) -> Path:
+def sbatch_script(tmp_path: Path, nodes: int = 4) -> Path:
     """launchers/gyre.sbatch with component 1 = 4 nodes (2 cells x 2), or `nodes`."""
     script = tmp_path / f"gyre{nodes}.sbatch"
     script.write_text(SBATCH.read_text().replace("--partition=cells --nodes=8", f"--partition=cells --nodes={nodes}"))
@@ -155,7 +155,7 @@ def test_sbatch_demo_two_cells_of_two_nodes_use_every_node(cluster, tmp_path):
     ranks on both of its nodes (hostnames the ranks report), one engine per cell."""
     run, out = tmp_path / "run", tmp_path / "job.out"
     t0 = time.time()
-    job = sbatch(cluster, ["-o", out, script4(tmp_path), DEMO, f"run.dir={run}", *FAST])
+    job = sbatch(cluster, ["-o", out, sbatch_script(tmp_path), DEMO, f"run.dir={run}", *FAST])
     wait_for(lambda: bool(_lines(run / "steps.jsonl")), 240, "first step", cluster, job, out)
     first = time.time() - t0
     wait_gone(cluster, job, 240, out)
@@ -199,7 +199,7 @@ def test_preemption_requeue_resume(cluster, tmp_path):
     state.json, and finishes; no execution trains twice."""
     run, out = tmp_path / "run", tmp_path / "job.out"
     steps = 3
-    args = ["-o", out, script4(tmp_path, 2), DEMO, f"run.dir={run}", *ONE_NODE_CELLS, f"run.steps={steps}"]
+    args = ["-o", out, sbatch_script(tmp_path, 2), DEMO, f"run.dir={run}", *ONE_NODE_CELLS, f"run.steps={steps}"]
     job = sbatch(cluster, args)
     wait_for(lambda: bool(_lines(run / "steps.jsonl")), 180, "first step", cluster, job, out)
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=cluster, check=True, timeout=30)
@@ -225,7 +225,7 @@ def test_scancel_leaves_shards_readable(cluster, tmp_path):
     from gyre.traj.store import iter_executions, shard_paths
 
     run, out = tmp_path / "run", tmp_path / "job.out"
-    job = sbatch(cluster, ["-o", out, script4(tmp_path, 2), DEMO, f"run.dir={run}", *ONE_NODE_CELLS, "run.steps=50"])
+    job = sbatch(cluster, ["-o", out, sbatch_script(tmp_path, 2), DEMO, f"run.dir={run}", *ONE_NODE_CELLS, "run.steps=50"])
     wait_for(lambda: bool(_lines(run / "steps.jsonl")), 180, "first step", cluster, job, out)
     subprocess.run(["scancel", job], env=cluster, check=True, timeout=30)
     wait_gone(cluster, job, 60, out)

@@ -61,18 +61,20 @@ def send_reply(comm, reply: Reply) -> None:
     send(comm, reply, HEAD, TAG_REPLY)
 
 
-def send_event(comm, event: Event) -> None:
+def _stamped(event: Event) -> Event:
     if not event.t:
         event.t = time.time()
-    send(comm, event, HEAD, TAG_EVENT)
+    return event
+
+
+def send_event(comm, event: Event) -> None:
+    send(comm, _stamped(event), HEAD, TAG_EVENT)
 
 
 def isend_event(comm, event: Event):
     """Non-blocking `send_event` (for heartbeats: a head that stopped reading must not hold a
     cell in a send); returns the request, which keeps the pickled buffer alive until it completes."""
-    if not event.t:
-        event.t = time.time()
-    return comm.isend(event, dest=HEAD, tag=TAG_EVENT)
+    return comm.isend(_stamped(event), dest=HEAD, tag=TAG_EVENT)
 
 
 class HeadLink:
