@@ -13,7 +13,8 @@ import torch
 
 from gyre.train.loss import policy_loss, token_logprobs
 from gyre.train.toy import random_qwen2, tiny_qwen2_config
-from gyre.train.tree_attention import TreeMask, register_hf_attention
+from gyre.train.qwen2 import Qwen2LM
+from gyre.train.tree_attention import TreeMask
 from gyre.traj.materialize import (TreeArrays, assign_to_groups, best_fit, materialize,
                                    prepare_step, union_preorder)
 from gyre.traj.record import ExecutionRecord
@@ -90,22 +91,14 @@ def records(scale: int = 1) -> list[ExecutionRecord]:
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    return random_qwen2(tiny_qwen2_config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64),
-                        seed=0, std=0.2)
+    return Qwen2LM.from_transformers(random_qwen2(tiny_qwen2_config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64), seed=0, std=0.2))
 
 
 def logits_of(model, mb, attention="dense"):
     if attention == "tree":  # the trainers' path: block-sparse attention from kv_end
-        model.config._attn_implementation = register_hf_attention()
-        tm = TreeMask.build(mb.kv_end, block=16)
-        try:
-            return model(input_ids=mb.input_ids, position_ids=mb.position_ids,
-                         attention_mask={"full_attention": tm}).logits
-        finally:
-            model.config._attn_implementation = "eager"
-    # eager attention adds the mask: it must be 0 / dtype-min floats, not bools
-    mask = torch.zeros(mb.attention_mask.shape).masked_fill(mb.attention_mask, torch.finfo(torch.float32).min)
-    return model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mask).logits
+        return model(mb.input_ids, mb.position_ids, TreeMask.build(mb.kv_end, block=16))
+    return model(mb.input_ids, mb.position_ids, mb.attention_mask)  # dense: True = masked
 
 
 def loss_and_grads(model, mat, attention="dense"):
@@ -284,7 +277,7 @@ def test_tree_logprobs_equal_causal_paths(model):
             for leaf in e.leaves:
                 path = tree.path(leaf)
                 ids = torch.as_tensor(np.concatenate([tree.nodes[n].tokens for n in path]), dtype=torch.long)
-                logp = torch.log_softmax(model(ids[None]).logits[0], -1)
+                logp = torch.log_softmax(model(ids[None])[0], -1)
                 at = 0
                 for n in path:
                     node = tree.nodes[n]

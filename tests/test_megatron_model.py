@@ -116,7 +116,7 @@ def test_tree_packing_matches_paths_megatron(megatron):
     assert (naive - ref).abs().max() > 1e-2
 
 
-def test_tree_packing_matches_paths_transformers():
+def test_tree_packing_matches_paths_embedded():
     from gyre.config import TrainConfig
     from gyre.train.trainer import EmbeddedTrainer
 
@@ -125,7 +125,7 @@ def test_tree_packing_matches_paths_transformers():
     packed = trainer.logprobs(mb)
 
     def logits(ids, pos, mask):
-        return trainer.model(input_ids=ids).logits
+        return trainer.model(ids)  # no mask: causal
 
     with torch.no_grad():
         ref = _path_logprobs(logits, paths, src, mb.temperature)

@@ -41,7 +41,7 @@ def torch_dtype(name: str) -> torch.dtype:
 class Trainer(ABC):
     """Backend-independent part: loss, step statistics, export and checkpoint files."""
 
-    hf_config: object
+    hf_config: dict | object  # config.json: a dict, or a transformers config (Megatron)
     device: torch.device
 
     def __init__(self, cfg: TrainConfig) -> None:

@@ -297,11 +297,8 @@ def train(args: argparse.Namespace) -> int:
         raise InputError(f"no step to train: selection.k={spec.k} picks no trajectory with a target "
                          f"token in these executions")
 
-    from transformers.utils import logging as hf_logging
-
     from gyre.train.backends import make_trainer
 
-    hf_logging.disable_progress_bar()
     out_dir = args.out or Path(cfg.run.dir) / "train"
     t0 = time.perf_counter()
     trainer = make_trainer(cfg.train, model_dir, seed=cfg.run.seed)

@@ -66,13 +66,19 @@ def write_hf_weights(out_dir: str | os.PathLike, state: dict[str, Tensor], hf_co
     with atomic_dir(out_dir) as tmp:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt",
                                                               "weight_version": str(weight_version)})
-        cfg = hf_config.to_dict()
+        cfg = config_dict(hf_config)
         if len(dtypes) == 1:
             cfg["torch_dtype"] = cfg["dtype"] = str(dtypes.pop()).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
         (tmp / VERSION_FILE).write_text(json.dumps({"weight_version": str(weight_version)}))
         write_checksums(tmp)
     return Path(out_dir)
+
+
+def config_dict(hf_config) -> dict:
+    """config.json's content from a dict (the embedded trainer keeps the file as read) or a
+    transformers config object (the Megatron backend)."""
+    return dict(hf_config) if isinstance(hf_config, dict) else hf_config.to_dict()
 
 
 def load_hf_dir(path: str | os.PathLike) -> tuple[object, dict[str, Tensor]]:
@@ -142,7 +148,7 @@ def export_pieces(state: dict[str, Tensor], hf_config, out_dir: str | os.PathLik
         barrier()
         if rank == 0:
             dtypes = {v.dtype for v in state.values()}
-            cfg = hf_config.to_dict()
+            cfg = config_dict(hf_config)
             if len(dtypes) == 1:
                 cfg["torch_dtype"] = cfg["dtype"] = str(dtypes.pop()).removeprefix("torch.")
             (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))

@@ -1,8 +1,9 @@
-"""The embedded backend: plain torch on a transformers model, one process.
+"""The embedded backend: plain torch on Gyre's Qwen2 module (gyre.train.qwen2), one process.
 
 The interface it implements is `gyre.train.base.Trainer`; backends are picked by name in
-`gyre.train.backends`. Starts from a transformers model directory (the engine's layout) or an
-in-memory transformers model, and exports back to that layout.
+`gyre.train.backends`. Starts from a transformers-layout model directory (the engine's layout),
+an in-memory `Qwen2LM`, or an in-memory transformers model (copied; tests and benchmarks), and
+exports back to that layout.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from gyre.batch import MicroBatch
 from gyre.config import TrainConfig
 from gyre.train.base import ATTENTION_PATHS, Trainer, phase_timings, torch_dtype
 from gyre.train.offload import HostStash, PhaseTimer
-from gyre.train.tree_attention import TreeMask, register_hf_attention
+from gyre.train.qwen2 import Qwen2LM
+from gyre.train.tree_attention import TreeMask
 
 
 def no_decay(name: str, p: Tensor) -> bool:
@@ -26,7 +28,7 @@ def no_decay(name: str, p: Tensor) -> bool:
 
 
 class EmbeddedTrainer(Trainer):
-    """Plain torch on the transformers model: AdamW, clip-by-norm, one process.
+    """Plain torch on the model: AdamW, clip-by-norm, one process.
 
     Parameters and optimizer state stay float32; `dtype=bfloat16` (the default on CUDA) runs the
     forward under autocast, i.e. mixed precision with fp32 master weights, as Megatron does.
@@ -40,15 +42,11 @@ class EmbeddedTrainer(Trainer):
         self.attention = attention
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if isinstance(model, (str, os.PathLike)):
-            from transformers import AutoModelForCausalLM
-
-            model = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32,
-                                                         attn_implementation="eager")
-        # one attention function for both paths: a TreeMask runs the tree path, a float mask the
-        # eager one (which adds it exactly; a bool mask would be added as 0/1)
-        model.config._attn_implementation = register_hf_attention()
+            model = Qwen2LM.from_dir(model)
+        elif not isinstance(model, Qwen2LM):
+            model = Qwen2LM.from_transformers(model)
         self.model = model.to(device=self.device, dtype=torch.float32)
-        self.hf_config = model.config
+        self.hf_config = model.config  # config.json as a dict: exported as read
         self.compute_dtype = torch_dtype(cfg.dtype)
         named = list(self.model.named_parameters())
         self.optimizer = torch.optim.AdamW(
@@ -62,15 +60,10 @@ class EmbeddedTrainer(Trainer):
         if self.attention == "tree" and mb.kv_end is not None:
             mask = TreeMask.build(mb.kv_end)  # once per micro-batch, shared by every layer
         else:
-            # transformers adds a 4D float mask to the scores: 0 where visible, the minimum where masked
-            mask = torch.zeros(mb.attention_mask.shape, dtype=torch.float32, device=self.device)
-            mask.masked_fill_(mb.attention_mask, torch.finfo(torch.float32).min)
-        # a dict of masks is used as given (no causal mask is built on top)
-        masks = {"full_attention": mask, "sliding_attention": mask}
+            mask = mb.attention_mask  # bool, True = masked: the dense path
         with torch.autocast(self.device.type, dtype=self.compute_dtype,
                             enabled=self.compute_dtype != torch.float32):
-            return self.model(input_ids=mb.input_ids, position_ids=mb.position_ids,
-                              attention_mask=masks, use_cache=False).logits
+            return self.model(mb.input_ids, mb.position_ids, mask)
 
     def _apply_gradients(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -99,7 +92,7 @@ class EmbeddedTrainer(Trainer):
 
     def hf_state_dict(self) -> dict[str, Tensor]:
         sd = {k: v.detach() for k, v in self.model.state_dict().items()}
-        if getattr(self.hf_config, "tie_word_embeddings", False):
+        if self.model.spec.tied:
             sd.pop("lm_head.weight", None)
         return sd
 

@@ -196,34 +196,21 @@ def _flex_attention():
     return _FLEX
 
 
-# --- transformers hook --------------------------------------------------------------------------
+# --- the attention the embedded trainer's model calls ---------------------------------------------
 
-ATTN_IMPLEMENTATION = "gyre_tree"
-
-
-def _hf_tree_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **_):
-    """transformers AttentionInterface function: a TreeMask runs the tree path; a float mask
-    (0 visible, dtype minimum masked) runs transformers' eager attention, op for op."""
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if isinstance(attention_mask, TreeMask):
-        out = attention_mask.attend(query, key, value, scale)
-        return out.transpose(1, 2).contiguous(), None
+def attention(query: Tensor, key: Tensor, value: Tensor, mask, scale: float) -> Tensor:
+    """query [B,H,S,D], key/value [B,Hkv,S,D] -> [B,H,S,D]. `mask`: a TreeMask runs the tree
+    path; a bool [B,1,S,S] mask (True = masked) or None (causal) runs transformers' eager
+    attention op for op: masked scores set to the dtype's minimum, so a padding query that sees
+    nothing gets a uniform row instead of NaN (no target reads it)."""
+    if isinstance(mask, TreeMask):
+        return mask.attend(query, key, value, scale)
     rep = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
     weights = torch.matmul(query, key.transpose(2, 3)) * scale
-    if attention_mask is not None:
-        weights = weights + attention_mask
+    if mask is None:
+        S = query.shape[2]
+        mask = torch.ones(S, S, dtype=torch.bool, device=query.device).triu(1)
+    weights = weights.masked_fill(mask, torch.finfo(weights.dtype).min)
     weights = torch.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
-    weights = F.dropout(weights, p=dropout, training=module.training)
-    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
-
-
-def register_hf_attention() -> str:
-    """Register the tree attention with transformers (idempotent); returns its name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask
-
-    AttentionInterface.register(ATTN_IMPLEMENTATION, _hf_tree_attention)
-    # a forward without a mask (plain generation-style calls) gets eager's causal float mask
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, eager_mask)
-    return ATTN_IMPLEMENTATION
+    return torch.matmul(weights, value)

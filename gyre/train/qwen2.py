@@ -1,0 +1,179 @@
+"""The embedded trainer's model: a Qwen2/Llama decoder as a torch module, transformers' maths.
+
+Parameter names are transformers' (``model.layers.0.self_attn.q_proj.weight``, ...), so state
+dicts, checkpoints and exported weights are interchangeable with ``Qwen2ForCausalLM``; the
+forward is transformers' op for op (RMSNorm in float32, rotate-half RoPE from position ids,
+grouped-query attention, SiLU-gated MLP), which `tests/test_train_qwen2.py` checks logits and
+gradients against. Attention takes what the micro-batch carries: a `TreeMask` (the tree path), a
+bool ``[B, 1, S, S]`` mask (True = masked; the dense path) or None (causal).
+
+Why not transformers' ``AutoModelForCausalLM``: importing its model code costs ~3-4 CPU-s in every
+trainer process (transformers 5 scans its package to build the lazy import table), and a job
+starts one per trainer rank and again after every restart; the module itself is 100 lines.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from gyre.hf_model import ModelFormatError, ModelSpec, load_weights, read_spec
+from gyre.train.tree_attention import attention
+
+
+# Weights always come from a state dict (`Qwen2LM.from_state`), so layers skip their random init:
+# uninitialised storage is free, and building on the meta device instead would import
+# torch._dynamo (~2.5 CPU-s) through the meta kernels.
+class Linear(nn.Linear):
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Embedding(nn.Embedding):
+    def reset_parameters(self) -> None:
+        pass
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        h, d = spec.hidden, spec.head_dim
+        self.heads, self.kv_heads, self.head_dim = spec.heads, spec.kv_heads, d
+        self.q_proj = Linear(h, spec.heads * d, bias=spec.qkv_bias)
+        self.k_proj = Linear(h, spec.kv_heads * d, bias=spec.qkv_bias)
+        self.v_proj = Linear(h, spec.kv_heads * d, bias=spec.qkv_bias)
+        self.o_proj = Linear(spec.heads * d, h, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask) -> Tensor:
+        B, S, _ = x.shape
+        q = self.q_proj(x).view(B, S, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, S, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, S, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        out = attention(q, k, v, mask, self.head_dim ** -0.5)            # [B, H, S, D]
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        inter = int(spec.raw["intermediate_size"])
+        self.gate_proj = Linear(spec.hidden, inter, bias=False)
+        self.up_proj = Linear(spec.hidden, inter, bias=False)
+        self.down_proj = Linear(inter, spec.hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.self_attn = Attention(spec)
+        self.mlp = MLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden, spec.eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden, spec.eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half RoPE; x [B, H, S, D], cos/sin [B, S, D]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class Decoder(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(spec.vocab_size, spec.hidden)
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.layers))
+        self.norm = RMSNorm(spec.hidden, spec.eps)
+        self.register_buffer("inv_freq", _inv_freq(spec), persistent=False)  # not a weight
+
+    def rotary(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        with torch.autocast(position_ids.device.type, enabled=False):  # angles in float32
+            freqs = position_ids[..., None].float() * self.inv_freq.float()
+            emb = torch.cat((freqs, freqs), dim=-1)
+            return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class Qwen2LM(nn.Module):
+    """Decoder plus LM head; ``forward`` returns logits ``[B, S, vocab]``."""
+
+    def __init__(self, config: dict) -> None:
+        super().__init__()
+        self.spec = ModelSpec(config)
+        self.config = dict(config)  # config.json as read: exported back unchanged
+        self.model = Decoder(self.spec)
+        self.lm_head = Linear(self.spec.hidden, self.spec.vocab_size, bias=False)
+        if self.spec.tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, attention_mask=None) -> Tensor:
+        B, S = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary(position_ids, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, attention_mask)
+        return self.lm_head(self.model.norm(x))
+
+    # --- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_state(cls, config: dict, state: dict[str, Tensor]) -> "Qwen2LM":
+        """A float32 model holding `state` (transformers names; ``lm_head.weight`` optional when
+        tied); the tensors are used as given (float32 ones are not copied)."""
+        model = cls(config)
+        expected = model.spec.expected_shapes()
+        state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+        if model.spec.tied:
+            state.pop("lm_head.weight", None)
+        missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+        if missing or extra:
+            raise ModelFormatError(f"weights do not match the config (missing {missing[:5]}, "
+                                   f"unexpected {extra[:5]})")
+        for name, shape in expected.items():
+            if tuple(state[name].shape) != shape:
+                raise ModelFormatError(f"{name} has shape {tuple(state[name].shape)}, expected {shape}")
+        model.load_state_dict({k: v.detach().to(torch.float32) for k, v in state.items()},
+                              strict=False, assign=True)
+        if model.spec.tied:  # assign replaced the shared parameter: share it again
+            model.lm_head.weight = model.model.embed_tokens.weight
+        return model
+
+    @classmethod
+    def from_dir(cls, model_dir: str | os.PathLike) -> "Qwen2LM":
+        spec = read_spec(model_dir)
+        return cls.from_state(spec.raw, load_weights(model_dir, spec))
+
+    @classmethod
+    def from_transformers(cls, model) -> "Qwen2LM":
+        """A copy of an in-memory transformers Qwen2/Llama model (tests, benchmarks)."""
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return cls.from_state(model.config.to_dict(), state)
+
+
+def _inv_freq(spec: ModelSpec) -> Tensor:
+    d = spec.head_dim
+    return 1.0 / (spec.theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
