@@ -127,9 +127,7 @@ SelectTypeParameters=CR_Core
 SlurmdParameters=config_overrides
 ReturnToService=2
 SchedulerType=sched/backfill
-# once eligible (cred_expire after the requeue) a requeued job waits for the main scheduling pass:
-# every 60 s by default, 2 s here (requeue to restart measured 25 s -> 11 s)
-SchedulerParameters=bf_interval=1,sched_interval=2
+SchedulerParameters=bf_interval=1
 MpiDefault=none
 GresTypes=gpu
 TmpFS=$TMPFS
