@@ -20,7 +20,8 @@ from safetensors.torch import load_file
 
 
 class ModelFormatError(ValueError):
-    """The checkpoint cannot be served by this engine (architecture, names or shapes)."""
+    """The model directory cannot be used by the embedded engine or trainer (architecture, names or
+    shapes)."""
 
 
 def _rope_theta(cfg: dict) -> float:

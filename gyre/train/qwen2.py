@@ -24,9 +24,8 @@ from gyre.hf_model import ModelFormatError, ModelSpec, load_weights, read_spec
 from gyre.train.tree_attention import attention
 
 
-# Weights always come from a state dict (`Qwen2LM.from_state`), so layers skip their random init:
-# uninitialised storage is free, and building on the meta device instead would import
-# torch._dynamo (~2.5 CPU-s) through the meta kernels.
+# Weights always come from a state dict (`Qwen2LM.from_state`), so layers skip their random init
+# (seconds for a large model): uninitialised storage is free and is replaced at once.
 class Linear(nn.Linear):
     def reset_parameters(self) -> None:
         pass
