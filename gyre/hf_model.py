@@ -94,15 +94,22 @@ def load_weights(model_dir: str | Path, spec: ModelSpec) -> dict[str, torch.Tens
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         tensors |= load_file(str(f))
+    return checked_weights(spec, tensors, f"{model_dir}: ")
+
+
+def checked_weights(spec: ModelSpec, tensors: dict[str, torch.Tensor], where: str = "") -> dict[str, torch.Tensor]:
+    """`tensors` (transformers names) checked against the spec: exactly the expected names (a tied
+    head's ``lm_head.weight`` and RoPE buffers are dropped) and shapes; returned as float32."""
+    tensors = dict(tensors)
     if spec.tied:
         tensors.pop("lm_head.weight", None)
     expected = spec.expected_shapes()
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(n for n in set(tensors) - set(expected) if not n.endswith("rotary_emb.inv_freq"))
     if missing or extra:
-        raise ModelFormatError(f"{model_dir}: tensor names do not match config.json "
+        raise ModelFormatError(f"{where}tensor names do not match config.json "
                                f"(missing {missing[:5]}, unexpected {extra[:5]})")
     for name, shape in expected.items():
         if tuple(tensors[name].shape) != shape:
-            raise ModelFormatError(f"{model_dir}: {name} has shape {tuple(tensors[name].shape)}, expected {shape}")
+            raise ModelFormatError(f"{where}{name} has shape {tuple(tensors[name].shape)}, expected {shape}")
     return {n: tensors[n].to(torch.float32).contiguous() for n in expected}

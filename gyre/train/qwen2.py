@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gyre.hf_model import ModelFormatError, ModelSpec, load_weights, read_spec
+from gyre.hf_model import ModelSpec, checked_weights, load_weights, read_spec
 from gyre.train.tree_attention import attention
 
 
@@ -142,21 +142,11 @@ class Qwen2LM(nn.Module):
     @classmethod
     def from_state(cls, config: dict, state: dict[str, Tensor]) -> "Qwen2LM":
         """A float32 model holding `state` (transformers names; ``lm_head.weight`` optional when
-        tied); the tensors are used as given (float32 ones are not copied)."""
+        tied); float32 tensors are used as given, not copied. Raises ModelFormatError naming the
+        tensor when names or shapes do not match the config."""
         model = cls(config)
-        expected = model.spec.expected_shapes()
-        state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
-        if model.spec.tied:
-            state.pop("lm_head.weight", None)
-        missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-        if missing or extra:
-            raise ModelFormatError(f"weights do not match the config (missing {missing[:5]}, "
-                                   f"unexpected {extra[:5]})")
-        for name, shape in expected.items():
-            if tuple(state[name].shape) != shape:
-                raise ModelFormatError(f"{name} has shape {tuple(state[name].shape)}, expected {shape}")
-        model.load_state_dict({k: v.detach().to(torch.float32) for k, v in state.items()},
-                              strict=False, assign=True)
+        weights = checked_weights(model.spec, {k: v.detach() for k, v in state.items()})
+        model.load_state_dict(weights, strict=False, assign=True)  # strict: checked_weights
         if model.spec.tied:  # assign replaced the shared parameter: share it again
             model.lm_head.weight = model.model.embed_tokens.weight
         return model
@@ -164,7 +154,7 @@ class Qwen2LM(nn.Module):
     @classmethod
     def from_dir(cls, model_dir: str | os.PathLike) -> "Qwen2LM":
         spec = read_spec(model_dir)
-        return cls.from_state(spec.raw, load_weights(model_dir, spec))
+        return cls.from_state(spec.raw, load_weights(model_dir, spec))  # checked once more: cheap
 
     @classmethod
     def from_transformers(cls, model) -> "Qwen2LM":
