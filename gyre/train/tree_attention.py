@@ -201,8 +201,9 @@ def _flex_attention():
 def attention(query: Tensor, key: Tensor, value: Tensor, mask, scale: float) -> Tensor:
     """query [B,H,S,D], key/value [B,Hkv,S,D] -> [B,H,S,D]. `mask`: a TreeMask runs the tree
     path; a bool [B,1,S,S] mask (True = masked) or None (causal) runs transformers' eager
-    attention op for op: masked scores set to the dtype's minimum, so a padding query that sees
-    nothing gets a uniform row instead of NaN (no target reads it)."""
+    attention, except that masked scores are set to the dtype's minimum instead of having it added
+    (the same softmax); a padding query that sees nothing gets a uniform row, not NaN, and no
+    target reads it."""
     if isinstance(mask, TreeMask):
         return mask.attend(query, key, value, scale)
     rep = query.shape[1] // key.shape[1]
