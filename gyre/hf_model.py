@@ -2,7 +2,7 @@
 `ModelSpec` (the shapes a forward needs) and ``*.safetensors`` checked against it.
 
 Shared by the embedded engine (gyre.engine.qwen) and the embedded trainer (gyre.train.qwen2), so
-both serve and train exactly what the directory holds. Why not transformers' ``AutoConfig``/
+both serve and train exactly what the directory holds; so are RoPE's frequencies and rotation. Why not transformers' ``AutoConfig``/
 ``from_pretrained``: importing its model code costs ~3 CPU-s per process, paid by every engine and
 trainer start (many per test job), for a format this small.
 
@@ -56,6 +56,11 @@ class ModelSpec:
         eos = cfg.get("eos_token_id")
         self.eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
 
+    def inv_freq(self) -> torch.Tensor:
+        """RoPE's inverse frequencies (float32), as transformers computes them for default RoPE."""
+        d = self.head_dim
+        return 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         h, d, kv, inter = self.hidden, self.head_dim, self.kv_heads, int(self.raw["intermediate_size"])
         shapes = {"model.embed_tokens.weight": (self.vocab_size, h), "model.norm.weight": (h,)}
@@ -74,6 +79,13 @@ class ModelSpec:
                 shapes |= {p + "self_attn.q_proj.bias": (self.heads * d,),
                            p + "self_attn.k_proj.bias": (kv * d,), p + "self_attn.v_proj.bias": (kv * d,)}
         return shapes
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the last dimension (cos/sin broadcast against x): the rotation the
+    embedded engine's and trainer's forwards both apply."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 def read_spec(model_dir: str | Path) -> ModelSpec:

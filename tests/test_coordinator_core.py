@@ -342,10 +342,9 @@ def head_for_replay(tmp_path, spec: CoreSpec, key):
     from types import SimpleNamespace
 
     from gyre.config import GyreConfig
-    from gyre.traj.store import shard_identity
     from gyre.head import Head
     from gyre.traj.select import SelectionSpec
-    from gyre.traj.store import ShardWriter
+    from gyre.traj.store import ShardWriter, shard_identity
 
     cfg = GyreConfig()
     cfg.run.dir, cfg.run.steps, cfg.run.groups_per_step = str(tmp_path), spec.steps, spec.groups_per_step

@@ -4,7 +4,6 @@ retryable error, and the proxy records every call exactly once."""
 
 from __future__ import annotations
 
-import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 import openai

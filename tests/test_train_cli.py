@@ -12,10 +12,9 @@ import pytest
 import torch
 
 from gyre.engine.tiny_model import ensure_tiny_model, model_identity
-from gyre.traj.store import shard_identity
 from gyre.train.cli import main as train_main
 from gyre.traj.record import ExecutionRecord
-from gyre.traj.store import ShardWriter
+from gyre.traj.store import ShardWriter, shard_identity
 from gyre.traj.synthetic import Lengths, Shape, generate
 
 SMALL = Shape(calls=16, subagents=1, subagent_calls=3, compactions=1, retries=1, versions_every=5,

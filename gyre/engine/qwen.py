@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gyre.hf_model import ModelFormatError, ModelSpec, load_weights, read_spec
+from gyre.hf_model import ModelFormatError, ModelSpec, apply_rope, load_weights, read_spec
 
 __all__ = ["CausalLM", "KVCache", "ModelFormatError", "ModelSpec", "load_weights", "read_spec"]
 
@@ -74,8 +74,7 @@ class CausalLM:
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor]):
         self.spec = spec
         self.w = weights
-        d = spec.head_dim
-        self.inv_freq = 1.0 / (spec.theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        self.inv_freq = spec.inv_freq()
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "CausalLM":
@@ -91,11 +90,6 @@ class CausalLM:
 
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
-
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
 
     @torch.inference_mode()
     def forward(self, ids: list[int], cache: KVCache) -> torch.Tensor:
@@ -117,7 +111,7 @@ class CausalLM:
             q = self._linear(h, p + "self_attn.q_proj").view(T, s.heads, s.head_dim).transpose(0, 1)
             k = self._linear(h, p + "self_attn.k_proj").view(T, s.kv_heads, s.head_dim).transpose(0, 1)
             v = self._linear(h, p + "self_attn.v_proj").view(T, s.kv_heads, s.head_dim).transpose(0, 1)
-            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             keys, values = cache.append(i, k, v)
             if groups > 1:
                 keys = keys.repeat_interleave(groups, dim=0)
@@ -146,8 +140,8 @@ class CausalLM:
         for i in range(s.layers):
             p = f"model.layers.{i}."
             h = self._norm(x, p + "input_layernorm.weight")
-            q = self._rope(self._linear(h, p + "self_attn.q_proj").view(n, s.heads, s.head_dim), cos, sin)
-            k = self._rope(self._linear(h, p + "self_attn.k_proj").view(n, s.kv_heads, s.head_dim), cos, sin)
+            q = apply_rope(self._linear(h, p + "self_attn.q_proj").view(n, s.heads, s.head_dim), cos, sin)
+            k = apply_rope(self._linear(h, p + "self_attn.k_proj").view(n, s.kv_heads, s.head_dim), cos, sin)
             v = self._linear(h, p + "self_attn.v_proj").view(n, s.kv_heads, s.head_dim)
             outs = []
             for j, cache in enumerate(caches):

@@ -66,11 +66,7 @@ def write_hf_weights(out_dir: str | os.PathLike, state: dict[str, Tensor], hf_co
     with atomic_dir(out_dir) as tmp:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt",
                                                               "weight_version": str(weight_version)})
-        cfg = config_dict(hf_config)
-        if len(dtypes) == 1:
-            cfg["torch_dtype"] = cfg["dtype"] = str(dtypes.pop()).removeprefix("torch.")
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
-        (tmp / VERSION_FILE).write_text(json.dumps({"weight_version": str(weight_version)}))
+        _write_config(tmp, hf_config, dtypes, weight_version)
         write_checksums(tmp)
     return Path(out_dir)
 
@@ -79,6 +75,15 @@ def config_dict(hf_config) -> dict:
     """config.json's content from a dict (the embedded trainer keeps the file as read) or a
     transformers config object (the Megatron backend)."""
     return dict(hf_config) if isinstance(hf_config, dict) else hf_config.to_dict()
+
+
+def _write_config(tmp: Path, hf_config, dtypes: set, weight_version: int | str) -> None:
+    """config.json (its dtype that of the weights, when they share one) and the version file."""
+    cfg = config_dict(hf_config)
+    if len(dtypes) == 1:
+        cfg["torch_dtype"] = cfg["dtype"] = str(next(iter(dtypes))).removeprefix("torch.")
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    (tmp / VERSION_FILE).write_text(json.dumps({"weight_version": str(weight_version)}))
 
 
 def load_hf_dir(path: str | os.PathLike) -> tuple[object, dict[str, Tensor]]:
@@ -147,12 +152,7 @@ def export_pieces(state: dict[str, Tensor], hf_config, out_dir: str | os.PathLik
         fsync_path(path)
         barrier()
         if rank == 0:
-            dtypes = {v.dtype for v in state.values()}
-            cfg = config_dict(hf_config)
-            if len(dtypes) == 1:
-                cfg["torch_dtype"] = cfg["dtype"] = str(dtypes.pop()).removeprefix("torch.")
-            (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
-            (tmp / VERSION_FILE).write_text(json.dumps({"weight_version": str(weight_version)}))
+            _write_config(tmp, hf_config, {v.dtype for v in state.values()}, weight_version)
             if size > 1:
                 total = sum(v.numel() * v.element_size() for v in state.values())
                 index = {"metadata": {"total_size": total},

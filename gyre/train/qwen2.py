@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gyre.hf_model import ModelSpec, checked_weights, load_weights, read_spec
+from gyre.hf_model import ModelSpec, apply_rope, checked_weights, load_weights, read_spec
 from gyre.train.tree_attention import attention
 
 
@@ -64,7 +64,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, S, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, S, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, S, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # cos/sin [B, 1, S, D]
         out = attention(q, k, v, mask, self.head_dim ** -0.5)            # [B, H, S, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, S, self.heads * self.head_dim))
 
@@ -94,25 +94,18 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate-half RoPE; x [B, H, S, D], cos/sin [B, S, D]."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
 class Decoder(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.embed_tokens = Embedding(spec.vocab_size, spec.hidden)
         self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.layers))
         self.norm = RMSNorm(spec.hidden, spec.eps)
-        self.register_buffer("inv_freq", _inv_freq(spec), persistent=False)  # not a weight
+        self.register_buffer("inv_freq", spec.inv_freq(), persistent=False)  # not a weight
 
     def rotary(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         with torch.autocast(position_ids.device.type, enabled=False):  # angles in float32
             freqs = position_ids[..., None].float() * self.inv_freq.float()
-            emb = torch.cat((freqs, freqs), dim=-1)
+            emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [B, 1, S, D]: broadcast over heads
             return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -145,16 +138,21 @@ class Qwen2LM(nn.Module):
         tied); float32 tensors are used as given, not copied. Raises ModelFormatError naming the
         tensor when names or shapes do not match the config."""
         model = cls(config)
-        weights = checked_weights(model.spec, {k: v.detach() for k, v in state.items()})
-        model.load_state_dict(weights, strict=False, assign=True)  # strict: checked_weights
-        if model.spec.tied:  # assign replaced the shared parameter: share it again
-            model.lm_head.weight = model.model.embed_tokens.weight
+        model._assign(checked_weights(model.spec, {k: v.detach() for k, v in state.items()}))
         return model
 
     @classmethod
     def from_dir(cls, model_dir: str | os.PathLike) -> "Qwen2LM":
         spec = read_spec(model_dir)
-        return cls.from_state(spec.raw, load_weights(model_dir, spec))  # checked once more: cheap
+        model = cls(spec.raw)
+        model._assign(load_weights(model_dir, spec))  # load_weights checks names and shapes
+        return model
+
+    def _assign(self, weights: dict[str, Tensor]) -> None:
+        """Take checked weights (`checked_weights`) as the parameters, without copying."""
+        self.load_state_dict(weights, strict=False, assign=True)  # strict: checked_weights
+        if self.spec.tied:  # assign replaced the shared parameter: share it again
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     @classmethod
     def from_transformers(cls, model) -> "Qwen2LM":
@@ -162,7 +160,3 @@ class Qwen2LM(nn.Module):
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         return cls.from_state(model.config.to_dict(), state)
 
-
-def _inv_freq(spec: ModelSpec) -> Tensor:
-    d = spec.head_dim
-    return 1.0 / (spec.theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))

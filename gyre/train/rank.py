@@ -21,12 +21,9 @@ import datetime
 import os
 import socket
 import sys
-import time
 import traceback
 from multiprocessing.connection import Client
 from typing import Any, Callable
-
-import numpy as np
 
 from gyre import faults
 
