@@ -154,8 +154,8 @@ class TrainConfig:
 
 @dataclass
 class SchedConfig:
-    scheme: str = _f("E", choices=("E", "E+", "A", "C"),
-                     help="E elastic (paper), E+ improved elastic, A async pools, C colocate")
+    scheme: str = _f("E", choices=("E", "E-paper", "A", "C"),
+                     help="E elastic (demand-sized), E-paper the paper's elastic rule, A async pools, C colocate")
     cells: int = _f(2, min=1)
     cell_nodes: int = _f(4, min=1)
     gpus_per_node: int = _f(8, min=0)
@@ -168,8 +168,8 @@ class SchedConfig:
     to_train_s: float = _f(8.52, min=0.0, help="expected rollout->train switch time (paper: 8.52 s)")
     to_rollout_s: float = _f(3.46, min=0.0, help="expected train->rollout switch time (paper: 3.46 s)")
     push_s: float = _f(60.0, min=0.0, help="expected optimizer step + weight push per step")
-    execs_per_cell: float = _f(16.0, min=0.001, help="scheme E: running executions one rollout cell serves")
-    min_dwell_s: float = _f(60.0, min=0.0, help="scheme E: least time a cell stays in a role")
+    execs_per_cell: float = _f(16.0, min=0.001, help="scheme E-paper: running executions one rollout cell serves")
+    min_dwell_s: float = _f(60.0, min=0.0, help="schemes E, E-paper: least time a cell stays in a role")
 
 
 @dataclass
@@ -181,10 +181,6 @@ class SimConfig:
     seed: int = _f(0, min=0, help="workload seed")
     train_tokens_per_s: float = _f(43800.0, min=0.001, help="training tokens/s of one 4-node cell "
                                    "(nl2repo-122b-32n: FLOP arithmetic at 25% MFU, gyre/sim/calibration.py)")
-    ref_load: float = _f(22.7, min=0.001, help="calls per cell under which durations were measured "
-                         "(nl2repo-122b-32n: the load its E0 run serves)")
-    half_load: float = _f(128.0, min=0.001, help="calls per cell at which a call decodes at half solo speed "
-                          "(16 TP2 replicas x 8 calls)")
     eval_s: float = _f(60.0, min=0.0, help="evaluation time of a finished execution")
 
 

@@ -322,12 +322,13 @@ def simulated_trace(k: int, b: int, steps: int, q: int, g: int, slow_group: int)
 
     def group(i: int) -> GroupSpec:  # fixed durations; one group far slower than the others
         d = 40_000.0 if i == slow_group else 1_000.0 + 37.0 * (i % 5)
-        return GroupSpec(f"g{i}", tuple(ExecSpec(d + 11.0 * m, 4, 100.0, 50.0 + m) for m in range(g)))
+        # tools only (no tokens to decode): an execution lasts exactly its tool time
+        return GroupSpec(f"g{i}", tuple(ExecSpec(d + 11.0 * m, 4, 0.0, 50.0 + m, tool_s=d + 11.0 * m)
+                                        for m in range(g)))
 
-    w = Workload(group, g, 0.8, "scripted", 1_000.0, 0.1)
-    cluster = ClusterModel(nodes=2, cell_nodes=1, gpus_per_node=1, ref_cell_nodes=1, min_cell_nodes=1,
-                           half_load=1e6, ref_load=1, eval_s=0, push_s=0, opt_s=0, to_train_s=0,
-                           to_rollout_s=0)
+    w = Workload(group, g, "scripted", 1_000.0, 0.1)
+    cluster = ClusterModel(nodes=2, cell_nodes=1, gpus_per_node=1, min_cell_nodes=1,
+                           eval_s=0, push_s=0, opt_s=0, to_train_s=0, to_rollout_s=0)
     sim = Simulator(make_policy("E", k), w, cluster,
                     SimSpec(steps=steps, groups_per_step=q, segments=1, tick_s=500.0, steps_per_sync=b))
     sim.core = RecordingCoordinator(sim.core.spec, sim.core.key)
@@ -452,7 +453,7 @@ def test_head_requeues_a_lost_micro_batch_once(tmp_path):
     head.ledger.close()
 
 
-@pytest.mark.parametrize("scheme", ["C", "E", "E+"])
+@pytest.mark.parametrize("scheme", ["C", "E", "E-paper"])
 def test_a_full_step_with_no_work_still_gets_a_trainer(scheme):
     """Every execution of the step had equal rewards: zero advantage, no micro-batch. The step
     is ready (only its optimizer step is left) and the policy must bring a trainer for it; a

@@ -12,17 +12,17 @@ from gyre.sched import (CellView, ClusterState, ExecView, GroupView, Hints, Role
 from gyre.sched.admission import admissible, expired, fifo_key, oldest_version_key, pick
 from gyre.sched.policy import heading_counts
 
-HINTS = Hints(ref_load=384, train_tokens_per_s=2200)
+HINTS = Hints(train_tokens_per_s=2200, calls_per_cell=4)
 
 
 def state(roles, running=0, train_left=0.0, version=3, k=0, open_=None, step_groups=0, q=4, g=4,
-          now=10_000.0, since=0.0, blocked=False) -> ClusterState:
+          now=10_000.0, since=0.0, blocked=False, calls=0) -> ClusterState:
     cells = tuple(CellView(i, r, since) for i, r in enumerate(roles))
-    execs = tuple(ExecView(i, i // g, version, now - 60 * (i + 1), i, i % 2 == 0) for i in range(running))
+    execs = tuple(ExecView(i, i // g, version, now - 60 * (i + 1)) for i in range(running))
     return ClusterState(version=version, staleness=k, groups_per_step=q, group_size=g, cells=cells,
                         running=execs, groups_open=(running + g - 1) // g if open_ is None else open_,
                         groups_waiting=0, step_groups=step_groups, train_tokens_left=train_left,
-                        starts_blocked=blocked)
+                        starts_blocked=blocked, calls_in_flight=calls)
 
 
 def apply(st: ClusterState, switches) -> list[Role]:
@@ -37,7 +37,7 @@ R, T, TT, TR = Role.ROLLOUT, Role.TRAIN, Role.TO_TRAIN, Role.TO_ROLLOUT
 LAYOUTS = [list(p) for p in itertools.product([R, T, TT, TR], repeat=4)]
 
 
-@pytest.mark.parametrize("scheme", ["E", "E+"])
+@pytest.mark.parametrize("scheme", ["E", "E-paper"])
 def test_elastic_never_leaves_running_executions_unserved(scheme):
     """Whatever the layout and the work: after the decision at least one settled rollout cell
     remains (or one is on its way when none was left), and a lone rollout cell never leaves."""
@@ -54,7 +54,7 @@ def test_elastic_never_leaves_running_executions_unserved(scheme):
             assert settled >= 1, (roles, running, left, d)
 
 
-@pytest.mark.parametrize("scheme", ["E", "E+"])
+@pytest.mark.parametrize("scheme", ["E", "E-paper"])
 def test_elastic_moves_idle_capacity_to_admitted_work_and_back(scheme):
     p = make_policy(scheme, 0, HINTS)
     # Two executions left, lots of admitted work: cells go to training, one keeps serving.
@@ -71,8 +71,9 @@ def test_elastic_moves_idle_capacity_to_admitted_work_and_back(scheme):
     assert p.decide(st, 10_000.0).start_groups == 4
 
 
-def test_elastic_paper_style_respects_dwell_time():
-    p = make_policy("E", 0, HINTS)
+@pytest.mark.parametrize("scheme", ["E", "E-paper"])
+def test_elastic_respects_dwell_time(scheme):
+    p = make_policy(scheme, 0, HINTS)
     st = state([R] * 8, running=2, train_left=5e8, open_=4, since=10_000.0 - 10)  # arrived 10 s ago
     assert p.decide(st, 10_000.0).switches == ()
 
@@ -116,7 +117,7 @@ def test_colocate_trains_only_a_complete_batch():
     assert {s.to for s in p.decide(full, 0.0).switches} == {T}
 
 
-@pytest.mark.parametrize("scheme", ["E", "E+", "A", "C"])
+@pytest.mark.parametrize("scheme", ["E", "E-paper", "A", "C"])
 @pytest.mark.parametrize("k", [0, 1, 2])
 def test_no_policy_starts_more_than_the_staleness_bound_allows(scheme, k):
     p = make_policy(scheme, k, HINTS, rollout_cells=2)
@@ -141,7 +142,7 @@ def test_admission_rule_and_order():
 def test_policies_are_pure():
     """Same state, same answer, and the state is not changed (frozen data)."""
     st = state([R, R, T, T], running=6, train_left=3e7, k=1, open_=3)
-    for scheme in ("E", "E+", "A", "C"):
+    for scheme in ("E", "E-paper", "A", "C"):
         p = make_policy(scheme, 1, HINTS, rollout_cells=2)
         assert p.decide(st, 5_000.0) == p.decide(st, 5_000.0)
     with pytest.raises(AttributeError):
@@ -166,12 +167,11 @@ def test_policy_from_config_and_preset_defaults_agree():
     from gyre.sched import policy_from_config
     from gyre.sim.calibration import P122B
 
-    cfg = load_config(overrides=["sched.scheme=E+", "sched.staleness=2", "sched.to_train_s=10"])
+    cfg = load_config(overrides=["sched.scheme=E-paper", "sched.staleness=2", "sched.to_train_s=10"])
     p = policy_from_config(cfg)
-    assert p.label == "E2+" and p.hints.to_train_s == 10.0
+    assert p.label == "E2-paper" and p.hints.to_train_s == 10.0
     c = P122B.cluster()
     assert cfg.sim.train_tokens_per_s == pytest.approx(c.train_tokens_per_s, rel=1e-3)
-    assert (cfg.sim.ref_load, cfg.sim.half_load) == (c.ref_load, c.half_load)
 
 
 def test_sync_lag_and_both_rules_under_bursts():
@@ -198,3 +198,47 @@ def test_start_budget_uses_the_cores_answer_when_given():
     for scheme in ("E", "A", "C"):  # no shipped policy starts more than the rule allows
         d = make_policy(scheme, 1, HINTS, rollout_cells=2).decide(replace(st, starts_allowed=3), 10_000.0)
         assert d.start_groups <= 3
+
+
+def test_elastic_with_one_cell_is_colocate():
+    """One cell cannot serve and train at once: E decides exactly as C, whatever the state."""
+    rng = random.Random(3)
+    e, c = make_policy("E", 2, HINTS), make_policy("C", 2, HINTS)
+    for _ in range(300):
+        st = state([rng.choice([R, T, TT, TR])], running=rng.randrange(0, 9), k=2,
+                   train_left=rng.choice([0.0, 1e6]), step_groups=rng.choice([0, 2, 4]),
+                   open_=rng.randrange(0, 13), calls=rng.randrange(0, 5))
+        assert e.decide(st, 1e4) == c.decide(st, 1e4)
+
+
+def test_elastic_sizes_training_by_admitted_work_and_keeps_busy_rollout():
+    p = make_policy("E", 0, HINTS)
+    h = p.horizon_s  # (8.52 + 3.46) / 2% = 599 s
+    assert h == pytest.approx((8.52 + 3.46) / 0.02)
+    rate = HINTS.train_tokens_per_s
+    # Every rollout cell is busy (32 calls = 8 cells x 4): training gets what its work keeps busy.
+    for cells in (1, 2, 3):
+        st = state([R] * 8, running=40, calls=32, train_left=rate * h * cells - 1, open_=10)
+        after = apply(st, p.decide(st, 1e4).switches)
+        assert sum(r is TT for r in after) == cells
+    # More work than the cluster: all but one cell trains; the last keeps serving.
+    st = state([R] * 8, running=40, calls=32, train_left=1e12, open_=10)
+    assert sum(r is R for r in apply(st, p.decide(st, 1e4).switches)) == 1
+    # Idle rollout cells (8 calls need 2 cells) train as soon as there is work worth a switch.
+    st = state([R] * 8, running=40, calls=8, train_left=rate * 60, open_=10)
+    assert sum(r is TT for r in apply(st, p.decide(st, 1e4).switches)) == 6
+    # Nothing admitted and every rollout cell needed: no cell leaves.
+    st = state([R] * 8, running=40, calls=32, open_=10)
+    assert p.decide(st, 1e4).switches == ()
+
+
+def test_elastic_trainers_stay_until_the_work_is_trained_or_rollout_needs_them():
+    p = make_policy("E", 0, HINTS)
+    layout = [R, R] + [T] * 6
+    # Little work left, rollout has what its 8 calls need: trainers stay.
+    st = state(layout, running=20, calls=8, train_left=1.0, open_=5)
+    assert p.decide(st, 1e4).switches == ()
+    # The calls in flight grow to 24 (6 cells' worth): trainers return, leaving the work's one.
+    st = state(layout, running=20, calls=24, train_left=1.0, open_=5)
+    after = apply(st, p.decide(st, 1e4).switches)
+    assert sum(r is TR for r in after) == 4 and sum(r is T for r in after) == 2

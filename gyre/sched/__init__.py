@@ -12,13 +12,13 @@ from __future__ import annotations
 from gyre.sched.admission import admissible, expired, pick, start_budget
 from gyre.sched.core import Coordinator, CoreSpec, GroupState, LagStats
 from gyre.sched.elastic import ElasticPolicy
-from gyre.sched.elastic_plus import ElasticPlusPolicy
+from gyre.sched.elastic_paper import ElasticPaperPolicy
 from gyre.sched.fixed import AsyncPolicy, ColocatePolicy
 from gyre.sched.policy import Hints, Policy
 from gyre.sched.state import (CellView, ClusterState, Decision, ExecView, GroupView, Role,
                               Switch)
 
-SCHEMES = ("E", "E+", "A", "C")
+SCHEMES = ("E", "E-paper", "A", "C")
 
 
 def policy_from_config(cfg, cell_scale: float = 1.0) -> Policy:
@@ -26,7 +26,6 @@ def policy_from_config(cfg, cell_scale: float = 1.0) -> Policy:
     s = cfg.sched
     hints = Hints(to_train_s=s.to_train_s, to_rollout_s=s.to_rollout_s, push_s=s.push_s,
                   execs_per_cell=s.execs_per_cell, min_dwell_s=s.min_dwell_s, cell_scale=cell_scale,
-                  half_load=cfg.sim.half_load, ref_load=cfg.sim.ref_load,
                   train_tokens_per_s=cfg.sim.train_tokens_per_s, eval_s=cfg.sim.eval_s)
     return make_policy(s.scheme, s.staleness, hints, rollout_cells=max(1, s.rollout_cells_async))
 
@@ -36,8 +35,8 @@ def make_policy(scheme: str, staleness: int = 0, hints: Hints | None = None,
     """`rollout_cells` is the rollout pool of scheme A; the others ignore it."""
     if scheme == "E":
         return ElasticPolicy(staleness, hints)
-    if scheme == "E+":
-        return ElasticPlusPolicy(staleness, hints)
+    if scheme == "E-paper":
+        return ElasticPaperPolicy(staleness, hints)
     if scheme == "A":
         return AsyncPolicy(staleness, hints, rollout_cells)
     if scheme == "C":
@@ -46,6 +45,6 @@ def make_policy(scheme: str, staleness: int = 0, hints: Hints | None = None,
 
 
 __all__ = ["AsyncPolicy", "CellView", "ClusterState", "ColocatePolicy", "Coordinator", "CoreSpec", "Decision",
-           "ElasticPlusPolicy",
+           "ElasticPaperPolicy",
            "ElasticPolicy", "ExecView", "GroupState", "GroupView", "Hints", "LagStats", "Policy", "Role", "SCHEMES", "Switch",
            "admissible", "expired", "make_policy", "pick", "policy_from_config", "start_budget"]

@@ -106,8 +106,7 @@ class ExecRecord:
 
     def view(self, group_version: int) -> ExecView:
         if self._view is None:
-            self._view = ExecView(self.serial, self.group, group_version, self.started_at,
-                                  int(self.calls_done), self.in_call)
+            self._view = ExecView(self.serial, self.group, group_version, self.started_at)
         return self._view
 
 
@@ -224,6 +223,7 @@ class Coordinator:
         self.started = 0            # groups started by this job
         self.trained = 0            # groups trained by this job
         self.n_open = 0
+        self.calls_in_flight = 0
         self._serial = 0
         self._running_views: tuple | None = None    # cached: rebuilt only after a change
         self._waiting: dict[int, GroupRecord] = {}  # the admission queue (kept: the simulator asks often)
@@ -278,7 +278,8 @@ class Coordinator:
             groups_waiting=waiting, step_groups=len(st.groups), train_tokens_left=left,
             train_tokens_done=st.tokens_done, starts_blocked=self.groups_still_needed <= 0 or self.done,
             starts_allowed=0 if self.done else self.start_budget(), steps_per_sync=s.steps_per_sync,
-            staleness_rule=s.staleness_rule, step_ready=self.step_ready())
+            staleness_rule=s.staleness_rule, step_ready=self.step_ready(),
+            calls_in_flight=self.calls_in_flight)
 
     def lag_stats(self) -> LagStats:
         return LagStats.of(self.groups_in(GroupState.TRAINED))
@@ -313,18 +314,22 @@ class Coordinator:
 
     def call_started(self, key: Hashable) -> None:
         e = self.execs[key]
-        e.in_call, e._view = True, None
-        self._running_views = None
+        if not e.in_call and e.ended_at is None:
+            e.in_call = True
+            self.calls_in_flight += 1
 
     def call_ended(self, key: Hashable, calls: float = 1.0) -> None:
         e = self.execs[key]
-        e.in_call, e._view = False, None
+        if e.in_call:
+            e.in_call = False
+            self.calls_in_flight -= 1
         e.calls_done += calls
-        self._running_views = None
 
     def execution_ended(self, key: Hashable, now: float) -> None:
         e = self.execs[key]
         if e.ended_at is None:
+            if e.in_call:
+                self.calls_in_flight -= 1
             e.ended_at, e.in_call = now, False
             self.running.pop(key, None)
             self._running_views = None

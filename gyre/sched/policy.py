@@ -17,21 +17,24 @@ from gyre.sched.state import CellView, ClusterState, Decision, Role, Switch
 
 @dataclass(frozen=True)
 class Hints:
-    """What a policy may assume about costs; the coordinator fills these from config/measurement."""
+    """What a policy may assume about costs; the coordinator fills these from config (live) or from
+    the cluster model (gyre.sim.scenario.hints_for): the one builder of each."""
     to_train_s: float = 8.52
     to_rollout_s: float = 3.46
     push_s: float = 60.0
     eval_s: float = 60.0
-    execs_per_cell: float = 16.0     # executions one rollout cell serves at near full speed
-    half_load: float = 4.0           # calls per cell where a call runs at half its solo speed
-    ref_load: float = 16.0           # per-cell calls under which durations were measured
-    model_share: float = 0.8         # share of an execution's time spent in model calls
-    cell_scale: float = 1.0          # one cell's throughput in reference cells
-    mean_duration_s: float = 1.93 * 3600
-    duration_sigma: float = 0.36     # spread of log-durations (prior for remaining-work estimates)
-    train_tokens_per_exec: float = 7.0e5
+    execs_per_cell: float = 16.0     # E-paper: executions one rollout cell serves at near full speed
+    cell_scale: float = 1.0          # one cell's throughput in cells of train_tokens_per_s
     train_tokens_per_s: float = 1.0e4  # per cell
     min_dwell_s: float = 60.0        # a cell stays in a role at least this long (anti-thrash)
+    switch_share: float = 0.02       # E: a switch round trip may cost this share of a trainer's time
+    calls_per_cell: float = 4.0      # E: calls one rollout cell decodes while each keeps ~80% of its solo speed
+
+    def __post_init__(self) -> None:
+        if self.train_tokens_per_s <= 0 or self.cell_scale <= 0:
+            raise ValueError("train_tokens_per_s and cell_scale must be positive")
+        if not 0 < self.switch_share <= 1:
+            raise ValueError(f"switch_share must be within (0, 1], got {self.switch_share}")
 
 
 class Policy:

@@ -37,13 +37,12 @@ class CellView:
 
 @dataclass(frozen=True, slots=True)
 class ExecView:
-    """One running execution (started, not yet ended)."""
+    """One running execution (started, not yet ended). What changes with every call (calls in
+    flight) is counted in ClusterState, so a view is rebuilt only when executions start or end."""
     id: int
     group: int
     version: int      # policy version of its first call: the oldest that served it
     started_at: float
-    calls_done: int
-    in_call: bool     # a model call is in flight right now
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +67,7 @@ class ClusterState:
     # that needs a trainer. True with no work at all when every execution of the step had zero
     # advantage (equal rewards): a policy that waits for work before training would wait forever.
     step_ready: bool = False
+    calls_in_flight: int = 0     # model calls of running executions in flight right now
 
     def count(self, *roles: Role) -> int:
         return sum(1 for c in self.cells if c.role in roles)

@@ -3,15 +3,18 @@
 A preset is a workload profile, a model, a GPU and a layout. The cluster model's rates are derived
 here from stated sources, never fitted to an end-to-end time the benchmark then reports:
 
+- decode: a roofline per serving replica (gyre/sim/roofline.py): FP8 weight bytes (dense, plus the
+  routed experts a batch touches) and the batch's KV bytes over HBM bandwidth, plus a fixed step
+  overhead; KV capacity = HBM left after the weights;
+- prefill (new tokens, and whole contexts after a lost prefix): FLOP-bound at a stated MFU;
 - training throughput: FLOP arithmetic (8 x active parameters + causal attention per token: forward,
   backward and the behaviour log-prob recomputation) at a stated MFU;
-- decode: processor sharing with a knee (``half_load``) from the number of serving replicas per
-  cell and a per-replica batch knee (assumed), and durations that hold at the load the preset's own
-  E0 run serves (``ref_load``: the only quantity computed from a simulation, and from the load, not
-  from a headline time);
-- re-prefill of a lost KV cache: prefill FLOPs of the call's context on one replica;
 - memory: training state (16 bytes/parameter with Adam) must fit a cell, FP8 serving weights a
   replica, or the layout is refused with the numbers.
+
+Two unknowns the paper does not state, groups per step and how many tokens a trained execution
+costs (``train_cost``), are pinned only by its secondary figures (benchmarks/bench_nl2repo.py:
+``consistent_family``); the headline hours are held out.
 
 ``calibration(preset)`` returns ``{name: {value, source, fitted_on}}`` for nl2repo.json and the docs.
 """
@@ -23,13 +26,14 @@ from dataclasses import dataclass, field, replace
 
 from gyre.config import ConfigError
 from gyre.sim.cluster import ClusterModel
+from gyre.sim.roofline import ReplicaSpec
 from gyre.sim.workload import DURATION_SCALE_2P4T, NL2REPO, NL2REPO_2P4T, LognormalPreset
 
-# Assumptions shared by every preset (each is varied in the sensitivity study).
+# Assumptions shared by every preset.
 TRAIN_MEM_SHARE = 0.8    # share of HBM the training state may take; the rest: activations, buffers
-SERVE_MEM_SHARE = 0.7    # share of a replica's HBM the weights may take; the rest: KV cache
-KNEE_PER_REPLICA = 8.0   # calls per replica where a decode step's per-call cost equals its fixed cost
-KEEP_SOLO_SPEED = 0.8    # E sizes rollout so each call keeps >= this share of its solo decode speed
+MEM_FRACTION = 0.88      # SGLang --mem-fraction-static: weights + KV share of a serving GPU's HBM
+STEP_OVERHEAD_MS = 2.5   # per decode step: kernel launches, TP all-reduce, scheduler (assumed)
+KEEP_SOLO_SPEED = 0.8    # E-paper sizes rollout so each call keeps >= this share of its solo decode speed
 PREFILL_MFU = 0.4        # prefill is compute-bound; assumed MFU
 
 
@@ -38,11 +42,12 @@ class Hardware:
     name: str
     hbm_gb: float
     bf16_tflops: float   # dense
+    hbm_tb_s: float
     gpus_per_node: int = 8
 
 
 # NVIDIA H200 SXM datasheet: 141 GB HBM3e, 4.8 TB/s, 989 TFLOPS dense BF16 (1,979 with sparsity).
-H200 = Hardware("H200", 141.0, 989.0)
+H200 = Hardware("H200", 141.0, 989.0, 4.8)
 
 
 @dataclass(frozen=True)
@@ -51,39 +56,67 @@ class ModelSpec:
     params: float              # total parameters
     active: float              # parameters active per token (MoE)
     attn_layers: int           # layers with full (quadratic) attention
-    attn_dim: int              # heads x head dim of those layers
+    attn_dim: int              # query heads x head dim of those layers
     replica_gpus: int          # GPUs per serving replica (SGLang tensor/expert parallel group)
+    experts: int = 0           # routed experts per layer (0: dense)
+    topk: int = 0              # experts routed per token
+    kv_bytes_per_token: float = 0.0  # KV cache bytes per token of context (full-attention layers)
     train_bytes_per_param: float = 16.0   # bf16 weights + fp32 master + Adam moments + grads
     serve_bytes_per_param: float = 1.0    # FP8 serving weights
     sources: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def routed_params(self) -> float:
+        """Routed-expert parameters: total - dense and active = dense + routed x topk/experts."""
+        if not self.experts:
+            return 0.0
+        return (self.params - self.active) / (1 - self.topk / self.experts)
+
+    @property
+    def dense_params(self) -> float:
+        return self.params - self.routed_params
 
     def train_flops_per_token(self, seq: float) -> float:
         """Forward 2N + causal attention 2 L d S per token; training = forward + backward (3x) +
         the recomputation of behaviour log-probs (1x) = 4x forward."""
         return 4 * (2 * self.active + 2 * self.attn_layers * self.attn_dim * seq)
 
-    @property
-    def prefill_ctx_half(self) -> float:
-        """Context at which attention doubles the per-token prefill cost."""
-        return self.active / (self.attn_layers * self.attn_dim)
+    def replica(self, hw: "Hardware") -> ReplicaSpec:
+        b = self.serve_bytes_per_param
+        return ReplicaSpec(gpus=self.replica_gpus, hbm_gb=hw.hbm_gb, hbm_tb_s=hw.hbm_tb_s, peak_tflops=hw.bf16_tflops,
+                           dense_gb=self.dense_params * b / 1e9, expert_gb=self.routed_params * b / 1e9,
+                           experts=self.experts, topk=self.topk, kv_bytes_per_token=self.kv_bytes_per_token,
+                           overhead_ms=STEP_OVERHEAD_MS, active_params=self.active,
+                           attn_flops_per_ctx_token=4 * self.attn_layers * self.attn_dim,
+                           prefill_mfu=PREFILL_MFU, mem_fraction=MEM_FRACTION)
 
 
 # Qwen3.5-122B-A10B (the paper's "Qwen 3.6 122B" is assumed to share its architecture): 122B total,
-# 10B active, 48 layers of which every fourth has full attention (the rest Gated DeltaNet), 32 heads.
+# 10B active, 48 layers of which every fourth has full attention (the rest Gated DeltaNet), 256
+# experts with 8 routed.
 QWEN_122B = ModelSpec(
     "122B-A10B", params=122e9, active=10e9, attn_layers=12, attn_dim=32 * 256, replica_gpus=2,
+    experts=256, topk=8, kv_bytes_per_token=12 * 2 * 2 * 256 * 2,
     sources={"params": "Qwen3.5-122B-A10B model card (vultr/NVIDIA docs): 122B total, 10B active",
              "attn_layers": "model card: 48 layers, full attention every fourth (12)",
              "attn_dim": "assumed: 32 heads x 256 head dim (Qwen3-Next's head size)",
+             "experts": "model card: 256 experts, 8 routed per token",
+             "kv_bytes_per_token": "12 full-attention layers x K,V x 2 KV heads x 256 head dim x bf16 = "
+                                   "24,576 B (the Gated DeltaNet layers keep a fixed state, not counted)",
              "replica_gpus": "NVIDIA Dynamo recipe for Qwen3.5-122B-A10B on H200: FP8, TP2 per replica"})
 
-# The 2.4T model: nothing but the size is published. Assumed: ~4% active like Qwen3.5-397B-A17B.
+# The 2.4T model: nothing but the size is published. Assumed: ~4% active and 512 experts with 10
+# routed like Qwen3.5-397B-A17B.
 MODEL_2P4T = ModelSpec(
     "2.4T", params=2.4e12, active=100e9, attn_layers=24, attn_dim=128 * 128, replica_gpus=32,
+    experts=512, topk=10, kv_bytes_per_token=24 * 2 * 4 * 256 * 2,
     sources={"params": "paper: 2.4T parameters",
              "active": "assumed: 100B active (~4%, Qwen3.5-397B-A17B activates 4.3%)",
              "attn_layers": "assumed: 24 full-attention layers", "attn_dim": "assumed: 128 heads x 128",
-             "replica_gpus": "computed: FP8 weights 2.4 TB over <= 70% of 141 GB needs 25 GPUs: 32 (4 nodes)"})
+             "experts": "assumed: 512 experts, 10 routed (Qwen3.5-397B-A17B's layout)",
+             "kv_bytes_per_token": "assumed: 24 layers x K,V x 4 KV heads x 256 x bf16 = 98,304 B",
+             "replica_gpus": "computed: FP8 weights 2.4 TB over <= 88% of 141 GB needs 20 GPUs; 32 (4 nodes) "
+                             "leaves room for KV"})
 
 
 def train_state_tb(m: ModelSpec) -> float:
@@ -118,17 +151,15 @@ def train_tokens_per_s(m: ModelSpec, cell_nodes: int, mfu: float, seq: float, hw
     return gpus * hw.bf16_tflops * 1e12 * mfu / m.train_flops_per_token(seq)
 
 
-def prefill_tokens_per_s(m: ModelSpec, hw: Hardware = H200) -> float:
-    """Short-context prefill rate of one replica (2N FLOPs per token at PREFILL_MFU)."""
-    return m.replica_gpus * hw.bf16_tflops * 1e12 * PREFILL_MFU / (2 * m.active)
+def calls_per_cell(c: ClusterModel, context: float, keep: float = KEEP_SOLO_SPEED) -> float:
+    """E's knee: calls one rollout cell decodes while each keeps `keep` of its solo decode speed."""
+    return c.calls_per_cell(context, keep)
 
 
-def execs_per_cell(c: ClusterModel, model_share: float, keep: float = 0.0) -> float:
-    """E's sizing from the decode model: the most executions one cell serves while each call keeps
-    KEEP_SOLO_SPEED of its solo speed: speed(L)/speed(1) = (1 + h)/(L + h) >= keep."""
-    h = c.half_load * c.scale
-    calls = (1 + h) / (keep or KEEP_SOLO_SPEED) - h
-    return max(1.0, calls / max(model_share, 1e-6)) / c.scale
+def execs_per_cell(c: ClusterModel, in_call_share: float, context: float, keep: float = KEEP_SOLO_SPEED) -> float:
+    """E-paper's sizing: the executions one cell serves at `calls_per_cell`, given the share of an
+    execution's time a call is in flight."""
+    return max(1.0, calls_per_cell(c, context, keep) / max(in_call_share, 1e-6))
 
 
 @dataclass(frozen=True)
@@ -141,7 +172,6 @@ class Preset:
     steps: int
     groups_per_step: int
     mfu: float
-    ref_load: float            # calls per cell the preset's E0 run serves (computed, see below)
     push_s: float = 60.0
     opt_s: float = 5.0
     eval_s: float = 60.0
@@ -150,41 +180,39 @@ class Preset:
     hw: Hardware = H200
     notes: dict = field(default_factory=dict, compare=False)
 
-    @property
-    def half_load(self) -> float:
-        return self.cell_nodes * self.hw.gpus_per_node / self.model.replica_gpus * KNEE_PER_REPLICA
-
     def cluster(self, **over) -> ClusterModel:
         check_layout(self.model, over.get("cell_nodes", self.cell_nodes), self.hw)
         m, w = self.model, self.workload
+        cell_nodes = over.pop("cell_nodes", self.cell_nodes)
+        mfu = over.pop("mfu", self.mfu)
         base = dict(
-            nodes=self.nodes, cell_nodes=self.cell_nodes, gpus_per_node=self.hw.gpus_per_node,
-            ref_cell_nodes=self.cell_nodes, min_cell_nodes=1, half_load=self.half_load,
-            ref_load=self.ref_load,
-            train_tokens_per_s=train_tokens_per_s(m, self.cell_nodes, self.mfu, w.mean_context_tokens, self.hw),
+            nodes=self.nodes, cell_nodes=cell_nodes, gpus_per_node=self.hw.gpus_per_node,
+            replica=m.replica(self.hw), min_cell_nodes=1,
+            train_tokens_per_s=train_tokens_per_s(m, cell_nodes, mfu, w.mean_context_tokens, self.hw),
             to_train_s=self.to_train_s, to_rollout_s=self.to_rollout_s, push_s=self.push_s, opt_s=self.opt_s,
-            eval_s=self.eval_s, prefill_tokens_per_s=prefill_tokens_per_s(m, self.hw),
-            prefill_ctx_half=m.prefill_ctx_half)
+            eval_s=self.eval_s)
         return ClusterModel(**{**base, **over})
 
     def with_(self, **kw) -> "Preset":
         return replace(self, **kw)
 
 
-# ref_load below is the time-weighted calls in flight per serving cell, as seen by a call, in the
-# preset's own E0 run (python benchmarks/bench_nl2repo.py --calibrate iterates it to a fixed point).
+# groups_per_step and the workload's train_cost: the paper does not state them; the defaults are a
+# point inside the family its secondary figures allow (bench_nl2repo.py: consistent_family).
 P122B = Preset(
     name="nl2repo-122b-32n", workload=NL2REPO, model=QWEN_122B, nodes=32, cell_nodes=4, steps=24,
-    groups_per_step=16, mfu=0.25, ref_load=22.7,
+    groups_per_step=64, mfu=0.25,
     notes={"steps": "paper: the 122B runs (DeepSWE, TerminalBench) train 24 steps; the 32-node "
-                    "NL2Repo configuration's step count is not stated"})
+                    "NL2Repo configuration's step count is not stated",
+           "groups_per_step": "unknown; a point of the family the secondary figures allow (bench_nl2repo.py)"})
 P2P4T = Preset(
     name="nl2repo-2.4t", workload=NL2REPO_2P4T, model=MODEL_2P4T, nodes=384, cell_nodes=48, steps=48,
-    groups_per_step=16, mfu=0.25, ref_load=18.3,
+    groups_per_step=64, mfu=0.25,
     notes={"nodes": "assumed: 8 cells of 48 nodes (3,072 H200); the paper does not state the cluster",
            "cell_nodes": "computed: 2.4T x 16 bytes = 38.4 TB of training state needs >= 43 nodes of "
                          "8 x 141 GB at 80%: cells of 48 nodes",
-           "durations": f"assumed: the 122B profile x {DURATION_SCALE_2P4T:g} (no 2.4T profile is published)"})
+           "groups_per_step": "unknown; taken as the 122B preset's",
+           "durations": f"assumed: the 122B profile's calls, tokens and tool time (x {DURATION_SCALE_2P4T:g})"})
 PRESETS = {p.name: p for p in (P122B, P2P4T)}
 
 
@@ -200,51 +228,64 @@ def preset(name: str) -> Preset:
 def calibration(p: Preset) -> dict:
     """{name: {value, source, fitted_on}} for every number of the preset."""
     c = p.cluster()
-    m, w, hw = p.model, p.workload, p.hw
+    m, w, hw, rep = p.model, p.workload, p.hw, c.replica
     fl = m.train_flops_per_token(w.mean_context_tokens)
 
     def e(value, source, fitted_on=None):
         return {"value": value, "source": source, "fitted_on": fitted_on}
 
     prof = "paper's 122B workload profile: 1.93 h mean rollout, 2.96 h mean query, 9.51% >= 4 h"
-    out = {
-        "mean_duration_h": e(round(w.mean_duration_s / 3600, 3),
-                             "paper (122B profile)" if p is P122B else p.notes.get("durations", "")),
+    in_call = 1 - w.mean_tool_s / w.mean_duration_s
+    return {
+        "nominal_duration_h": e(round(w.mean_duration_s / 3600, 3), "paper (122B profile); a check on the "
+                                "simulated durations, not an input" if p is P122B else p.notes.get("durations", "")),
         "sigma_task": e(w.sigma_task, "Monte Carlo fit of the profile's shape", prof),
         "sigma_exec": e(w.sigma_exec, "Monte Carlo fit of the profile's shape", prof),
         "group_size": e(w.group_size, "assumed: G = 8 rollouts per query (mean query = slowest of 8)"),
         "mean_calls": e(w.mean_calls, "paper: hundreds of model calls per execution"),
-        "mean_tokens": e(w.mean_tokens, "paper: about 1M tokens processed per execution"),
+        "mean_tokens": e(w.mean_tokens, "paper: about 1M tokens processed per execution (new input + output)"),
+        "output_share": e(w.output_share, "assumed: 30% of processed tokens are decoded (the agent writes a repository)"),
+        "mean_tool_s": e(round(w.mean_tool_s), "assumed: tools take 60% of the profile's 1.93 h (~14 s per call); "
+                         "the simulated duration then checks it"),
         "mean_train_tokens": e(w.mean_train_tokens, "paper: 700K tokens per rollout (2.4T run)"),
+        "train_cost": e(w.train_cost, "unknown: tokens one trained execution costs / 700K; pinned by the "
+                        "secondary figures (consistent_family)", "20.85% slack, 8x4 vs 4x8 within 2.2%"),
         "mean_context_tokens": e(w.mean_context_tokens, "assumed: 128K at the end, linear growth = 64K "
                                  "mean, NVIDIA Dynamo's agentic median input length for Qwen3.5-122B-A10B"),
-        "model_share": e(w.model_share, "assumed: 80% of an execution's time waits on model calls"),
         "nodes": e(p.nodes, p.notes.get("nodes", "paper: 32 nodes")),
         "cell_nodes": e(p.cell_nodes, p.notes.get("cell_nodes", "paper: 8 cells of 4 nodes")),
         "steps": e(p.steps, p.notes.get("steps", "paper: 48 training steps")),
-        "groups_per_step": e(p.groups_per_step, "assumed: 16 queries x 8 rollouts per step"),
+        "groups_per_step": e(p.groups_per_step, p.notes.get("groups_per_step", "unknown"),
+                             "20.85% slack, 8x4 vs 4x8 within 2.2%"),
         "model_params": e(m.params, m.sources.get("params", "")),
         "model_active_params": e(m.active, m.sources.get("active", m.sources.get("params", ""))),
+        "experts": e(f"{m.experts} routed, top-{m.topk}", m.sources.get("experts", "")),
+        "dense_weights_gb": e(round(rep.dense_gb, 1), "computed: params - routed experts, FP8 (1 byte/param)"),
+        "routed_expert_weights_gb": e(round(rep.expert_gb, 1), "computed: (params - active) / (1 - topk/experts), FP8"),
+        "kv_bytes_per_token": e(m.kv_bytes_per_token, m.sources.get("kv_bytes_per_token", "")),
         "attn_layers": e(m.attn_layers, m.sources.get("attn_layers", "")),
         "attn_dim": e(m.attn_dim, m.sources.get("attn_dim", "")),
         "replica_gpus": e(m.replica_gpus, m.sources.get("replica_gpus", "")),
-        "gpu": e(f"{hw.name} {hw.hbm_gb:g} GB, {hw.bf16_tflops:g} TFLOPS BF16",
+        "replicas_per_cell": e(c.replicas, "computed: cell GPUs / replica GPUs"),
+        "gpu": e(f"{hw.name} {hw.hbm_gb:g} GB, {hw.hbm_tb_s:g} TB/s, {hw.bf16_tflops:g} TFLOPS BF16",
                  "NVIDIA H200 SXM datasheet (dense BF16)"),
+        "step_overhead_ms": e(STEP_OVERHEAD_MS, "assumed: fixed cost of a decode step (launches, TP all-reduce)"),
+        "decode_step_ms_b1_b8_b32_b64": e([round(rep.step_s(b, w.mean_context_tokens / 2) * 1e3, 1) for b in (1, 8, 32, 64)],
+                                          "roofline at 64K context (paper-reading.md: ~3.7 / 7.3 / 17 / 25 ms)"),
+        "mem_fraction": e(MEM_FRACTION, "assumed: SGLang --mem-fraction-static"),
+        "kv_tokens_per_replica": e(round(rep.kv_capacity_tokens), "computed: (HBM x mem_fraction - weights) / KV bytes per token"),
+        "prefill_mfu": e(PREFILL_MFU, "assumed"),
         "mfu": e(p.mfu, "assumed: 25% for MoE RL training; Megatron-Core reports up to 47% MFU for "
                         "dense GPT-175B on H100 (NVIDIA Megatron-Core docs), MoE RL runs lower"),
         "train_flops_per_token": e(fl, "8 x active + 8 x attn_layers x attn_dim x mean context "
                                        "(fwd + bwd + log-prob recompute)"),
         "train_tokens_per_s": e(round(c.train_tokens_per_s), "FLOP arithmetic: cell GPUs x peak x MFU / "
                                 "FLOPs per token"),
-        "half_load": e(round(c.half_load, 2), f"replicas per cell ({p.cell_nodes * hw.gpus_per_node // m.replica_gpus}) "
-                       f"x assumed knee of {KNEE_PER_REPLICA:g} calls per replica"),
-        "ref_load": e(p.ref_load, "computed: calls in flight per serving cell, as a call sees it, in "
-                      "this preset's own E0 run (fixed point; --calibrate)", "the preset's E0 load, no end-to-end time"),
-        "execs_per_cell": e(round(execs_per_cell(c, w.model_share), 2),
-                            f"derived: E keeps each call at >= {KEEP_SOLO_SPEED:.0%} of its solo decode speed"),
-        "prefill_tokens_per_s": e(round(c.prefill_tokens_per_s), f"FLOP arithmetic: replica GPUs x peak x "
-                                  f"{PREFILL_MFU:.0%} MFU / 2 x active"),
-        "prefill_ctx_half": e(round(c.prefill_ctx_half), "active / (attn_layers x attn_dim)"),
+        "calls_per_cell": e(round(calls_per_cell(c, w.mean_context_tokens / 2), 1),
+                            f"derived (E): calls a rollout cell decodes while each keeps >= {KEEP_SOLO_SPEED:.0%} "
+                            "of its solo decode speed at the mean context"),
+        "execs_per_cell": e(round(execs_per_cell(c, in_call, w.mean_context_tokens / 2), 2),
+                            f"derived (E-paper only): each call keeps >= {KEEP_SOLO_SPEED:.0%} of its solo decode speed"),
         "to_train_s": e(p.to_train_s, "paper: 8.52 s rollout -> train"),
         "to_rollout_s": e(p.to_rollout_s, "paper: 3.46 s train -> rollout (includes the weight reload)"),
         "weight_reload_s": e(round(m.params * m.serve_bytes_per_param / (m.replica_gpus * 25e9), 2),
@@ -255,6 +296,5 @@ def calibration(p: Preset) -> dict:
         "eval_s": e(p.eval_s, "assumed: evaluating a workspace (CPU side)"),
         "train_state_tb": e(round(train_state_tb(m), 2), "16 bytes/param (bf16 weights, fp32 master, Adam)"),
         "min_cell_nodes": e(min_cell_nodes(m, hw), f"computed: training state / ({TRAIN_MEM_SHARE:.0%} of a node's HBM)"),
-        "async_rollout_cells": e(max(1, c.cells // 2), "assumed: half the cells (the paper does not say)"),
+        "async_rollout_cells": e("best of 1 .. n-1", "searched per run (gyre.sim.scenario.best_async)"),
     }
-    return out

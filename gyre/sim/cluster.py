@@ -1,11 +1,24 @@
 """Cluster model: how fast cells decode and train, and what switching, weight pushes and a lost KV
-cache cost. The mechanics only; a preset's numbers and their sources are in gyre/sim/calibration.py."""
+cache cost. The mechanics only; a preset's numbers and their sources are in gyre/sim/calibration.py.
+
+Decode is physical (``gyre.sim.roofline``): a rollout cell holds ``replicas`` serving replicas; the
+calls decoding on the cluster spread evenly over the replicas of the serving cells, and each call
+gains one token per decode step of its replica, whose time grows with the batch (weights and
+experts touched, KV read). A replica never runs a batch below one call, so one call alone is as
+fast as one call on each of a cell's replicas (the per-replica floor).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gyre.config import ConfigError
+from gyre.sim.roofline import ReplicaSpec
+
+# A small replica for tests and toy clusters: a dense ~1B model on one GPU-like device. Stated,
+# not measured; presets use their own specs (gyre/sim/calibration.py).
+TOY_REPLICA = ReplicaSpec(gpus=1, hbm_gb=80.0, hbm_tb_s=2.0, peak_tflops=400.0, dense_gb=2.0, expert_gb=0.0,
+                          kv_bytes_per_token=1.0e5, overhead_ms=2.0, active_params=1.0e9)
 
 
 @dataclass(frozen=True)
@@ -13,13 +26,9 @@ class ClusterModel:
     nodes: int = 32
     cell_nodes: int = 4
     gpus_per_node: int = 8
-    # Decode: a cell with load L concurrent calls gives each call a speed proportional to
-    # 1 / (max(L, 1) + half_load): nearly flat below half_load, throughput-bound above it.
-    half_load: float = 4.0
-    # Per-cell concurrency under which the workload's durations were measured (a preset: the load
-    # its own E0 run serves).
-    ref_load: float = 16.0
-    # Training tokens per second of one cell, streaming micro-batches (a preset: FLOP arithmetic).
+    replica: ReplicaSpec = field(default=TOY_REPLICA)
+    # Training tokens per second of one cell of this size, streaming micro-batches (a preset: FLOP
+    # arithmetic at a stated MFU).
     train_tokens_per_s: float = 10_000.0
     to_train_s: float = 8.52      # paper: rollout -> train switch
     to_rollout_s: float = 3.46    # paper: train -> rollout switch
@@ -28,19 +37,11 @@ class ClusterModel:
     # Optimizer step of every step (trainers busy, rollout unaffected); push_s above is paid once
     # per rollout round (steps_per_sync steps) and pauses decoding.
     opt_s: float = 0.0
-    # A call moved off a cell that left rollout (or resumed after a colocate training phase) lost
-    # its KV cache and re-prefills its context: c tokens cost c / prefill_tokens_per_s x
-    # (1 + c / prefill_ctx_half) seconds on one serving replica (attention grows with context).
-    # 0 = the KV cache is never lost (the cost is off).
-    prefill_tokens_per_s: float = 0.0
-    prefill_ctx_half: float = 1.0e5
-    # A constant re-prefill per lost cache in reference-seconds (added to the above; legacy knob).
-    reprefill_s: float = 0.0
-    # Decode and training rates above are for a cell of ref_cell_nodes and scale linearly with
-    # cell size. Below min_cell_nodes a cell is refused (presets check memory per model instead:
+    # A cell smaller than this is refused (presets check memory per model instead:
     # calibration.check_layout).
-    ref_cell_nodes: int = 4
-    min_cell_nodes: int = 2
+    min_cell_nodes: int = 1
+    # Prefix-cache capacity per replica in tokens; 0 = the replica's own (HBM left after weights).
+    kv_tokens_per_replica: float = 0.0
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -53,13 +54,16 @@ class ClusterModel:
         if self.nodes % self.cell_nodes:
             raise ConfigError(f"cell size {self.cell_nodes} does not divide {self.nodes} nodes; "
                               f"choose one of {', '.join(map(str, divisors(self.nodes)))}")
-        for name in ("half_load", "ref_load", "train_tokens_per_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("to_train_s", "to_rollout_s", "push_s", "eval_s", "reprefill_s", "opt_s",
-                     "prefill_tokens_per_s"):
+        if self.gpus_per_node < 1:
+            raise ConfigError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
+        if self.replicas < 1:
+            raise ConfigError(f"a cell of {self.gpus_per_cell} GPUs cannot hold one replica of "
+                              f"{self.replica.gpus} GPUs; use larger cells")
+        if self.train_tokens_per_s <= 0:
+            raise ConfigError(f"train_tokens_per_s must be positive, got {self.train_tokens_per_s}")
+        for name in ("to_train_s", "to_rollout_s", "push_s", "eval_s", "opt_s", "kv_tokens_per_replica"):
             if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0 seconds, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     @property
     def cells(self) -> int:
@@ -69,32 +73,48 @@ class ClusterModel:
     def gpus_per_cell(self) -> int:
         return self.cell_nodes * self.gpus_per_node
 
-    def speed(self, in_call: int, rollout_cells: int) -> float:
-        """Model-time progress per second of one call, relative to the reference load."""
+    @property
+    def replicas(self) -> int:
+        """Serving replicas of one rollout cell."""
+        return self.gpus_per_cell // self.replica.gpus
+
+    def batch(self, decoding: float, rollout_cells: int) -> float:
+        """Calls per busy replica: spread evenly, never below one on a replica that has any."""
+        return max(decoding / (rollout_cells * self.replicas), 1.0)
+
+    def token_rate(self, decoding: float, rollout_cells: int, context: float) -> float:
+        """Tokens per second one decoding call gains with `decoding` calls on `rollout_cells` cells
+        at mean context `context`."""
         if rollout_cells <= 0:
             return 0.0
-        load = max(in_call / (rollout_cells * self.scale), 1.0)
-        return (self.ref_load + self.half_load) / (load + self.half_load)
+        return 1.0 / self.replica.step_s(self.batch(decoding, rollout_cells), context)
+
+    def cell_tokens_per_s(self, decoding: float, rollout_cells: int, context: float) -> float:
+        """Decode throughput of one serving cell (tokens/s) at this load."""
+        if rollout_cells <= 0 or decoding <= 0:
+            return 0.0
+        return decoding / rollout_cells * self.token_rate(decoding, rollout_cells, context)
+
+    def calls_per_cell(self, context: float, keep: float = 0.8) -> float:
+        """Calls one rollout cell decodes while each keeps `keep` of its solo decode speed at mean
+        context `context` (step_s(1) / step_s(B) >= keep), over the cell's replicas."""
+        rep, solo = self.replica, self.replica.step_s(1, context)
+        b = 1.0
+        while b < 4096 and solo / rep.step_s(b * 1.02, context) >= keep:
+            b *= 1.02
+        return b * self.replicas
+
+    def prefill_s(self, tokens: float, context: float = 0.0) -> float:
+        return self.replica.prefill_s(tokens, context)
 
     @property
-    def scale(self) -> float:
-        """Throughput of one cell in reference cells."""
-        return self.cell_nodes / self.ref_cell_nodes
+    def kv_tokens_per_cell(self) -> float:
+        per = self.kv_tokens_per_replica or self.replica.kv_capacity_tokens
+        return per * self.replicas
 
     def train_rate(self, train_cells: int) -> float:
         """Training tokens per second of `train_cells` cells together."""
-        return train_cells * self.scale * self.train_tokens_per_s
-
-    @property
-    def solo_speed(self) -> float:
-        return self.speed(1, 1)
-
-    def reprefill(self, context_tokens: float) -> float:
-        """Seconds (at reference speed) to rebuild the KV cache of a call with this context."""
-        t = self.reprefill_s
-        if self.prefill_tokens_per_s > 0 and context_tokens > 0:
-            t += context_tokens / self.prefill_tokens_per_s * (1 + context_tokens / self.prefill_ctx_half)
-        return t
+        return train_cells * self.train_tokens_per_s
 
 
 def divisors(n: int) -> list[int]:

@@ -6,12 +6,21 @@ syncs, the ClusterState a policy sees) is ``gyre.sched.core.Coordinator``'s, the
 live head drives; this module only models time: decoding, environment time, evaluation,
 training, switches, optimizer steps and weight pushes.
 
-Events: execution start and end, model calls and environment time inside an execution (grouped
-into segments of calls), evaluation, training (streamed: admitted work drains at the rate of the
+Events: execution start and end, model calls and tool time inside an execution (grouped into
+segments of calls), evaluation, training (streamed: admitted work drains at the rate of the
 training cells), role switches, weight pushes, and a periodic tick so a policy can revise its
-estimates. Decoding is a fluid processor-sharing pool over the rollout cells: every call in flight
-progresses at ``ClusterModel.speed(calls in flight, serving cells)`` reference-seconds per second,
-tracked with one virtual clock so a change of load costs O(1) instead of touching every call.
+estimates. Decoding is a fluid pool over the rollout cells' replicas: every call in flight gains
+``ClusterModel.token_rate(calls in flight, serving cells, their mean context)`` tokens per second
+(the roofline of gyre/sim/roofline.py), tracked with one virtual clock in tokens so a change of
+load costs O(1) instead of touching every call. A call's prefill (its new tokens, or its whole
+context after its prefix was evicted) is compute-bound and delays the call by its FLOP time
+before it joins the decode pool (its replica's compute, which memory-bound decoding leaves idle).
+
+Prefix cache: each running execution is homed on one rollout cell (the router's choice); the KV
+of its context stays there between its calls while the cell's capacity (replicas x HBM left after
+weights) allows. When it overflows, the least recently used idle executions lose their prefix
+(an eviction) and their next call re-prefills the whole context; a cell leaving rollout loses all
+of its prefixes.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import heapq
 import itertools
 import math
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from gyre.config import ConfigError
@@ -32,7 +42,7 @@ from gyre.sim.result import BUCKETS, CellStats, SimResult, StepStats
 from gyre.sim.workload import Workload
 
 _EPS = 1e-9
-_ENV, _EVAL, _SWITCH, _PUSH, _TICK, _OPT = range(6)
+_ENV, _EVAL, _SWITCH, _PUSH, _TICK, _OPT, _PREFILL = range(7)
 
 
 class SimError(RuntimeError):
@@ -59,21 +69,22 @@ class SimSpec:
 
 
 class _Exec:
-    __slots__ = ("id", "group", "version", "started_at", "seg", "env_seg", "model_seg",
-                 "calls_seg", "calls_done", "in_call", "spec", "home", "call_seq", "extra", "lost_at")
+    __slots__ = ("id", "group", "version", "started_at", "seg", "env_seg", "out_seg", "pre_seg",
+                 "calls_seg", "calls_done", "in_call", "spec", "home", "call_seq", "cached", "ctx_mid")
 
-    def __init__(self, eid, group, version, now, spec, segments, model_share):
+    def __init__(self, eid, group, version, now, spec, segments):
         self.id, self.group, self.version, self.started_at, self.spec = eid, group, version, now, spec
         self.seg = 0
-        self.env_seg = spec.duration_s * (1 - model_share) / segments
-        self.model_seg = spec.duration_s * model_share / segments
+        self.env_seg = spec.tool_s / segments
+        self.out_seg = spec.output_tokens / segments
+        self.pre_seg = spec.prefill_tokens / segments
         self.calls_seg = spec.calls / segments
         self.calls_done = 0.0
         self.in_call = False
         self.home = -1        # rollout cell holding its KV/prefix cache; -1 = none
         self.call_seq = -1    # identifies its call's entry in the decode heap
-        self.extra = 0.0      # re-prefill owed to the next call after a lost cache
-        self.lost_at = -1.0   # when it last lost its cache (it is rebuilt once, not per move)
+        self.cached = 0.0     # tokens of its context whose KV its home cell holds
+        self.ctx_mid = 0.0    # mean context of its call in flight (KV read per decode step)
 
 
 class _Group:
@@ -130,7 +141,22 @@ class Simulator:
         self._assign_cache: dict = {}
         self._assign_counts: dict = {}
         self._acc: dict[tuple[int, ...], float] = {}  # cell-bucket assignment -> seconds
-        self.homed = [0] * n  # executions whose cache lives on each cell
+        self.homed: list[dict] = [{} for _ in range(n)]  # per cell: the executions it serves
+        self.lru: list[OrderedDict] = [OrderedDict() for _ in range(n)]  # per cell: those holding a prefix
+        self.kv_used = [0.0] * n   # tokens of KV held per cell
+        self.kv_cap = cluster.kv_tokens_per_cell
+        self.evictions = 0         # prefixes evicted for capacity
+        self.reprefills = 0        # calls that re-prefilled a lost context (eviction or cell switch)
+        self.ctx_sum = 0.0         # mean-context numerator of the calls in flight
+        self.tool_time = 0.0       # tool seconds of ended executions
+        # slack: per step, the share of the rollout side's spare capacity during the step's rollout
+        # window (step start -> batch complete) that the step's training does not need; spare =
+        # cells the calls in flight do not need at the decode knee (ClusterModel.calls_per_cell)
+        ctx = [e.context_tokens / 2 for i in range(4) for e in workload.group(i).execs]
+        self.knee = cluster.calls_per_cell(sum(ctx) / len(ctx)) if ctx else 1.0
+        self.win_spare = 0.0
+        self.win_open = True
+        self.slacks: list[float] = []
         self.switches = [[0, 0] for _ in range(n)]
         self.unserved = 0.0
         self.exec_time = 0.0  # wall seconds of ended executions (their observed durations)
@@ -154,7 +180,9 @@ class Simulator:
         return 0 if self.now < self.push_until - _EPS else self.n_rollout
 
     def _speed(self) -> float:
-        return self.c.speed(self.in_call, self._serving())
+        """Tokens per second each call in flight gains now."""
+        n = self.in_call
+        return self.c.token_rate(n, self._serving(), self.ctx_sum / n if n else 0.0)
 
     def _train_rate(self) -> float:
         return self.c.train_rate(self.n_train)
@@ -198,6 +226,8 @@ class Simulator:
         self._acc[a] = self._acc.get(a, 0.0) + dt
         if self.running and not self.n_rollout:
             self.unserved += dt
+        if self.win_open:
+            self.win_spare += max(0.0, self.c.cells - self.in_call / self.knee) * dt
         # Regime: rollout is the critical path while executions run (or await evaluation) and the
         # trainers have nothing admitted to train.
         if (self.running or self.awaiting_eval) and left <= _EPS and not optimizing:
@@ -210,7 +240,7 @@ class Simulator:
             self.role_idle[1] += self.n_train * dt
         serving = self._serving()
         if self.in_call and serving:
-            self.load_num += self.in_call * self.in_call / (serving * self.c.scale) * dt
+            self.load_num += self.in_call * self.c.batch(self.in_call, serving) * dt
             self.load_den += self.in_call * dt
         if self.s.record:
             counts = self._assign_counts[a]
@@ -260,7 +290,7 @@ class Simulator:
         # weight push, so an execution started then is first served by the version being pushed.
         version = self.core.version if self.now < self.push_until - _EPS else self.core.rollout_version
         for spec in g.spec.execs:
-            e = _Exec(self.next_exec, g, version, self.now, spec, self.s.segments, self.w.model_share)
+            e = _Exec(self.next_exec, g, version, self.now, spec, self.s.segments)
             self.next_exec += 1
             g.exec_ids.append(e.id)
             self.running[e.id] = e
@@ -269,51 +299,103 @@ class Simulator:
             self._begin_call(e)
 
     def _begin_call(self, e: _Exec) -> None:
+        """A call starts: prefill its new tokens (and its whole context if its prefix is gone),
+        then decode its output in the shared pool."""
         e.in_call = True
         self.core.call_started(e.id)
+        seg, n = e.seg, self.s.segments
+        before = e.spec.context_tokens * seg / n
+        after = e.spec.context_tokens * (seg + 1) / n
+        if e.cached <= 0:  # nothing cached to lose: the router sends it to the least-loaded cell
+            self._unhome(e)
+            self._home(e)
+        prefill = self.c.prefill_s(e.pre_seg, before)
+        if seg > 0 and e.cached < before - 1e-6:  # its prefix was evicted or never rebuilt here
+            prefill += self.c.prefill_s(before - e.cached, e.cached)
+            self.reprefills += 1
+        if e.home >= 0:
+            h = e.home
+            self.kv_used[h] += after - e.cached
+            e.cached = after
+            self.lru[h][e.id] = e
+            self.lru[h].move_to_end(e.id)
+            if self.kv_used[h] > self.kv_cap:
+                self._make_room(h)
+        e.ctx_mid = (before + after) / 2
+        if prefill > 0:  # a weight push pauses prefill as it pauses decoding
+            self._push(max(self.now, self.push_until) + prefill, _PREFILL, e)
+        else:
+            self._decode(e)
+
+    def _decode(self, e: _Exec) -> None:
+        """Its prefill done, a call decodes its output in the shared pool."""
+        self.ctx_sum += e.ctx_mid
         self.in_call += 1
-        self._queue_call(e, e.model_seg + e.extra)
-        e.extra = 0.0
+        self._queue_call(e, e.out_seg)
 
     def _queue_call(self, e: _Exec, work: float) -> None:
         e.call_seq = next(self.seq)
         heapq.heappush(self.calls, (self.vclock + work, e.call_seq, e))
 
+    def _make_room(self, cell: int) -> None:
+        """LRU eviction of idle executions' prefixes until the cell's KV fits; calls in flight
+        keep theirs (SGLang's radix cache never evicts a running request's KV)."""
+        lru = self.lru[cell]
+        while lru and self.kv_used[cell] > self.kv_cap:
+            eid, x = next(iter(lru.items()))
+            if x.in_call:  # the oldest holder is decoding: nothing idle is older; stop here
+                break
+            del lru[eid]  # an execution without a prefix is back in the order at its next call
+            self.kv_used[cell] -= x.cached
+            x.cached = 0.0
+            self.evictions += 1
+
     def _home(self, e: _Exec) -> None:
         """Place an execution on the least-loaded settled rollout cell (the router's choice)."""
         best = -1
         for i, r in enumerate(self.role):
-            if r is Role.ROLLOUT and (best < 0 or self.homed[i] < self.homed[best]):
+            if r is Role.ROLLOUT and (best < 0 or len(self.homed[i]) < len(self.homed[best])):
                 best = i
         e.home = best
+        e.cached = 0.0
         if best >= 0:
-            self.homed[best] += 1
+            self.homed[best][e.id] = e
 
-    def _context(self, e: _Exec) -> float:
-        """Context of its current call: grows linearly over the execution."""
-        return e.spec.context_tokens * (e.seg + 1) / self.s.segments
+    def _unhome(self, e: _Exec) -> None:
+        if e.home >= 0:
+            self.homed[e.home].pop(e.id, None)
+            self.kv_used[e.home] -= e.cached
+            self.lru[e.home].pop(e.id, None)
+        e.home = -1
+        e.cached = 0.0
 
     def _evict(self, cell: int) -> None:
         """A cell leaves rollout: its executions keep their harness state but lose their KV cache;
         they move to other cells (or wait, if none serves) and re-prefill their context."""
-        self.homed[cell] = 0
         moved = False
-        for e in self.running.values():
-            if e.home != cell:
-                continue
+        homed = list(self.homed[cell].values())
+        self.homed[cell] = {}
+        self.kv_used[cell] = 0.0
+        self.lru[cell].clear()
+        rate = 0.0
+        for e in homed:
+            e.home = -1
+            e.cached = 0.0
             self._home(e)
-            cost = self.c.reprefill(self._context(e))
-            if cost <= 0 or e.lost_at == self.now:
-                continue
-            e.lost_at = self.now
             if e.in_call:  # the call in flight is retried elsewhere and re-prefills its context
+                cost = self.c.prefill_s(e.ctx_mid)
+                if cost <= 0:
+                    continue
+                rate = rate or self._speed() or self.c.token_rate(self.in_call, 1, self.ctx_sum / self.in_call)
                 for j, (v, sq, x) in enumerate(self.calls):
-                    if sq == e.call_seq:
-                        self.calls[j] = (v + cost, sq, x)
+                    if sq == e.call_seq:  # decoding (a call still prefilling pays at its next call)
+                        self.calls[j] = (v + cost * rate, sq, x)
                         moved = True
+                        self.reprefills += 1
+                        if e.home >= 0:  # the retry rebuilt its context on the new cell
+                            e.cached = e.spec.context_tokens * (e.seg + 1) / self.s.segments
+                            self.kv_used[e.home] += e.cached
                         break
-            else:
-                e.extra += cost
         if moved:
             heapq.heapify(self.calls)
 
@@ -321,7 +403,10 @@ class Simulator:
         e.in_call = False
         self.core.call_ended(e.id, e.calls_seg)
         self.in_call -= 1
+        self.ctx_sum = max(0.0, self.ctx_sum - e.ctx_mid) if self.in_call else 0.0
         e.calls_done += e.calls_seg
+        if e.home >= 0 and e.id in self.lru[e.home]:
+            self.lru[e.home].move_to_end(e.id)  # most recently used
         self._push(self.now + e.env_seg, _ENV, e)
 
     def _end_env(self, e: _Exec) -> bool:
@@ -331,10 +416,10 @@ class Simulator:
             self._begin_call(e)
             return False
         del self.running[e.id]
-        if e.home >= 0:
-            self.homed[e.home] -= 1
+        self._unhome(e)  # a finished execution's prefix is never used again
         took = self.now - e.started_at
         self.exec_time += took
+        self.tool_time += e.spec.tool_s
         self.execs_ended += 1
         e.group.slowest = max(e.group.slowest, took)
         e.group.left -= 1
@@ -357,6 +442,12 @@ class Simulator:
             self.core.microbatches_added(g.id, mbs)
             self.mb_queue.extend(mbs.items())
             self.train_left += sum(mbs.values())
+        if self.win_open and len(self.core.step.groups) >= self.s.groups_per_step:
+            # the step's batch is complete: its rollout window closes
+            work = sum(self.core.step.work.values()) / self.c.train_rate(1)  # cell-seconds
+            if self.win_spare > 0:
+                self.slacks.append(1.0 - work / self.win_spare)
+            self.win_open = False
         for g in adm.dropped:
             self.dropped += 1
             for eid in self.groups[g.id].exec_ids:
@@ -376,6 +467,7 @@ class Simulator:
             lag_syncs_group_mean=sum(g.lag_syncs for g in gs) / len(gs),
             lag_syncs_max=max(g.lag_syncs for g in gs)))
         self.trained_by_step.append([g.id for g in gs])
+        self.win_spare, self.win_open = 0.0, True
         for g in gs:
             for eid in self.groups[g.id].exec_ids:
                 self.outcomes[eid] = ("trained", res.index)
@@ -459,7 +551,9 @@ class Simulator:
                 wake = True
                 continue
             progressed = True
-            if kind == _ENV:
+            if kind == _PREFILL:
+                self._decode(obj)
+            elif kind == _ENV:
                 wake |= self._end_env(obj)
             elif kind == _EVAL:
                 wake = True
@@ -534,7 +628,10 @@ class Simulator:
             rollout_critical_share=self.crit_roll / end if end else 0.0,
             trainer_idle_share=self.role_idle[1] / self.role_time[1] if self.role_time[1] else 0.0,
             rollout_idle_share=self.role_idle[0] / self.role_time[0] if self.role_time[0] else 0.0,
-            mean_load=self.load_num / self.load_den if self.load_den else 0.0,
+            mean_batch=self.load_num / self.load_den if self.load_den else 0.0,
+            model_wait_share=1.0 - self.tool_time / self.exec_time if self.exec_time else 0.0,
+            evictions=self.evictions, reprefills=self.reprefills,
+            slack=sum(self.slacks) / len(self.slacks) if self.slacks else 0.0,
             bound_basis=("the groups actually trained: work" + (", open-group concurrency" if window else "")
                          + (", per-step arrival" if exact else "")),
             outcomes=self.outcomes, roles=self.role_log, usage=self.usage,

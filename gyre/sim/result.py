@@ -64,7 +64,16 @@ class SimResult:
     rollout_critical_share: float = 0.0
     trainer_idle_share: float = 0.0
     rollout_idle_share: float = 0.0
-    mean_load: float = 0.0                # calls in flight per serving cell, as a call sees it
+    mean_batch: float = 0.0               # calls per busy replica, as a call sees it
+    model_wait_share: float = 0.0         # share of an execution's time spent waiting on the model
+    evictions: int = 0                    # prefixes evicted for KV capacity
+    reprefills: int = 0                   # calls that re-prefilled a lost context
+    # "Rollout masks training with X% slack": mean over steps of 1 - the step's training
+    # cell-seconds / the rollout side's spare cell-seconds in its rollout window (step start ->
+    # batch complete; spare = cells the calls in flight do not need at the decode knee). Negative:
+    # the step's training does not fit in the spare capacity.
+    slack: float = 0.0
+    async_rollout_cells: int = 0          # scheme A: its rollout pool
     bound_basis: str = ""                 # what the lower bound was computed on
     # Not serialised: per-execution outcome and the timelines behind the plots.
     outcomes: dict[int, tuple] = field(default_factory=dict, repr=False)

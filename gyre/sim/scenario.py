@@ -7,13 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from gyre.sched import Hints, Policy, make_policy
-from gyre.sim.calibration import P122B, execs_per_cell, preset
+from gyre.sim.calibration import P122B, Preset, calls_per_cell, execs_per_cell, preset
 from gyre.sim.cluster import ClusterModel
 from gyre.sim.engine import SimSpec, simulate
 from gyre.sim.result import SimResult
-from gyre.sim.workload import Workload
+from gyre.sim.workload import LognormalPreset, Workload
 
-SEGMENTS = 8  # model-call/environment segments simulated per execution
+SEGMENTS = 8  # model-call/tool segments simulated per execution
 
 # The paper's end-to-end hours: the 2.4T run (cluster size not stated; staleness "matched").
 PAPER = {"E": 75.42, "A": 134.55, "C": 91.47,
@@ -25,16 +25,15 @@ def nl2repo_cluster(nodes: int = 32, cell_nodes: int = 4, **over) -> ClusterMode
     return P122B.cluster(nodes=nodes, cell_nodes=cell_nodes, **over)
 
 
-def hints_for(cluster: ClusterModel, workload: Workload, keep_solo_speed: float = 0.0) -> Hints:
-    """What a policy is told about costs: the same numbers the coordinator would configure. E's
-    sizing (executions per rollout cell) is derived from the decode model, not a constant."""
-    mean_train = sum(e.train_tokens for i in range(8) for e in workload.group(i).execs) / (8 * workload.group_size)
+def hints_for(cluster: ClusterModel, workload: Workload) -> Hints:
+    """What a policy is told about costs in a simulated run: the numbers the coordinator would
+    configure. E-paper's sizing (executions per rollout cell) comes from the decode model."""
+    execs = [e for i in range(8) for e in workload.group(i).execs]
+    tool = sum(e.tool_s for e in execs) / max(1e-9, sum(e.nominal_s for e in execs))
+    ctx = sum(e.context_tokens for e in execs) / len(execs) / 2  # mean over an execution's calls
     return Hints(to_train_s=cluster.to_train_s, to_rollout_s=cluster.to_rollout_s, push_s=cluster.push_s,
-                 eval_s=cluster.eval_s, half_load=cluster.half_load, ref_load=cluster.ref_load,
-                 model_share=workload.model_share, cell_scale=cluster.scale,
-                 execs_per_cell=execs_per_cell(cluster, workload.model_share, keep_solo_speed),
-                 mean_duration_s=workload.mean_duration_s, duration_sigma=workload.sigma,
-                 train_tokens_per_exec=mean_train, train_tokens_per_s=cluster.train_tokens_per_s)
+                 eval_s=cluster.eval_s, execs_per_cell=execs_per_cell(cluster, max(0.05, 1 - tool), ctx),
+                 train_tokens_per_s=cluster.train_tokens_per_s, calls_per_cell=calls_per_cell(cluster, ctx))
 
 
 @dataclass(frozen=True)
@@ -42,22 +41,20 @@ class Scenario:
     scheme: str
     staleness: int
     cluster: ClusterModel
-    workload: str = "nl2repo"     # preset name or trace path
+    workload: str | LognormalPreset = "nl2repo"  # preset (or its name) or trace path
     steps: int = 48
     groups_per_step: int = 16
     seed: int = 0                 # workload seed (the simulator itself has no randomness)
     record: bool = True
-    async_rollout_cells: int = 0  # 0 = half the cells
+    async_rollout_cells: int = 0  # scheme A's rollout pool; 0 = half the cells
     staleness_rule: str = "window"
     steps_per_sync: int = 1
     preset: str = ""              # the preset it models (reported with the run)
-    keep_solo_speed: float = 0.0  # E's sizing target (0 = calibration.KEEP_SOLO_SPEED)
 
     def policy(self, workload: Workload) -> Policy:
         n = self.cluster.cells
         rc = self.async_rollout_cells or max(1, n // 2)
-        return make_policy(self.scheme, self.staleness, hints_for(self.cluster, workload, self.keep_solo_speed),
-                           rollout_cells=rc)
+        return make_policy(self.scheme, self.staleness, hints_for(self.cluster, workload), rollout_cells=rc)
 
     def run(self, workload: Workload | None = None) -> SimResult:
         w = workload or Workload.named(self.workload, self.seed)
@@ -66,33 +63,64 @@ class Scenario:
                        steps_per_sync=self.steps_per_sync)
         r = simulate(self.policy(w), w, self.cluster, spec)
         r.preset = self.preset
+        r.async_rollout_cells = (self.async_rollout_cells or max(1, self.cluster.cells // 2)) if self.scheme == "A" else 0
         return r
 
     def with_(self, **kw) -> "Scenario":
         return replace(self, **kw)
 
 
+def best_async(s: Scenario, workload: Workload | None = None) -> tuple[SimResult, dict[int, float]]:
+    """Scheme A at every split of 1 .. n-1 rollout cells: the fastest run and hours per split.
+    A fair comparison gives Async its best split, not half the cells by fiat."""
+    n = s.cluster.cells
+    if n < 2:
+        raise ValueError(f"async needs a rollout pool and a training pool; {n} cell cannot hold both")
+    w = workload or Workload.named(s.workload, s.seed)
+    runs = {k: s.with_(scheme="A", async_rollout_cells=k).run(w) for k in range(1, n)}
+    best = min(runs, key=lambda k: (runs[k].makespan_s, k))
+    return runs[best], {k: r.hours for k, r in runs.items()}
+
+
 def preset_scenario(name: str, scheme: str, staleness: int, **kw) -> Scenario:
     """A run of a named preset (its cluster, steps and queries per step)."""
     p = preset(name)
     over = kw.pop("cluster_over", {})
-    return Scenario(scheme, staleness, p.cluster(**over), workload=p.workload.name, steps=kw.pop("steps", p.steps),
+    return Scenario(scheme, staleness, p.cluster(**over), workload=kw.pop("workload", p.workload),
+                    steps=kw.pop("steps", p.steps),
                     groups_per_step=kw.pop("groups_per_step", p.groups_per_step), preset=p.name, **kw)
 
 
-def calibrate_ref_load(name: str, seed: int = 0, tol: float = 0.02, max_iter: int = 8, **preset_over) -> tuple[float, list]:
-    """ref_load as a fixed point: the calls in flight per serving cell, as a call sees them, in the
-    preset's own E0 run with that ref_load. Uses the load only, never an end-to-end time."""
-    from gyre.sim.calibration import preset as get
+def compare(s: Scenario, workload: Workload | None = None, schemes: tuple[str, ...] = ("E", "C", "A")) -> dict:
+    """E, C and Async (best split and half split) at one point, at the scenario's staleness."""
+    w = workload or Workload.named(s.workload, s.seed)
+    out: dict = {}
+    for scheme in schemes:
+        if scheme == "A":
+            if s.cluster.cells < 2:
+                out["A_skipped"] = f"async needs >= 2 cells, the cluster has {s.cluster.cells}"
+                continue
+            best, by_split = best_async(s, w)
+            half = max(1, s.cluster.cells // 2)
+            out.update(A=best.hours, A_split=best.async_rollout_cells, A_half=by_split[half], A_by_split=by_split)
+        else:
+            out[scheme] = s.with_(scheme=scheme).run(w).hours
+    return out
 
-    p = get(name).with_(**preset_over)
-    ref, trail = p.ref_load, []
-    w = Workload.named(p.workload.name, seed)
+
+def pin_tool_time(p: Preset, seed: int = 0, target_h: float = 1.93, steps: int | None = None,
+                  tol: float = 0.01, max_iter: int = 6) -> tuple[float, list]:
+    """The tool time per execution at which the preset's own E0 run averages the paper's measured
+    rollout (1.93 h): the profile is a secondary figure, and tool time is the one part of an
+    execution's duration that no token count gives. Decode and prefill stay physical; the
+    iteration moves only the tool time (duration is linear in it at a fixed load)."""
+    wl, trail = p.workload, []
     for _ in range(max_iter):
-        r = Scenario("E", 0, p.with_(ref_load=ref).cluster(), workload=p.workload.name, steps=p.steps,
-                     groups_per_step=p.groups_per_step, seed=seed, record=False).run(w)
-        trail.append((round(ref, 3), round(r.mean_load, 3), round(r.mean_rollout_h, 3)))
-        if abs(r.mean_load - ref) <= tol * ref:
-            return ref, trail
-        ref = r.mean_load
-    return ref, trail
+        r = Scenario("E", 0, p.cluster(), workload=wl, steps=steps or min(p.steps, 6),
+                     groups_per_step=p.groups_per_step, seed=seed, record=False).run()
+        trail.append((round(wl.mean_tool_s), round(r.mean_rollout_h, 3)))
+        err = target_h * 3600 - r.mean_rollout_h * 3600
+        if abs(err) <= tol * target_h * 3600:
+            break
+        wl = replace(wl, mean_tool_s=max(0.0, wl.mean_tool_s + err))
+    return wl.mean_tool_s, trail

@@ -1,0 +1,97 @@
+"""A serving replica from bytes and FLOPs: decode step time, prefill time, KV capacity.
+
+Decode is memory-bound: every step reads the weights the batch touches and the batch's KV cache,
+so one step of a replica with B calls in flight takes
+
+    t(B) = overhead + (dense bytes + routed-expert bytes touched by B tokens + B x context x KV
+           bytes per token) / (replica GPUs x HBM bandwidth)
+
+and each call in the batch gains one token per step. With E experts and k routed per token, B
+tokens touch a share 1 - (1 - k/E)^B of the expert weights (independent routing: an assumption;
+real routing is skewed, which touches fewer). Prefill is compute-bound: 2 x active parameters
+FLOPs per token plus causal attention, at a stated MFU. The KV cache lives in the HBM left after
+the weights (SGLang's ``--mem-fraction-static`` share of HBM, minus the weights).
+
+This is the decode model of the simulator (``gyre.sim.cluster.ClusterModel``) and of the paced
+embedded engine (``engine.pace``), so a benchmark's live run and its simulation share one formula.
+Every number of a spec is stated with its source in ``gyre/sim/calibration.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gyre.config import ConfigError
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """One serving replica (an SGLang tensor/expert-parallel group) of one model on one GPU type."""
+    gpus: int                      # GPUs per replica (TP x EP group)
+    hbm_gb: float                  # per GPU
+    hbm_tb_s: float                # per GPU, HBM bandwidth
+    peak_tflops: float             # per GPU, dense BF16/FP8 compute used for prefill
+    dense_gb: float                # weights every token reads (attention, norms, embeddings, shared experts)
+    expert_gb: float               # routed-expert weights of the whole model (0 for a dense model)
+    experts: int = 0               # routed experts per layer
+    topk: int = 0                  # experts routed per token
+    kv_bytes_per_token: float = 0.0
+    overhead_ms: float = 2.5       # per decode step: kernel launches, TP all-reduce, scheduling
+    active_params: float = 1.0e9   # parameters active per token (prefill FLOPs)
+    attn_flops_per_ctx_token: float = 0.0  # extra prefill FLOPs per token per token of context
+    prefill_mfu: float = 0.4
+    mem_fraction: float = 0.88     # share of HBM SGLang may use for weights + KV
+
+    def __post_init__(self) -> None:
+        for name in ("gpus", "hbm_gb", "hbm_tb_s", "peak_tflops", "active_params", "prefill_mfu", "mem_fraction"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"replica spec: {name} must be positive, got {getattr(self, name)}")
+        for name in ("dense_gb", "expert_gb", "kv_bytes_per_token", "overhead_ms", "attn_flops_per_ctx_token"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"replica spec: {name} must be >= 0, got {getattr(self, name)}")
+        if self.expert_gb > 0 and not 0 < self.topk <= self.experts:
+            raise ConfigError(f"replica spec: an MoE needs 0 < topk <= experts, got topk {self.topk} of {self.experts}")
+        if self.weights_gb >= self.gpus * self.hbm_gb * self.mem_fraction:
+            raise ConfigError(f"replica spec: {self.weights_gb:.0f} GB of weights do not fit {self.gpus} x "
+                              f"{self.hbm_gb:g} GB x {self.mem_fraction:.0%}; use more GPUs per replica")
+
+    @property
+    def weights_gb(self) -> float:
+        return self.dense_gb + self.expert_gb
+
+    @property
+    def bandwidth(self) -> float:
+        """Bytes per second of the whole replica."""
+        return self.gpus * self.hbm_tb_s * 1e12
+
+    def expert_share(self, batch: float) -> float:
+        """Share of the routed-expert weights B tokens touch in one step."""
+        if self.expert_gb <= 0 or batch <= 0:
+            return 0.0
+        return 1.0 - (1.0 - self.topk / self.experts) ** batch
+
+    def step_s(self, batch: float, context: float) -> float:
+        """Seconds of one decode step with `batch` calls of mean context `context` tokens."""
+        b = max(batch, 1.0)
+        read = (self.dense_gb + self.expert_gb * self.expert_share(b)) * 1e9 + b * context * self.kv_bytes_per_token
+        return self.overhead_ms / 1e3 + read / self.bandwidth
+
+    def prefill_s(self, tokens: float, context: float = 0.0) -> float:
+        """Seconds to prefill `tokens` new tokens appended to `context` cached ones."""
+        if tokens <= 0:
+            return 0.0
+        mean_ctx = context + tokens / 2
+        flops = tokens * (2 * self.active_params + self.attn_flops_per_ctx_token * mean_ctx)
+        return flops / (self.gpus * self.peak_tflops * 1e12 * self.prefill_mfu)
+
+    def prefill_floor_s(self, tokens: float) -> float:
+        """Prefill time without attention (a lower bound however the tokens are split into calls)."""
+        return max(0.0, tokens) * 2 * self.active_params / (self.gpus * self.peak_tflops * 1e12 * self.prefill_mfu)
+
+    @property
+    def kv_capacity_tokens(self) -> float:
+        """Tokens of KV (prefix cache included) the replica holds."""
+        if self.kv_bytes_per_token <= 0:
+            return float("inf")
+        free = self.gpus * self.hbm_gb * self.mem_fraction - self.weights_gb
+        return free * 1e9 / self.kv_bytes_per_token
