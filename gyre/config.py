@@ -191,7 +191,7 @@ class SchedConfig:
     skip_zero_variance: bool = _f(True, help="a group whose executions all scored the same reward "
                                   "(no signal for grpo/rloo) is recorded as not admitted, reason zero_variance, "
                                   "and replaced by a new group (dynamic sampling)")
-    max_replacements_per_step: int = _f(8, min=0, help="zero-variance groups replaced per step at most; "
+    max_replacements_per_step: int = _f(4, min=0, help="zero-variance groups replaced per step at most; "
                                         "past it they train as they are (the step trains what it has)")
 
 
