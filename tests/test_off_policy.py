@@ -169,10 +169,11 @@ def test_off_policy_mismatch_stats_by_lag_merge_exactly():
     assert s["mismatch_abs_max_lag2"] == pytest.approx(max(abs(d[2]), abs(d[3])), rel=1e-5)
     assert s["mismatch_k3_lag2"] == pytest.approx((k3[2] + k3[3]) / 2, rel=1e-4)
     assert s["mismatch_tokens_lag0"] == 2 and s["truncated_frac"] == 0.0
-    # the median ratio lies between the two middle ratios (histogram bins are 0.05 wide in log)
-    mid = sorted(math.exp(x) for x in d)[1:3]
-    assert mid[0] * math.exp(-0.05) <= s["ratio_q50"] <= mid[1] * math.exp(0.05)
-    assert hist_quantile([0] * 82, 0.5) is None
+    # the median ratio is the second smallest, to the histogram's 1% bins
+    assert s["ratio_q50"] == pytest.approx(sorted(math.exp(x) for x in d)[1], rel=0.006)
+    assert s["ratio_q01"] == pytest.approx(min(math.exp(x) for x in d), rel=0.006)
+    assert hist_quantile([0] * 403, 0.5) is None
+    assert hist_quantile([0] * 201 + [5] + [0] * 201, 0.5) == 1.0  # the bin centred on ratio 1
 
 
 def _trainer(backend, **over):

@@ -19,10 +19,12 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
-# log(pi_trainer / pi_behaviour) histogram: 0.05 wide in log space over [-2, 2] (ratios 0.14..7.4)
-# plus one under- and one overflow bin. Fixed bins make quantiles mergeable across micro-batches
-# and cells (exact quantiles would need every token's ratio at the head).
-LOG_RATIO_LO, LOG_RATIO_HI, LOG_RATIO_BINS = -2.0, 2.0, 80
+# log(pi_trainer / pi_behaviour) histogram: bins 0.01 wide in log space (1% in the ratio) over
+# about [-2, 2] (ratios 0.14..7.4), one centred on 0 so agreeing numerics read ratio 1.00, plus
+# an under- and an overflow bin. Fixed bins make quantiles mergeable across micro-batches and
+# cells (exact quantiles would need every token's ratio at the head); 403 counts per micro-batch.
+LOG_RATIO_BINS = 401
+LOG_RATIO_LO, LOG_RATIO_HI = -0.01 * LOG_RATIO_BINS / 2, 0.01 * LOG_RATIO_BINS / 2
 QUANTILES = (0.01, 0.5, 0.99)
 _SUMMED = ("loss", "targets", "tokens")
 
@@ -72,18 +74,9 @@ def merge(parts: Iterable[dict | None], *, parallel: bool = True) -> dict:
     return out
 
 
-def bin_of(log_ratio: float) -> int:
-    """Histogram bin of one log-ratio (0: underflow, LOG_RATIO_BINS + 1: overflow)."""
-    if log_ratio < LOG_RATIO_LO:
-        return 0
-    if log_ratio >= LOG_RATIO_HI:
-        return LOG_RATIO_BINS + 1
-    return 1 + int((log_ratio - LOG_RATIO_LO) / (LOG_RATIO_HI - LOG_RATIO_LO) * LOG_RATIO_BINS)
-
-
 def hist_quantile(hist: list, q: float) -> float | None:
-    """The q-quantile of the ratio exp(log ratio) from the histogram (linear within a bin; the
-    outer bins report their edge)."""
+    """The q-quantile of the ratio exp(log ratio) from the histogram: the centre of the bin it
+    falls in (the outer bins report their edge)."""
     total = sum(hist)
     if not total:
         return None
@@ -95,8 +88,7 @@ def hist_quantile(hist: list, q: float) -> float | None:
                 return math.exp(LOG_RATIO_LO)
             if i == LOG_RATIO_BINS + 1:
                 return math.exp(LOG_RATIO_HI)
-            frac = (target - seen) / c
-            return math.exp(LOG_RATIO_LO + (i - 1 + frac) * width)
+            return math.exp(LOG_RATIO_LO + (i - 0.5) * width)
         seen += c
     return math.exp(LOG_RATIO_HI)
 
