@@ -192,7 +192,8 @@ class Head:
             start_version=version, first_group=first_group,
             # equal rewards carry no signal only for a baseline-relative advantage
             skip_zero_variance=s.skip_zero_variance and cfg.train.advantage != "reward",
-            max_replacements_per_step=s.max_replacements_per_step), self.policy.admission_key)
+            max_replacements_per_step=s.max_replacements_per_step, burst_order=cfg.train.burst_order,
+            seed=cfg.run.seed), self.policy.admission_key)
         self._committed = version
         if self.resume:
             self.ledger.write(json.dumps({"resume": True, "version": version, "at": time.time()}) + "\n")

@@ -589,3 +589,33 @@ def test_zero_variance_same_groups_replaced_in_the_simulator_and_the_head(tmp_pa
     assert all(r["replaced_share"] == r["replaced_zero_variance"] / (q + r["replaced_zero_variance"]) for r in step_rows)
     # groups trained past the cap may be zero-variance: they train (zero advantage), none is lost
     assert head.core.trained == steps * q and head.core.started == steps * q + len(zv)
+
+
+def _round(order: str, seed: int):
+    c = core(steps=2, q=2, g=1, k=0, b=2, burst_order=order, seed=seed)
+    gids = launch(c, 4)
+    assigned = []
+    for i, gid in enumerate(gids):  # they finish in id order: 0 is the shortest
+        adm = finish(c, gid, 1.0 + i, version=0)
+        assigned.append([g.id for g in adm.assigned])
+    first = list(c.step.groups)
+    train_and_end(c, 10.0)
+    second = list(c.step.groups)
+    train_and_end(c, 11.0)
+    assert c.done and sorted(first + second) == gids
+    return assigned, first, second
+
+
+def test_burst_order_shuffle_waits_for_the_round_then_deals_at_random():
+    assigned, first, second = _round("stream", 0)
+    assert first == [0, 1] and second == [2, 3]  # finish order: the first step holds the shortest
+    assert assigned[:2] == [[0], [1]]
+    firsts = set()
+    for seed in range(6):
+        assigned, first, second = _round("shuffle", seed)
+        assert assigned[:3] == [[], [], []] and sorted(assigned[3]) == sorted(first)  # the round first
+        firsts.add(tuple(sorted(first)))
+    assert len(firsts) > 1 and firsts != {(0, 1)}
+    assert _round("shuffle", 3)[1] == _round("shuffle", 3)[1]  # seeded
+    with pytest.raises(ValueError, match="burst_order"):
+        CoreSpec(steps=1, groups_per_step=1, group_size=1, burst_order="random")

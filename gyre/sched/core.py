@@ -34,6 +34,7 @@ start within the same sync.
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Hashable, Iterable
@@ -44,6 +45,7 @@ from gyre.sched.state import CellView, ClusterState, ExecView, GroupView
 
 _EPS = 1e-6
 ZERO_VARIANCE = "zero_variance"  # the ledger's reason for a group dropped for equal rewards
+BURST_ORDERS = ("stream", "shuffle")
 
 
 class CoreError(RuntimeError):
@@ -77,6 +79,9 @@ class CoreSpec:
     first_group: int = 0          # next group id (a resumed job never reuses ids)
     skip_zero_variance: bool = False   # drop (and replace) groups whose rewards are all equal
     max_replacements_per_step: int = 0  # ... at most this many per open step
+    burst_order: str = "stream"   # stream: a round's groups go to its steps as they finish;
+    #                               shuffle: once the round's groups are in, in a seeded random order
+    seed: int = 0                 # of the shuffle
 
     def __post_init__(self) -> None:
         if self.staleness_rule not in RULES:
@@ -86,6 +91,8 @@ class CoreSpec:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.staleness < 0:
             raise ValueError(f"staleness must be >= 0, got {self.staleness}")
+        if self.burst_order not in BURST_ORDERS:
+            raise ValueError(f"burst_order must be one of {BURST_ORDERS}, got {self.burst_order!r}")
         if self.max_replacements_per_step < 0:
             raise ValueError(f"max_replacements_per_step must be >= 0, got {self.max_replacements_per_step}")
 
@@ -402,9 +409,13 @@ class Coordinator:
         if not self._waiting:
             return Admission()
         waiting = [g.view() for g in self._waiting.values()]
+        if s.burst_order == "shuffle" and s.steps_per_sync > 1:
+            chosen = self._shuffled_pick(waiting, room)
+        else:
+            chosen = pick(waiting, self.version, s.staleness, room, self.key, s.steps_per_sync,
+                          s.start_version, s.staleness_rule)
         out = []
-        for v in pick(waiting, self.version, s.staleness, room, self.key, s.steps_per_sync,
-                      s.start_version, s.staleness_rule):
+        for v in chosen:
             g = self.groups[v.id]
             g.state, g.step = GroupState.ASSIGNED, st.index
             del self._waiting[g.id]
@@ -413,6 +424,20 @@ class Coordinator:
         if out and st.started_at is None:
             st.started_at = now
         return Admission(assigned=tuple(out))
+
+    def _shuffled_pick(self, waiting: list[GroupView], room: int) -> list[GroupView]:
+        """burst_order = shuffle: nothing until the groups for the rest of the round are in (the
+        first ones in admission order), then `room` of them at random (seeded by step), so a
+        step's position in the round says nothing about how long its executions ran."""
+        s = self.spec
+        left = min(s.steps_per_sync - (self.version - s.start_version) % s.steps_per_sync,
+                   s.steps - self.version)
+        need = room + s.groups_per_step * (left - 1)
+        ready = pick(waiting, self.version, s.staleness, need, self.key, s.steps_per_sync,
+                     s.start_version, s.staleness_rule)
+        if len(ready) < need:
+            return []
+        return random.Random(s.seed * 1_000_003 + self.step.index).sample(ready, room)
 
     # ---- training work of the open step ---------------------------------------------------------
     def microbatches_added(self, group: int, tokens: dict) -> None:
