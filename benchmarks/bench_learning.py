@@ -6,7 +6,8 @@ engines, trainers, evaluator and shards), one job per configuration and seed.
 Configurations (at `--size full`, the default `make bench` runs: 3 seeds x 14 steps each):
 
 - E, A, C at staleness 0 and 2 (`train.off_policy = auto`: tis at 0, decoupled at 2);
-- E2 with each correction: none, tis, decoupled;
+- E2 with each correction: none, tis, decoupled (E2_decoupled is E2's configuration, run as its
+  own jobs: sampling is not seeded, so the two show the run-to-run spread);
 - E0 with `sched.steps_per_sync = 4` and `train.burst_order` stream vs shuffle.
 
 Written to benchmarks/results/learning.json (flat): `final_reward_{label}` (mean over seeds of the
