@@ -228,3 +228,23 @@ def test_off_policy_trainer_prox_is_one_no_grad_forward_at_the_step_start(backen
     assert st2["prox_drift_max"] < 1e-5
     assert (before - mb.old_logprobs).abs().max() > 1e-3
     assert st2["is_weight_mean"] != pytest.approx(st["is_weight_mean"], abs=1e-4)
+
+
+def test_off_policy_lag0_mismatch_warns_only_past_the_threshold():
+    from gyre.train.step_stats import lag0_warning
+
+    def summary(shift: float, lag: int = 0) -> dict:
+        # behaviour log-probs off by `shift` at the same weights: what wrong weights or a wrong
+        # template look like to the trainer
+        toks = [(0.5, 0.5, 0.5 * math.exp(-shift), 1.0), (0.4, 0.4, 0.4 * math.exp(-shift), -1.0)]
+        _, st = policy_loss(_logits(toks), _batch(toks, [lag] * 2), off_policy=OffPolicy("tis"),
+                            prox_logprobs=_prox(toks))
+        return summarize(merge([st]))
+
+    bad = summary(0.5)  # k3 = e^0.5 - 1 - 0.5 = 0.149
+    assert bad["mismatch_k3_lag0"] == pytest.approx(math.expm1(0.5) - 0.5, rel=1e-4)
+    msg = lag0_warning(bad, 0.01)
+    assert msg and "lag 0" in msg and "train.mismatch_warn_k3" in msg and "template" in msg
+    assert lag0_warning(summary(0.05), 0.01) is None  # k3 0.0013: numerics, not a bug
+    assert lag0_warning(bad, 0.0) is None             # 0 = never
+    assert lag0_warning(summary(0.5, lag=2), 0.01) is None  # lagged tokens differ by design
