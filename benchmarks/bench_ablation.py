@@ -109,8 +109,10 @@ def executions(shape: Shape, vocab: int | None = VOCAB) -> list:
 def make_trainer(seed: int = 0) -> EmbeddedTrainer:
     cfg = tiny_qwen2_config(vocab_size=VOCAB)  # hidden 64, 2 layers, 4 heads, 2 KV heads
     cfg.max_position_embeddings = 32768
-    return EmbeddedTrainer(TrainConfig(dtype="float32", grad_clip=0.0), random_qwen2(cfg, seed=seed, std=0.1),
-                           device="cpu")
+    # off_policy none: the loss ablation.json was recorded with (the selection and packing are what
+    # this measures; tis/decoupled add a no-grad forward and reweight by the synthetic log-probs)
+    return EmbeddedTrainer(TrainConfig(dtype="float32", grad_clip=0.0, off_policy="none"),
+                           random_qwen2(cfg, seed=seed, std=0.1), device="cpu")
 
 
 def set_on_policy(trainer: EmbeddedTrainer, records: list) -> int:

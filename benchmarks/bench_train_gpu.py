@@ -63,7 +63,8 @@ def trainer(dtype: str, hf_config, hf_state):
     from gyre.config import TrainConfig
     from gyre.train.megatron_trainer import MegatronTrainer
 
-    return MegatronTrainer(TrainConfig(backend="megatron", lr=1e-5, dtype=dtype), hf_config, hf_state)
+    # off_policy none: the step ablation_gpu.json was recorded with (no extra no-grad forward)
+    return MegatronTrainer(TrainConfig(backend="megatron", lr=1e-5, dtype=dtype, off_policy="none"), hf_config, hf_state)
 
 
 def agreement(t, mb, dtype: torch.dtype) -> dict:
@@ -189,7 +190,7 @@ def tree_attention_timing(hf_config, hf_state) -> dict:
         if backend == "embedded":
             model = random_qwen2(hf_config, seed=0, std=0.02)
             model.load_state_dict(hf_state)
-            t = EmbeddedTrainer(TrainConfig(dtype=dtype), model, device=DEV)
+            t = EmbeddedTrainer(TrainConfig(dtype=dtype, off_policy="none"), model, device=DEV)
         else:
             t = trainer(dtype, hf_config, hf_state)
         if not batches:  # same weights in both trainers: one on-policy pass serves both

@@ -46,6 +46,32 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true
 status=0
 rm -f benchmarks/results/ablation_gpu.json   # only this run's figures go back
 timeout -k 10 480 python3 benchmarks/bench_train_gpu.py || status=$?
+# issue 21: pi_prox from the extra no-grad forward on CUDA in bf16, both backends. The no-grad
+# forward runs in eval mode and the training one in train mode; at the same weights they must agree
+# (prox_drift_max: bf16 kernels may differ in the last bits, not more), and the step must carry
+# the mismatch figures. Prints one line per backend; fails on a drift above 0.05 nats.
+timeout -k 10 120 python3 - <<'PY' || status=$?
+import torch
+from gyre.batch import expanded_batch
+from gyre.config import TrainConfig
+from gyre.train.megatron_trainer import MegatronTrainer
+from gyre.train.toy import random_qwen2
+from gyre.train.trainer import EmbeddedTrainer
+
+hf = random_qwen2(seed=0, std=0.1)
+seqs = [[1, 2, 3] + list(range(10, 40)), [4, 5] + list(range(50, 70))]
+for name in ("embedded", "megatron"):
+    cfg = TrainConfig(backend=name, dtype="bfloat16", off_policy="tis", lr=1e-4)
+    t = EmbeddedTrainer(cfg, hf) if name == "embedded" else MegatronTrainer(cfg, hf.config, hf.state_dict())
+    mb = expanded_batch(seqs, [3, 2], old_logprobs=[[0.0] * 30, [0.0] * 20], advantages=[1.0, -1.0],
+                        execution_index=[0, 1])
+    mb.old_logprobs = t.logprobs(mb)
+    st = t.forward_backward(mb)
+    out = t.optimizer_step()
+    print(f"offpolicy_gpu {name}: prox_drift_max {st['prox_drift_max']:.3g} mismatch_k3_lag0 "
+          f"{out['mismatch_k3_lag0']:.3g} grad_norm {out['grad_norm']:.3g}", flush=True)
+    assert st["prox_drift_max"] < 0.05 and out["mismatch_k3_lag0"] < 0.01, (name, st, out)
+PY
 if [ -n "${OUT:-}" ] && [ -f benchmarks/results/ablation_gpu.json ]; then
     cp benchmarks/results/ablation_gpu.json "$OUT/"
 fi

@@ -137,6 +137,24 @@ class TrainConfig:
     clip: bool = _f(True, help="PPO-style ratio clipping with clip_low/clip_high; false = plain IS ratio")
     staleness_weights: list = _f([], help="loss weight per policy lag [w0, w1, ...]; lags past the "
                                       "list are masked; empty = weight 1 for every admitted lag")
+    off_policy: str = _f("auto", choices=("auto", "none", "tis", "decoupled"),
+                         help="correction for stale and mismatched samples (README, 'The loss'): none = PPO "
+                              "clip against the behaviour log-probs; tis = clip against pi_old (the trainer "
+                              "at the step start, one extra no-grad forward) times min(pi_old/pi_behaviour, "
+                              "is_cap); decoupled = AReaL's decoupled PPO, clip against pi_prox (the same "
+                              "forward) times pi_prox/pi_behaviour; auto = decoupled when sched.staleness > 0 "
+                              "or sched.steps_per_sync > 1, else tis")
+    is_cap: float = _f(2.0, min=1.0, help="tis: C in min(pi_old / pi_behaviour, C)")
+    is_mask: bool = _f(False, help="tis/decoupled: drop (weight 0) tokens whose pi_old / pi_behaviour "
+                                   "leaves [is_mask_low, is_mask_high]")
+    is_mask_low: float = _f(0.5, min=0.0)
+    is_mask_high: float = _f(2.0, min=0.0)
+    mismatch_warn_k3: float = _f(0.01, min=0.0, help="warn when the k3 KL between trainer and engine "
+                                 "log-probs at lag 0 (same weights) exceeds this; 0 = never")
+    burst_order: str = _f("stream", choices=("stream", "shuffle"),
+                          help="with sched.steps_per_sync > 1: stream = a round's groups train in the order "
+                               "they finish (early steps hold short executions); shuffle = wait for the "
+                               "round, then deal its groups to its steps in a seeded random order")
     grad_clip: float = _f(1.0, min=0.0, help="clip the global grad norm to this; 0 = no clipping")
     weight_decay: float = _f(0.0, min=0.0)
     adam_beta1: float = _f(0.9, min=0.0, max=1.0)
@@ -170,6 +188,13 @@ class SchedConfig:
     push_s: float = _f(60.0, min=0.0, help="expected optimizer step + weight push per step")
     execs_per_cell: float = _f(16.0, min=0.001, help="scheme E-paper: running executions one rollout cell serves")
     min_dwell_s: float = _f(60.0, min=0.0, help="schemes E, E-paper: least time a cell stays in a role")
+    calls_per_cell: float = _f(4.0, min=0.001, help="scheme E: calls one rollout cell decodes while each keeps "
+                               "~80% of its solo speed (engines per cell x their batch knee)")
+    skip_zero_variance: bool = _f(True, help="a group whose executions all scored the same reward "
+                                  "(no signal for grpo/rloo) is recorded as not admitted, reason zero_variance, "
+                                  "and replaced by a new group (dynamic sampling)")
+    max_replacements_per_step: int = _f(4, min=0, help="zero-variance groups replaced per step at most; "
+                                        "past it they train as they are (the step trains what it has)")
 
 
 @dataclass
@@ -351,7 +376,30 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
             cur = cur.setdefault(part, {})
         cur[parts[-1]] = value
         _apply(cfg, nested, "")
+    _cross_check(cfg)
     return cfg
+
+
+def _cross_check(cfg: GyreConfig) -> None:
+    """Rules that span keys (each key alone was checked by `_apply`)."""
+    t = cfg.train
+    if t.is_mask and not t.is_mask_low < t.is_mask_high:
+        raise ConfigError(f"train.is_mask_low ({t.is_mask_low}) must be below train.is_mask_high "
+                          f"({t.is_mask_high})")
+
+
+def resolved_off_policy(cfg: GyreConfig) -> str:
+    """`train.off_policy` with `auto` decided: decoupled when groups can lag (sched.staleness > 0,
+    or bursts of sched.steps_per_sync > 1 steps on one round's weights), else tis."""
+    if cfg.train.off_policy != "auto":
+        return cfg.train.off_policy
+    lagged = cfg.sched.staleness > 0 or cfg.sched.steps_per_sync > 1 or cfg.train.staleness > 0
+    return "decoupled" if lagged else "tis"
+
+
+def trainer_config(cfg: GyreConfig) -> TrainConfig:
+    """The TrainConfig a run's trainers get: `off_policy` resolved against the run's schedule."""
+    return dataclasses.replace(cfg.train, off_policy=resolved_off_policy(cfg))
 
 
 def to_dict(cfg: Any) -> dict:

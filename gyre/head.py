@@ -30,6 +30,7 @@ import math
 import secrets
 import signal
 import statistics
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -43,6 +44,7 @@ from gyre.sched.core import Admission, Coordinator, CoreSpec, GroupRecord, StepR
 from gyre.sched.protocol import (Command, Event, PrepareReduce, PushWeights, Reduce, Reply, Stop, ToRollout, ToTrain,
                                  Train, reply_for)
 from gyre.sched.state import Role
+from gyre.train.step_stats import lag0_warning, merge, summarize
 
 
 class Head:
@@ -68,6 +70,7 @@ class Head:
         self.t0 = time.time()
         self.records_buffer: list = []
         self.errors: list[str] = []
+        self.warnings: list[str] = []     # e.g. train/inference mismatch at lag 0 (once per kind)
         self.events: list[dict] = []      # restarts and failures, for the report
         self.cell_info: dict[int, dict] = {}
         self._cells_written = 0.0
@@ -186,7 +189,11 @@ class Head:
         self.core = Coordinator(CoreSpec(
             steps=cfg.run.steps, groups_per_step=cfg.run.groups_per_step, group_size=cfg.harness.group_size,
             staleness=s.staleness, staleness_rule=s.staleness_rule, steps_per_sync=s.steps_per_sync,
-            start_version=version, first_group=first_group), self.policy.admission_key)
+            start_version=version, first_group=first_group,
+            # equal rewards carry no signal only for a baseline-relative advantage
+            skip_zero_variance=s.skip_zero_variance and cfg.train.advantage != "reward",
+            max_replacements_per_step=s.max_replacements_per_step, burst_order=cfg.train.burst_order,
+            seed=cfg.run.seed), self.policy.admission_key)
         self._committed = version
         if self.resume:
             self.ledger.write(json.dumps({"resume": True, "version": version, "at": time.time()}) + "\n")
@@ -343,7 +350,8 @@ class Head:
         self._flush()
         usable = rec.status in FINISHED and math.isfinite(rec.reward)
         adm = self.core.execution_evaluated(eid, now, version=rec.min_version,
-                                            tokens=float(rec.tree.stats().unique_tokens), usable=usable)
+                                            tokens=float(rec.tree.stats().unique_tokens), usable=usable,
+                                            reward=rec.reward if usable else None)
         self._on_admission(adm)
 
     def _on_admission(self, adm: Admission) -> None:
@@ -489,6 +497,8 @@ class Head:
         losses = [x.get("loss", 0.0) for x in st]
         ratios = [x["ratio_mean"] for x in st if x.get("ratio_mean") is not None]
         kls = [x["kl_old"] for x in st if x.get("kl_old") is not None]
+        merged = merge(st, parallel=False)
+        mismatch = summarize(merged)
         lag = [g.lag_steps for g in res.groups]
         lag_sync = [g.lag_syncs for g in res.groups]
         toks = [g.train_tokens for g in res.groups]
@@ -502,7 +512,20 @@ class Head:
                "loss": sum(losses), "ratio_mean": statistics.fmean(ratios) if ratios else None,
                "kl_old_max": max(kls, default=None), "grad_norm": next((r.grad_norm for r in reps if getattr(r, "grad_norm", None) is not None), None),
                "reduce_s": reduce_s, "push_s": push_s, "t_start": (res.started_at or res.ended_at) - self.t0,
-               "t_end": res.ended_at - self.t0}
+               "t_end": res.ended_at - self.t0,
+               # the loss of a GRPO step is ~0 by construction; what moves is the surrogate's scale
+               "loss_per_target": merged["loss"] / merged["targets"] if merged.get("targets") else None,
+               "is_weight_mean": merged.get("is_weight_mean"), "clip_frac": merged.get("clip_frac"),
+               "replaced_zero_variance": res.replaced,
+               "replaced_share": res.replaced / (res.replaced + len(res.groups)) if res.groups else 0.0,
+               **mismatch}
+        warning = lag0_warning(mismatch, self.cfg.train.mismatch_warn_k3)
+        if warning:
+            self.events.append({"t": res.ended_at - self.t0, "cell": None, "kind": "mismatch_warning",
+                                "info": {"step": res.index, "why": warning}})
+            if not any(w.startswith("train/inference mismatch") for w in self.warnings):
+                self.warnings.append(warning)
+                print(f"gyre: warning: step {res.index}: {warning}", file=sys.stderr, flush=True)
         self.step_log.append(row)
         self.steps_file.write(json.dumps(row) + "\n")
         self._committed = res.version
@@ -623,7 +646,8 @@ class Head:
                 "lag": asdict(self.core.lag_stats()), "groups_dropped": len(dropped),
                 "groups_started": self.core.started,
                 "steps": self.step_log, "cells": cells, "wall_s": t1 - self.t0, "stopped": stopped,
-                "errors": self.errors, "harness_errors": self.harness_errors, "events": self.events,
+                "errors": self.errors, "warnings": self.warnings, "harness_errors": self.harness_errors,
+                "events": self.events, "groups_replaced_zero_variance": self.core.zero_variance_dropped,
                 "executions": self.status_counts, "version": self.version,
                 "intervals": {c.id: c.intervals for c in self.cells}}
 

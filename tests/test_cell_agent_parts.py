@@ -128,7 +128,9 @@ def test_rows_split_over_ranks_sum_to_the_whole_micro_batch():
     assert rows_of(_batch([0]), 1, 2) is None  # a rank with no row has nothing to do
     merged = merge_stats(parts)
     assert merged["targets"] == ref["targets"] and merged["loss"] == pytest.approx(ref["loss"], rel=1e-6)
-    assert torch.allclose(one.flat_grads(), two.flat_grads(), atol=1e-7)
+    # (atol 1e-6: the default off_policy (tis) weights tokens up to is_cap, so the gradient and its
+    # float32 rounding across row splits are a few times larger than the plain ratio's)
+    assert torch.allclose(one.flat_grads(), two.flat_grads(), atol=1e-6)
 
 
 @pytest.mark.slow

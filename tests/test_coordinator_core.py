@@ -297,9 +297,9 @@ class RecordingCoordinator(Coordinator):
         self.trace.append(("exec", group, key))
         return super().execution_started(group, key, now)
 
-    def execution_evaluated(self, key, now, *, version=-1, tokens=0.0, usable=True):
-        self.trace.append(("evaluated", key, now, version))
-        return super().execution_evaluated(key, now, version=version, tokens=tokens, usable=usable)
+    def execution_evaluated(self, key, now, *, version=-1, tokens=0.0, usable=True, reward=None):
+        self.trace.append(("evaluated", key, now, version, reward))
+        return super().execution_evaluated(key, now, version=version, tokens=tokens, usable=usable, reward=reward)
 
     def step_ending(self, now):
         self.trace.append(("step_ending", now))
@@ -315,7 +315,8 @@ class RecordingCoordinator(Coordinator):
         return super().weights_pushed(version)
 
 
-def simulated_trace(k: int, b: int, steps: int, q: int, g: int, slow_group: int):
+def simulated_trace(k: int, b: int, steps: int, q: int, g: int, slow_group: int, zero_variance_share: float = 0.0,
+                    max_replacements: int = 4):
     from gyre.sim.cluster import ClusterModel
     from gyre.sim.engine import Simulator, SimSpec
     from gyre.sim.workload import ExecSpec, GroupSpec, Workload
@@ -330,7 +331,8 @@ def simulated_trace(k: int, b: int, steps: int, q: int, g: int, slow_group: int)
     cluster = ClusterModel(nodes=2, cell_nodes=1, gpus_per_node=1, min_cell_nodes=1,
                            eval_s=0, push_s=0, opt_s=0, to_train_s=0, to_rollout_s=0)
     sim = Simulator(make_policy("E", k), w, cluster,
-                    SimSpec(steps=steps, groups_per_step=q, segments=1, tick_s=500.0, steps_per_sync=b))
+                    SimSpec(steps=steps, groups_per_step=q, segments=1, tick_s=500.0, steps_per_sync=b,
+                            zero_variance_share=zero_variance_share, max_replacements_per_step=max_replacements))
     sim.core = RecordingCoordinator(sim.core.spec, sim.core.key)
     sim.run()
     return sim.core
@@ -364,14 +366,14 @@ def head_for_replay(tmp_path, spec: CoreSpec, key):
     return head
 
 
-def record(eid: str, gid: int, member: int, version: int):
+def record(eid: str, gid: int, member: int, version: int, reward: float | None = None):
     from gyre.traj.record import ExecutionRecord
     from gyre.traj.tree import Segment, TrajectoryTree
 
     t = TrajectoryTree()
     t.add_call([Segment("task", [5, 6, 7, member + 8], "user")], "a", [3, 4], [20 + member, 30, 31],
                [-0.5, -1.0, -0.25], agent_role="main", policy_version=version)
-    return ExecutionRecord(eid, "task", gid, "done", float(member % 2), "tests", tree=t)
+    return ExecutionRecord(eid, "task", gid, "done", float(member % 2) if reward is None else reward, "tests", tree=t)
 
 
 @pytest.mark.parametrize("k,b", [(1, 1), (0, 2), (2, 1)])
@@ -474,3 +476,147 @@ def test_a_full_step_with_no_work_still_gets_a_trainer(scheme):
     c.step_ending(1_010.0)
     res = c.step_ended(1_010.0)
     assert res.version == 1 and [x.id for x in res.groups] == [g] and not c.cluster_state(1_011.0, cells).step_ready
+
+
+# ---- zero-variance groups (dynamic sampling) -------------------------------------------------
+
+def score(c: Coordinator, gid: int, rewards, now: float = 1.0, version: int = 0):
+    adm = None
+    for i, r in enumerate(rewards):
+        adm = c.execution_evaluated((gid, i), now, version=version, tokens=10.0, reward=r)
+    return adm
+
+
+def test_zero_variance_group_dropped_and_replaced_within_the_cap():
+    c = core(steps=1, q=2, g=2, skip_zero_variance=True, max_replacements_per_step=1)
+    a, b = launch(c, 2)
+    assert launch(c, 5) == []  # the window is full
+    adm = score(c, a, [1.0, 1.0])
+    assert [g.id for g in adm.dropped] == [a] and c.groups[a].reason == "zero_variance"
+    assert c.groups[a].state is S.DROPPED and c.step.replaced == 1
+    (r,) = launch(c, 5)  # exactly one replacement may start
+    assert score(c, b, [0.0, 0.0]).dropped == ()  # past the cap: it trains as it is
+    assert c.groups[b].state is S.ASSIGNED
+    score(c, r, [0.0, 1.0])
+    res = train_and_end(c, 2.0)
+    assert sorted(g.id for g in res.groups) == sorted([b, r]) and res.replaced == 1
+    assert c.done and c.zero_variance_dropped == 1
+
+
+def test_zero_variance_off_unknown_or_lone_rewards_train():
+    c = core(steps=1, q=3, g=2, max_replacements_per_step=5)  # skip_zero_variance off
+    a, b, d = launch(c, 3)
+    assert score(c, a, [1.0, 1.0]).dropped == ()
+    c2 = core(steps=1, q=3, g=2, skip_zero_variance=True, max_replacements_per_step=5)
+    a, b, d = launch(c2, 3)
+    assert score(c2, a, [1.0, None]).dropped == ()   # one reward unknown: not called equal
+    c2.execution_evaluated((b, 0), 1.0, version=0, reward=1.0)
+    adm = c2.execution_evaluated((b, 1), 1.0, version=0, reward=1.0, usable=False)
+    assert adm.dropped == ()  # one usable execution: nothing to compare it with
+    assert score(c2, d, [0.5, 0.5 + 1e-9]).dropped[0].reason == "zero_variance"
+
+
+def test_zero_variance_cap_is_per_step_and_stale_comes_first():
+    c = core(steps=3, q=1, g=2, k=1, skip_zero_variance=True, max_replacements_per_step=1)
+    g0, g1 = launch(c, 2)
+    assert score(c, g0, [1.0, 1.0]).dropped[0].reason == "zero_variance"
+    assert score(c, g1, [1.0, 1.0]).dropped == ()  # the cap of step 0 is spent
+    train_and_end(c, 2.0)
+    (g2, g3) = launch(c, 5)
+    assert score(c, g2, [0.0, 0.0], version=1).dropped[0].reason == "zero_variance"  # step 1's own cap
+    # a group both stale and zero-variance is dropped as stale (it could never train anyway)
+    c3 = core(steps=4, q=1, g=2, k=1, skip_zero_variance=True, max_replacements_per_step=3)
+    h0, h1 = launch(c3, 2)
+    score(c3, h0, [0.0, 1.0])
+    train_and_end(c3, 2.0)
+    (h2, *_) = launch(c3, 5)
+    score(c3, h2, [0.0, 1.0], version=1)
+    train_and_end(c3, 3.0)
+    adm = score(c3, h1, [1.0, 1.0], now=4.0, version=0)  # lag 2 syncs > k = 1
+    assert adm.dropped[0].reason.startswith("stale") and c3.step.replaced == 0
+
+
+def test_zero_variance_replacement_under_the_count_rule_does_not_deadlock():
+    c = core(steps=1, q=2, g=2, k=0, rule="count", skip_zero_variance=True, max_replacements_per_step=2)
+    a, b = launch(c, 5)
+    assert launch(c, 5) == []  # (r + k + 1) x Q = 2 started: the count bound
+    score(c, a, [1.0, 1.0])
+    (r,) = launch(c, 5)  # the dropped group does not count as started
+    score(c, b, [0.0, 1.0])
+    score(c, r, [1.0, 0.0])
+    assert train_and_end(c, 2.0).replaced == 1 and c.done
+
+
+def test_zero_variance_same_groups_replaced_in_the_simulator_and_the_head(tmp_path):
+    """The simulator's zero-variance groups (a seeded share) replayed through the real head:
+    the same groups are dropped with reason zero_variance, the same replacements start, the same
+    groups train in each step, and each step row says how many were replaced."""
+    import json
+
+    steps, q, g = 4, 2, 2
+    sim = simulated_trace(0, 1, steps, q, g, slow_group=-1, zero_variance_share=0.5, max_replacements=1)
+    assert sim.spec.skip_zero_variance and sim.zero_variance_dropped >= 2
+    head = head_for_replay(tmp_path, sim.spec, sim.key)
+    eid_of = {}
+    for ev in sim.trace:
+        if ev[0] == "start":
+            assert head._start_groups(ev[1], ev[2])
+        elif ev[0] == "exec":
+            eid_of[ev[2]] = (ev[1], len([1 for x in eid_of.values() if x[0] == ev[1]]))
+        elif ev[0] == "evaluated":
+            gid, m = eid_of[ev[1]]
+            eid = f"q{gid}-task-g{m}"
+            head._execution_done(eid, record(eid, gid, m, ev[3], reward=ev[4]), ev[2])
+        elif ev[0] == "step_ending":
+            while (mb := head.core.next_microbatch()) is not None:
+                head.core.microbatch_trained(mb)
+            head.core.step_ending(ev[1])
+        elif ev[0] == "step_ended":
+            res = head._step_ended(ev[1])
+            if not res.push_due or head.core.done:
+                head._step_committed(res, [], [], 0.0, 0.0)
+        elif ev[0] == "pushed":
+            head._step_committed(res, [], [], 0.0, 0.0)
+    head.ledger.close()
+    head.steps_file.close()
+    assert [[x.id for x in r.groups] for r in head.core.steps] == [[x.id for x in r.groups] for r in sim.steps]
+    zv = {gid for gid, x in sim.groups.items() if x.reason == "zero_variance"}
+    assert {gid for gid, x in head.core.groups.items() if x.reason == "zero_variance"} == zv
+    rows = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    assert {r["group"] for r in rows if r["reason"] == "zero_variance" and not r["admitted"]} == zv
+    step_rows = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert sum(r["replaced_zero_variance"] for r in step_rows) == len(zv)
+    assert all(r["replaced_zero_variance"] <= 1 and r["groups"] == q for r in step_rows)
+    assert all(r["replaced_share"] == r["replaced_zero_variance"] / (q + r["replaced_zero_variance"]) for r in step_rows)
+    # groups trained past the cap may be zero-variance: they train (zero advantage), none is lost
+    assert head.core.trained == steps * q and head.core.started == steps * q + len(zv)
+
+
+def _round(order: str, seed: int):
+    c = core(steps=2, q=2, g=1, k=0, b=2, burst_order=order, seed=seed)
+    gids = launch(c, 4)
+    assigned = []
+    for i, gid in enumerate(gids):  # they finish in id order: 0 is the shortest
+        adm = finish(c, gid, 1.0 + i, version=0)
+        assigned.append([g.id for g in adm.assigned])
+    first = list(c.step.groups)
+    train_and_end(c, 10.0)
+    second = list(c.step.groups)
+    train_and_end(c, 11.0)
+    assert c.done and sorted(first + second) == gids
+    return assigned, first, second
+
+
+def test_burst_order_shuffle_waits_for_the_round_then_deals_at_random():
+    assigned, first, second = _round("stream", 0)
+    assert first == [0, 1] and second == [2, 3]  # finish order: the first step holds the shortest
+    assert assigned[:2] == [[0], [1]]
+    firsts = set()
+    for seed in range(6):
+        assigned, first, second = _round("shuffle", seed)
+        assert assigned[:3] == [[], [], []] and sorted(assigned[3]) == sorted(first)  # the round first
+        firsts.add(tuple(sorted(first)))
+    assert len(firsts) > 1 and firsts != {(0, 1)}
+    assert _round("shuffle", 3)[1] == _round("shuffle", 3)[1]  # seeded
+    with pytest.raises(ValueError, match="burst_order"):
+        CoreSpec(steps=1, groups_per_step=1, group_size=1, burst_order="random")

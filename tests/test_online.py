@@ -88,6 +88,10 @@ def test_elastic_run_switches_both_ways_and_trains(tmp_path):
     for step in rep["steps"]:
         assert step["grad_norm"] is not None and step["grad_norm"] > 0
         assert step["staleness_max"] == 0  # E0: on-policy
+        # embedded engine and trainer, both float32, at the same weights: numerics agree
+        assert step["mismatch_tokens_lag0"] > 0 and step["mismatch_k3_lag0"] < 1e-4, step
+        assert 0.99 < step["ratio_q50"] < 1.01 and step["truncated_frac"] == 0.0
+    assert not rep["warnings"]
     roles = [[r for r, a, b in rep["intervals"][str(c)] if b > a] for c in range(2)]
     went_train = [i for i, rs in enumerate(roles) if "train" in rs]
     back = [i for i, rs in enumerate(roles) if "train" in rs and "rollout" in rs[rs.index("train"):]]
@@ -247,3 +251,26 @@ def test_burst_feeds_two_steps_from_one_round_and_pushes_once(tmp_path):
     rows = check_ledger(run_dir)
     assert sum(r["admitted"] for r in rows) == 2 * 2 * 2
     assert {r["version"] for r in rows if r["admitted"]} == {0}  # every trained group was served by v0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_run_zero_variance_groups_replaced_live(tmp_path):
+    """The answer agent writes its answer where the tests do not look, so every execution scores
+    0: every group has zero variance. With a cap of 1 each step drops (ledger reason
+    zero_variance) and replaces one group, then trains the replacement as it is."""
+    run_dir, steps = tmp_path / "zv", 2
+    rc, out = gyre_run(run_dir, "run.groups_per_step=1", "harness.group_size=2", "sched.max_replacements_per_step=1",
+                       'harness.command=["{python}", "-m", "gyre.harness.answer_agent", "--out", "elsewhere.txt"]',
+                       steps=steps)
+    assert rc == 0, out[-3000:]
+    rep = report(run_dir)
+    assert rep["version"] == steps and not rep["errors"], rep["errors"]
+    assert rep["groups_replaced_zero_variance"] == steps and rep["groups_started"] == 2 * steps
+    assert [s["replaced_zero_variance"] for s in rep["steps"]] == [1] * steps
+    assert all(s["replaced_share"] == 0.5 for s in rep["steps"])
+    rows = check_ledger(run_dir)
+    dropped = [r for r in rows if r["reason"] == "zero_variance"]
+    assert len(dropped) == 2 * steps and not any(r["admitted"] for r in dropped)
+    assert all(r["reward"] == 0.0 for r in dropped)
+    assert sum(r["admitted"] for r in rows) == steps * 1 * 2  # past the cap the step trains what it has

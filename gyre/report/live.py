@@ -21,17 +21,35 @@ def print_report(report: dict) -> None:
                   f"{c['switching_s']:.1f}", f"{c['idle_s']:.1f}", str(c["switches"]), f"{c['utilisation']:.0%}")
     con.print(t)
     s = Table(title="steps")
-    for col in ("step", "groups", "micro-batches", "reward", "staleness mean/max", "loss", "grad norm", "cells", "end s"):
+    for col in ("step", "groups", "micro-batches", "reward", "staleness mean/max", "loss/target", "grad norm",
+                "replaced", "mismatch k3 (lag 0)", "cells", "end s"):
         s.add_column(col, justify="right")
     for r in report["steps"]:
         rew = "-" if r["reward_mean"] is None else f"{r['reward_mean']:.3f}"
         gn = "-" if r["grad_norm"] is None else f"{r['grad_norm']:.3f}"
         s.add_row(str(r["step"]), str(r["groups"]), str(r["micro_batches"]), rew,
-                  f"{r['staleness_mean']:.2f}/{r['staleness_max']}", f"{r['loss']:.4f}", gn,
+                  f"{r['staleness_mean']:.2f}/{r['staleness_max']}", readable_loss(r), gn,
+                  f"{r.get('replaced_share', 0.0):.0%}", _sci(r.get("mismatch_k3_lag0")),
                   ",".join(map(str, r["participants"])), f"{r['t_end']:.1f}")
     con.print(s)
+    for w in report.get("warnings", []):
+        con.print(f"[yellow]warning[/yellow] {w}")
     for e in report.get("errors", []):
         con.print(f"[red]error[/red] {e}")
+
+
+def _sci(x) -> str:
+    return "-" if x is None else f"{x:.1e}"
+
+
+def readable_loss(row: dict) -> str:
+    """The step's loss per target token in 3 significant figures: a GRPO loss is ~0 by
+    construction (advantages sum to ~0 in each group), so a fixed 4-decimal format reads 0.0000
+    at every step; the value that moves is small, not absent."""
+    v = row.get("loss_per_target")
+    if v is None:
+        v = row.get("loss")
+    return "-" if v is None else f"{v:+.2e}"
 
 
 def gantt(report: dict, path: str | Path, t0: float | None = None) -> Path:

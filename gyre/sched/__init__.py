@@ -26,6 +26,7 @@ def policy_from_config(cfg, cell_scale: float = 1.0) -> Policy:
     s = cfg.sched
     hints = Hints(to_train_s=s.to_train_s, to_rollout_s=s.to_rollout_s, push_s=s.push_s,
                   execs_per_cell=s.execs_per_cell, min_dwell_s=s.min_dwell_s, cell_scale=cell_scale,
+                  calls_per_cell=s.calls_per_cell,
                   train_tokens_per_s=cfg.sim.train_tokens_per_s, eval_s=cfg.sim.eval_s)
     return make_policy(s.scheme, s.staleness, hints, rollout_cells=max(1, s.rollout_cells_async))
 

@@ -39,7 +39,7 @@ import traceback
 from pathlib import Path
 
 from gyre import faults
-from gyre.config import GyreConfig, env, load_config
+from gyre.config import GyreConfig, env, load_config, trainer_config
 from gyre.fsio import atomic_write_json
 from gyre.sched import mpi_link
 from gyre.sched.protocol import (TAG_STORE, Command, Event, PrepareReduce, PushWeights, Reduce, Reply, Role, Stop,
@@ -406,7 +406,7 @@ class CellAgent:
         # in rollout the trainer waits offloaded; in train it must be ready to compute
         self.trainer_gen += 1
         slurm = self.slurm
-        return TrainerProcess(self.cfg.train, self.model_dir, seed=self.cfg.run.seed,
+        return TrainerProcess(trainer_config(self.cfg), self.model_dir, seed=self.cfg.run.seed,
                               offloaded=self.role is Role.ROLLOUT, checkpoint=self.checkpoint,
                               cell=self.cell, gen=self.trainer_gen, ranks=self.trainer_ranks(),
                               store=self.store_addr, advertise=self._advertise(), srun=self._srun(),

@@ -21,14 +21,20 @@ Policies stay in their own modules; the core only asks their admission order (a 
 
 Group states: STARTED (the coordinator started it; no execution has begun) -> RUNNING -> EVALUATED
 (every execution ended and was scored) -> WAITING (in the admission queue) -> ASSIGNED (in the open
-step) -> TRAINED; or DROPPED (too stale for any step it could still reach, window rule only).
-A dropped group is replaced: starts are limited by the groups still *needed*
-(steps x Q - trained - open), never by how many were started, so the last step always fills.
+step) -> TRAINED; or DROPPED (too stale for any step it could still reach, window rule only; or,
+with `skip_zero_variance`, every execution scored the same reward, so a baseline-relative
+advantage gives it no signal: reason `zero_variance`, at most `max_replacements_per_step` per
+open step, after which such groups train as they are). A dropped group is replaced: starts are
+limited by the groups still *needed* (steps x Q - trained - open), never by how many were started,
+so the last step always fills; under the count rule a zero-variance drop does not count as
+started (AReaL counts accepted and running samples, not rejected ones), so its replacement can
+start within the same sync.
 """
 
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Hashable, Iterable
@@ -38,6 +44,8 @@ from gyre.sched.admission import (RULES, AdmissionKey, count_budget, expired, fi
 from gyre.sched.state import CellView, ClusterState, ExecView, GroupView
 
 _EPS = 1e-6
+ZERO_VARIANCE = "zero_variance"  # the ledger's reason for a group dropped for equal rewards
+BURST_ORDERS = ("stream", "shuffle")
 
 
 class CoreError(RuntimeError):
@@ -69,6 +77,11 @@ class CoreSpec:
     steps_per_sync: int = 1       # b: optimizer steps fed by one rollout round
     start_version: int = 0        # version at job start (a resumed job starts past 0)
     first_group: int = 0          # next group id (a resumed job never reuses ids)
+    skip_zero_variance: bool = False   # drop (and replace) groups whose rewards are all equal
+    max_replacements_per_step: int = 0  # ... at most this many per open step
+    burst_order: str = "stream"   # stream: a round's groups go to its steps as they finish;
+    #                               shuffle: once the round's groups are in, in a seeded random order
+    seed: int = 0                 # of the shuffle
 
     def __post_init__(self) -> None:
         if self.staleness_rule not in RULES:
@@ -78,6 +91,10 @@ class CoreSpec:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.staleness < 0:
             raise ValueError(f"staleness must be >= 0, got {self.staleness}")
+        if self.burst_order not in BURST_ORDERS:
+            raise ValueError(f"burst_order must be one of {BURST_ORDERS}, got {self.burst_order!r}")
+        if self.max_replacements_per_step < 0:
+            raise ValueError(f"max_replacements_per_step must be >= 0, got {self.max_replacements_per_step}")
 
     @property
     def groups_per_round(self) -> int:
@@ -102,6 +119,7 @@ class ExecRecord:
     version: int = -1             # oldest policy version that served it (-1: made no call)
     tokens: float = 0.0
     usable: bool = True
+    reward: float | None = None   # its score (None: unknown, never counted as equal to another)
     _view: ExecView | None = None
 
     def view(self, group_version: int) -> ExecView:
@@ -124,7 +142,7 @@ class GroupRecord:
     step: int = -1                # step it trained in (or was assigned to)
     lag_steps: int | None = None  # optimizer-step lag when trained
     lag_syncs: int | None = None  # rollout-sync lag when trained
-    reason: str = ""              # why it was dropped
+    reason: str = ""              # why it was dropped (stale: ..., or ZERO_VARIANCE)
 
     def view(self) -> GroupView:
         return GroupView(self.id, self.version, self.ready_at, self.train_tokens)
@@ -140,6 +158,7 @@ class StepRecord:
     in_flight: set = field(default_factory=set)
     done: set = field(default_factory=set)
     reducing: bool = False
+    replaced: int = 0                                 # zero-variance groups dropped while it was open
     # running sums, updated in event order (deterministic, and O(1) for the simulator's many reads)
     tokens_total: float = 0.0
     _done_sum: float = 0.0
@@ -178,6 +197,7 @@ class StepResult:
     ended_at: float
     admission: Admission                  # what the next step received / what expired
     microbatches: tuple = ()              # the ended step's micro-batch ids (the driver frees their payload)
+    replaced: int = 0                     # zero-variance groups dropped (and replaced) while it was open
 
 
 @dataclass(frozen=True)
@@ -222,6 +242,7 @@ class Coordinator:
         self.next_group = spec.first_group
         self.started = 0            # groups started by this job
         self.trained = 0            # groups trained by this job
+        self.zero_variance_dropped = 0  # groups dropped for equal rewards (replaced)
         self.n_open = 0
         self.calls_in_flight = 0
         self._serial = 0
@@ -251,7 +272,8 @@ class Coordinator:
     def start_budget(self) -> int:
         s = self.spec
         if s.staleness_rule == "count":
-            rule = count_budget(s.groups_per_round, s.staleness, self.rollout_sync, self.started)
+            rule = count_budget(s.groups_per_round, s.staleness, self.rollout_sync,
+                                self.started - self.zero_variance_dropped)
         else:
             rule = window_budget(s.groups_per_step, s.staleness, self.n_open, s.steps_per_sync,
                                  self.rollout_sync, self.version - s.start_version)
@@ -335,15 +357,17 @@ class Coordinator:
             self._running_views = None
 
     def execution_evaluated(self, key: Hashable, now: float, *, version: int = -1, tokens: float = 0.0,
-                            usable: bool = True) -> Admission:
+                            usable: bool = True, reward: float | None = None) -> Admission:
         """An execution was scored. `version`: the oldest policy version that served it (-1: it
-        made no call); `tokens`: its training tokens; `usable`: it can train (finished, scored).
-        When its group's last execution is scored the group enters admission."""
+        made no call); `tokens`: its training tokens; `usable`: it can train (finished, scored);
+        `reward`: its score (for the zero-variance rule). When its group's last execution is
+        scored the group enters admission."""
         e = self.execs[key]
         self.execution_ended(key, now)
         if e.evaluated:
             raise CoreError(f"execution {key!r} evaluated twice")
         e.evaluated, e.version, e.tokens, e.usable = True, version, tokens, usable
+        e.reward = reward if reward is not None and math.isfinite(reward) else None
         g = self.groups[e.group]
         if len(g.executions) < self.spec.group_size or not all(x.evaluated for x in g.executions.values()):
             return Admission()
@@ -354,14 +378,28 @@ class Coordinator:
         g.train_tokens = float(sum(x.tokens for x in g.executions.values()))
         if self._expired(g, self.version):
             return Admission(dropped=(self._drop(g),))
+        if self._zero_variance(g) and self.step.replaced < self.spec.max_replacements_per_step:
+            self.step.replaced += 1
+            self.zero_variance_dropped += 1
+            return Admission(dropped=(self._drop(g, ZERO_VARIANCE),))
         g.state = GroupState.WAITING
         self._waiting[g.id] = g
         return self._fill(now)
 
-    def _drop(self, g: GroupRecord) -> GroupRecord:
+    def _zero_variance(self, g: GroupRecord) -> bool:
+        """Every usable execution (two at least) scored the same reward: no relative signal."""
+        if not self.spec.skip_zero_variance:
+            return False
+        usable = [x for x in g.executions.values() if x.usable]
+        if len(usable) < 2 or any(x.reward is None for x in usable):
+            return False
+        rewards = [x.reward for x in usable]
+        return max(rewards) - min(rewards) <= _EPS
+
+    def _drop(self, g: GroupRecord, reason: str = "") -> GroupRecord:
         s = self.spec
-        g.reason = (f"stale: served by v{g.version} (sync {g.sync}), step {self.version} "
-                    f"(sync {self.sync_of(self.version)}), bound {s.staleness} sync(s)")
+        g.reason = reason or (f"stale: served by v{g.version} (sync {g.sync}), step {self.version} "
+                              f"(sync {self.sync_of(self.version)}), bound {s.staleness} sync(s)")
         g.state = GroupState.DROPPED
         self._waiting.pop(g.id, None)
         self.n_open -= 1
@@ -376,9 +414,13 @@ class Coordinator:
         if not self._waiting:
             return Admission()
         waiting = [g.view() for g in self._waiting.values()]
+        if s.burst_order == "shuffle" and s.steps_per_sync > 1:
+            chosen = self._shuffled_pick(waiting, room)
+        else:
+            chosen = pick(waiting, self.version, s.staleness, room, self.key, s.steps_per_sync,
+                          s.start_version, s.staleness_rule)
         out = []
-        for v in pick(waiting, self.version, s.staleness, room, self.key, s.steps_per_sync,
-                      s.start_version, s.staleness_rule):
+        for v in chosen:
             g = self.groups[v.id]
             g.state, g.step = GroupState.ASSIGNED, st.index
             del self._waiting[g.id]
@@ -387,6 +429,20 @@ class Coordinator:
         if out and st.started_at is None:
             st.started_at = now
         return Admission(assigned=tuple(out))
+
+    def _shuffled_pick(self, waiting: list[GroupView], room: int) -> list[GroupView]:
+        """burst_order = shuffle: nothing until the groups for the rest of the round are in (the
+        first ones in admission order), then `room` of them at random (seeded by step), so a
+        step's position in the round says nothing about how long its executions ran."""
+        s = self.spec
+        left = min(s.steps_per_sync - (self.version - s.start_version) % s.steps_per_sync,
+                   s.steps - self.version)
+        need = room + s.groups_per_step * (left - 1)
+        ready = pick(waiting, self.version, s.staleness, need, self.key, s.steps_per_sync,
+                     s.start_version, s.staleness_rule)
+        if len(ready) < need:
+            return []
+        return random.Random(s.seed * 1_000_003 + self.step.index).sample(ready, room)
 
     # ---- training work of the open step ---------------------------------------------------------
     def microbatches_added(self, group: int, tokens: dict) -> None:
@@ -467,7 +523,7 @@ class Coordinator:
                         if self._expired(g, self.version))
         adm = Admission(dropped=dropped) + self._fill(now)
         res = StepResult(st.index, self.version, tuple(trained), push_due, st.started_at, now, adm,
-                         tuple(st.work))
+                         tuple(st.work), st.replaced)
         self.steps.append(res)
         return res
 

@@ -28,12 +28,13 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import random
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from gyre.config import ConfigError
-from gyre.sched.core import Coordinator, CoreSpec
+from gyre.sched.core import ZERO_VARIANCE, Coordinator, CoreSpec
 from gyre.sched.policy import Policy
 from gyre.sched.state import CellView, ClusterState, Decision, Role
 from gyre.sim.bound import lower_bound_trained
@@ -58,6 +59,12 @@ class SimSpec:
     record: bool = True        # keep role and usage timelines (plots)
     staleness_rule: str = "window"  # "window" (hard lag bound) or "count" (AReaL's start bound)
     steps_per_sync: int = 1    # optimizer steps per rollout round (weights pushed once per round)
+    # zero-variance groups (the core's rule, as live): the workload has no reward model, so the
+    # share of groups whose executions all score alike is a parameter (measured live:
+    # benchmarks/results/learning.json, replaced_zero_variance_share); 0 = none
+    zero_variance_share: float = 0.0
+    skip_zero_variance: bool = True
+    max_replacements_per_step: int = 4
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.groups_per_step < 1 or self.segments < 1 or self.steps_per_sync < 1:
@@ -66,6 +73,8 @@ class SimSpec:
             raise ConfigError(f"staleness_rule must be 'window' or 'count', got {self.staleness_rule!r}")
         if self.tick_s <= 0:
             raise ConfigError(f"tick_s must be positive, got {self.tick_s}")
+        if not 0.0 <= self.zero_variance_share <= 1.0 or self.max_replacements_per_step < 0:
+            raise ConfigError("zero_variance_share must be within [0, 1] and max_replacements_per_step >= 0")
 
 
 class _Exec:
@@ -108,7 +117,9 @@ class Simulator:
             raise ConfigError(f"{policy.label}: initial_roles gave {len(roles)} roles for {n} cells")
         self.core = Coordinator(CoreSpec(steps=spec.steps, groups_per_step=spec.groups_per_step,
                                          group_size=workload.group_size, staleness=policy.staleness,
-                                         staleness_rule=spec.staleness_rule, steps_per_sync=spec.steps_per_sync),
+                                         staleness_rule=spec.staleness_rule, steps_per_sync=spec.steps_per_sync,
+                                         skip_zero_variance=spec.skip_zero_variance and spec.zero_variance_share > 0,
+                                         max_replacements_per_step=spec.max_replacements_per_step),
                                 admission_key=policy.admission_key)
         self.role = list(roles)
         self.since = [0.0] * n
@@ -430,8 +441,17 @@ class Simulator:
 
     def _evaluated(self, e: _Exec) -> None:
         self.awaiting_eval -= 1
-        adm = self.core.execution_evaluated(e.id, self.now, version=e.version, tokens=e.spec.train_tokens)
+        adm = self.core.execution_evaluated(e.id, self.now, version=e.version, tokens=e.spec.train_tokens,
+                                            reward=self._reward(e))
         self._admitted(adm)
+
+    def _reward(self, e: _Exec) -> float:
+        """A group scores alike (all 0) with probability zero_variance_share, seeded by its id;
+        otherwise its members alternate 0/1. Only the spread matters to the core's rule."""
+        g = e.group
+        if random.Random(g.id).random() < self.s.zero_variance_share:
+            return 0.0
+        return float(g.exec_ids.index(e.id) % 2)
 
     def _admitted(self, adm) -> None:
         """Assigned groups become the open step's training work (one fluid batch per group);
@@ -449,9 +469,10 @@ class Simulator:
                 self.slacks.append(1.0 - work / self.win_spare)
             self.win_open = False
         for g in adm.dropped:
-            self.dropped += 1
+            why = ZERO_VARIANCE if g.reason == ZERO_VARIANCE else "stale"
+            self.dropped += why == "stale"  # (zero-variance drops are counted in not_admitted)
             for eid in self.groups[g.id].exec_ids:
-                self.outcomes[eid] = ("not_admitted", "stale")
+                self.outcomes[eid] = ("not_admitted", why)
 
     # ---- training steps -------------------------------------------------------------------
     def _step_end(self) -> None:

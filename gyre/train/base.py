@@ -23,8 +23,9 @@ from torch import Tensor
 from gyre.batch import MicroBatch
 from gyre.config import TrainConfig
 from gyre.train.export import save_torch_atomic, write_hf_weights
-from gyre.train.loss import policy_loss, token_logprobs
+from gyre.train.loss import OffPolicy, policy_loss, token_logprobs
 from gyre.train.offload import PhaseTimer
+from gyre.train.step_stats import merge, summarize
 
 ATTENTION_PATHS = ("tree", "dense")  # tree: work follows kv_end (tree_attention); dense: S x S mask
 
@@ -46,6 +47,7 @@ class Trainer(ABC):
 
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
+        self.off_policy = OffPolicy.from_config(cfg)
         self.step = 0
         self._reset_step_stats()
 
@@ -95,6 +97,7 @@ class Trainer(ABC):
     def _reset_step_stats(self) -> None:
         self._acc = {"loss": 0.0, "targets": 0, "tokens": 0, "micro_batches": 0, "fwd_bwd_s": 0.0,
                      **{k: 0.0 for k in _MEAN_STATS}}
+        self._mb_stats: list[dict] = []  # the step's micro-batch stats, for the mismatch summary
 
     @property
     def pending_micro_batches(self) -> int:
@@ -105,10 +108,18 @@ class Trainer(ABC):
         """Loss and gradients of one micro-batch, added to the gradients of the step so far."""
         t0 = time.perf_counter()
         mb = mb.to(self.device)
+        prox = None
+        if self.off_policy.needs_prox:
+            # pi_prox / pi_old: the extra forward, no gradient. Weights change only in
+            # optimizer_step, so every micro-batch of a step sees the weights of the step's start.
+            with torch.no_grad():
+                prox = token_logprobs(self._logits(mb), mb)
         loss, stats = policy_loss(self._logits(mb), mb, self.cfg.clip_low, self.cfg.clip_high,
-                                  clip=self.cfg.clip, staleness_weights=self.cfg.staleness_weights)
+                                  clip=self.cfg.clip, staleness_weights=self.cfg.staleness_weights,
+                                  off_policy=self.off_policy, prox_logprobs=prox)
         loss.backward()
         stats["fwd_bwd_s"] = time.perf_counter() - t0
+        self._mb_stats.append(stats)
         a = self._acc
         for k in ("loss", "targets", "tokens", "fwd_bwd_s"):
             a[k] += stats[k]
@@ -195,7 +206,9 @@ class Trainer(ABC):
         a = self._acc
         out = {k: a[k] for k in ("loss", "targets", "tokens", "micro_batches", "fwd_bwd_s")}
         out.update({k: a[k] / max(a["targets"], 1) for k in _MEAN_STATS})
-        out.update(step=self.step, grad_norm=grad_norm, optimizer_s=time.perf_counter() - t0)
+        out.update(summarize(merge(self._mb_stats, parallel=False)))
+        out.update(step=self.step, grad_norm=grad_norm, optimizer_s=time.perf_counter() - t0,
+                   off_policy=self.off_policy.mode)
         self._reset_step_stats()
         return out
 

@@ -301,7 +301,10 @@ def train(args: argparse.Namespace) -> int:
 
     out_dir = args.out or Path(cfg.run.dir) / "train"
     t0 = time.perf_counter()
-    trainer = make_trainer(cfg.train, model_dir, seed=cfg.run.seed)
+    from gyre.config import trainer_config
+    from gyre.train.step_stats import lag0_warning
+
+    trainer = make_trainer(trainer_config(cfg), model_dir, seed=cfg.run.seed)
     console.print(f"trainer: {cfg.train.backend} on {trainer.device}, model {model_dir} "
                   f"({ident.get('model_hash', '?')[:16]}...), loaded in {time.perf_counter() - t0:.1f} s; "
                   f"selection k={spec.k}, layout {cfg.train.layout}, "
@@ -325,6 +328,9 @@ def train(args: argparse.Namespace) -> int:
         console.print(f"step {st['step']}: loss {st['loss']:+.5f}  grad norm {st['grad_norm']:.4f}  "
                       f"tokens {st['tokens']:,}  time {st['time_s']:.2f} s  executions "
                       f"{st['executions']}  trajectories {st['trajectories']}")
+        warning = lag0_warning(st, cfg.train.mismatch_warn_k3)
+        if warning:
+            console.print(f"warning: step {st['step']}: {warning}")
     console.print(table)
 
     ckpt = trainer.save_checkpoint(out_dir / "checkpoint")

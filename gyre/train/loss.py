@@ -1,20 +1,70 @@
-"""Policy-gradient loss on a micro-batch, against the engine's recorded behaviour log-probs.
+"""Policy-gradient loss on a micro-batch, with the off-policy corrections of `train.off_policy`.
 
-loss = sum_t weights_t * staleness_weight(s_t) * l_t, with
-    l_t = -min(r_t * A_t, clip(r_t, 1 - clip_low, 1 + clip_high) * A_t)   (clip=True, PPO-style)
-    l_t = -r_t * A_t                                                      (clip=False)
-and r_t = exp(logp_t - old_t). Because `weights` are precomputed for the whole step, summing the
-loss (and gradients) over micro-batches and data-parallel ranks gives the step's loss exactly.
+Three policies meet in a step: pi_behaviour (the engine's recorded log-probs, `mb.old_logprobs`,
+possibly several optimizer steps old and computed with other numerics), pi_prox (the trainer at
+the start of the step: one extra forward without gradients, `prox_logprobs`) and pi_theta (the
+trainer's differentiable forward). With A_t the advantage and w_t the step's per-token weight:
+
+    none       l_t = -min(r_t A_t, clip(r_t) A_t),      r_t = pi_theta / pi_behaviour
+    tis        l_t = -c_t min(r_t A_t, clip(r_t) A_t),  r_t = pi_theta / pi_prox,
+               c_t = min(pi_prox / pi_behaviour, is_cap)                (truncated IS, slime/verl)
+    decoupled  l_t = -c_t min(r_t A_t, clip(r_t) A_t),  r_t = pi_theta / pi_prox,
+               c_t = pi_prox / pi_behaviour                              (AReaL's decoupled PPO)
+
+clip(r) = clamp(r, 1 - clip_low, 1 + clip_high). c_t is a constant (no gradient); with `is_mask`
+a token whose pi_prox / pi_behaviour leaves [is_mask_low, is_mask_high] gets c_t = 0. The clip is
+a trust region around the policy being updated, so it is taken against pi_prox: against
+pi_behaviour a stale or numerically different sample would sit outside the region before any
+update and its gradient would be cut for a reason that is not the update's size. The importance
+weight corrects what pi_prox is not: the distribution the tokens were actually sampled from.
+
+loss = sum_t w_t * staleness_weight(s_t) * l_t; because `weights` are precomputed for the whole
+step, summing over micro-batches and data-parallel ranks gives the step's loss exactly.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
 from gyre.batch import MicroBatch
+from gyre.train.step_stats import LOG_RATIO_BINS, LOG_RATIO_HI, LOG_RATIO_LO
+
+OFF_POLICY = ("none", "tis", "decoupled")
+
+
+@dataclass(frozen=True)
+class OffPolicy:
+    """Which correction, and its constants (see the module doc)."""
+    mode: str = "none"
+    is_cap: float = 2.0
+    mask: bool = False
+    mask_low: float = 0.5
+    mask_high: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in OFF_POLICY:
+            raise ValueError(f"train.off_policy {self.mode!r}: choose one of {', '.join(OFF_POLICY)} (or auto)")
+        if self.is_cap <= 0:
+            raise ValueError(f"train.is_cap must be > 0, got {self.is_cap}")
+        if self.mask and not 0 <= self.mask_low < self.mask_high:
+            raise ValueError(f"train.is_mask_low ({self.mask_low}) must be >= 0 and below "
+                             f"train.is_mask_high ({self.mask_high})")
+
+    @property
+    def needs_prox(self) -> bool:
+        return self.mode != "none"
+
+    @classmethod
+    def from_config(cls, cfg) -> "OffPolicy":
+        """From a TrainConfig; `auto` (a TrainConfig used on its own) follows `train.staleness`."""
+        mode = cfg.off_policy
+        if mode == "auto":
+            mode = "decoupled" if cfg.staleness > 0 else "tis"
+        return cls(mode, cfg.is_cap, cfg.is_mask, cfg.is_mask_low, cfg.is_mask_high)
 
 
 def token_logprobs(logits: Tensor, mb: MicroBatch) -> Tensor:
@@ -40,16 +90,42 @@ def staleness_factor(staleness: Tensor, staleness_weights: Sequence[float] | Non
     return table[staleness.clamp(min=0, max=len(staleness_weights))]
 
 
+def importance_weights(prox: Tensor, behaviour: Tensor, off: OffPolicy) -> tuple[Tensor, Tensor, Tensor]:
+    """(c_t, truncated, masked) of the module doc; c_t = 1 everywhere for `none`."""
+    if not off.needs_prox:
+        ones = torch.ones_like(behaviour)
+        return ones, torch.zeros_like(ones, dtype=torch.bool), torch.zeros_like(ones, dtype=torch.bool)
+    raw = torch.exp(prox - behaviour)
+    truncated = raw > off.is_cap if off.mode == "tis" else torch.zeros_like(raw, dtype=torch.bool)
+    c = raw.clamp(max=off.is_cap) if off.mode == "tis" else raw
+    masked = ((raw < off.mask_low) | (raw > off.mask_high)) if off.mask else torch.zeros_like(truncated)
+    return torch.where(masked, torch.zeros_like(c), c), truncated, masked
+
+
 def policy_loss(logits: Tensor, mb: MicroBatch, clip_low: float = 0.2, clip_high: float = 0.28,
-                *, clip: bool = True,
-                staleness_weights: Sequence[float] | None = None) -> tuple[Tensor, dict]:
-    """(loss, stats) for one micro-batch; `loss` is a sum, ready for gradient accumulation."""
+                *, clip: bool = True, staleness_weights: Sequence[float] | None = None,
+                off_policy: OffPolicy | None = None, prox_logprobs: Tensor | None = None) -> tuple[Tensor, dict]:
+    """(loss, stats) for one micro-batch; `loss` is a sum, ready for gradient accumulation.
+
+    `prox_logprobs`: pi_prox (no gradient), required by tis/decoupled; with `none` the mismatch
+    figures use the detached current log-probs, which are the same weights within a step.
+    """
+    off = off_policy or OffPolicy()
     dev = logits.device
     logp = token_logprobs(logits, mb)
-    old = mb.old_logprobs.to(dev).float()
+    behaviour = mb.old_logprobs.to(dev).float()
+    if prox_logprobs is None:
+        if off.needs_prox:
+            raise ValueError(f"train.off_policy = {off.mode} needs the trainer's log-probs at the start "
+                             f"of the step (prox_logprobs)")
+        prox = logp.detach()
+    else:
+        prox = prox_logprobs.to(dev).float().detach()
     adv = mb.advantages.to(dev).float()
     w = mb.weights.to(dev).float() * staleness_factor(mb.staleness.to(dev), staleness_weights)
-    ratio = torch.exp(logp - old)
+    c, truncated, masked = importance_weights(prox, behaviour, off)
+    anchor = prox if off.needs_prox else behaviour  # the policy the ratio (and the clip) is taken against
+    ratio = torch.exp(logp - anchor)
     unclipped = ratio * adv
     if clip:
         clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
@@ -58,10 +134,10 @@ def policy_loss(logits: Tensor, mb: MicroBatch, clip_low: float = 0.2, clip_high
     else:
         per_token = -unclipped
         clipped_mask = torch.zeros_like(ratio, dtype=torch.bool)
-    loss = (w * per_token).sum()
+    loss = (w * c * per_token).sum()
     with torch.no_grad():
         n = max(mb.num_targets, 1)
-        d = logp.detach() - old
+        d = logp.detach() - anchor
         stats = {
             "loss": float(loss),
             "targets": mb.num_targets,
@@ -70,7 +146,35 @@ def policy_loss(logits: Tensor, mb: MicroBatch, clip_low: float = 0.2, clip_high
             "ratio_max": float(ratio.max()) if mb.num_targets else 0.0,
             "clip_frac": float(clipped_mask.float().sum() / n),
             "logp_mean": float(logp.sum() / n),
-            "kl_old": float((torch.exp(-d) - 1 + d).sum() / n),  # k3 estimator of KL(old || cur)
+            "kl_old": float((torch.exp(-d) - 1 + d).sum() / n),  # k3 estimator of KL(anchor || cur)
             "weight_sum": float(w.sum()),
+            "is_weight_mean": float(c.sum() / n),
+            "truncated_n": int(truncated.sum()),
+            "masked_n": int(masked.sum()),
+            # pi_prox came from a forward at the step's weights, so it equals pi_theta's value
+            # (bit for bit in float32 unless the two forwards differ): visible, not assumed
+            "prox_drift_max": float((prox - logp.detach()).abs().max()) if mb.num_targets else 0.0,
+            **mismatch_stats(prox, behaviour, mb.staleness.to(dev)),
         }
     return loss, stats
+
+
+def mismatch_stats(trainer: Tensor, behaviour: Tensor, staleness: Tensor) -> dict:
+    """Per policy lag: |logp_trainer - logp_behaviour| (sum, max), the k3 estimate of
+    KL(behaviour || trainer) (sum; tokens are behaviour samples) and the token count; plus the
+    log-ratio histogram of the whole micro-batch. Sums, so they merge (gyre.train.step_stats)."""
+    out: dict = {}
+    d = trainer - behaviour  # log(pi_trainer / pi_behaviour)
+    k3 = torch.expm1(d) - d
+    for lag in torch.unique(staleness).tolist():
+        sel = staleness == lag
+        out[f"mm_lag{lag}_n"] = int(sel.sum())
+        out[f"mm_lag{lag}_abs_sum"] = float(d[sel].abs().sum())
+        out[f"mm_lag{lag}_abs_max"] = float(d[sel].abs().max())
+        out[f"mm_lag{lag}_k3_sum"] = float(k3[sel].sum())
+    width = (LOG_RATIO_HI - LOG_RATIO_LO) / LOG_RATIO_BINS
+    idx = torch.where(d < LOG_RATIO_LO, 0, torch.where(
+        d >= LOG_RATIO_HI, LOG_RATIO_BINS + 1,
+        1 + ((d - LOG_RATIO_LO) / width).floor().clamp(0, LOG_RATIO_BINS - 1).long()))
+    out["log_ratio_hist"] = torch.bincount(idx.long().cpu(), minlength=LOG_RATIO_BINS + 2).tolist()
+    return out

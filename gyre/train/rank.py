@@ -41,23 +41,10 @@ def _env_int(*names: str) -> int | None:
 
 
 def merge_stats(parts: list[dict | None]) -> dict:
-    """One micro-batch's stats from its row slices on the ranks (sums; means weighted by targets)."""
-    parts = [p for p in parts if p]
-    if not parts:
-        return {"loss": 0.0, "targets": 0, "tokens": 0, "fwd_bwd_s": 0.0}
-    out: dict = {}
-    n = sum(p["targets"] for p in parts)
-    for k in parts[0]:
-        vals = [p.get(k, 0.0) for p in parts]
-        if k in ("loss", "targets", "tokens"):
-            out[k] = sum(vals)
-        elif k.endswith("_max") or k == "fwd_bwd_s":
-            out[k] = max(vals)
-        elif k.endswith("_min"):
-            out[k] = min(vals)
-        else:
-            out[k] = sum(v * p["targets"] for v, p in zip(vals, parts)) / max(n, 1)
-    return out
+    """One micro-batch's stats from its row slices on the ranks (the rule of gyre.train.step_stats)."""
+    from gyre.train.step_stats import merge
+
+    return merge(parts, parallel=True)
 
 
 def rows_of(mb, rank: int, size: int):
