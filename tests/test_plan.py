@@ -31,6 +31,9 @@ def args(*argv: str) -> argparse.Namespace:
     (["--workload", "nope"], "not a preset"),
     (["--nodes", "8", "--cell-nodes", "2"], "2-node cell cannot train the 122B-A10B model"),
     (["--steps-per-sync", "0"], "steps-per-sync"),
+    (["--gpus-per-node", "0"], "gpus-per-node"),
+    (["--train-cost", "0"], "train-cost"),
+    (["--tool-s", "-1"], "tool-s"),
 ])
 def test_bad_parameters_get_clear_errors(argv, message):
     with pytest.raises(ConfigError, match=message):
@@ -50,13 +53,42 @@ def test_small_sweep_prints_table_and_recommends(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "recommended for 8 nodes" in text and "recommended for 16 nodes" in text
     rows = json.loads(out.read_text())
-    # 8 nodes: 2x4 (E, A, C) + 1x8 (E, C; async needs two cells); 16 nodes: 4x4 and 2x8, three schemes each.
-    assert len(rows) == 5 + 6
+    # 8 nodes: 2x4 (E, A, C) + 1x8 (E, C, and A listed as not evaluated); 16 nodes: 4x4 and 2x8.
+    assert len(rows) == 6 + 6
+    (skipped,) = [r for r in rows if r.get("skipped")]
+    assert skipped["cells"] == 1 and "rollout pool and a training pool" in skipped["skipped"]
+    assert "not evaluated" in text
     for n in (8, 16):
-        mine = [r for r in rows if r["nodes"] == n]
+        mine = [r for r in rows if r["nodes"] == n and not r.get("skipped")]
         best = [r for r in mine if r["recommended"]]
         assert len(best) == 1 and best[0]["hours"] == min(r["hours"] for r in mine)
         assert all(r["ratio_to_lower_bound"] >= 1.0 for r in mine)
+    for r in rows:
+        if r.get("scheme") == "A" and not r.get("skipped"):  # Async at its best split, reported
+            assert r["hours"] == pytest.approx(min(r["async_hours_by_split"].values()), abs=1e-3)
+            assert 1 <= r["async_split"] < r["cells"]
+
+
+def test_header_names_what_the_plan_assumes(capsys):
+    # 4 GPUs per node: a 4-node cell cannot hold the 122B training state, 8 nodes can
+    assert main(["plan", "--nodes", "8", "--cell-nodes", "4", "--gpus-per-node", "4"]) == 2
+    assert "use cells of at least 5 nodes" in capsys.readouterr().err
+    assert main(["plan", "--nodes", "16", "--cell-nodes", "8", "--schemes", "E,C", "--staleness", "0,2",
+                 "--steps", "2", "--groups-per-step", "2", "--gpus-per-node", "4", "--train-cost", "3"]) == 0
+    text = capsys.readouterr().out
+    head = text.split("| nodes")[0]
+    assert "nl2repo-122b-32n" in head and "122B-A10B" in head and "4 GPUs per node" in head
+    assert "groups per step 2" in head and "training cost x3" in head and "tool time" in head
+    # one recommendation per staleness, never ranked across
+    assert "recommended for 16 nodes at staleness 0" in text and "recommended for 16 nodes at staleness 2" in text
+
+
+def test_one_cell_elastic_is_colocate():
+    rows = plan.execute(plan.scenarios(args("--nodes", "4", "--cell-nodes", "4", "--schemes", "E,C",
+                                            "--staleness", "0,2", "--steps", "2", "--groups-per-step", "2")),
+                        "inline")
+    by = {r["label"]: r["hours"] for r in rows}
+    assert by["E0"] == by["C0"] and by["E2"] == by["C2"]
 
 
 def test_cells_filter_and_async_skip():

@@ -247,6 +247,7 @@ class Coordinator:
         self.calls_in_flight = 0
         self._serial = 0
         self._running_views: tuple | None = None    # cached: rebuilt only after a change
+        self._views: dict[Hashable, ExecView] = {}   # the running executions' views, built once each
         self._waiting: dict[int, GroupRecord] = {}  # the admission queue (kept: the simulator asks often)
 
     # ---- queries ------------------------------------------------------------------------------
@@ -288,7 +289,7 @@ class Coordinator:
         of work is reported left: the trainers are still busy with it."""
         s, st = self.spec, self.step
         if self._running_views is None:
-            self._running_views = tuple(e.view(self.groups[e.group].started_version) for e in self.running.values())
+            self._running_views = tuple(self._views.values())
         running = self._running_views
         waiting = sum(1 for g in self._waiting.values() if not self._expired(g, self.version))
         left = st.tokens_left
@@ -331,6 +332,7 @@ class Coordinator:
         g.state = GroupState.RUNNING
         self.execs[key] = e
         self.running[key] = e
+        self._views[key] = e.view(g.started_version)
         self._running_views = None
         return e
 
@@ -354,6 +356,7 @@ class Coordinator:
                 self.calls_in_flight -= 1
             e.ended_at, e.in_call = now, False
             self.running.pop(key, None)
+            self._views.pop(key, None)
             self._running_views = None
 
     def execution_evaluated(self, key: Hashable, now: float, *, version: int = -1, tokens: float = 0.0,

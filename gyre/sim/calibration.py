@@ -201,13 +201,13 @@ class Preset:
 # point inside the family its secondary figures allow (bench_nl2repo.py: consistent_family).
 P122B = Preset(
     name="nl2repo-122b-32n", workload=NL2REPO, model=QWEN_122B, nodes=32, cell_nodes=4, steps=24,
-    groups_per_step=64, mfu=0.25,
+    groups_per_step=256, mfu=0.25,
     notes={"steps": "paper: the 122B runs (DeepSWE, TerminalBench) train 24 steps; the 32-node "
                     "NL2Repo configuration's step count is not stated",
            "groups_per_step": "unknown; a point of the family the secondary figures allow (bench_nl2repo.py)"})
 P2P4T = Preset(
     name="nl2repo-2.4t", workload=NL2REPO_2P4T, model=MODEL_2P4T, nodes=384, cell_nodes=48, steps=48,
-    groups_per_step=64, mfu=0.25,
+    groups_per_step=256, mfu=0.25,
     notes={"nodes": "assumed: 8 cells of 48 nodes (3,072 H200); the paper does not state the cluster",
            "cell_nodes": "computed: 2.4T x 16 bytes = 38.4 TB of training state needs >= 43 nodes of "
                          "8 x 141 GB at 80%: cells of 48 nodes",

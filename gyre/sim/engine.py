@@ -641,6 +641,7 @@ class Simulator:
             decisions=self.decisions, wall_s=wall,
             mean_rollout_h=self.exec_time / max(1, self.execs_ended) / 3600,
             mean_query_h=_mean([g.slowest for g in self.groups.values() if g.left == 0]) / 3600,
+            query_ge_4h_share=_mean([float(g.slowest >= 4 * 3600) for g in self.groups.values() if g.left == 0]),
             staleness_rule=self.s.staleness_rule, steps_per_sync=self.s.steps_per_sync,
             lag={"group_mean_steps": lag.group_mean_steps, "token_mean_steps": lag.token_mean_steps,
                  "worst_steps": lag.worst_steps, "group_mean_syncs": lag.group_mean_syncs,

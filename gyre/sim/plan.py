@@ -1,9 +1,13 @@
 """`gyre plan`: sweep cell layouts, budgets, staleness and schemes for a workload (for HPC admins).
 
-Prints one table row per (nodes, cell size, scheme, staleness) with the simulated end-to-end
-time, its ratio to the lower bound and utilisation, and marks the recommended layout for each
-node budget. Runs in-process by default; `--executor local` fans the runs out as submitit jobs
-on this machine, `--executor slurm` as Slurm jobs.
+Prints a header naming the preset, model, GPU and the assumed unknowns (groups per step, training
+cost per execution, tool time), then one table row per (nodes, cell size, scheme, staleness) with
+the simulated end-to-end time, GPU-hours, its ratio to the lower bound and utilisation; Async is
+run at every split of rollout/training cells and its best is reported (with the split). The
+recommendation is made per node budget *and per staleness*: a staleness-2 run trains on older
+samples (another algorithm), so it is never ranked against a staleness-0 run. A point it cannot
+evaluate (Async on one cell) is listed with the reason. Runs in-process by default;
+`--executor local` fans the runs out as submitit jobs on this machine, `--executor slurm` as Slurm jobs.
 """
 
 from __future__ import annotations
@@ -16,9 +20,11 @@ from pathlib import Path
 
 from gyre.config import ConfigError
 from gyre.sched import SCHEMES
+from dataclasses import replace
+
 from gyre.sim.calibration import PRESETS, check_layout, preset
 from gyre.sim.cluster import divisors
-from gyre.sim.scenario import Scenario
+from gyre.sim.scenario import Scenario, best_async
 from gyre.sim.workload import Workload
 
 _DEFAULT = preset("nl2repo-122b-32n")
@@ -36,14 +42,47 @@ def _words(text: str) -> list[str]:
 
 
 def plan_table(rows: list[dict]) -> str:
-    lines = ["| nodes | cells × nodes | run | hours | × bound | utilisation | GPU-h used | GPU-h wasted | |",
+    lines = ["| nodes | cells × nodes | run | hours | GPU-h | × bound | utilisation | GPU-h wasted | |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        mark = "**recommended**" if r.get("recommended") else ""
-        lines.append(f"| {r['nodes']} | {r['cells']} × {r['cell_size']} | {r['label']} | {r['hours']:.2f} "
-                     f"| {r['ratio_to_lower_bound']:.3f} | {r['utilisation']:.1%} | {r['gpu_hours_used']:.0f} "
+        if r.get("skipped"):
+            lines.append(f"| {r['nodes']} | {r['cells']} × {r['cell_size']} | {r['label']} | – | – | – | – | – "
+                         f"| not evaluated: {r['skipped']} |")
+            continue
+        mark = f"**recommended at staleness {r['staleness']}**" if r.get("recommended") else ""
+        label = r["label"] + (f" ({r['async_split']} rollout cells)" if r.get("async_split") else "")
+        lines.append(f"| {r['nodes']} | {r['cells']} × {r['cell_size']} | {label} | {r['hours']:.2f} "
+                     f"| {r['gpu_hours']:.0f} | {r['ratio_to_lower_bound']:.3f} | {r['utilisation']:.1%} "
                      f"| {r['gpu_hours_wasted']:.0f} | {mark} |")
     return "\n".join(lines)
+
+
+def header(args: argparse.Namespace) -> str:
+    """What the plan assumes: the preset, model, hardware and the unknowns no source states."""
+    p = _preset(args)
+    m, w = p.model, p.workload
+    return "\n".join([
+        f"gyre plan: preset {p.name}; model {m.name} ({m.params / 1e9:g}B total, {m.active / 1e9:g}B active"
+        + (f", {m.experts} experts top-{m.topk}" if m.experts else "") + f"); {p.hw.name} x "
+        f"{p.hw.gpus_per_node} GPUs per node; serving replica {m.replica_gpus} GPUs (FP8)",
+        f"workload: {args.workload or w.name}; {w.mean_calls:g} calls, {w.mean_tokens:.3g} tokens "
+        f"({w.output_share:.0%} decoded) per execution, G = {w.group_size}",
+        f"assumed unknowns (the paper does not state them; change with the flags): groups per step "
+        f"{args.groups_per_step} (--groups-per-step), training cost x{w.train_cost:g} of {w.mean_train_tokens:.3g} "
+        f"tokens per execution (--train-cost), tool time {w.mean_tool_s:.0f} s per execution (--tool-s)",
+        "staleness k > 0 trains on samples up to k syncs old (another algorithm): recommendations are "
+        "made per staleness, never across"])
+
+
+def _preset(args: argparse.Namespace):
+    p = preset(args.preset)
+    wl = p.workload
+    if getattr(args, "train_cost", None) is not None:
+        wl = replace(wl, train_cost=args.train_cost)
+    if getattr(args, "tool_s", None) is not None:
+        wl = replace(wl, mean_tool_s=args.tool_s)
+    hw = p.hw if getattr(args, "gpus_per_node", None) is None else replace(p.hw, gpus_per_node=args.gpus_per_node)
+    return p.with_(workload=wl, hw=hw)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,7 +94,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(a cell too small for the model's training state is refused)")
     p.add_argument("--cells", type=_ints, default=None, help="only these cell counts (default: all that fit)")
     p.add_argument("--staleness", type=_ints, default=[0, 2], help="staleness bounds, e.g. 0,1,2")
-    p.add_argument("--schemes", type=_words, default=["E", "E+", "A", "C"], help=f"any of {','.join(SCHEMES)}")
+    p.add_argument("--schemes", type=_words, default=["E", "A", "C"], help=f"any of {','.join(SCHEMES)}")
     p.add_argument("--steps", type=int, default=48)
     p.add_argument("--groups-per-step", type=int, default=_DEFAULT.groups_per_step)
     p.add_argument("--seed", type=int, default=0)
@@ -63,9 +102,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        ("push-s", "weight push per rollout round"), ("eval-s", "evaluation of a workspace")):
         p.add_argument(f"--{name}", type=float, default=None, help=f"seconds per {what} (default: the preset's)")
     p.add_argument("--train-tokens-per-s", type=float, default=None,
-                   help="training tokens/s of one cell of the preset's size (default: FLOP arithmetic)")
-    p.add_argument("--ref-load", type=float, default=None,
-                   help="calls per cell under which the workload's durations hold (default: the preset's)")
+                   help="training tokens/s of one cell (default: FLOP arithmetic for the cell size)")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the preset's, 8)")
+    p.add_argument("--train-cost", type=float, default=None,
+                   help="training tokens one execution costs, as a multiple of the workload's (default: the preset's)")
+    p.add_argument("--tool-s", type=float, default=None,
+                   help="tool/environment seconds per execution (default: the preset's, pinned to the 1.93 h profile)")
     p.add_argument("--staleness-rule", choices=("window", "count"), default="window")
     p.add_argument("--steps-per-sync", type=int, default=1, help="optimizer steps per rollout round")
     p.add_argument("--executor", choices=("inline", "local", "slurm"), default="inline",
@@ -90,7 +132,13 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
         raise ConfigError(f"--staleness: must be >= 0, got {args.staleness}")
     if args.steps < 1 or args.groups_per_step < 1 or args.steps_per_sync < 1:
         raise ConfigError("--steps, --groups-per-step and --steps-per-sync must be >= 1")
-    p = preset(args.preset)
+    if args.gpus_per_node is not None and args.gpus_per_node < 1:
+        raise ConfigError(f"--gpus-per-node: must be >= 1, got {args.gpus_per_node}")
+    if args.train_cost is not None and args.train_cost <= 0:
+        raise ConfigError(f"--train-cost: must be positive, got {args.train_cost}")
+    if args.tool_s is not None and args.tool_s < 0:
+        raise ConfigError(f"--tool-s: must be >= 0 seconds, got {args.tool_s}")
+    p = _preset(args)
     bad = [s for s in args.schemes if s not in SCHEMES]
     if bad or not args.schemes:
         raise ConfigError(f"--schemes: unknown {bad or 'none given'}; choose from {', '.join(SCHEMES)}")
@@ -101,7 +149,7 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
             raise ConfigError(f"--{name.replace('_', '-')}: times cannot be negative, got {v}")
         if v is not None:
             over[name] = v
-    for name in ("train_tokens_per_s", "ref_load"):
+    for name in ("train_tokens_per_s",):
         v = getattr(args, name)
         if v is not None and v <= 0:
             raise ConfigError(f"--{name.replace('_', '-')}: must be positive, got {v}")
@@ -115,15 +163,16 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
                               f"{', '.join(map(str, divisors(n)))}")
     for c in sorted(set(args.cell_nodes)):
         check_layout(p.model, c, p.hw)  # memory: refused with the numbers
-    workload = args.workload or p.workload.name
+    workload = args.workload or p.workload
     Workload.named(workload, args.seed)  # fail early on a bad preset or trace
     out = []
     for n, c, scheme, k in itertools.product(args.nodes, args.cell_nodes, args.schemes, args.staleness):
         if args.cells is not None and n // c not in args.cells:
             continue
-        if scheme == "A" and n // c < 2:
-            continue  # async needs a rollout pool and a training pool
-        cluster = p.cluster(nodes=n, cell_nodes=c, **over)
+        try:
+            cluster = p.cluster(nodes=n, cell_nodes=c, **over)
+        except ConfigError as e:
+            raise ConfigError(f"{n} nodes in cells of {c}: {e}") from None
         out.append(Scenario(scheme, k, cluster, workload=workload, steps=args.steps,
                             groups_per_step=args.groups_per_step, seed=args.seed, record=False,
                             staleness_rule=args.staleness_rule, steps_per_sync=args.steps_per_sync,
@@ -134,13 +183,25 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
 
 
 def run_one(s: Scenario) -> dict:
-    """One sweep point as a plain row (module level so submitit can pickle it)."""
-    r = s.run()
+    """One sweep point as a plain row (module level so submitit can pickle it). Async runs at
+    every split and reports its best; a point that cannot run says why."""
+    if s.scheme == "A" and s.cluster.cells < 2:
+        return {"label": f"A{s.staleness}", "scheme": "A", "staleness": s.staleness, "nodes": s.cluster.nodes,
+                "cells": s.cluster.cells, "cell_size": s.cluster.cell_nodes,
+                "skipped": f"async needs a rollout pool and a training pool; {s.cluster.cells} cell holds one"}
+    if s.scheme == "A":
+        r, by_split = best_async(s)
+    else:
+        r, by_split = s.run(), {}
     d = r.to_dict()
     return {k: d[k] for k in ("label", "scheme", "staleness", "nodes", "cells", "cell_size", "hours",
                               "lower_bound_hours", "ratio_to_lower_bound", "utilisation",
-                              "gpu_hours_used", "gpu_hours_wasted", "switches")} | {
-        "not_admitted": sum(r.not_admitted.values())}
+                              "gpu_hours_used", "gpu_hours_wasted", "switches", "evictions",
+                              "model_wait_share")} | {
+        "label": r.label, "not_admitted": sum(r.not_admitted.values()),
+        "gpu_hours": round(r.gpu_hours("rollout", "train", "switch", "idle"), 1),
+        "async_split": r.async_rollout_cells if s.scheme == "A" else None,
+        "async_hours_by_split": {str(k): round(v, 3) for k, v in by_split.items()} or None}
 
 
 def execute(scs: list[Scenario], executor: str, jobs_dir: str = "gyre-plan-jobs", partition: str = "") -> list[dict]:
@@ -158,27 +219,33 @@ def execute(scs: list[Scenario], executor: str, jobs_dir: str = "gyre-plan-jobs"
 
 
 def recommend(rows: list[dict]) -> list[dict]:
-    """Mark the fastest run per node budget (fewer switches breaks ties); sort for the table."""
-    rows = sorted(rows, key=lambda r: (r["nodes"], r["hours"], r["switches"]))
+    """Mark the fastest run per node budget and staleness (fewer switches breaks ties); sort for
+    the table. Skipped points are listed last in their budget, never recommended."""
+    rows = sorted(rows, key=lambda r: (r["nodes"], r["staleness"], bool(r.get("skipped")),
+                                       r.get("hours", 0.0), r.get("switches", 0)))
     seen = set()
     for r in rows:
-        r["recommended"] = r["nodes"] not in seen
-        seen.add(r["nodes"])
+        key = (r["nodes"], r["staleness"])
+        r["recommended"] = not r.get("skipped") and key not in seen
+        if r["recommended"]:
+            seen.add(key)
     return rows
 
 
 def run(args: argparse.Namespace) -> int:
     scs = scenarios(args)
-    print(f"gyre plan: {len(scs)} simulated runs ({args.executor}) of {args.steps} steps, workload {args.workload}",
+    print(header(args))
+    print(f"{len(scs)} simulated points ({args.executor}) of {args.steps} steps; Async at its best split",
           file=sys.stderr)
     rows = recommend(execute(scs, args.executor, args.jobs_dir, args.partition))
     print(plan_table(rows))
     for r in rows:
         if r["recommended"]:
             cells = f"{r['cells']} cell{'s' if r['cells'] != 1 else ''}"
-            print(f"recommended for {r['nodes']} nodes: {cells} of {r['cell_size']} nodes, "
-                  f"{r['label']}: {r['hours']:.1f} h, {r['utilisation']:.0%} busy, "
-                  f"{r['ratio_to_lower_bound']:.2f}x the lower bound")
+            split = f" with {r['async_split']} rollout cells" if r.get("async_split") else ""
+            print(f"recommended for {r['nodes']} nodes at staleness {r['staleness']}: {cells} of "
+                  f"{r['cell_size']} nodes, {r['label']}{split}: {r['hours']:.1f} h, {r['gpu_hours']:.0f} GPU-h, "
+                  f"{r['utilisation']:.0%} busy, {r['ratio_to_lower_bound']:.2f}x the lower bound")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1), encoding="utf-8")
     return 0

@@ -53,6 +53,7 @@ class SimResult:
     wall_s: float
     mean_rollout_h: float = 0.0           # observed wall time of an execution (paper: 1.93 h)
     mean_query_h: float = 0.0             # observed wall time of a group's slowest (paper: 2.96 h)
+    query_ge_4h_share: float = 0.0        # share of groups whose slowest took >= 4 h (paper: 9.51%)
     staleness_rule: str = "window"
     steps_per_sync: int = 1
     preset: str = ""
