@@ -214,7 +214,8 @@ class Head:
             await asyncio.gather(*(self._cmd_push(c, self.core.rollout_version)
                                    for c in self.cells if c.role is Role.ROLLOUT))
         self.proxy = Proxy(self.router, load_tokenizer(self.model_dir), identity=identity,
-                           default_max_tokens=cfg.proxy.default_max_tokens, max_tokens_cap=cfg.proxy.max_tokens_cap)
+                           default_max_tokens=cfg.proxy.default_max_tokens, max_tokens_cap=cfg.proxy.max_tokens_cap,
+                           max_executions=cfg.proxy.max_executions)
         runner, port = await start_site(create_app(self.proxy, admin_key=secrets.token_urlsafe(24),
                                                    max_body_bytes=cfg.proxy.max_body_bytes), cfg.proxy.host, cfg.proxy.port)
         self.base_url = f"http://{cfg.proxy.host}:{port}/v1"

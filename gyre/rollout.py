@@ -139,7 +139,8 @@ class Rollout:
                        for _ in range(cfg.engine.endpoints)]
             router = Router([e.url for e in engines], api_key=engine_key, timeout_s=cfg.engine.request_timeout_s)
             proxy = Proxy(router, load_tokenizer(model_dir), identity=identity,
-                          default_max_tokens=cfg.proxy.default_max_tokens, max_tokens_cap=cfg.proxy.max_tokens_cap)
+                          default_max_tokens=cfg.proxy.default_max_tokens, max_tokens_cap=cfg.proxy.max_tokens_cap,
+                          max_executions=cfg.proxy.max_executions)
             runner, port = await start_site(create_app(proxy, admin_key=secrets.token_urlsafe(24),
                                                        max_body_bytes=cfg.proxy.max_body_bytes),
                                             cfg.proxy.host, cfg.proxy.port)

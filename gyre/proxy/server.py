@@ -30,6 +30,7 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from gyre.engine.client import EngineError
 from gyre.engine.router import RouterError
@@ -119,7 +120,7 @@ class Proxy:
 
     def __init__(self, router, tokenizer, *, model_name: str = "gyre", default_max_tokens: int = 512,
                  max_tokens_cap: int = 4096, identity: dict | None = None, context_length: int | None = None,
-                 max_executions: int = 100_000):
+                 max_executions: int = 10_000):
         self.router = router
         self.renderer = Renderer(tokenizer)
         self.template_tokens = template_tokens(tokenizer)
@@ -395,8 +396,9 @@ async def _read_json(request: web.Request) -> dict:
     except web.HTTPRequestEntityTooLarge:
         raise RequestError(413, f"request body larger than the limit of {request.client_max_size} bytes "
                                 f"(raise proxy.max_body_bytes if this is intended)")
-    except ContentEncodingError as e:  # e.g. Content-Encoding: gzip on a body that is not
-        raise RequestError(400, f"request body does not match its Content-Encoding header: {e}")
+    except (ContentEncodingError, RequestPayloadError) as e:  # e.g. Content-Encoding: gzip on a plain body
+        raise RequestError(400, f"request body could not be read as its headers say (Content-Encoding, "
+                                f"Content-Length): {getattr(e, 'message', e)}")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
