@@ -202,7 +202,14 @@ class HarnessConfig:
     timeout_s: float = _f(600.0, min=0.1)
     kill_grace_s: float = _f(5.0, min=0.0)
     cpu_limit_s: int = _f(0, min=0, help="RLIMIT_CPU per execution; 0 = none")
-    memory_limit_mb: int = _f(0, min=0, help="RLIMIT_AS per execution; 0 = none")
+    memory_limit_mb: int = _f(0, min=0, help="RLIMIT_AS of each process of an execution; 0 = none")
+    # Defaults that keep one harness from hurting the others on a shared node (0 = none):
+    max_processes: int = _f(1024, min=0, help="processes one harness may run at once (its whole tree)")
+    max_memory_mb: int = _f(16384, min=0, help="resident memory of one harness's whole process tree (MB)")
+    max_log_mb: int = _f(64, min=0, help="bytes of stdout and of stderr kept per harness (MB); the rest is dropped")
+    max_workspace_mb: int = _f(20480, min=0, help="bytes a harness's workspace may hold on disk (MB); also "
+                                                  "the largest file it may write")
+    limits_poll_s: float = _f(1.0, min=0.05, help="how often the process, memory and workspace limits are checked")
     pass_env: list = _f(["PATH", "HOME", "LANG", "LC_ALL", "TZ", "USER", "LOGNAME", "TMPDIR", "TERM", "SHELL"],
                         help="variables of Gyre's environment a harness sees; nothing else leaks to it")
     env: list = _f([], help="extra KEY=VALUE variables for the harness, e.g. MSWEA_CONFIGURED=true")

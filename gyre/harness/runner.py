@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from gyre.harness import proc
+from gyre.harness.limits import CappedLog, TreeLimits, check as check_limits
 from gyre.harness.sandbox import (LIB, SOCKET, TASK, WORKSPACE, Environments, ProxyBridge, SandboxConfig,
                                   run_steps_async)
 from gyre.harness.runtimes import Mount
@@ -48,7 +49,16 @@ class Limits:
     timeout_s: float = 600.0
     kill_grace_s: float = 5.0
     cpu_s: int = 0  # RLIMIT_CPU, 0 = none
-    memory_mb: int = 0  # RLIMIT_AS, 0 = none
+    memory_mb: int = 0  # RLIMIT_AS of each process, 0 = none
+    # the whole tree's (gyre.harness.limits), 0 = none; defaults from [harness]
+    max_processes: int = 0
+    max_memory_mb: int = 0
+    max_log_mb: int = 0
+    max_workspace_mb: int = 0
+    poll_s: float = 1.0
+
+    def tree(self) -> TreeLimits:
+        return TreeLimits(self.max_processes, self.max_memory_mb, self.max_workspace_mb)
 
 
 @dataclass
@@ -154,7 +164,8 @@ class _Running:
 
     def __init__(self, process: asyncio.subprocess.Process):
         self.process = process
-        self.reason: str | None = None  # "timeout" or "stopped" once we signal it
+        self.reason: str | None = None  # "timeout", "stopped" or "failed" (a limit) once we signal it
+        self.limit_error: str | None = None  # the [harness] limit it passed
         self.done = asyncio.Event()
 
     async def terminate(self, reason: str, grace_s: float) -> None:
@@ -189,7 +200,8 @@ class HarnessPool:
     @classmethod
     def from_config(cls, cfg, environments: Environments | None = None) -> "HarnessPool":
         h = cfg.harness
-        limits = Limits(h.timeout_s, h.kill_grace_s, h.cpu_limit_s, h.memory_limit_mb)
+        limits = Limits(h.timeout_s, h.kill_grace_s, h.cpu_limit_s, h.memory_limit_mb, h.max_processes,
+                        h.max_memory_mb, h.max_log_mb, h.max_workspace_mb, h.limits_poll_s)
         return cls(cfg.run.dir, h.command, concurrency=h.concurrency, limits=limits,
                    pass_env=h.pass_env, extra_env=proc.parse_env_list(h.env),
                    environments=environments or Environments(SandboxConfig.from_config(h)))
@@ -232,17 +244,30 @@ class HarnessPool:
             else:
                 argv, env, bridge, teardown, launch_env = await self._sandboxed(
                     task, place, execution_id, ws, task_dir, api_key, base_url, env)
-            argv = proc.with_limits(argv, cpu_s=lim.cpu_s, memory_mb=lim.memory_mb)
-            with open(logs / "harness.stdout", "wb") as out, open(logs / "harness.stderr", "wb") as err:
+            argv = proc.with_limits(argv, cpu_s=lim.cpu_s, memory_mb=lim.memory_mb, fsize_mb=lim.max_workspace_mb)
+            sinks = []
+            try:  # through pipes, so that at most max_log_mb of each is kept
+                for name in ("harness.stdout", "harness.stderr"):
+                    r, w = os.pipe()
+                    sinks.append((CappedLog(r, logs / name, lim.max_log_mb << 20), w))
                 process = await asyncio.create_subprocess_exec(
-                    *argv, cwd=ws, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=err,
-                    start_new_session=True)
+                    *argv, cwd=ws, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=sinks[0][1],
+                    stderr=sinks[1][1], start_new_session=True)
+            except BaseException:
+                for sink, w in sinks:
+                    sink.close_unstarted()
+                    os.close(w)
+                raise
+            for sink, w in sinks:
+                os.close(w)
+                sink.start()
         except (OSError, ValueError, RuntimeError) as e:  # not found, argv too long, bad command, runtime set-up
             await self._cleanup(bridge, teardown, launch_env)
             return result("failed", error=f"cannot start the harness: {e}")
         try:
-            return await self._wait(process, result)
+            return await self._wait(process, result, ws)
         finally:
+            await asyncio.to_thread(lambda: [sink.finish() for sink, _ in sinks])
             await self._cleanup(bridge, teardown, launch_env)
 
     async def _sandboxed(self, task, place, execution_id, ws, task_dir, api_key, base_url, env):
@@ -284,11 +309,12 @@ class HarnessPool:
         if bridge is not None:
             await bridge.close()
 
-    async def _wait(self, process, result) -> ExecutionResult:
+    async def _wait(self, process, result, ws: Path | None = None) -> ExecutionResult:
         lim = self.limits
         run = _Running(process)
         self._running.add(run)
         self.max_running_seen = max(self.max_running_seen, len(self._running))
+        watcher = asyncio.create_task(self._watch(run, ws)) if lim.tree().any() else None
         try:
             try:
                 await asyncio.wait_for(asyncio.shield(process.wait()), lim.timeout_s)
@@ -298,13 +324,29 @@ class HarnessPool:
                 await asyncio.shield(run.terminate("stopped", lim.kill_grace_s))
                 raise
             rc = await process.wait()
+            if watcher is not None:
+                watcher.cancel()
             proc.kill_group(process.pid, signal.SIGKILL)  # what it left running in its group
             status, sig = classify(rc, run.reason)
-            error = f"wall-clock limit of {lim.timeout_s:g}s reached" if status == "timeout" else None
+            error = f"wall-clock limit of {lim.timeout_s:g}s reached" if status == "timeout" else run.limit_error
             return result(status, rc, sig, error)
         finally:
+            if watcher is not None:
+                watcher.cancel()
             self._running.discard(run)
             run.done.set()
+
+    async def _watch(self, run: "_Running", ws: Path | None) -> None:
+        """Stop the harness at the first [harness] limit its tree passes (gyre.harness.limits)."""
+        lim = self.limits
+        while run.process.returncode is None:
+            error = await asyncio.to_thread(check_limits, lim.tree(), run.process.pid, ws)
+            if error is not None and run.process.returncode is None:
+                run.limit_error = error
+                await run.terminate("failed", 0.0)  # no grace: it is using what others need
+                proc.kill_group(run.process.pid, signal.SIGKILL)
+                return
+            await asyncio.sleep(lim.poll_s)
 
     async def stop_all(self, grace_s: float | None = None) -> None:
         """Refuse new executions and end the running ones (SIGTERM, then SIGKILL after the grace
