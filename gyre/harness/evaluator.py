@@ -28,7 +28,6 @@ import os
 import re
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from pathlib import Path
 
 from gyre.harness import proc, scoring
 from gyre.harness.runtimes import Mount
+from gyre.harness.sparse_copy import CopyBudget
 from gyre.harness.sandbox import OUT, WORKSPACE, Environments, Placement, SandboxConfig, run_steps
 from gyre.harness.tasks import Task
 
@@ -71,6 +71,7 @@ class EvalOptions:
     scratch_dir: str = ""  # empty: the system temp dir (outside any repository, so pytest's rootdir is the copy)
     keep_scratch: bool = False
     max_output_mb: int = 64
+    max_copy_mb: int = 20480  # data of a workspace copied for scoring (0 = no limit)
     remove_conftest: bool = False
     pass_env: tuple = ("LANG", "LC_ALL", "TZ")
     kill_grace_s: float = 2.0
@@ -88,7 +89,7 @@ class EvalOptions:
         e = cfg.eval
         sc = SandboxConfig.from_config(cfg.harness)
         return cls(timeout_s=e.timeout_s, scratch_dir=e.scratch_dir, keep_scratch=e.keep_scratch,
-                   max_output_mb=e.max_output_mb, remove_conftest=e.remove_conftest,
+                   max_output_mb=e.max_output_mb, max_copy_mb=e.max_copy_mb, remove_conftest=e.remove_conftest,
                    sandbox=sc, environments=environments)
 
 
@@ -113,8 +114,7 @@ def parse_pytest_summary(output: str) -> dict[str, int] | None:
 
 def _copy_regular(src: str, dst: str) -> None:
     # FIFOs, sockets and devices are skipped: opening a FIFO would block the evaluator forever.
-    if stat.S_ISREG(os.lstat(src).st_mode):
-        shutil.copy2(src, dst)
+    CopyBudget(0).copy(src, dst)
 
 
 def _inside(path: Path, root: Path) -> bool:
@@ -147,7 +147,9 @@ def _clean_candidate(task: Task, workspace: Path, repo: Path, opts: EvalOptions,
     """The candidate as the official post-processor leaves it: packaging files and the task's test
     paths removed."""
     try:
-        shutil.copytree(workspace, repo, symlinks=True, copy_function=_copy_regular, dirs_exist_ok=True)
+        # sparse-aware and within eval.max_copy_mb: a workspace cannot fill the evaluator's disk
+        shutil.copytree(workspace, repo, symlinks=True, copy_function=CopyBudget(opts.max_copy_mb << 20).copy,
+                        dirs_exist_ok=True)
     except shutil.Error as e:  # unreadable files: score what could be copied
         notes.append(f"some files could not be copied: {len(e.args[0])} errors")
         repo.mkdir(exist_ok=True)
@@ -201,7 +203,7 @@ def _overlay(src: Path, dst: Path) -> None:
             if s.is_symlink():
                 os.symlink(os.readlink(s), t)
             else:
-                shutil.copy2(s, t)
+                _copy_regular(str(s), str(t))
 
 
 # -- running in the task environment -----------------------------------------------------------

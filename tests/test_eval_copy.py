@@ -1,0 +1,64 @@
+"""The evaluator's copy of a workspace (issue 24): sparse files stay sparse, FIFOs are skipped,
+and the data copied is bounded by eval.max_copy_mb, with an error naming it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from gyre.harness.evaluator import EvalOptions, evaluate_workspace
+from gyre.harness.sparse_copy import CopyBudget, CopyBudgetExceeded
+from test_evaluator import SOLUTIONS, TASKS, workspace
+
+
+def sparse(path, apparent: int, data: bytes, at: int) -> None:
+    with open(path, "wb") as f:
+        f.truncate(apparent)
+        f.seek(at)
+        f.write(data)
+
+
+def test_sparse_file_is_copied_sparse_and_exact(tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    sparse(src, 4 << 30, b"payload" * 512, 1 << 30)
+    budget = CopyBudget(16 << 20)
+    budget.copy(str(src), str(dst))
+    st = os.stat(dst)
+    assert st.st_size == 4 << 30 and st.st_blocks * 512 < 4 << 20  # 4 GB apparent, KBs on disk
+    assert budget.copied < 1 << 20
+    with open(dst, "rb") as f:
+        f.seek(1 << 30)
+        assert f.read(7 * 512) == b"payload" * 512
+        f.seek(5)
+        assert f.read(8) == b"\0" * 8
+
+
+def test_copy_budget_names_its_key(tmp_path):
+    for i in range(3):
+        (tmp_path / f"f{i}").write_bytes(os.urandom(1 << 20))
+    budget = CopyBudget(2 << 20)
+    with pytest.raises(CopyBudgetExceeded, match="eval.max_copy_mb = 2"):
+        for i in range(3):
+            budget.copy(str(tmp_path / f"f{i}"), str(tmp_path / f"g{i}"))
+
+
+def test_fifo_is_skipped(tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    CopyBudget(0).copy(str(tmp_path / "fifo"), str(tmp_path / "copy"))
+    assert not (tmp_path / "copy").exists()
+
+
+def test_evaluation_of_a_sparse_workspace_scores_and_of_a_huge_one_fails_naming_the_limit(tmp_path):
+    opts = EvalOptions(timeout_s=60, scratch_dir=str(tmp_path / "scratch"), max_copy_mb=4, keep_scratch=True)
+    ws = workspace(tmp_path / "a", solution="fizzbuzz")
+    sparse(ws / "blob.bin", 8 << 30, b"x" * 4096, 4 << 30)
+    ev = evaluate_workspace(TASKS["fizzbuzz"], ws, "done", opts)
+    assert ev.reward == 1.0, ev
+    copied = next((tmp_path / "scratch").glob("gyre-eval-*/repo/blob.bin"))
+    assert copied.stat().st_blocks * 512 < 1 << 20
+
+    ws = workspace(tmp_path / "b", solution="fizzbuzz")
+    (ws / "big.bin").write_bytes(os.urandom(5 << 20))
+    ev = evaluate_workspace(TASKS["fizzbuzz"], ws, "done", opts)
+    assert ev.reward is None and ev.source == "eval-error" and "eval.max_copy_mb = 4" in ev.error
