@@ -95,3 +95,28 @@ def test_tree_usage_counts_descendants():
     import os
     n, rss = tree_usage(os.getpid())
     assert n >= 1 and rss > 0
+
+
+def test_a_bind_to_its_own_path_is_mounted(tmp_path):
+    from gyre.harness.sandbox import Environments, SandboxConfig
+    d = tmp_path / "tools"
+    d.mkdir()
+    for spec in (f"{d}:{d}", str(d)):
+        mounts, _ = Environments(SandboxConfig(sandbox="none", binds=(spec,)))._host_python_mounts()
+        assert (str(d.resolve()), str(d.resolve())) in [(m.src, m.dst) for m in mounts], spec
+    mounts, _ = Environments(SandboxConfig(sandbox="none", binds=(f"{d}:/opt/tools",)))._host_python_mounts()
+    assert (str(d.resolve()), "/opt/tools") in [(m.src, m.dst) for m in mounts]
+
+
+def test_the_sandbox_runs_the_interpreter_by_its_resolved_folder(tmp_path, monkeypatch):
+    import sys
+    from pathlib import Path
+
+    from gyre.harness.sandbox import host_python
+    real = tmp_path / "elsewhere" / "venv" / "bin"
+    real.mkdir(parents=True)
+    (real / "python").symlink_to(sys.executable)
+    (tmp_path / ".venv").symlink_to(tmp_path / "elsewhere" / "venv")
+    monkeypatch.setattr(sys, "executable", str(tmp_path / ".venv" / "bin" / "python"))
+    assert host_python() == str(real.resolve() / "python")  # the folder resolved, not the link to the base
+    assert Path(host_python()).parent == real.resolve()

@@ -28,7 +28,7 @@ from typing import Mapping, Sequence
 from gyre.harness import proc
 from gyre.harness.limits import CappedLog, TreeLimits, check as check_limits
 from gyre.harness.sandbox import (LIB, SOCKET, TASK, WORKSPACE, Environments, ProxyBridge, SandboxConfig,
-                                  run_steps_async)
+                                  host_python, run_steps_async)
 from gyre.harness.runtimes import Mount
 from gyre.harness.tasks import Task
 
@@ -276,7 +276,7 @@ class HarnessPool:
         proxied = envs.config.network == "proxy" and place.runtime.restricts_network
         bridge = await ProxyBridge(base_url).start() if proxied else None
         inner_url = bridge.inner_url if bridge else base_url
-        python = sys.executable if place.kind == "sandbox" else envs.config.image_python
+        python = host_python() if place.kind == "sandbox" else envs.config.image_python
         values = {"prompt": task.prompt, "prompt_file": f"{WORKSPACE}/start.md", "workspace": WORKSPACE,
                   "task_dir": TASK, "python": python, "execution_id": execution_id, "base_url": inner_url}
         harness_argv = expand_argv(self.command, values)
