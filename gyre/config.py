@@ -213,6 +213,8 @@ class HarnessConfig:
     pass_env: list = _f(["PATH", "HOME", "LANG", "LC_ALL", "TZ", "USER", "LOGNAME", "TMPDIR", "TERM", "SHELL"],
                         help="variables of Gyre's environment a harness sees; nothing else leaks to it")
     env: list = _f([], help="extra KEY=VALUE variables for the harness, e.g. MSWEA_CONFIGURED=true")
+    min_scorable_share: float = _f(0.5, min=0.0, max=1.0, help="warn before running when fewer of the suite's "
+                                   "tasks can be scored here (none scorable is always refused)")
     strict_suite: bool = _f(False, help="refuse a suite with a broken task folder (default: skip it "
                                         "with a warning and count it); `--strict` on the command line")
     image_template: str = _f("ghcr.io/multimodal-art-projection/nl2repobench/{task}:1.0",

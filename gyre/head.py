@@ -161,7 +161,8 @@ class Head:
         from gyre.engine.router import Router
         from gyre.engine.tiny_model import ensure_tiny_model, load_tokenizer, model_identity
         from gyre.harness.evaluator import EvaluatorPool
-        from gyre.harness.execute import load_tasks
+        from gyre.harness.execute import check_scorable, load_tasks
+        from gyre.harness.sandbox import Environments, SandboxConfig
         from gyre.harness.runner import HarnessPool, private_dir
         from gyre.proxy.server import Proxy, create_app, start_site
         from gyre.sched import policy_from_config
@@ -176,6 +177,8 @@ class Head:
         self.policy = policy_from_config(cfg)
         self.spec = SelectionSpec.from_config(cfg.selection)
         self.tasks = load_tasks(cfg)  # harness.suite, strict_suite, image_template, tasks
+        envs = Environments(SandboxConfig.from_config(cfg.harness))  # one placement per task, shared
+        check_scorable(self.tasks, envs, cfg.harness.min_scorable_share)  # refused before any work
         self.task_cycle = itertools.cycle(self.tasks)
         identity = model_identity(self.model_dir)
         self.writer = ShardWriter.from_config(cfg.store, private_dir(cfg.shard_dir()), shard_identity(identity))
@@ -219,8 +222,8 @@ class Head:
         runner, port = await start_site(create_app(self.proxy, admin_key=secrets.token_urlsafe(24),
                                                    max_body_bytes=cfg.proxy.max_body_bytes), cfg.proxy.host, cfg.proxy.port)
         self.base_url = f"http://{cfg.proxy.host}:{port}/v1"
-        self.pool = HarnessPool.from_config(cfg)
-        self.evaluators = EvaluatorPool.from_config(cfg)
+        self.pool = HarnessPool.from_config(cfg, envs)
+        self.evaluators = EvaluatorPool.from_config(cfg, envs)
         stopped = False
         try:
             while not self.core.done:

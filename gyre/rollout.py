@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gyre.config import GyreConfig, default_tiny_dir, load_config
-from gyre.harness.execute import FINISHED, read_tasks, run_and_evaluate, select_tasks  # noqa: F401 (re-exported)
+from gyre.harness.execute import (FINISHED, check_scorable, read_tasks, run_and_evaluate,  # noqa: F401 (re-exported)
+                                  select_tasks)
 
 _ATTEMPT = re.compile(r"^(?P<base>.+)-a(?P<n>\d+)$")
 
@@ -59,6 +60,8 @@ class RolloutSummary:
     by_source: dict[str, list[float]] = field(default_factory=dict)  # Gyre's rewards by source
     skipped_tasks: int = 0  # broken task folders of the suite, skipped
     sandbox: str = ""       # the host sandbox backend (bwrap | none)
+    unscorable_tasks: dict[str, str] = field(default_factory=dict)  # task -> why it cannot be scored here
+    unscorable_reasons: dict[str, int] = field(default_factory=dict)  # executions by reason
 
 
 def plan(tasks, group_size: int, previous: dict[str, tuple[str, int]]) -> tuple[list[Planned], int]:
@@ -121,6 +124,7 @@ class Rollout:
         self.summary.skipped_tasks = len(suite.skipped)
         envs = Environments(SandboxConfig.from_config(cfg.harness))  # one placement per task, shared
         self.summary.sandbox = envs.host_backend
+        self.summary.unscorable_tasks = check_scorable(tasks, envs, cfg.harness.min_scorable_share)
         private_dir(Path(cfg.run.dir))  # the run directory exists and is private before anything lands in it
         shard_dir = private_dir(cfg.shard_dir())
         previous = previous_executions(shard_dir) if resume else {}
@@ -188,6 +192,9 @@ class Rollout:
                 self.summary.by_source.setdefault(rec.reward_source, []).append(rec.reward)
             else:
                 self.summary.unscorable += 1
+                why = rec.reward_source if rec.reward_source != "unscorable" else \
+                    self.summary.unscorable_tasks.get(p.task.name, "unscorable")
+                self.summary.unscorable_reasons[why] = self.summary.unscorable_reasons.get(why, 0) + 1
         st = rec.tree.stats()
         self.summary.executions[rec.status] = self.summary.executions.get(rec.status, 0) + 1
         self.summary.calls += st.calls
@@ -224,13 +231,16 @@ def print_summary(s: RolloutSummary, cfg: GyreConfig) -> None:
     t.add_column("what", style="bold")
     t.add_column("value")
     spread = statistics.pstdev(s.rewards) if len(s.rewards) > 1 else 0.0
-    rows = [("tasks", len(s.per_task)), ("executions", sum(s.executions.values())),
+    rows = [("tasks", f"{len(s.per_task)} scored, {len(s.unscorable_tasks)} unscorable here"
+                      + "".join(f"\n  {name}: {why}" for name, why in sorted(s.unscorable_tasks.items())[:5])),
+            ("executions", sum(s.executions.values())),
             ("by status", ", ".join(f"{k} {v}" for k, v in sorted(s.executions.items())) or "-"),
             ("calls", s.calls), ("tokens (unique)", s.tokens),
             ("official score (NL2RepoBench)", f"{_mean(s.official):.3f}  (unscorable and failed count 0)"),
             ("reward mean / std", f"{_mean(s.rewards):.3f} / {spread:.3f}  (scored executions only)"),
             ("reward by source", ", ".join(f"{k} {_mean(v):.3f} (n={len(v)})" for k, v in sorted(s.by_source.items())) or "-"),
-            ("timeouts", s.executions.get("timeout", 0)), ("unscorable", s.unscorable),
+            ("timeouts", s.executions.get("timeout", 0)),
+            ("unscorable", f"{s.unscorable}" + "".join(f"\n  {n} x {why}" for why, n in sorted(s.unscorable_reasons.items()))),
             ("skipped (resume)", s.skipped_resume), ("broken task folders skipped", s.skipped_tasks),
             ("sandbox", s.sandbox), ("shards", len(s.shards)), ("time", f"{s.seconds:.1f} s")]
     for k, v in rows:

@@ -6,7 +6,10 @@ Here rather than in a command module so the head does not import the `gyre rollo
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
+
+log = logging.getLogger("gyre.execute")
 
 FINISHED = ("done", "failed", "crashed", "timeout")  # statuses that end an execution for good
 
@@ -39,6 +42,32 @@ async def run_and_evaluate(proxy, pool, evaluators, task, execution_id: str, gro
     else:
         rec.reward_source = f"not-evaluated: {status}" + (f" ({error})" if error else "")
     return rec
+
+
+def check_scorable(tasks: list, envs, min_share: float = 0.5) -> dict[str, str]:
+    """Say it before running: the tasks that cannot be scored here, name -> reason. A suite with
+    no scorable task is refused (a ConfigError naming the reasons: minutes of rollouts would end
+    in ``reward nan`` and nothing to train); under `min_share` scorable, a warning."""
+    from gyre.config import ConfigError
+
+    unscorable = {}
+    for t in tasks:
+        place = envs.place(t)
+        if not place.scorable:
+            unscorable[t.name] = place.reason or "cannot be scored here"
+    if not tasks:
+        raise ConfigError("harness.suite: no task to run (harness.tasks selected none)")
+    reasons = "; ".join(f"{name}: {why}" for name, why in list(unscorable.items())[:5])
+    more = f" (and {len(unscorable) - 5} more)" if len(unscorable) > 5 else ""
+    if len(unscorable) == len(tasks):
+        raise ConfigError(f"harness.suite: none of its {len(tasks)} tasks can be scored here, so nothing "
+                          f"would train: {reasons}{more}. Give the task images (harness.image_dir; "
+                          "`gyre tasks` prints the build command of each) or choose tasks that ship their tests")
+    scorable = len(tasks) - len(unscorable)
+    if scorable / len(tasks) < min_share:
+        log.warning("only %d of %d tasks can be scored here (harness.min_scorable_share = %g): %s%s",
+                    scorable, len(tasks), min_share, reasons, more)
+    return unscorable
 
 
 def read_tasks(cfg):
