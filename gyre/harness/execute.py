@@ -27,16 +27,19 @@ async def run_and_evaluate(proxy, pool, evaluators, task, execution_id: str, gro
     try:
         result = await pool.run_execution(task, execution_id, api_key=key, base_url=base_url)
         status, workspace, error = result.status, result.workspace, result.error
+        log_dir = result.log_dir
     except RuntimeError as e:  # the pool is stopping: this execution never started
-        status, workspace, error = "stopped", "", str(e)
+        status, workspace, error, log_dir = "stopped", "", str(e), ""
     except Exception as e:  # e.g. a reused id whose workspace is kept: recorded, never lost
-        status, workspace, error = "failed", "", f"{type(e).__name__}: {e}"
+        status, workspace, error, log_dir = "failed", "", f"{type(e).__name__}: {e}", ""
     rec = proxy.end(execution_id, status)
     rec.workspace = workspace
     if on_ended is not None:
         on_ended(status)
     if status in FINISHED:
-        ev = await evaluators.evaluate(task, workspace, status)
+        # the evaluation's log beside the harness's, under run.dir (not the system temp dir)
+        ev = await evaluators.evaluate(task, workspace, status,
+                                       log_path=f"{log_dir}/evaluation.log" if log_dir else None)
         rec.reward = float("nan") if ev.reward is None else float(ev.reward)
         rec.reward_source, rec.passed, rec.total = ev.source, ev.passed, ev.total
     else:
