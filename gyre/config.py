@@ -209,6 +209,8 @@ class HarnessConfig:
     max_log_mb: int = _f(64, min=0, help="bytes of stdout and of stderr kept per harness (MB); the rest is dropped")
     max_workspace_mb: int = _f(20480, min=0, help="bytes a harness's workspace may hold on disk (MB); also "
                                                   "the largest file it may write")
+    max_start_failures: int = _f(3, min=0, help="harnesses in a row that cannot start in their sandbox before "
+                                               "the run stops with the sandbox's error; 0 = never stop")
     limits_poll_s: float = _f(1.0, min=0.05, help="how often the process, memory and workspace limits are checked")
     pass_env: list = _f(["PATH", "HOME", "LANG", "LC_ALL", "TZ", "USER", "LOGNAME", "TMPDIR", "TERM", "SHELL"],
                         help="variables of Gyre's environment a harness sees; nothing else leaks to it")

@@ -60,6 +60,7 @@ class RolloutSummary:
     by_source: dict[str, list[float]] = field(default_factory=dict)  # Gyre's rewards by source
     skipped_tasks: int = 0  # broken task folders of the suite, skipped
     sandbox: str = ""       # the host sandbox backend (bwrap | none)
+    broken: str | None = None  # why the run stopped early: harnesses could not start in their sandbox
     unscorable_tasks: dict[str, str] = field(default_factory=dict)  # task -> why it cannot be scored here
     unscorable_reasons: dict[str, int] = field(default_factory=dict)  # executions by reason
 
@@ -161,10 +162,10 @@ class Rollout:
                 jobs = [asyncio.create_task(self._one(p, proxy, pool, evaluators, base_url, writer, bar)) for p in todo]
                 stopper = asyncio.create_task(self._stop.wait())
                 pending = set(jobs)
-                while pending and not self._stop.is_set():
+                while pending and not self._stop.is_set() and not pool.broken:
                     _, pending = await asyncio.wait(pending | {stopper}, return_when=asyncio.FIRST_COMPLETED)
                     pending.discard(stopper)
-                if self._stop.is_set():
+                if self._stop.is_set() or pool.broken:
                     await pool.stop_all()
                 await asyncio.gather(*jobs, return_exceptions=True)
                 stopper.cancel()
@@ -178,6 +179,7 @@ class Rollout:
                 await runner.cleanup()
                 await router.close()
         self.summary.seconds = time.monotonic() - t0
+        self.summary.broken = pool.broken
         return self.summary
 
     async def _one(self, p: Planned, proxy, pool, evaluators, base_url: str, writer, bar) -> None:
@@ -264,4 +266,7 @@ def run(args: argparse.Namespace) -> int:
     ro = Rollout(cfg, progress=not args.no_progress)
     summary = asyncio.run(ro.run(resume=args.resume))
     print_summary(summary, cfg)
+    if summary.broken:
+        print(f"gyre rollout: stopped: {summary.broken}", file=sys.stderr)
+        return 3
     return 130 if ro._stop.is_set() else 0

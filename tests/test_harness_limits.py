@@ -120,3 +120,21 @@ def test_the_sandbox_runs_the_interpreter_by_its_resolved_folder(tmp_path, monke
     monkeypatch.setattr(sys, "executable", str(tmp_path / ".venv" / "bin" / "python"))
     assert host_python() == str(real.resolve() / "python")  # the folder resolved, not the link to the base
     assert Path(host_python()).parent == real.resolve()
+
+
+def test_harnesses_that_cannot_start_are_infrastructure_and_break_the_pool(tmp_path):
+    import asyncio
+
+    from gyre.harness.runner import SandboxBroken
+    from test_harness_runner import TASK
+    script = "import sys; sys.stderr.write('bwrap: execvp /x/.venv/bin/python: No such file or directory\\n'); sys.exit(1)"
+    p = pool(tmp_path, [PY, "-c", script], limits=limits())
+    p.max_start_failures = 2
+    first = run(p, "e1")
+    assert first.status == "failed" and first.start_failure and "could not start in its sandbox: bwrap: execvp" in first.error
+    run(p, "e2")
+    assert p.broken and "2 harnesses in a row could not start" in p.broken and "bwrap: execvp" in p.broken
+    with pytest.raises(SandboxBroken):
+        asyncio.run(p.run_execution(TASK, "e3", api_key="k", base_url="http://127.0.0.1:9/v1"))
+    ok = pool(tmp_path / "b", [PY, "-c", "import sys; sys.exit(1)"], limits=limits())
+    assert not run(ok).start_failure  # an ordinary failure is the harness's, and scored

@@ -24,10 +24,11 @@ async def run_and_evaluate(proxy, pool, evaluators, task, execution_id: str, gro
     coordinator stops counting it as running rollout work then).
     """
     key = proxy.register(execution_id, task=task.name, group=group)
+    start_failure = False
     try:
         result = await pool.run_execution(task, execution_id, api_key=key, base_url=base_url)
         status, workspace, error = result.status, result.workspace, result.error
-        log_dir = result.log_dir
+        log_dir, start_failure = result.log_dir, result.start_failure
     except RuntimeError as e:  # the pool is stopping: this execution never started
         status, workspace, error, log_dir = "stopped", "", str(e), ""
     except Exception as e:  # e.g. a reused id whose workspace is kept: recorded, never lost
@@ -36,7 +37,9 @@ async def run_and_evaluate(proxy, pool, evaluators, task, execution_id: str, gro
     rec.workspace = workspace
     if on_ended is not None:
         on_ended(status)
-    if status in FINISHED:
+    if start_failure:  # infrastructure, not a score: never trained
+        rec.reward_source = f"not-evaluated: infrastructure ({error})"
+    elif status in FINISHED:
         # the evaluation's log beside the harness's, under run.dir (not the system temp dir)
         ev = await evaluators.evaluate(task, workspace, status,
                                        log_path=f"{log_dir}/evaluation.log" if log_dir else None)

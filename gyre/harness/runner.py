@@ -40,6 +40,14 @@ _CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGILL, 
                   signal.SIGKILL, signal.SIGXCPU}
 
 
+# How a sandbox (bubblewrap) or Gyre's launchers say the harness could not even be started.
+_START_FAILURE = re.compile(rb"^(bwrap: .*|gyre sandbox: cannot run .*|gyre: cannot run .*)$", re.M)
+
+
+class SandboxBroken(RuntimeError):
+    """Harnesses keep failing to start in their sandbox: an infrastructure failure, not a score."""
+
+
 class WorkspaceExists(FileExistsError):
     """An execution id was reused: its workspace is kept, so a new execution needs a new id."""
 
@@ -73,6 +81,7 @@ class ExecutionResult:
     workspace: str
     log_dir: str
     error: str | None = None
+    start_failure: bool = False  # the harness never started (its sandbox or launcher said so)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -184,7 +193,8 @@ class HarnessPool:
 
     def __init__(self, run_dir: str | os.PathLike, command: Sequence[str], *, concurrency: int = 4,
                  limits: Limits | None = None, pass_env: Sequence[str] = ("PATH", "HOME", "LANG"),
-                 extra_env: Mapping[str, str] | None = None, environments: Environments | None = None):
+                 extra_env: Mapping[str, str] | None = None, environments: Environments | None = None,
+                 max_start_failures: int = 3):
         self.envs = environments or Environments(SandboxConfig())
         self.run_dir = Path(run_dir).absolute()  # the harness runs elsewhere: its paths must not be relative
         self.command = list(command)
@@ -196,6 +206,10 @@ class HarnessPool:
         self._running: set[_Running] = set()
         self._stopping = False
         self.max_running_seen = 0
+        # consecutive harnesses that could not start: past max_start_failures the pool is broken
+        self.max_start_failures = max_start_failures
+        self.start_failures_in_a_row = 0
+        self.broken: str | None = None
 
     @classmethod
     def from_config(cls, cfg, environments: Environments | None = None) -> "HarnessPool":
@@ -204,7 +218,8 @@ class HarnessPool:
                         h.max_memory_mb, h.max_log_mb, h.max_workspace_mb, h.limits_poll_s)
         return cls(cfg.run.dir, h.command, concurrency=h.concurrency, limits=limits,
                    pass_env=h.pass_env, extra_env=proc.parse_env_list(h.env),
-                   environments=environments or Environments(SandboxConfig.from_config(h)))
+                   environments=environments or Environments(SandboxConfig.from_config(h)),
+                   max_start_failures=h.max_start_failures)
 
     @property
     def running(self) -> int:
@@ -216,10 +231,34 @@ class HarnessPool:
         id and RuntimeError once stop_all() was called; a harness that cannot even start is a
         ``failed`` execution with its error."""
         async with self._slots:
+            if self.broken:
+                raise SandboxBroken(self.broken)
             if self._stopping:
                 raise RuntimeError("the harness pool is stopping; no new executions")
             ws, logs = prepare_workspace(self.run_dir, execution_id, task)
-            return await self._run(task, execution_id, ws, logs, api_key, base_url, extra_env or {})
+            res = await self._run(task, execution_id, ws, logs, api_key, base_url, extra_env or {})
+            self._count_start(res, logs)
+            return res
+
+    def _count_start(self, res: ExecutionResult, logs: Path) -> None:
+        """A harness that cannot start in its sandbox is the infrastructure's failure: named as
+        such, and a few in a row stop the pool with the sandbox's own message."""
+        if res.status == "failed" and not res.start_failure and res.returncode not in (None, 0):
+            try:
+                with open(logs / "harness.stderr", "rb") as f:
+                    m = _START_FAILURE.search(f.read(1 << 16))
+            except OSError:
+                m = None
+            if m:
+                res.start_failure = True
+                res.error = f"the harness could not start in its sandbox: {m.group(1).decode(errors='replace')}"
+        if not res.start_failure:
+            self.start_failures_in_a_row = 0
+            return
+        self.start_failures_in_a_row += 1
+        if self.max_start_failures and self.start_failures_in_a_row >= self.max_start_failures and not self.broken:
+            self.broken = (f"{self.start_failures_in_a_row} harnesses in a row could not start ({res.error}); "
+                           "fix the sandbox or harness.command (harness.sandbox_binds for paths it needs) and resume")
 
     async def _run(self, task, execution_id, ws, logs, api_key, base_url, extra_env) -> ExecutionResult:
         task_dir = public_task_dir(self.run_dir, task)
@@ -263,7 +302,9 @@ class HarnessPool:
                 sink.start()
         except (OSError, ValueError, RuntimeError) as e:  # not found, argv too long, bad command, runtime set-up
             await self._cleanup(bridge, teardown, launch_env)
-            return result("failed", error=f"cannot start the harness: {e}")
+            res = result("failed", error=f"cannot start the harness: {e}")
+            res.start_failure = True
+            return res
         try:
             return await self._wait(process, result, ws)
         finally:
