@@ -244,6 +244,9 @@ class EvalConfig:
     scratch_dir: str = _f("", help="where workspaces are copied for scoring; empty = the system temp dir")
     keep_scratch: bool = _f(False, help="keep the scored copy (for debugging a score)")
     max_output_mb: int = _f(64, min=1, help="largest file (log included) a test command may write")
+    output: str = _f("official", choices=("official", "merged"),
+                     help="what is scored of a test command: official = stdout when it succeeds, stdout and "
+                          "stderr in python-on-whales' error text when it fails (NL2RepoBench); merged = both always")
     max_copy_mb: int = _f(20480, min=0, help="data of a workspace copied for scoring (MB; sparse holes are "
                                              "not copied); past it the evaluation fails naming this key")
     remove_conftest: bool = _f(False, help="also delete the candidate's conftest.py files (NL2RepoBench keeps them)")

@@ -63,3 +63,17 @@ def test_summary_names_unscorable_tasks_and_reasons(capsys):
     print_summary(s, load_config(None, []))
     out = capsys.readouterr().out
     assert "0 scored, 1 unscorable here" in out and "six: needs image x" in out and "2 x needs image x" in out
+
+
+def test_test_count_is_read_as_the_official_reader_does(tmp_path):
+    import os
+
+    root = image_only_suite(tmp_path / "suite", ["six"])
+    (root / "six" / "count.txt").write_text("7")
+    first = [f for f in os.listdir(root / "six") if f.endswith(".txt")][0]
+    task = load_suite(root)[0]
+    assert task.test_case_count == (7 if first == "count.txt" else 3)  # the first *.txt os.listdir gives
+    (root / "six" / "count.txt").write_text("seven")
+    if first == "count.txt":
+        with pytest.raises(ConfigError, match="first \\*.txt"):
+            load_suite(root, strict=True)

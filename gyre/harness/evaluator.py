@@ -72,6 +72,7 @@ class EvalOptions:
     keep_scratch: bool = False
     max_output_mb: int = 64
     max_copy_mb: int = 20480  # data of a workspace copied for scoring (0 = no limit)
+    output: str = "official"  # what the scorer reads of each command (scoring.command_output)
     remove_conftest: bool = False
     pass_env: tuple = ("LANG", "LC_ALL", "TZ")
     kill_grace_s: float = 2.0
@@ -89,7 +90,8 @@ class EvalOptions:
         e = cfg.eval
         sc = SandboxConfig.from_config(cfg.harness)
         return cls(timeout_s=e.timeout_s, scratch_dir=e.scratch_dir, keep_scratch=e.keep_scratch,
-                   max_output_mb=e.max_output_mb, max_copy_mb=e.max_copy_mb, remove_conftest=e.remove_conftest,
+                   max_output_mb=e.max_output_mb, max_copy_mb=e.max_copy_mb, output=e.output,
+                   remove_conftest=e.remove_conftest,
                    sandbox=sc, environments=environments)
 
 
@@ -340,13 +342,16 @@ def evaluate_workspace(task: Task, workspace: str | os.PathLike, status: str = "
         results, ran = [], 0
         with open(lp, "a", encoding="utf-8") as f:
             for i, command in enumerate(task.test_commands):
-                text = _read_output(out / f"cmd-{i}.log", limit)
+                stdout = _read_output(out / f"cmd-{i}.out", limit)
+                stderr = _read_output(out / f"cmd-{i}.err", limit)
                 done = (out / f"cmd-{i}.rc").exists()
-                if done or text:
-                    ran += 1
-                    results.append((command, text))
                 rc_i = (out / f"cmd-{i}.rc").read_text().strip() if done else "not finished"
-                f.write(f"\n$ {command}\n{text}\n[exit status {rc_i}]\n")
+                if done or stdout or stderr:
+                    ran += 1
+                    code = int(rc_i) if rc_i.lstrip("-").isdigit() else None  # None: cut by the time limit
+                    results.append((command, scoring.command_output(argvs[i], code, stdout, stderr,
+                                                                    opts.output)))
+                f.write(f"\n$ {command}\n{stdout}\n[stderr]\n{stderr}\n[exit status {rc_i}]\n")
         if timed_out:
             notes.append(f"evaluation time limit of {opts.timeout_s:g}s reached; "
                          f"{len(task.test_commands) - ran} commands not run")

@@ -9,8 +9,8 @@ It is mounted alone (with the harness scripts) into an instance, so it must not 
 
     sandbox_init.py --commands FILE --out DIR [--workdir DIR]
         Run each argv of the JSON list FILE in turn, without a shell (NL2RepoBench's official
-        runner splits each command with shlex and executes it), stdout and stderr together
-        into DIR/cmd-N.log, and the exit status into DIR/cmd-N.rc once it ends, so that a
+        runner splits each command with shlex and executes it), stdout into DIR/cmd-N.out and
+        stderr into DIR/cmd-N.err, and the exit status into DIR/cmd-N.rc once it ends, so that a
         time limit reached later keeps what earlier commands printed.
 
     sandbox_init.py --copy-tree SRC DST
@@ -98,13 +98,13 @@ def run_commands(commands_file, out, workdir):
     with open(commands_file) as f:
         commands = json.load(f)
     for i, argv in enumerate(commands):
-        log = os.path.join(out, "cmd-%d.log" % i)
-        with open(log, "wb") as fh:
+        # stdout and stderr apart: the official runner reads stdout alone when a command succeeds
+        with open(os.path.join(out, "cmd-%d.out" % i), "wb") as fo, \
+                open(os.path.join(out, "cmd-%d.err" % i), "wb") as fe:
             try:
-                rc = subprocess.call(argv, cwd=workdir, stdin=subprocess.DEVNULL, stdout=fh,
-                                     stderr=subprocess.STDOUT)
+                rc = subprocess.call(argv, cwd=workdir, stdin=subprocess.DEVNULL, stdout=fo, stderr=fe)
             except OSError as e:
-                fh.write(("exec %s: %s\n" % (argv[0], e)).encode())
+                fe.write(("exec %s: %s\n" % (argv[0], e)).encode())
                 rc = 127
         with open(os.path.join(out, "cmd-%d.rc" % i), "w") as fh:
             fh.write(str(rc))
