@@ -181,3 +181,41 @@ def test_fuzzed_requests_never_get_a_5xx(stack):
         statuses.append(status)
     assert 200 in statuses and 400 in statuses  # the fuzz reaches both sides
     assert chat(stack, key)[0] == 200  # and the proxy still serves
+
+
+def test_a_lagging_reader_parses_the_last_cumulative_snapshot_only():
+    import asyncio
+
+    from aiohttp import web
+
+    from gyre.engine.client import EngineClient
+    from test_proxy import start_site
+
+    n = 300
+
+    def event(k: int, done: bool = False) -> bytes:
+        meta = {"output_token_logprobs": [[-0.5, t, None] for t in range(k)], "completion_tokens": k,
+                "finish_reason": {"type": "length"} if done else None}
+        return b"data: " + json.dumps({"output_ids": list(range(k)), "meta_info": meta}).encode() + b"\n\n"
+
+    async def generate(request):  # every cumulative snapshot in one write: the reader is behind
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        await resp.write(b"".join(event(k, k == n) for k in range(1, n + 1)) + b"data: [DONE]\n\n")
+        return resp
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        runner, port = await start_site(app, "127.0.0.1", 0)
+        client = EngineClient(f"http://127.0.0.1:{port}")
+        try:
+            snaps = [s async for s in client.generate_stream([1, 2], {"max_new_tokens": n})]
+        finally:
+            await client.close()
+            await runner.cleanup()
+        return snaps
+
+    snaps = asyncio.run(main())
+    assert snaps[-1].output_ids == list(range(n)) and snaps[-1].finish_reason == "length"
+    assert len(snaps[-1].logprobs) == n and len(snaps) <= n // 2  # not one parse per token
