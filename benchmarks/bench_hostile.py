@@ -2,7 +2,8 @@
 
 1. **Stop strings** (``stop_dos_*``): HOSTILE streamed calls, each with the most stop text the
    proxy accepts (16 strings, 4,096 characters in all, built so that partial matches never end:
-   ``"a" * 255 + "b"`` against an output of ``a``s), run while another execution makes short
+   ``"a" * 255 + "b"``; the output is ``x``s, so every tail check fails, the costliest case for a
+   matcher that re-checks the text on each token), run while another execution makes short
    2-token calls one after the other. The figure is that execution's worst call latency while
    the hostile streams run, beside its median alone. The engine is a scripted stand-in (its own
    process, 500 tokens/s per stream, no stop matching of its own) behind the real router and
@@ -57,7 +58,7 @@ FUZZ = 2000
 def serve_engine() -> None:
     """The scripted engine as its own process (``--engine``): calls with stop strings (the hostile
     ones) get a long output of ``a`` tokens, the others a short answer. Prints its port."""
-    long_out = R.encode("a" * HOSTILE_TOKENS)[:HOSTILE_TOKENS] + [R.im_end]
+    long_out = R.encode("x" * HOSTILE_TOKENS)[:HOSTILE_TOKENS] + [R.im_end]
     short = R.encode("Hi.") + [R.im_end]
     engine = ScriptedEngine(decode=None)  # no stop matching of its own: the proxy's cost is measured
     engine.script = [short]
@@ -166,6 +167,25 @@ def stop_dos() -> dict:
             "stop_dos_16x10000_status": refused}
 
 
+def stop_match_cost() -> dict:
+    """The proxy's own stop matching per streamed token at the most stop text it accepts, for an
+    output that keeps half-matching and one that never matches (deterministic, no servers)."""
+    from gyre.proxy.streaming import ContentStream
+
+    out = {}
+    for name, ch in (("matching", "a"), ("non_matching", "x")):
+        cs, text, worst = ContentStream(["a" * 255 + "b"] * 16, False), "", 0.0
+        t0 = time.perf_counter()
+        for _ in range(HOSTILE_TOKENS):
+            text += ch
+            t1 = time.perf_counter()
+            cs.delta(text)
+            worst = max(worst, time.perf_counter() - t1)
+        out[f"stop_match_{name}_worst_token_ms"] = worst * 1e3
+        out[f"stop_match_{name}_total_ms"] = (time.perf_counter() - t0) * 1e3
+    return out
+
+
 def fuzz() -> dict:
     s = Served()
     statuses: dict[int, int] = {}
@@ -245,7 +265,7 @@ def limits() -> dict:
 
 
 def main() -> dict:
-    return {**stop_dos(), **fuzz(), **limits(), "load_avg_1m": os.getloadavg()[0]}
+    return {**stop_dos(), **stop_match_cost(), **fuzz(), **limits(), "load_avg_1m": os.getloadavg()[0]}
 
 
 if __name__ == "__main__":
