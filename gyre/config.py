@@ -238,7 +238,14 @@ class HarnessConfig:
 
 @dataclass
 class EvalConfig:
-    timeout_s: float = _f(300.0, min=0.1, help="time limit for all test commands of one evaluation")
+    timeout_s: float = _f(300.0, min=0.0, help="time limit for all test commands of one evaluation of a task "
+                                               "that ships its tests; 0 = none")
+    image_timeout_s: float = _f(0.0, min=0.0, help="the same for a task scored in its image (NL2RepoBench: the "
+                                                   "official runner has none, one task has 2,182 tests); 0 = none")
+    command_timeout_s: float = _f(0.0, min=0.0, help="time limit of each test command; 0 = none")
+    network: str = _f("auto", choices=("auto", "on", "off"),
+                      help="network of the test commands: auto = on for tasks scored in their image (NL2RepoBench's "
+                           "commands `pip install`, as its containers allow), off otherwise")
     workers: int = _f(2, min=1, help="evaluations running at once")
     executor: str = _f("pool", choices=("pool", "submitit-local", "submitit-slurm"))
     scratch_dir: str = _f("", help="where workspaces are copied for scoring; empty = the system temp dir")

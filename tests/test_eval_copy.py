@@ -62,3 +62,30 @@ def test_evaluation_of_a_sparse_workspace_scores_and_of_a_huge_one_fails_naming_
     (ws / "big.bin").write_bytes(os.urandom(5 << 20))
     ev = evaluate_workspace(TASKS["fizzbuzz"], ws, "done", opts)
     assert ev.reward is None and ev.source == "eval-error" and "eval.max_copy_mb = 4" in ev.error
+
+
+def test_each_command_has_its_own_time_limit_and_the_next_still_runs(tmp_path):
+    import json
+    import sys
+
+    from gyre.harness.sandbox_init import run_commands
+    cmds = tmp_path / "commands.json"
+    cmds.write_text(json.dumps([[sys.executable, "-c", "import time; time.sleep(60)"],
+                                [sys.executable, "-c", "print('== 2 passed in 0.1s ==')"]]))
+    run_commands(str(cmds), str(tmp_path), str(tmp_path), command_timeout=0.5)
+    assert (tmp_path / "cmd-0.rc").read_text() == "-9"
+    assert "eval.command_timeout_s = 0.5" in (tmp_path / "cmd-0.err").read_text()
+    assert (tmp_path / "cmd-1.rc").read_text() == "0" and "2 passed" in (tmp_path / "cmd-1.out").read_text()
+
+
+def test_evaluation_network_and_time_cap_follow_the_suite():
+    from gyre.config import load_config
+    from gyre.harness.evaluator import eval_network
+    from gyre.harness.sandbox import Placement
+
+    opts = EvalOptions.from_config(load_config(None, []))
+    image, host = Placement("image", None, None, True, None), Placement("sandbox", None, None, True, None)
+    assert eval_network(opts, image) and not eval_network(opts, host)  # NL2RepoBench's containers have it
+    assert opts.image_timeout_s == 0 and opts.timeout_s == 300 and opts.command_timeout_s == 0
+    opts.network = "off"
+    assert not eval_network(opts, image)

@@ -67,7 +67,10 @@ class Evaluation:
 
 @dataclass
 class EvalOptions:
-    timeout_s: float = 300.0
+    timeout_s: float = 300.0  # all commands of a task that ships its tests; 0 = none
+    image_timeout_s: float = 0.0  # all commands of a task scored in its image (the official has none); 0 = none
+    command_timeout_s: float = 0.0  # each command; 0 = none
+    network: str = "auto"  # auto: on in a task's image (its commands install packages), off otherwise
     scratch_dir: str = ""  # empty: the system temp dir (outside any repository, so pytest's rootdir is the copy)
     keep_scratch: bool = False
     max_output_mb: int = 64
@@ -89,7 +92,8 @@ class EvalOptions:
         """From a GyreConfig: its [eval] section plus the harness's sandbox settings."""
         e = cfg.eval
         sc = SandboxConfig.from_config(cfg.harness)
-        return cls(timeout_s=e.timeout_s, scratch_dir=e.scratch_dir, keep_scratch=e.keep_scratch,
+        return cls(timeout_s=e.timeout_s, image_timeout_s=e.image_timeout_s, command_timeout_s=e.command_timeout_s,
+                   network=e.network, scratch_dir=e.scratch_dir, keep_scratch=e.keep_scratch,
                    max_output_mb=e.max_output_mb, max_copy_mb=e.max_copy_mb, output=e.output,
                    remove_conftest=e.remove_conftest,
                    sandbox=sc, environments=environments)
@@ -224,7 +228,8 @@ class _Runner:
                                                   "PYTHONDONTWRITEBYTECODE": "1"})
         return env
 
-    def run(self, argv: list[str], mounts: list[Mount], timeout_s: float, workdir: str = WORKSPACE) -> tuple[int | None, bool]:
+    def run(self, argv: list[str], mounts: list[Mount], timeout_s: float | None, workdir: str = WORKSPACE,
+            network: bool = False) -> tuple[int | None, bool]:
         """(exit status, timed out) of ``argv`` (launcher arguments) in a fresh instance."""
         self.n += 1
         place, envs = self.place, self.envs
@@ -239,7 +244,7 @@ class _Runner:
             env["HOME"] = str(self.scratch)
         inst = envs.instance(place, envs.launcher(place) + argv, mounts, env,
                              name=f"eval-{self.task.name}-{os.getpid()}-{self.n}", private=[self.task.dir.parent],
-                             network=False, workdir=workdir)
+                             network=network, workdir=workdir)
         la = envs.launch(place, inst)
         run_steps(la.setup, la.env, check=True)
         try:
@@ -249,7 +254,7 @@ class _Runner:
                                          stderr=subprocess.STDOUT, start_new_session=True)
                 timed_out = False
                 try:
-                    rc = child.wait(timeout=max(0.0, timeout_s))
+                    rc = child.wait(timeout=None if timeout_s is None else max(0.0, timeout_s))
                 except subprocess.TimeoutExpired:
                     timed_out = True
                     proc.kill_group(child.pid, signal.SIGTERM)
@@ -262,6 +267,13 @@ class _Runner:
             return rc, timed_out
         finally:
             run_steps(la.teardown, la.env, check=False)
+
+
+def eval_network(opts: EvalOptions, place: Placement) -> bool:
+    """Whether the test commands get the network: NL2RepoBench's containers have it (100 of its
+    102 tasks start with ``pip install -e .``, which fetches build requirements), so a task
+    scored in its image gets it under ``auto``; tests shipped with a suite run without."""
+    return opts.network == "on" or (opts.network == "auto" and place.kind == "image")
 
 
 def _to_host(path: str, mounts: list[Mount]) -> str:
@@ -315,12 +327,15 @@ def evaluate_workspace(task: Task, workspace: str | os.PathLike, status: str = "
         repo, cand, out = scratch / "repo", scratch / "candidate", scratch / "out"
         out.mkdir()
         runner = _Runner(task, place, envs, opts, scratch, lp)
-        deadline = time.monotonic() + opts.timeout_s
+        cap = opts.image_timeout_s if place.kind == "image" else opts.timeout_s
+        deadline = time.monotonic() + cap if cap > 0 else None
+        left = lambda floor: None if deadline is None else max(floor, deadline - time.monotonic())  # noqa: E731
+        network = eval_network(opts, place)
         _clean_candidate(task, ws, cand, opts, notes)
         if place.kind == "image":
             # the image's /workspace (its hidden tests), copied out by one instance ...
             rc, timed_out = runner.run(["--copy-tree", WORKSPACE, f"{OUT}/repo"], [Mount(str(scratch), OUT, True)],
-                                       max(1.0, deadline - time.monotonic()), workdir="/")
+                                       left(1.0), workdir="/")
             if rc != 0 or timed_out or not repo.is_dir():
                 raise RuntimeError(f"could not copy /workspace out of {place.image.location} (exit {rc})")
             _overlay(cand, repo)
@@ -335,9 +350,9 @@ def evaluate_workspace(task: Task, workspace: str | os.PathLike, status: str = "
         argvs = [scoring.split_command(c) for c in task.test_commands]
         (out / "commands.json").write_text(json.dumps(argvs))
         rc, timed_out = runner.run(["--commands", f"{OUT}/out/commands.json", "--out", f"{OUT}/out",
-                                    "--workdir", WORKSPACE],
+                                    "--workdir", WORKSPACE, "--command-timeout", str(opts.command_timeout_s)],
                                    [Mount(str(repo), WORKSPACE, True), Mount(str(scratch), OUT, True)],
-                                   max(0.0, deadline - time.monotonic()))
+                                   left(0.0), network=network)
         limit = opts.max_output_mb << 20
         results, ran = [], 0
         with open(lp, "a", encoding="utf-8") as f:
@@ -353,7 +368,7 @@ def evaluate_workspace(task: Task, workspace: str | os.PathLike, status: str = "
                                                                     opts.output)))
                 f.write(f"\n$ {command}\n{stdout}\n[stderr]\n{stderr}\n[exit status {rc_i}]\n")
         if timed_out:
-            notes.append(f"evaluation time limit of {opts.timeout_s:g}s reached; "
+            notes.append(f"evaluation time limit of {cap:g}s reached; "
                          f"{len(task.test_commands) - ran} commands not run")
         counts = scoring.count_outputs(results, task.test_case_count)
         reward = counts.score
@@ -410,7 +425,8 @@ class EvaluatorPool:
             raise ValueError("a submitit executor needs a job folder")
         cluster = "local" if kind == "submitit-local" else "slurm"
         ex = submitit.AutoExecutor(folder=str(folder), cluster=cluster)
-        params = {"timeout_min": max(1, int(self.options.timeout_s // 60) + 5), "name": "gyre-eval"}
+        cap = max(self.options.timeout_s, self.options.image_timeout_s)
+        params = {"timeout_min": max(1, int(cap // 60) + 5) if cap > 0 else 24 * 60, "name": "gyre-eval"}
         if cluster == "slurm":
             params.update(cpus_per_task=slurm.get("cpus_per_task", 2), mem_gb=slurm.get("mem_gb", 8))
             if slurm.get("slurm_partition"):
