@@ -30,6 +30,7 @@ import math
 import secrets
 import signal
 import statistics
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -227,7 +228,7 @@ class Head:
         stopped = False
         try:
             while not self.core.done:
-                if self._stop.is_set():
+                if self._stop.is_set() or self.pool.broken:  # broken: harnesses cannot start in their sandbox
                     stopped = True
                     break
                 await self.tick(time.time())
@@ -236,7 +237,10 @@ class Head:
             await self.pool.stop_all()
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
             self._flush(force=True)
-            self._close_ledger("run stopped" if stopped else "run ended")
+            self._close_ledger(f"run stopped: {self.pool.broken}" if self.pool.broken
+                               else "run stopped" if stopped else "run ended")
+            if self.pool.broken:
+                print(f"gyre run: stopped: {self.pool.broken}", file=sys.stderr, flush=True)
             if stopped:
                 self._save_state()  # the groups started since the last step close are counted: ids never reused
             self.evaluators.shutdown(wait=True)
