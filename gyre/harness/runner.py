@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from gyre.harness import proc
-from gyre.harness.limits import CappedLog, TreeLimits, check as check_limits
+from gyre.harness.limits import CappedLog, TreeLimits, WorkspaceClock, check as check_limits
 from gyre.harness.sandbox import (LIB, SOCKET, TASK, WORKSPACE, Environments, ProxyBridge, SandboxConfig,
                                   host_python, run_steps_async)
 from gyre.harness.runtimes import Mount
@@ -380,8 +380,13 @@ class HarnessPool:
     async def _watch(self, run: "_Running", ws: Path | None) -> None:
         """Stop the harness at the first [harness] limit its tree passes (gyre.harness.limits)."""
         lim = self.limits
+        clock = WorkspaceClock(lim.poll_s)
         while run.process.returncode is None:
-            error = await asyncio.to_thread(check_limits, lim.tree(), run.process.pid, ws)
+            walk = ws if clock.due_now() else None
+            t0 = time.monotonic()
+            error = await asyncio.to_thread(check_limits, lim.tree(), run.process.pid, walk)
+            if walk is not None:
+                clock.walked(time.monotonic() - t0)
             if error is not None and run.process.returncode is None:
                 run.limit_error = error
                 await run.terminate("failed", 0.0)  # no grace: it is using what others need
