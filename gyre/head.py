@@ -626,7 +626,12 @@ class Head:
             cells.append({**cell_stats(c, self.t0, t1, busy), "switch_phases": c.switch_phases})
         s = self.cfg.sched
         dropped = [g for g in self.core.groups.values() if g.state.value == "dropped"]
-        return {"scheme": s.scheme, "label": f"{s.scheme}{s.staleness}", "staleness": s.staleness,
+        unscorable: dict[str, int] = {}  # executions that ended but got no reward, by why
+        for rec in self.records.values():
+            if not math.isfinite(rec.reward):
+                unscorable[rec.reward_source or "no reward"] = unscorable.get(rec.reward_source or "no reward", 0) + 1
+        return {"stopped_reason": self.pool.broken, "unscorable": unscorable,
+                "scheme": s.scheme, "label": f"{s.scheme}{s.staleness}", "staleness": s.staleness,
                 "staleness_rule": s.staleness_rule, "steps_per_sync": s.steps_per_sync,
                 "lag": asdict(self.core.lag_stats()), "groups_dropped": len(dropped),
                 "groups_started": self.core.started,
