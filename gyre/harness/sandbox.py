@@ -38,6 +38,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from gyre.config import ConfigError, env as config_env
 from gyre.harness.runtimes import ImageRef, Instance, Launch, Mount, Runtime, get_runtime
+from gyre.harness.runtimes.image_env import image_environment
 
 log = logging.getLogger(__name__)
 
@@ -247,6 +248,10 @@ class Environments:
             env.setdefault("PATH", os.pathsep.join(
                 [str(Path(host_python()).parent), "/usr/local/bin", "/usr/bin", "/bin"]))
         elif place.kind == "image" and place.runtime.name == "bwrap":
+            # bwrap applies no image config: the image's own ENV (a conda PATH, say), as the
+            # official containers have it, under what Gyre sets itself
+            for k, v in image_environment(place.image.location).items():
+                env.setdefault(k, v)
             env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
         return Instance(argv=argv, workdir=workdir, mounts=all_mounts, env=env, network=network,
                         image=place.image if place.kind == "image" else None, masks=masks, name=name)

@@ -1,5 +1,6 @@
-"""The evaluator's copy of a workspace (issue 24): sparse files stay sparse, FIFOs are skipped,
-and the data copied is bounded by eval.max_copy_mb, with an error naming it."""
+"""The evaluator against a hostile workspace and as NL2RepoBench's runner runs (issue 24): sparse
+files stay sparse, FIFOs are skipped and the data copied is bounded by eval.max_copy_mb (an error
+naming it); each command's own time limit; network and time cap per suite; an image's own ENV."""
 
 from __future__ import annotations
 
@@ -89,3 +90,23 @@ def test_evaluation_network_and_time_cap_follow_the_suite():
     assert opts.image_timeout_s == 0 and opts.timeout_s == 300 and opts.command_timeout_s == 0
     opts.network = "off"
     assert not eval_network(opts, image)
+
+
+def test_an_unpacked_image_keeps_its_own_env_under_bubblewrap(tmp_path):
+    from gyre.harness.runtimes import ImageRef, get_runtime
+    from gyre.harness.runtimes.image_env import SCRIPT, image_environment
+    from gyre.harness.sandbox import Environments, Placement, SandboxConfig
+
+    root = tmp_path / "six"
+    (root / SCRIPT).parent.mkdir(parents=True)
+    (root / SCRIPT).write_text('#!/bin/sh\nexport PATH="/opt/conda/bin:/usr/local/bin:/usr/bin:/bin"\n'
+                               'export LANG="${LANG:-"C.UTF-8"}"\nexport QUOTED="a \\"b\\" \\$c"\n'
+                               'echo not an export\n')
+    assert image_environment(root) == {"PATH": "/opt/conda/bin:/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
+                                       "QUOTED": 'a "b" $c'}
+    assert image_environment(tmp_path / "none") == {}
+    with pytest.warns(Warning):
+        envs = Environments(SandboxConfig(sandbox="none"))
+    place = Placement("image", get_runtime("bwrap"), ImageRef("bwrap", str(root), "six:1.0"), True, None)
+    inst = envs.instance(place, ["true"], [], {"LANG": "en_US.UTF-8"}, name="t", private=[])
+    assert inst.env["PATH"].startswith("/opt/conda/bin") and inst.env["LANG"] == "en_US.UTF-8"
