@@ -56,7 +56,8 @@ class RolloutSummary:
     skipped_resume: int = 0
     seconds: float = 0.0
     per_task: dict[str, list[float]] = field(default_factory=dict)
-    official: list[float] = field(default_factory=list)  # NL2RepoBench's score: unscorable/failed = 0
+    official: list[float] = field(default_factory=list)  # NL2RepoBench's success_rate: unscorable/failed = 0
+    official_passed: list[int] = field(default_factory=list)  # its `score`: the passed count
     by_source: dict[str, list[float]] = field(default_factory=dict)  # Gyre's rewards by source
     skipped_tasks: int = 0  # broken task folders of the suite, skipped
     sandbox: str = ""       # the host sandbox backend (bwrap | none)
@@ -188,6 +189,7 @@ class Rollout:
         if rec.status in FINISHED:
             # the official score counts what could not be scored (no image, evaluator failure) as 0
             self.summary.official.append(rec.reward if math.isfinite(rec.reward) else 0.0)
+            self.summary.official_passed.append(int(rec.passed or 0) if math.isfinite(rec.reward) else 0)
             if math.isfinite(rec.reward):
                 self.summary.rewards.append(rec.reward)
                 self.summary.per_task.setdefault(p.task.name, []).append(rec.reward)
@@ -238,7 +240,8 @@ def print_summary(s: RolloutSummary, cfg: GyreConfig) -> None:
             ("executions", sum(s.executions.values())),
             ("by status", ", ".join(f"{k} {v}" for k, v in sorted(s.executions.items())) or "-"),
             ("calls", s.calls), ("tokens (unique)", s.tokens),
-            ("official score (NL2RepoBench)", f"{_mean(s.official):.3f}  (unscorable and failed count 0)"),
+            ("official success_rate (NL2RepoBench)", f"{_mean(s.official):.3f}  (unscorable and failed count 0)"),
+            ("official score: passed tests", f"{_mean(s.official_passed):.1f} per execution"),
             ("reward mean / std", f"{_mean(s.rewards):.3f} / {spread:.3f}  (scored executions only)"),
             ("reward by source", ", ".join(f"{k} {_mean(v):.3f} (n={len(v)})" for k, v in sorted(s.by_source.items())) or "-"),
             ("timeouts", s.executions.get("timeout", 0)),
