@@ -159,3 +159,9 @@ def test_status_says_a_cancelled_job_is_cancelled_with_the_resume_command(tmp_pa
     assert "job cancelled before the run finished" in out and "GYRE_RESUME=1 sbatch launchers/gyre.sbatch" in out
     assert slurm.run_state({"job_state": "PENDING", "restart_count": 1, "finished": False, "stopped": False}) \
         .startswith("requeued")
+
+
+def test_the_jobs_python_must_import_what_every_rank_imports():
+    slurm.check_job_python(("json", "gyre"))
+    with pytest.raises(slurm.SlurmEnvError, match="cannot import no_such_module_xyz.*GYRE_PYTHON"):
+        slurm.check_job_python(("json", "no_such_module_xyz"))

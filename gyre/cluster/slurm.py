@@ -208,12 +208,28 @@ def cell_blocks(alloc: Allocation, cfg: GyreConfig) -> list[list[str]]:
 
 
 # ---- prepare: run by the batch script --------------------------------------------------------------
+JOB_MODULES = ("mpi4py", "torch", "gyre")
+
+
+def check_job_python(modules: tuple[str, ...] = JOB_MODULES, python: str | None = None) -> None:
+    """The job's Python must import what every rank imports, or each rank dies with a traceback
+    after the allocation looked fine. Raises SlurmEnvError saying how to fix it."""
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SlurmEnvError(f"the job's Python ({python or sys.executable}) cannot import {', '.join(missing)}: "
+                            "submit from the shell where Gyre's virtualenv is active (sbatch exports PATH), or "
+                            "set GYRE_PYTHON=/path/to/venv/bin/python")
+
+
 def prepare(config: str | None, overrides: list[str], environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """Check the allocation, write ``slurm.json`` and the engine key; return the batch script's variables."""
     from gyre.cluster.local import engine_key_file
     from gyre.harness.runner import private_dir
 
     get = _getter(environ)
+    check_job_python()
     alloc = allocation_from_env(environ)
     cfg = load_config(config, overrides)
     blocks = cell_blocks(alloc, cfg)
@@ -492,6 +508,13 @@ def status_run(args: argparse.Namespace) -> int:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "prepare":
         sys.exit(_prepare_main(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "check-python":  # on a cell node, from the batch script
+        try:
+            check_job_python()
+        except SlurmEnvError as e:
+            print(f"gyre: {e}", file=sys.stderr)
+            sys.exit(2)
+        sys.exit(0)
     print("usage: python -m gyre.cluster.slurm prepare --config FILE [section.key=value ...]", file=sys.stderr)
     sys.exit(2)
 
