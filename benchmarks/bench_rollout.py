@@ -177,22 +177,28 @@ def image_task() -> dict:
 
 
 def scoring_parity() -> dict:
+    """Gyre's scorer against NL2RepoBench's own analyze_pytest_results (where its repository is at
+    hand, else the hand-worked counts): the corpus of outputs, plus commands with exit status,
+    stdout and stderr apart, read as the official runner reads them (tests/scoring_corpus.py)."""
     from official_scorer import load_official
-    from scoring_corpus import CASES, official_score
+    from scoring_corpus import CASES, STREAM_CASES, official_score
 
     from gyre.harness import scoring
 
     official = load_official()
+    everything = [(r, c, p) for _, r, c, p in CASES] + [
+        ([(cmd, scoring.command_output(scoring.split_command(cmd), rc, out, err)) for cmd, rc, out, err in r], c, p)
+        for _, r, c, p, _ in STREAM_CASES]
     mismatches = 0
-    for _, results, count, passed in CASES:
+    for results, count, passed in everything:
         got = scoring.count_outputs(results, count)
         if official is not None:
             ref = official([{"command": c, "output": o} for c, o in results], count)
             want = (ref["passed"], ref["success_rate"])
+            mismatches += (got.passed, got.score) != want or ref["passed"] != passed
         else:
-            want = (passed, official_score(passed, count))
-        mismatches += (got.passed, got.score) != want
-    return {"scoring_parity_cases": len(CASES), "scoring_parity_mismatches": mismatches,
+            mismatches += (got.passed, got.score) != (passed, official_score(passed, count))
+    return {"scoring_parity_cases": len(everything), "scoring_parity_mismatches": mismatches,
             "scoring_parity_reference": "official analyze_pytest_results" if official else "hand-worked corpus"}
 
 
@@ -233,6 +239,8 @@ if __name__ == "__main__":
     out = ROOT / "benchmarks" / "results" / "rollout.json"
     if "--environments" in sys.argv:  # only section 3, merged into the last full run's figures
         res = {**(json.loads(out.read_text()) if out.exists() else {}), **environments()}
+    elif "--parity" in sys.argv:  # only the scoring parity figures, merged likewise
+        res = {**(json.loads(out.read_text()) if out.exists() else {}), **scoring_parity()}
     else:
         res = main()
     out.write_text(json.dumps(res, indent=2) + "\n")

@@ -72,6 +72,8 @@ class ProxyConfig:
     default_max_tokens: int = _f(512, min=1)
     max_tokens_cap: int = _f(4096, min=1)
     request_retries: int = _f(3, min=0, help="times a call is retried on another endpoint")
+    max_executions: int = _f(10_000, min=1, help="executions registered at once (POST /gyre/executions "
+                                                 "beyond it is a 429)")
 
 
 @dataclass
@@ -221,10 +223,21 @@ class HarnessConfig:
     timeout_s: float = _f(600.0, min=0.1)
     kill_grace_s: float = _f(5.0, min=0.0)
     cpu_limit_s: int = _f(0, min=0, help="RLIMIT_CPU per execution; 0 = none")
-    memory_limit_mb: int = _f(0, min=0, help="RLIMIT_AS per execution; 0 = none")
+    memory_limit_mb: int = _f(0, min=0, help="RLIMIT_AS of each process of an execution; 0 = none")
+    # Defaults that keep one harness from hurting the others on a shared node (0 = none):
+    max_processes: int = _f(1024, min=0, help="processes one harness may run at once (its whole tree)")
+    max_memory_mb: int = _f(16384, min=0, help="resident memory of one harness's whole process tree (MB)")
+    max_log_mb: int = _f(64, min=0, help="bytes of stdout and of stderr kept per harness (MB); the rest is dropped")
+    max_workspace_mb: int = _f(20480, min=0, help="bytes a harness's workspace may hold on disk (MB); also "
+                                                  "the largest file it may write")
+    max_start_failures: int = _f(3, min=0, help="harnesses in a row that cannot start in their sandbox before "
+                                               "the run stops with the sandbox's error; 0 = never stop")
+    limits_poll_s: float = _f(1.0, min=0.05, help="how often the process, memory and workspace limits are checked")
     pass_env: list = _f(["PATH", "HOME", "LANG", "LC_ALL", "TZ", "USER", "LOGNAME", "TMPDIR", "TERM", "SHELL"],
                         help="variables of Gyre's environment a harness sees; nothing else leaks to it")
     env: list = _f([], help="extra KEY=VALUE variables for the harness, e.g. MSWEA_CONFIGURED=true")
+    min_scorable_share: float = _f(0.5, min=0.0, max=1.0, help="warn before running when fewer of the suite's "
+                                   "tasks can be scored here (none scorable is always refused)")
     strict_suite: bool = _f(False, help="refuse a suite with a broken task folder (default: skip it "
                                         "with a warning and count it); `--strict` on the command line")
     image_template: str = _f("ghcr.io/multimodal-art-projection/nl2repobench/{task}:1.0",
@@ -246,12 +259,24 @@ class HarnessConfig:
 
 @dataclass
 class EvalConfig:
-    timeout_s: float = _f(300.0, min=0.1, help="time limit for all test commands of one evaluation")
+    timeout_s: float = _f(300.0, min=0.0, help="time limit for all test commands of one evaluation of a task "
+                                               "that ships its tests; 0 = none")
+    image_timeout_s: float = _f(0.0, min=0.0, help="the same for a task scored in its image (NL2RepoBench: the "
+                                                   "official runner has none, one task has 2,182 tests); 0 = none")
+    command_timeout_s: float = _f(0.0, min=0.0, help="time limit of each test command; 0 = none")
+    network: str = _f("auto", choices=("auto", "on", "off"),
+                      help="network of the test commands: auto = on for tasks scored in their image (NL2RepoBench's "
+                           "commands `pip install`, as its containers allow), off otherwise")
     workers: int = _f(2, min=1, help="evaluations running at once")
     executor: str = _f("pool", choices=("pool", "submitit-local", "submitit-slurm"))
     scratch_dir: str = _f("", help="where workspaces are copied for scoring; empty = the system temp dir")
     keep_scratch: bool = _f(False, help="keep the scored copy (for debugging a score)")
     max_output_mb: int = _f(64, min=1, help="largest file (log included) a test command may write")
+    output: str = _f("official", choices=("official", "merged"),
+                     help="what is scored of a test command: official = stdout when it succeeds, stdout and "
+                          "stderr in python-on-whales' error text when it fails (NL2RepoBench); merged = both always")
+    max_copy_mb: int = _f(20480, min=0, help="data of a workspace copied for scoring (MB; sparse holes are "
+                                             "not copied); past it the evaluation fails naming this key")
     remove_conftest: bool = _f(False, help="also delete the candidate's conftest.py files (NL2RepoBench keeps them)")
     submitit_dir: str = _f("", help="submitit job folder; empty = <run.dir>/eval-jobs")
     slurm_partition: str = _f("", help="partition for submitit-slurm evaluation jobs")

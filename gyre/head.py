@@ -164,7 +164,8 @@ class Head:
         from gyre.engine.router import Router
         from gyre.engine.tiny_model import ensure_tiny_model, load_tokenizer, model_identity
         from gyre.harness.evaluator import EvaluatorPool
-        from gyre.harness.execute import load_tasks
+        from gyre.harness.execute import check_scorable, load_tasks
+        from gyre.harness.sandbox import Environments, SandboxConfig
         from gyre.harness.runner import HarnessPool, private_dir
         from gyre.proxy.server import Proxy, create_app, start_site
         from gyre.sched import policy_from_config
@@ -179,6 +180,8 @@ class Head:
         self.policy = policy_from_config(cfg)
         self.spec = SelectionSpec.from_config(cfg.selection)
         self.tasks = load_tasks(cfg)  # harness.suite, strict_suite, image_template, tasks
+        envs = Environments(SandboxConfig.from_config(cfg.harness))  # one placement per task, shared
+        check_scorable(self.tasks, envs, cfg.harness.min_scorable_share)  # refused before any work
         self.task_cycle = itertools.cycle(self.tasks)
         identity = model_identity(self.model_dir)
         self.writer = ShardWriter.from_config(cfg.store, private_dir(cfg.shard_dir()), shard_identity(identity))
@@ -221,16 +224,17 @@ class Head:
             await asyncio.gather(*(self._cmd_push(c, self.core.rollout_version)
                                    for c in self.cells if c.role is Role.ROLLOUT))
         self.proxy = Proxy(self.router, load_tokenizer(self.model_dir), identity=identity,
-                           default_max_tokens=cfg.proxy.default_max_tokens, max_tokens_cap=cfg.proxy.max_tokens_cap)
+                           default_max_tokens=cfg.proxy.default_max_tokens, max_tokens_cap=cfg.proxy.max_tokens_cap,
+                           max_executions=cfg.proxy.max_executions)
         runner, port = await start_site(create_app(self.proxy, admin_key=secrets.token_urlsafe(24),
                                                    max_body_bytes=cfg.proxy.max_body_bytes), cfg.proxy.host, cfg.proxy.port)
         self.base_url = f"http://{cfg.proxy.host}:{port}/v1"
-        self.pool = HarnessPool.from_config(cfg)
-        self.evaluators = EvaluatorPool.from_config(cfg)
+        self.pool = HarnessPool.from_config(cfg, envs)
+        self.evaluators = EvaluatorPool.from_config(cfg, envs)
         stopped = False
         try:
             while not self.core.done:
-                if self._stop.is_set():
+                if self._stop.is_set() or self.pool.broken:  # broken: harnesses cannot start in their sandbox
                     stopped = True
                     break
                 await self.tick(time.time())
@@ -239,7 +243,10 @@ class Head:
             await self.pool.stop_all()
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
             self._flush(force=True)
-            self._close_ledger("run stopped" if stopped else "run ended")
+            self._close_ledger(f"run stopped: {self.pool.broken}" if self.pool.broken
+                               else "run stopped" if stopped else "run ended")
+            if self.pool.broken:
+                print(f"gyre run: stopped: {self.pool.broken}", file=sys.stderr, flush=True)
             if stopped:
                 self._save_state()  # the groups started since the last step close are counted: ids never reused
             self.evaluators.shutdown(wait=True)
@@ -641,7 +648,12 @@ class Head:
             cells.append({**cell_stats(c, self.t0, t1, busy), "switch_phases": c.switch_phases})
         s = self.cfg.sched
         dropped = [g for g in self.core.groups.values() if g.state.value == "dropped"]
-        return {"scheme": s.scheme, "label": f"{s.scheme}{s.staleness}", "staleness": s.staleness,
+        unscorable: dict[str, int] = {}  # executions that ended but got no reward, by why
+        for rec in self.records.values():
+            if not math.isfinite(rec.reward):
+                unscorable[rec.reward_source or "no reward"] = unscorable.get(rec.reward_source or "no reward", 0) + 1
+        return {"stopped_reason": self.pool.broken, "unscorable": unscorable,
+                "scheme": s.scheme, "label": f"{s.scheme}{s.staleness}", "staleness": s.staleness,
                 "staleness_rule": s.staleness_rule, "steps_per_sync": s.steps_per_sync,
                 "lag": asdict(self.core.lag_stats()), "groups_dropped": len(dropped),
                 "groups_started": self.core.started,

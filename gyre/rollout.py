@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gyre.config import GyreConfig, default_tiny_dir, load_config
-from gyre.harness.execute import FINISHED, read_tasks, run_and_evaluate, select_tasks  # noqa: F401 (re-exported)
+from gyre.harness.execute import (FINISHED, check_scorable, read_tasks, run_and_evaluate,  # noqa: F401 (re-exported)
+                                  select_tasks)
 
 _ATTEMPT = re.compile(r"^(?P<base>.+)-a(?P<n>\d+)$")
 
@@ -55,10 +56,14 @@ class RolloutSummary:
     skipped_resume: int = 0
     seconds: float = 0.0
     per_task: dict[str, list[float]] = field(default_factory=dict)
-    official: list[float] = field(default_factory=list)  # NL2RepoBench's score: unscorable/failed = 0
+    official: list[float] = field(default_factory=list)  # NL2RepoBench's success_rate: unscorable/failed = 0
+    official_passed: list[int] = field(default_factory=list)  # its `score`: the passed count
     by_source: dict[str, list[float]] = field(default_factory=dict)  # Gyre's rewards by source
     skipped_tasks: int = 0  # broken task folders of the suite, skipped
     sandbox: str = ""       # the host sandbox backend (bwrap | none)
+    broken: str | None = None  # why the run stopped early: harnesses could not start in their sandbox
+    unscorable_tasks: dict[str, str] = field(default_factory=dict)  # task -> why it cannot be scored here
+    unscorable_reasons: dict[str, int] = field(default_factory=dict)  # executions by reason
 
 
 def plan(tasks, group_size: int, previous: dict[str, tuple[str, int]]) -> tuple[list[Planned], int]:
@@ -121,6 +126,7 @@ class Rollout:
         self.summary.skipped_tasks = len(suite.skipped)
         envs = Environments(SandboxConfig.from_config(cfg.harness))  # one placement per task, shared
         self.summary.sandbox = envs.host_backend
+        self.summary.unscorable_tasks = check_scorable(tasks, envs, cfg.harness.min_scorable_share)
         private_dir(Path(cfg.run.dir))  # the run directory exists and is private before anything lands in it
         shard_dir = private_dir(cfg.shard_dir())
         previous = previous_executions(shard_dir) if resume else {}
@@ -139,7 +145,8 @@ class Rollout:
                        for _ in range(cfg.engine.endpoints)]
             router = Router([e.url for e in engines], api_key=engine_key, timeout_s=cfg.engine.request_timeout_s)
             proxy = Proxy(router, load_tokenizer(model_dir), identity=identity,
-                          default_max_tokens=cfg.proxy.default_max_tokens, max_tokens_cap=cfg.proxy.max_tokens_cap)
+                          default_max_tokens=cfg.proxy.default_max_tokens, max_tokens_cap=cfg.proxy.max_tokens_cap,
+                          max_executions=cfg.proxy.max_executions)
             runner, port = await start_site(create_app(proxy, admin_key=secrets.token_urlsafe(24),
                                                        max_body_bytes=cfg.proxy.max_body_bytes),
                                             cfg.proxy.host, cfg.proxy.port)
@@ -156,10 +163,10 @@ class Rollout:
                 jobs = [asyncio.create_task(self._one(p, proxy, pool, evaluators, base_url, writer, bar)) for p in todo]
                 stopper = asyncio.create_task(self._stop.wait())
                 pending = set(jobs)
-                while pending and not self._stop.is_set():
+                while pending and not self._stop.is_set() and not pool.broken:
                     _, pending = await asyncio.wait(pending | {stopper}, return_when=asyncio.FIRST_COMPLETED)
                     pending.discard(stopper)
-                if self._stop.is_set():
+                if self._stop.is_set() or pool.broken:
                     await pool.stop_all()
                 await asyncio.gather(*jobs, return_exceptions=True)
                 stopper.cancel()
@@ -173,6 +180,7 @@ class Rollout:
                 await runner.cleanup()
                 await router.close()
         self.summary.seconds = time.monotonic() - t0
+        self.summary.broken = pool.broken
         return self.summary
 
     async def _one(self, p: Planned, proxy, pool, evaluators, base_url: str, writer, bar) -> None:
@@ -181,12 +189,16 @@ class Rollout:
         if rec.status in FINISHED:
             # the official score counts what could not be scored (no image, evaluator failure) as 0
             self.summary.official.append(rec.reward if math.isfinite(rec.reward) else 0.0)
+            self.summary.official_passed.append(int(rec.passed or 0) if math.isfinite(rec.reward) else 0)
             if math.isfinite(rec.reward):
                 self.summary.rewards.append(rec.reward)
                 self.summary.per_task.setdefault(p.task.name, []).append(rec.reward)
                 self.summary.by_source.setdefault(rec.reward_source, []).append(rec.reward)
             else:
                 self.summary.unscorable += 1
+                why = rec.reward_source if rec.reward_source != "unscorable" else \
+                    self.summary.unscorable_tasks.get(p.task.name, "unscorable")
+                self.summary.unscorable_reasons[why] = self.summary.unscorable_reasons.get(why, 0) + 1
         st = rec.tree.stats()
         self.summary.executions[rec.status] = self.summary.executions.get(rec.status, 0) + 1
         self.summary.calls += st.calls
@@ -223,13 +235,17 @@ def print_summary(s: RolloutSummary, cfg: GyreConfig) -> None:
     t.add_column("what", style="bold")
     t.add_column("value")
     spread = statistics.pstdev(s.rewards) if len(s.rewards) > 1 else 0.0
-    rows = [("tasks", len(s.per_task)), ("executions", sum(s.executions.values())),
+    rows = [("tasks", f"{len(s.per_task)} scored, {len(s.unscorable_tasks)} unscorable here"
+                      + "".join(f"\n  {name}: {why}" for name, why in sorted(s.unscorable_tasks.items())[:5])),
+            ("executions", sum(s.executions.values())),
             ("by status", ", ".join(f"{k} {v}" for k, v in sorted(s.executions.items())) or "-"),
             ("calls", s.calls), ("tokens (unique)", s.tokens),
-            ("official score (NL2RepoBench)", f"{_mean(s.official):.3f}  (unscorable and failed count 0)"),
+            ("official success_rate (NL2RepoBench)", f"{_mean(s.official):.3f}  (unscorable and failed count 0)"),
+            ("official score: passed tests", f"{_mean(s.official_passed):.1f} per execution"),
             ("reward mean / std", f"{_mean(s.rewards):.3f} / {spread:.3f}  (scored executions only)"),
             ("reward by source", ", ".join(f"{k} {_mean(v):.3f} (n={len(v)})" for k, v in sorted(s.by_source.items())) or "-"),
-            ("timeouts", s.executions.get("timeout", 0)), ("unscorable", s.unscorable),
+            ("timeouts", s.executions.get("timeout", 0)),
+            ("unscorable", f"{s.unscorable}" + "".join(f"\n  {n} x {why}" for why, n in sorted(s.unscorable_reasons.items()))),
             ("skipped (resume)", s.skipped_resume), ("broken task folders skipped", s.skipped_tasks),
             ("sandbox", s.sandbox), ("shards", len(s.shards)), ("time", f"{s.seconds:.1f} s")]
     for k, v in rows:
@@ -253,4 +269,7 @@ def run(args: argparse.Namespace) -> int:
     ro = Rollout(cfg, progress=not args.no_progress)
     summary = asyncio.run(ro.run(resume=args.resume))
     print_summary(summary, cfg)
+    if summary.broken:
+        print(f"gyre rollout: stopped: {summary.broken}", file=sys.stderr)
+        return 3
     return 130 if ro._stop.is_set() else 0

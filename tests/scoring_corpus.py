@@ -42,5 +42,28 @@ CASES = [
 ]
 
 
+# Commands with their exit status, stdout and stderr apart (issue 24): what the official runner
+# reads of each depends on how it ended (python-on-whales' container.execute returns stdout alone
+# on success; on failure its DockerException text, which names the command and holds stdout and
+# stderr). (name, [(command, exit status, stdout, stderr), ...], test_case_count, official passed,
+# passed when stdout and stderr are merged)
+STREAM_CASES = [
+    ("success: stderr is not read", [("pytest tests", 0, "== 5 passed in 0.1s ==\n",
+                                      "warning: plugin says 1 passed\n")], 10, 5, 6),
+    ("failure: stdout is read inside the error text", [("pytest tests", 1, "....FF...\n== 2 failed, 7 passed in 0.3s ==\n",
+                                                        "")], 10, 7, 7),
+    ("failure: stderr is read too", [("pytest tests", 1, "== 1 failed, 3 passed in 0.2s ==\n",
+                                      "teardown: 1 passed\n")], 10, 4, 4),
+    ("success with the summary on stderr only", [("pytest tests", 0, "", "== 7 passed in 0.1s ==\n")], 7, 0, 7),
+    ("collection interrupted", [("pytest tests", 2, "== 1 error in 0.1s ==\n", "")], 5, 0, 0),
+    ("a failed install is not read", [("pip install -e .", 1, "", "12 passed\n"),
+                                      ("pytest tests", 0, "== 4 passed in 0.1s ==\n", "")], 4, 4, 4),
+    ("a failed command's own words are read", [("pytest -k '3 passed' tests", 1, "== 1 failed in 0.1s ==\n", "")],
+     10, 3, 0),
+    ("success then failure are summed", [("pytest tests/a", 0, "== 2 passed in 0.1s ==\n", "1 passed\n"),
+                                         ("pytest tests/b", 1, "== 1 failed, 1 passed in 0.1s ==\n", "")], 5, 3, 4),
+]
+
+
 def official_score(passed: int, count: int) -> float:
     return min(passed / count, 1.0) if count > 0 else 0.0

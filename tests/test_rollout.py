@@ -48,6 +48,8 @@ def test_rollout_writes_evaluated_branching_trees(tmp_path):
             assert len(rec.tree.call_input_ids(call)) == call.n_input
     assert os.stat(tmp_path / "run").st_mode & 0o077 == 0
     assert {p.name for p in (tmp_path / "run" / "workspaces").iterdir()} == {r.execution_id for r in recs}
+    for rec in recs:  # the evaluator's log lies under run.dir, beside the harness's (issue 24)
+        assert "passed" in (tmp_path / "run" / "logs" / rec.execution_id / "evaluation.log").read_text()
 
 
 def test_hanging_and_crashing_harnesses_are_recorded_and_scored(tmp_path):

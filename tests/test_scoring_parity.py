@@ -8,12 +8,48 @@ import pytest
 from gyre.harness import scoring
 from gyre.harness.evaluator import parse_pytest_summary
 
-from scoring_corpus import CASES, official_score
+from scoring_corpus import CASES, STREAM_CASES, official_score
 from official_scorer import load_official
 
 
 def test_corpus_is_large_enough():
-    assert len(CASES) >= 10
+    assert len(CASES) + len(STREAM_CASES) >= 25
+
+
+def _as_read(results, mode):
+    return [(c, scoring.command_output(scoring.split_command(c), rc, out, err, mode)) for c, rc, out, err in results]
+
+
+@pytest.mark.parametrize("name,results,count,passed,merged", STREAM_CASES, ids=[c[0] for c in STREAM_CASES])
+def test_stdout_and_stderr_as_the_official_runner_reads_them(name, results, count, passed, merged):
+    assert scoring.count_outputs(_as_read(results, "official"), count).passed == passed
+    assert scoring.count_outputs(_as_read(results, "merged"), count).passed == merged  # eval.output = "merged"
+    official = load_official()
+    if official is not None:
+        ref = official([{"command": c, "output": o} for c, o in _as_read(results, "official")], count)
+        assert ref["passed"] == passed
+
+
+def test_parity_figures():
+    """All cases against the official function where it is at hand: the figures the rollout
+    benchmark reports (scoring_parity_cases, scoring_parity_mismatches)."""
+    official = load_official()
+    if official is None:
+        pytest.skip("the NL2RepoBench repository is not at hand (GYRE_NL2REPOBENCH)")
+    cases, mismatches = parity(official)
+    assert cases >= 25 and mismatches == []
+
+
+def parity(official) -> tuple[int, list[str]]:
+    mismatches = []
+    everything = [(n, r, c) for n, r, c, _ in CASES] + [(n, _as_read(r, "official"), c) for n, r, c, _, _ in STREAM_CASES]
+    for name, results, count in everything:
+        ref = official([{"command": c, "output": o} for c, o in results], count)
+        got = scoring.count_outputs(results, count)
+        if (got.passed, got.failed, got.errors, got.score) != (ref["passed"], ref["failed"], ref["errors"],
+                                                                ref["success_rate"]):
+            mismatches.append(name)
+    return len(everything), mismatches
 
 
 @pytest.mark.parametrize("name,results,count,passed", CASES, ids=[c[0] for c in CASES])

@@ -133,3 +133,35 @@ def test_status_from_files(tmp_path, capsys):
     assert slurm.status_run(p.parse_args([str(run)])) == 0
     out = capsys.readouterr().out
     assert "steps done 2" in out and "cell 0: rank on node01" in out and "role train" in out
+
+
+def test_status_says_a_cancelled_job_is_cancelled_with_the_resume_command(tmp_path, monkeypatch, capsys):
+    import os
+    import stat as st_mod
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    # the job left the queue: squeue knows nothing, sacct says how it ended (real processes on PATH)
+    for name, out in (("squeue", ""), ("sacct", "CANCELLED by 1000")):
+        f = bin_dir / name
+        f.write_text(f"#!/bin/sh\necho '{out}'\n")
+        f.chmod(f.stat().st_mode | st_mod.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "slurm.json").write_text(json.dumps({"job_id": "7", "head": "head", "cells": []}))
+    st = slurm.collect_status(run)
+    assert st["job_state"] == "CANCELLED"
+    p = argparse.ArgumentParser()
+    slurm.status_add_arguments(p)
+    assert slurm.status_run(p.parse_args([str(run)])) == 0
+    out = capsys.readouterr().out
+    assert "job cancelled before the run finished" in out and "GYRE_RESUME=1 sbatch launchers/gyre.sbatch" in out
+    assert slurm.run_state({"job_state": "PENDING", "restart_count": 1, "finished": False, "stopped": False}) \
+        .startswith("requeued")
+
+
+def test_the_jobs_python_must_import_what_every_rank_imports():
+    slurm.check_job_python(("json", "gyre"))
+    with pytest.raises(slurm.SlurmEnvError, match="cannot import no_such_module_xyz.*GYRE_PYTHON"):
+        slurm.check_job_python(("json", "no_such_module_xyz"))

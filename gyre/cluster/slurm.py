@@ -208,12 +208,28 @@ def cell_blocks(alloc: Allocation, cfg: GyreConfig) -> list[list[str]]:
 
 
 # ---- prepare: run by the batch script --------------------------------------------------------------
+JOB_MODULES = ("mpi4py", "torch", "gyre")
+
+
+def check_job_python(modules: tuple[str, ...] = JOB_MODULES, python: str | None = None) -> None:
+    """The job's Python must import what every rank imports, or each rank dies with a traceback
+    after the allocation looked fine. Raises SlurmEnvError saying how to fix it."""
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SlurmEnvError(f"the job's Python ({python or sys.executable}) cannot import {', '.join(missing)}: "
+                            "submit from the shell where Gyre's virtualenv is active (sbatch exports PATH), or "
+                            "set GYRE_PYTHON=/path/to/venv/bin/python")
+
+
 def prepare(config: str | None, overrides: list[str], environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """Check the allocation, write ``slurm.json`` and the engine key; return the batch script's variables."""
     from gyre.cluster.local import engine_key_file
     from gyre.harness.runner import private_dir
 
     get = _getter(environ)
+    check_job_python()
     alloc = allocation_from_env(environ)
     cfg = load_config(config, overrides)
     blocks = cell_blocks(alloc, cfg)
@@ -421,6 +437,14 @@ def collect_status(run_dir: Path) -> dict:
             job_state = ",".join(sorted(set(r.stdout.split()))) if r.returncode == 0 else ""
         except (OSError, subprocess.TimeoutExpired):
             pass
+    if job and not job_state and shutil.which("sacct"):  # left the queue: how it ended (cancelled, ...)
+        try:
+            r = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job, "-o", "State"], capture_output=True,
+                               text=True, timeout=10)
+            states = [line.split()[0] for line in r.stdout.splitlines() if line.strip()] if r.returncode == 0 else []
+            job_state = states[-1] if states else ""
+        except (OSError, subprocess.TimeoutExpired):
+            pass
     return {"run_dir": str(run_dir), "job_id": job, "job_state": job_state or ("ended" if report else ""),
             "restart_count": slurm.get("restart_count", 0), "head": slurm.get("head", ""),
             "version": state.get("version", 0), "steps_done": len(steps),
@@ -429,6 +453,28 @@ def collect_status(run_dir: Path) -> dict:
             "cells": [cells[k] for k in sorted(cells)],
             "finished": bool(report) and not report.get("stopped"), "stopped": bool(report and report.get("stopped")),
             "errors": (report or {}).get("errors", [])}
+
+
+_ENDED_EARLY = ("CANCELLED", "FAILED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
+RESUME_HINT = "resume: GYRE_RESUME=1 sbatch launchers/gyre.sbatch CONFIG (the same run.dir)"
+
+
+def run_state(st: dict) -> str:
+    """What the run is, in words, with the command that continues it where there is one."""
+    job = (st.get("job_state") or "").upper()
+    if st["finished"]:
+        return "finished"
+    if job.startswith(_ENDED_EARLY):
+        return f"job {job.split(',')[0].lower()} before the run finished; {RESUME_HINT}"
+    if "REQUEUE" in job or (job == "PENDING" and st.get("restart_count")):
+        return "requeued: it resumes from state.json when it starts again"
+    if st["stopped"]:
+        return f"stopped (resumable); {RESUME_HINT}"
+    if job in ("RUNNING", "COMPLETING"):
+        return "running"
+    if job in ("PENDING", "CONFIGURING"):
+        return "waiting for its allocation"
+    return "running or not started"
 
 
 def status_run(args: argparse.Namespace) -> int:
@@ -453,8 +499,7 @@ def status_run(args: argparse.Namespace) -> int:
         if c.get("rollout_s") is not None:
             extra += f"  rollout {c['rollout_s']:.1f}s train {c['train_s']:.1f}s switches {c['switches']}"
         print(f"  cell {c['cell']}: rank on {c.get('hostname') or '?'}  nodes {nodes or '?'}{extra}")
-    state = "finished" if st["finished"] else "stopped (resumable)" if st["stopped"] else "running or not started"
-    print(f"state: {state}")
+    print(f"state: {run_state(st)}")
     for e in st["errors"]:
         print(f"  error: {e}")
     return 0
@@ -463,6 +508,13 @@ def status_run(args: argparse.Namespace) -> int:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "prepare":
         sys.exit(_prepare_main(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "check-python":  # on a cell node, from the batch script
+        try:
+            check_job_python()
+        except SlurmEnvError as e:
+            print(f"gyre: {e}", file=sys.stderr)
+            sys.exit(2)
+        sys.exit(0)
     print("usage: python -m gyre.cluster.slurm prepare --config FILE [section.key=value ...]", file=sys.stderr)
     sys.exit(2)
 

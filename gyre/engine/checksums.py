@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 from pathlib import Path
 
 from gyre.fsio import atomic_write_json
@@ -27,7 +29,25 @@ class WeightCheckError(ValueError):
     """The weights on disk are not the ones that were exported, or are not usable."""
 
 
+def require_regular_files(model_dir: str | Path) -> None:
+    """Refuse a checkpoint whose weights, config or manifest is not a regular file (after
+    symlinks): opening a FIFO blocks until a writer comes, which froze the whole engine."""
+    d = Path(model_dir)
+    for f in sorted(d.glob("*.safetensors")) + [d / "config.json", d / MANIFEST]:
+        try:
+            mode = os.stat(f).st_mode
+        except FileNotFoundError:
+            continue  # a missing file is the loader's error, with its own message
+        except OSError as e:
+            raise WeightCheckError(f"{f}: cannot stat ({e})") from None
+        if not stat.S_ISREG(mode):
+            raise WeightCheckError(f"{f} is not a regular file (a FIFO, device or directory); weights "
+                                   "are read only from regular files")
+
+
 def sha256_file(path: Path) -> str:
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise WeightCheckError(f"{path} is not a regular file")
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):

@@ -176,16 +176,24 @@ class EngineClient:
             lps: list[float] = []
             tops: list = []
             buf = b""
+            cumulative = False  # known once a snapshot of 2+ tokens holds them all (SGLang's default)
             try:
                 async for piece in resp.content.iter_any():
                     buf += piece
-                    while b"\n\n" in buf:
-                        event, buf = buf.split(b"\n\n", 1)
-                        if not event.startswith(b"data: "):
-                            continue
-                        payload = event[6:]
-                        if payload.strip() == b"[DONE]":
-                            return
+                    if b"\n\n" not in buf:
+                        continue
+                    events = buf.split(b"\n\n")
+                    buf = events.pop()
+                    payloads = [e[6:] for e in events if e.startswith(b"data: ")]
+                    done = bool(payloads) and payloads[-1].strip() == b"[DONE]"
+                    if done:
+                        payloads.pop()
+                    if cumulative and len(payloads) > 1:
+                        # the last cumulative snapshot holds all the others: when the reader lags
+                        # (a busy proxy), parse it alone, not each one (a 4K-token stream would
+                        # otherwise parse ~8M ids, quadratic in its length)
+                        payloads = payloads[-1:]
+                    for payload in payloads:
                         data = json.loads(payload)
                         if "error" in data:  # SGLang reports a failure inside the stream
                             raise EngineError(400, _message(data, "error in stream"), self.base_url)
@@ -194,9 +202,13 @@ class EngineClient:
                         if len(snap.output_ids) < total and len(ids) + len(snap.output_ids) == total:
                             ids, lps, tops = ids + snap.output_ids, lps + snap.logprobs, tops + snap.top_logprobs
                         else:  # cumulative (SGLang's default), or the first incremental chunk
+                            # a second snapshot that holds every token so far: cumulative for sure
+                            cumulative = cumulative or (bool(ids) and len(snap.output_ids) == total > len(ids))
                             ids, lps, tops = snap.output_ids, snap.logprobs, snap.top_logprobs
                         snap.output_ids, snap.logprobs, snap.top_logprobs = list(ids), list(lps), list(tops)
                         yield snap
+                    if done:
+                        return
             except _CONNECTION_ERRORS + (aiohttp.ClientPayloadError,) as e:
                 raise EngineUnreachable(f"stream from POST /generate broke after {len(ids)} tokens: "
                                         f"{type(e).__name__}: {e}", self.base_url) from None

@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from gyre.engine.checksums import WeightCheckError, check_finite, verify_checksums
+from gyre.engine.checksums import WeightCheckError, check_finite, require_regular_files, verify_checksums
 from gyre.engine.prefix_cache import PrefixCache
 from gyre.engine.qwen import CausalLM, KVCache, ModelFormatError, load_weights, read_spec
 from gyre.engine.sampling import SamplingParams, sample
@@ -199,7 +199,8 @@ class Engine:
     def resume(self, tags: list[str]) -> None:
         with self._admin:
             if "weights" in tags and "weights" in self._released:
-                model = self._load_model(self.model_dir)
+                # the files may have changed while released: checked as a weight update is
+                model = self._load_model(self.model_dir, verify=True)
                 with self._cv:
                     self.model = model
             with self._cv:
@@ -261,6 +262,7 @@ class Engine:
         """Load a checkpoint; with ``verify``, first its checksum manifest (when it has one) and
         always the finiteness of every tensor, so a corrupt export never replaces good weights."""
         try:
+            require_regular_files(path)
             if verify:
                 verify_checksums(path)
             spec = read_spec(path)

@@ -25,7 +25,8 @@ Routes (all require ``Authorization: Bearer KEY`` when the server has an API key
 * ``POST /release_memory_occupation`` / ``POST /resume_memory_occupation`` ``{tags: [kv_cache,
   weights]}`` (missing/null = both) -> ``null`` (as SGLang's handler, which returns nothing).
   Release answers 400 while requests run or wait. Released weights are freed; resume reloads
-  them from the current model path.
+  them from the current model path with the checks of a weight update (checksum manifest,
+  finiteness; only regular files are opened), and stays released with a 400 naming the problem.
 * ``POST /update_weights_from_disk`` ``{model_path, weight_version, abort_all_requests}`` ->
   ``{success, message, num_paused_requests}`` (400 with ``success: false`` when refused). Loads
   while requests run, checks the checksum manifest (:mod:`gyre.engine.checksums`) and that every

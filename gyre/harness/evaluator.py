@@ -28,7 +28,6 @@ import os
 import re
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from pathlib import Path
 
 from gyre.harness import proc, scoring
 from gyre.harness.runtimes import Mount
+from gyre.harness.sparse_copy import CopyBudget
 from gyre.harness.sandbox import OUT, WORKSPACE, Environments, Placement, SandboxConfig, run_steps
 from gyre.harness.tasks import Task
 
@@ -67,10 +67,15 @@ class Evaluation:
 
 @dataclass
 class EvalOptions:
-    timeout_s: float = 300.0
+    timeout_s: float = 300.0  # all commands of a task that ships its tests; 0 = none
+    image_timeout_s: float = 0.0  # all commands of a task scored in its image (the official has none); 0 = none
+    command_timeout_s: float = 0.0  # each command; 0 = none
+    network: str = "auto"  # auto: on in a task's image (its commands install packages), off otherwise
     scratch_dir: str = ""  # empty: the system temp dir (outside any repository, so pytest's rootdir is the copy)
     keep_scratch: bool = False
     max_output_mb: int = 64
+    max_copy_mb: int = 20480  # data of a workspace copied for scoring (0 = no limit)
+    output: str = "official"  # what the scorer reads of each command (scoring.command_output)
     remove_conftest: bool = False
     pass_env: tuple = ("LANG", "LC_ALL", "TZ")
     kill_grace_s: float = 2.0
@@ -87,8 +92,10 @@ class EvalOptions:
         """From a GyreConfig: its [eval] section plus the harness's sandbox settings."""
         e = cfg.eval
         sc = SandboxConfig.from_config(cfg.harness)
-        return cls(timeout_s=e.timeout_s, scratch_dir=e.scratch_dir, keep_scratch=e.keep_scratch,
-                   max_output_mb=e.max_output_mb, remove_conftest=e.remove_conftest,
+        return cls(timeout_s=e.timeout_s, image_timeout_s=e.image_timeout_s, command_timeout_s=e.command_timeout_s,
+                   network=e.network, scratch_dir=e.scratch_dir, keep_scratch=e.keep_scratch,
+                   max_output_mb=e.max_output_mb, max_copy_mb=e.max_copy_mb, output=e.output,
+                   remove_conftest=e.remove_conftest,
                    sandbox=sc, environments=environments)
 
 
@@ -113,8 +120,7 @@ def parse_pytest_summary(output: str) -> dict[str, int] | None:
 
 def _copy_regular(src: str, dst: str) -> None:
     # FIFOs, sockets and devices are skipped: opening a FIFO would block the evaluator forever.
-    if stat.S_ISREG(os.lstat(src).st_mode):
-        shutil.copy2(src, dst)
+    CopyBudget(0).copy(src, dst)
 
 
 def _inside(path: Path, root: Path) -> bool:
@@ -147,7 +153,9 @@ def _clean_candidate(task: Task, workspace: Path, repo: Path, opts: EvalOptions,
     """The candidate as the official post-processor leaves it: packaging files and the task's test
     paths removed."""
     try:
-        shutil.copytree(workspace, repo, symlinks=True, copy_function=_copy_regular, dirs_exist_ok=True)
+        # sparse-aware and within eval.max_copy_mb: a workspace cannot fill the evaluator's disk
+        shutil.copytree(workspace, repo, symlinks=True, copy_function=CopyBudget(opts.max_copy_mb << 20).copy,
+                        dirs_exist_ok=True)
     except shutil.Error as e:  # unreadable files: score what could be copied
         notes.append(f"some files could not be copied: {len(e.args[0])} errors")
         repo.mkdir(exist_ok=True)
@@ -201,7 +209,7 @@ def _overlay(src: Path, dst: Path) -> None:
             if s.is_symlink():
                 os.symlink(os.readlink(s), t)
             else:
-                shutil.copy2(s, t)
+                _copy_regular(str(s), str(t))
 
 
 # -- running in the task environment -----------------------------------------------------------
@@ -220,7 +228,8 @@ class _Runner:
                                                   "PYTHONDONTWRITEBYTECODE": "1"})
         return env
 
-    def run(self, argv: list[str], mounts: list[Mount], timeout_s: float, workdir: str = WORKSPACE) -> tuple[int | None, bool]:
+    def run(self, argv: list[str], mounts: list[Mount], timeout_s: float | None, workdir: str = WORKSPACE,
+            network: bool = False) -> tuple[int | None, bool]:
         """(exit status, timed out) of ``argv`` (launcher arguments) in a fresh instance."""
         self.n += 1
         place, envs = self.place, self.envs
@@ -235,7 +244,7 @@ class _Runner:
             env["HOME"] = str(self.scratch)
         inst = envs.instance(place, envs.launcher(place) + argv, mounts, env,
                              name=f"eval-{self.task.name}-{os.getpid()}-{self.n}", private=[self.task.dir.parent],
-                             network=False, workdir=workdir)
+                             network=network, workdir=workdir)
         la = envs.launch(place, inst)
         run_steps(la.setup, la.env, check=True)
         try:
@@ -245,7 +254,7 @@ class _Runner:
                                          stderr=subprocess.STDOUT, start_new_session=True)
                 timed_out = False
                 try:
-                    rc = child.wait(timeout=max(0.0, timeout_s))
+                    rc = child.wait(timeout=None if timeout_s is None else max(0.0, timeout_s))
                 except subprocess.TimeoutExpired:
                     timed_out = True
                     proc.kill_group(child.pid, signal.SIGTERM)
@@ -258,6 +267,13 @@ class _Runner:
             return rc, timed_out
         finally:
             run_steps(la.teardown, la.env, check=False)
+
+
+def eval_network(opts: EvalOptions, place: Placement) -> bool:
+    """Whether the test commands get the network: NL2RepoBench's containers have it (100 of its
+    102 tasks start with ``pip install -e .``, which fetches build requirements), so a task
+    scored in its image gets it under ``auto``; tests shipped with a suite run without."""
+    return opts.network == "on" or (opts.network == "auto" and place.kind == "image")
 
 
 def _to_host(path: str, mounts: list[Mount]) -> str:
@@ -311,12 +327,15 @@ def evaluate_workspace(task: Task, workspace: str | os.PathLike, status: str = "
         repo, cand, out = scratch / "repo", scratch / "candidate", scratch / "out"
         out.mkdir()
         runner = _Runner(task, place, envs, opts, scratch, lp)
-        deadline = time.monotonic() + opts.timeout_s
+        cap = opts.image_timeout_s if place.kind == "image" else opts.timeout_s
+        deadline = time.monotonic() + cap if cap > 0 else None
+        left = lambda floor: None if deadline is None else max(floor, deadline - time.monotonic())  # noqa: E731
+        network = eval_network(opts, place)
         _clean_candidate(task, ws, cand, opts, notes)
         if place.kind == "image":
             # the image's /workspace (its hidden tests), copied out by one instance ...
             rc, timed_out = runner.run(["--copy-tree", WORKSPACE, f"{OUT}/repo"], [Mount(str(scratch), OUT, True)],
-                                       max(1.0, deadline - time.monotonic()), workdir="/")
+                                       left(1.0), workdir="/")
             if rc != 0 or timed_out or not repo.is_dir():
                 raise RuntimeError(f"could not copy /workspace out of {place.image.location} (exit {rc})")
             _overlay(cand, repo)
@@ -331,22 +350,25 @@ def evaluate_workspace(task: Task, workspace: str | os.PathLike, status: str = "
         argvs = [scoring.split_command(c) for c in task.test_commands]
         (out / "commands.json").write_text(json.dumps(argvs))
         rc, timed_out = runner.run(["--commands", f"{OUT}/out/commands.json", "--out", f"{OUT}/out",
-                                    "--workdir", WORKSPACE],
+                                    "--workdir", WORKSPACE, "--command-timeout", str(opts.command_timeout_s)],
                                    [Mount(str(repo), WORKSPACE, True), Mount(str(scratch), OUT, True)],
-                                   max(0.0, deadline - time.monotonic()))
+                                   left(0.0), network=network)
         limit = opts.max_output_mb << 20
         results, ran = [], 0
         with open(lp, "a", encoding="utf-8") as f:
             for i, command in enumerate(task.test_commands):
-                text = _read_output(out / f"cmd-{i}.log", limit)
+                stdout = _read_output(out / f"cmd-{i}.out", limit)
+                stderr = _read_output(out / f"cmd-{i}.err", limit)
                 done = (out / f"cmd-{i}.rc").exists()
-                if done or text:
-                    ran += 1
-                    results.append((command, text))
                 rc_i = (out / f"cmd-{i}.rc").read_text().strip() if done else "not finished"
-                f.write(f"\n$ {command}\n{text}\n[exit status {rc_i}]\n")
+                if done or stdout or stderr:
+                    ran += 1
+                    code = int(rc_i) if rc_i.lstrip("-").isdigit() else None  # None: cut by the time limit
+                    results.append((command, scoring.command_output(argvs[i], code, stdout, stderr,
+                                                                    opts.output)))
+                f.write(f"\n$ {command}\n{stdout}\n[stderr]\n{stderr}\n[exit status {rc_i}]\n")
         if timed_out:
-            notes.append(f"evaluation time limit of {opts.timeout_s:g}s reached; "
+            notes.append(f"evaluation time limit of {cap:g}s reached; "
                          f"{len(task.test_commands) - ran} commands not run")
         counts = scoring.count_outputs(results, task.test_case_count)
         reward = counts.score
@@ -403,7 +425,8 @@ class EvaluatorPool:
             raise ValueError("a submitit executor needs a job folder")
         cluster = "local" if kind == "submitit-local" else "slurm"
         ex = submitit.AutoExecutor(folder=str(folder), cluster=cluster)
-        params = {"timeout_min": max(1, int(self.options.timeout_s // 60) + 5), "name": "gyre-eval"}
+        cap = max(self.options.timeout_s, self.options.image_timeout_s)
+        params = {"timeout_min": max(1, int(cap // 60) + 5) if cap > 0 else 24 * 60, "name": "gyre-eval"}
         if cluster == "slurm":
             params.update(cpus_per_task=slurm.get("cpus_per_task", 2), mem_gb=slurm.get("mem_gb", 8))
             if slurm.get("slurm_partition"):

@@ -6,7 +6,10 @@ Here rather than in a command module so the head does not import the `gyre rollo
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
+
+log = logging.getLogger("gyre.execute")
 
 FINISHED = ("done", "failed", "crashed", "timeout")  # statuses that end an execution for good
 
@@ -21,24 +24,56 @@ async def run_and_evaluate(proxy, pool, evaluators, task, execution_id: str, gro
     coordinator stops counting it as running rollout work then).
     """
     key = proxy.register(execution_id, task=task.name, group=group)
+    start_failure = False
     try:
         result = await pool.run_execution(task, execution_id, api_key=key, base_url=base_url)
         status, workspace, error = result.status, result.workspace, result.error
+        log_dir, start_failure = result.log_dir, result.start_failure
     except RuntimeError as e:  # the pool is stopping: this execution never started
-        status, workspace, error = "stopped", "", str(e)
+        status, workspace, error, log_dir = "stopped", "", str(e), ""
     except Exception as e:  # e.g. a reused id whose workspace is kept: recorded, never lost
-        status, workspace, error = "failed", "", f"{type(e).__name__}: {e}"
+        status, workspace, error, log_dir = "failed", "", f"{type(e).__name__}: {e}", ""
     rec = proxy.end(execution_id, status)
     rec.workspace = workspace
     if on_ended is not None:
         on_ended(status)
-    if status in FINISHED:
-        ev = await evaluators.evaluate(task, workspace, status)
+    if start_failure:  # infrastructure, not a score: never trained
+        rec.reward_source = f"not-evaluated: infrastructure ({error})"
+    elif status in FINISHED:
+        # the evaluation's log beside the harness's, under run.dir (not the system temp dir)
+        ev = await evaluators.evaluate(task, workspace, status,
+                                       log_path=f"{log_dir}/evaluation.log" if log_dir else None)
         rec.reward = float("nan") if ev.reward is None else float(ev.reward)
         rec.reward_source, rec.passed, rec.total = ev.source, ev.passed, ev.total
     else:
         rec.reward_source = f"not-evaluated: {status}" + (f" ({error})" if error else "")
     return rec
+
+
+def check_scorable(tasks: list, envs, min_share: float = 0.5) -> dict[str, str]:
+    """Say it before running: the tasks that cannot be scored here, name -> reason. A suite with
+    no scorable task is refused (a ConfigError naming the reasons: minutes of rollouts would end
+    in ``reward nan`` and nothing to train); under `min_share` scorable, a warning."""
+    from gyre.config import ConfigError
+
+    unscorable = {}
+    for t in tasks:
+        place = envs.place(t)
+        if not place.scorable:
+            unscorable[t.name] = place.reason or "cannot be scored here"
+    if not tasks:
+        raise ConfigError("harness.suite: no task to run (harness.tasks selected none)")
+    reasons = "; ".join(f"{name}: {why}" for name, why in list(unscorable.items())[:5])
+    more = f" (and {len(unscorable) - 5} more)" if len(unscorable) > 5 else ""
+    if len(unscorable) == len(tasks):
+        raise ConfigError(f"harness.suite: none of its {len(tasks)} tasks can be scored here, so nothing "
+                          f"would train: {reasons}{more}. Give the task images (harness.image_dir; "
+                          "`gyre tasks` prints the build command of each) or choose tasks that ship their tests")
+    scorable = len(tasks) - len(unscorable)
+    if scorable / len(tasks) < min_share:
+        log.warning("only %d of %d tasks can be scored here (harness.min_scorable_share = %g): %s%s",
+                    scorable, len(tasks), min_share, reasons, more)
+    return unscorable
 
 
 def read_tasks(cfg):

@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from gyre.harness import proc
+from gyre.harness.limits import CappedLog, TreeLimits, WorkspaceClock, check as check_limits
 from gyre.harness.sandbox import (LIB, SOCKET, TASK, WORKSPACE, Environments, ProxyBridge, SandboxConfig,
-                                  run_steps_async)
+                                  host_python, run_steps_async)
 from gyre.harness.runtimes import Mount
 from gyre.harness.tasks import Task
 
@@ -39,6 +40,14 @@ _CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGILL, 
                   signal.SIGKILL, signal.SIGXCPU}
 
 
+# How a sandbox (bubblewrap) or Gyre's launchers say the harness could not even be started.
+_START_FAILURE = re.compile(rb"^(bwrap: .*|gyre sandbox: cannot run .*|gyre: cannot run .*)$", re.M)
+
+
+class SandboxBroken(RuntimeError):
+    """Harnesses keep failing to start in their sandbox: an infrastructure failure, not a score."""
+
+
 class WorkspaceExists(FileExistsError):
     """An execution id was reused: its workspace is kept, so a new execution needs a new id."""
 
@@ -48,7 +57,16 @@ class Limits:
     timeout_s: float = 600.0
     kill_grace_s: float = 5.0
     cpu_s: int = 0  # RLIMIT_CPU, 0 = none
-    memory_mb: int = 0  # RLIMIT_AS, 0 = none
+    memory_mb: int = 0  # RLIMIT_AS of each process, 0 = none
+    # the whole tree's (gyre.harness.limits), 0 = none; defaults from [harness]
+    max_processes: int = 0
+    max_memory_mb: int = 0
+    max_log_mb: int = 0
+    max_workspace_mb: int = 0
+    poll_s: float = 1.0
+
+    def tree(self) -> TreeLimits:
+        return TreeLimits(self.max_processes, self.max_memory_mb, self.max_workspace_mb)
 
 
 @dataclass
@@ -63,6 +81,7 @@ class ExecutionResult:
     workspace: str
     log_dir: str
     error: str | None = None
+    start_failure: bool = False  # the harness never started (its sandbox or launcher said so)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -154,7 +173,8 @@ class _Running:
 
     def __init__(self, process: asyncio.subprocess.Process):
         self.process = process
-        self.reason: str | None = None  # "timeout" or "stopped" once we signal it
+        self.reason: str | None = None  # "timeout", "stopped" or "failed" (a limit) once we signal it
+        self.limit_error: str | None = None  # the [harness] limit it passed
         self.done = asyncio.Event()
 
     async def terminate(self, reason: str, grace_s: float) -> None:
@@ -173,7 +193,8 @@ class HarnessPool:
 
     def __init__(self, run_dir: str | os.PathLike, command: Sequence[str], *, concurrency: int = 4,
                  limits: Limits | None = None, pass_env: Sequence[str] = ("PATH", "HOME", "LANG"),
-                 extra_env: Mapping[str, str] | None = None, environments: Environments | None = None):
+                 extra_env: Mapping[str, str] | None = None, environments: Environments | None = None,
+                 max_start_failures: int = 3):
         self.envs = environments or Environments(SandboxConfig())
         self.run_dir = Path(run_dir).absolute()  # the harness runs elsewhere: its paths must not be relative
         self.command = list(command)
@@ -185,14 +206,20 @@ class HarnessPool:
         self._running: set[_Running] = set()
         self._stopping = False
         self.max_running_seen = 0
+        # consecutive harnesses that could not start: past max_start_failures the pool is broken
+        self.max_start_failures = max_start_failures
+        self.start_failures_in_a_row = 0
+        self.broken: str | None = None
 
     @classmethod
     def from_config(cls, cfg, environments: Environments | None = None) -> "HarnessPool":
         h = cfg.harness
-        limits = Limits(h.timeout_s, h.kill_grace_s, h.cpu_limit_s, h.memory_limit_mb)
+        limits = Limits(h.timeout_s, h.kill_grace_s, h.cpu_limit_s, h.memory_limit_mb, h.max_processes,
+                        h.max_memory_mb, h.max_log_mb, h.max_workspace_mb, h.limits_poll_s)
         return cls(cfg.run.dir, h.command, concurrency=h.concurrency, limits=limits,
                    pass_env=h.pass_env, extra_env=proc.parse_env_list(h.env),
-                   environments=environments or Environments(SandboxConfig.from_config(h)))
+                   environments=environments or Environments(SandboxConfig.from_config(h)),
+                   max_start_failures=h.max_start_failures)
 
     @property
     def running(self) -> int:
@@ -204,10 +231,34 @@ class HarnessPool:
         id and RuntimeError once stop_all() was called; a harness that cannot even start is a
         ``failed`` execution with its error."""
         async with self._slots:
+            if self.broken:
+                raise SandboxBroken(self.broken)
             if self._stopping:
                 raise RuntimeError("the harness pool is stopping; no new executions")
             ws, logs = prepare_workspace(self.run_dir, execution_id, task)
-            return await self._run(task, execution_id, ws, logs, api_key, base_url, extra_env or {})
+            res = await self._run(task, execution_id, ws, logs, api_key, base_url, extra_env or {})
+            self._count_start(res, logs)
+            return res
+
+    def _count_start(self, res: ExecutionResult, logs: Path) -> None:
+        """A harness that cannot start in its sandbox is the infrastructure's failure: named as
+        such, and a few in a row stop the pool with the sandbox's own message."""
+        if res.status == "failed" and not res.start_failure and res.returncode not in (None, 0):
+            try:
+                with open(logs / "harness.stderr", "rb") as f:
+                    m = _START_FAILURE.search(f.read(1 << 16))
+            except OSError:
+                m = None
+            if m:
+                res.start_failure = True
+                res.error = f"the harness could not start in its sandbox: {m.group(1).decode(errors='replace')}"
+        if not res.start_failure:
+            self.start_failures_in_a_row = 0
+            return
+        self.start_failures_in_a_row += 1
+        if self.max_start_failures and self.start_failures_in_a_row >= self.max_start_failures and not self.broken:
+            self.broken = (f"{self.start_failures_in_a_row} harnesses in a row could not start ({res.error}); "
+                           "fix the sandbox or harness.command (harness.sandbox_binds for paths it needs) and resume")
 
     async def _run(self, task, execution_id, ws, logs, api_key, base_url, extra_env) -> ExecutionResult:
         task_dir = public_task_dir(self.run_dir, task)
@@ -232,17 +283,32 @@ class HarnessPool:
             else:
                 argv, env, bridge, teardown, launch_env = await self._sandboxed(
                     task, place, execution_id, ws, task_dir, api_key, base_url, env)
-            argv = proc.with_limits(argv, cpu_s=lim.cpu_s, memory_mb=lim.memory_mb)
-            with open(logs / "harness.stdout", "wb") as out, open(logs / "harness.stderr", "wb") as err:
+            argv = proc.with_limits(argv, cpu_s=lim.cpu_s, memory_mb=lim.memory_mb, fsize_mb=lim.max_workspace_mb)
+            sinks = []
+            try:  # through pipes, so that at most max_log_mb of each is kept
+                for name in ("harness.stdout", "harness.stderr"):
+                    r, w = os.pipe()
+                    sinks.append((CappedLog(r, logs / name, lim.max_log_mb << 20), w))
                 process = await asyncio.create_subprocess_exec(
-                    *argv, cwd=ws, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=err,
-                    start_new_session=True)
+                    *argv, cwd=ws, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=sinks[0][1],
+                    stderr=sinks[1][1], start_new_session=True)
+            except BaseException:
+                for sink, w in sinks:
+                    sink.close_unstarted()
+                    os.close(w)
+                raise
+            for sink, w in sinks:
+                os.close(w)
+                sink.start()
         except (OSError, ValueError, RuntimeError) as e:  # not found, argv too long, bad command, runtime set-up
             await self._cleanup(bridge, teardown, launch_env)
-            return result("failed", error=f"cannot start the harness: {e}")
+            res = result("failed", error=f"cannot start the harness: {e}")
+            res.start_failure = True
+            return res
         try:
-            return await self._wait(process, result)
+            return await self._wait(process, result, ws)
         finally:
+            await asyncio.to_thread(lambda: [sink.finish() for sink, _ in sinks])
             await self._cleanup(bridge, teardown, launch_env)
 
     async def _sandboxed(self, task, place, execution_id, ws, task_dir, api_key, base_url, env):
@@ -251,7 +317,7 @@ class HarnessPool:
         proxied = envs.config.network == "proxy" and place.runtime.restricts_network
         bridge = await ProxyBridge(base_url).start() if proxied else None
         inner_url = bridge.inner_url if bridge else base_url
-        python = sys.executable if place.kind == "sandbox" else envs.config.image_python
+        python = host_python() if place.kind == "sandbox" else envs.config.image_python
         values = {"prompt": task.prompt, "prompt_file": f"{WORKSPACE}/start.md", "workspace": WORKSPACE,
                   "task_dir": TASK, "python": python, "execution_id": execution_id, "base_url": inner_url}
         harness_argv = expand_argv(self.command, values)
@@ -284,11 +350,12 @@ class HarnessPool:
         if bridge is not None:
             await bridge.close()
 
-    async def _wait(self, process, result) -> ExecutionResult:
+    async def _wait(self, process, result, ws: Path | None = None) -> ExecutionResult:
         lim = self.limits
         run = _Running(process)
         self._running.add(run)
         self.max_running_seen = max(self.max_running_seen, len(self._running))
+        watcher = asyncio.create_task(self._watch(run, ws)) if lim.tree().any() else None
         try:
             try:
                 await asyncio.wait_for(asyncio.shield(process.wait()), lim.timeout_s)
@@ -298,13 +365,34 @@ class HarnessPool:
                 await asyncio.shield(run.terminate("stopped", lim.kill_grace_s))
                 raise
             rc = await process.wait()
+            if watcher is not None:
+                watcher.cancel()
             proc.kill_group(process.pid, signal.SIGKILL)  # what it left running in its group
             status, sig = classify(rc, run.reason)
-            error = f"wall-clock limit of {lim.timeout_s:g}s reached" if status == "timeout" else None
+            error = f"wall-clock limit of {lim.timeout_s:g}s reached" if status == "timeout" else run.limit_error
             return result(status, rc, sig, error)
         finally:
+            if watcher is not None:
+                watcher.cancel()
             self._running.discard(run)
             run.done.set()
+
+    async def _watch(self, run: "_Running", ws: Path | None) -> None:
+        """Stop the harness at the first [harness] limit its tree passes (gyre.harness.limits)."""
+        lim = self.limits
+        clock = WorkspaceClock(lim.poll_s)
+        while run.process.returncode is None:
+            walk = ws if clock.due_now() else None
+            t0 = time.monotonic()
+            error = await asyncio.to_thread(check_limits, lim.tree(), run.process.pid, walk)
+            if walk is not None:
+                clock.walked(time.monotonic() - t0)
+            if error is not None and run.process.returncode is None:
+                run.limit_error = error
+                await run.terminate("failed", 0.0)  # no grace: it is using what others need
+                proc.kill_group(run.process.pid, signal.SIGKILL)
+                return
+            await asyncio.sleep(lim.poll_s)
 
     async def stop_all(self, grace_s: float | None = None) -> None:
         """Refuse new executions and end the running ones (SIGTERM, then SIGKILL after the grace

@@ -38,6 +38,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from gyre.config import ConfigError, env as config_env
 from gyre.harness.runtimes import ImageRef, Instance, Launch, Mount, Runtime, get_runtime
+from gyre.harness.runtimes.image_env import image_environment
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,15 @@ class SandboxConfig:
     def from_config(cls, h) -> "SandboxConfig":
         return cls(sandbox=h.sandbox, runtime=h.runtime, image_dir=h.image_dir,
                    image_python=h.image_python, network=h.sandbox_network, binds=tuple(h.sandbox_binds))
+
+
+def host_python() -> str:
+    """Gyre's interpreter by its resolved folder: the sandbox binds resolved paths, so a
+    virtualenv reached through a symlink (``.venv -> elsewhere/venv``) must be run as
+    ``elsewhere/venv/bin/python`` there. Only the folder is resolved: the venv's ``python`` link
+    itself leads to the base interpreter, which would run without the venv."""
+    exe = Path(sys.executable)
+    return str(exe.parent.resolve() / exe.name)
 
 
 @dataclass(frozen=True)
@@ -208,11 +218,12 @@ class Environments:
         roots = {r for r in roots if not str(r).startswith("/usr/") and r not in (Path("/usr"), Path("/"))
                  and r.exists()}
         mounts = [Mount(str(r), str(r)) for r in sorted(roots)]
-        for b in self.config.binds:  # an explicit destination
+        for b in self.config.binds:  # an explicit destination (other than the source: "/x:/x" is "/x")
             src, _, dst = str(b).partition(":")
-            if dst:
-                mounts.append(Mount(str(Path(src).resolve()), dst))
-                mounts = [m for m in mounts if not (m.dst == str(Path(src).resolve()) and m.src == m.dst)]
+            resolved = str(Path(src).resolve())
+            if dst and dst != resolved:
+                mounts = [m for m in mounts if not (m.dst == resolved and m.src == m.dst)]
+                mounts.append(Mount(resolved, dst))
         return mounts, []
 
     def masks(self, extra: list[Path]) -> list[str]:
@@ -224,7 +235,7 @@ class Environments:
         return sorted({str(p) for p in private if any(p != b and p.is_relative_to(b) for b in bound)})
 
     def _python_inside(self, place: Placement) -> str:
-        return sys.executable if place.kind != "image" else self.config.image_python
+        return host_python() if place.kind != "image" else self.config.image_python
 
     def instance(self, place: Placement, argv: list[str], mounts: list[Mount], env: dict[str, str],
                  *, name: str, private: list[Path], network: bool = False, workdir: str = WORKSPACE) -> Instance:
@@ -235,8 +246,12 @@ class Environments:
             all_mounts = py_mounts + all_mounts
             masks = self.masks(private)
             env.setdefault("PATH", os.pathsep.join(
-                [str(Path(sys.executable).parent), "/usr/local/bin", "/usr/bin", "/bin"]))
+                [str(Path(host_python()).parent), "/usr/local/bin", "/usr/bin", "/bin"]))
         elif place.kind == "image" and place.runtime.name == "bwrap":
+            # bwrap applies no image config: the image's own ENV (a conda PATH, say), as the
+            # official containers have it, under what Gyre sets itself
+            for k, v in image_environment(place.image.location).items():
+                env.setdefault(k, v)
             env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
         return Instance(argv=argv, workdir=workdir, mounts=all_mounts, env=env, network=network,
                         image=place.image if place.kind == "image" else None, masks=masks, name=name)

@@ -9,8 +9,8 @@ It is mounted alone (with the harness scripts) into an instance, so it must not 
 
     sandbox_init.py --commands FILE --out DIR [--workdir DIR]
         Run each argv of the JSON list FILE in turn, without a shell (NL2RepoBench's official
-        runner splits each command with shlex and executes it), stdout and stderr together
-        into DIR/cmd-N.log, and the exit status into DIR/cmd-N.rc once it ends, so that a
+        runner splits each command with shlex and executes it), stdout into DIR/cmd-N.out and
+        stderr into DIR/cmd-N.err, and the exit status into DIR/cmd-N.rc once it ends, so that a
         time limit reached later keeps what earlier commands printed.
 
     sandbox_init.py --copy-tree SRC DST
@@ -94,18 +94,25 @@ def run_harness(argv):
     return rc
 
 
-def run_commands(commands_file, out, workdir):
+def run_commands(commands_file, out, workdir, command_timeout=0.0):
     with open(commands_file) as f:
         commands = json.load(f)
     for i, argv in enumerate(commands):
-        log = os.path.join(out, "cmd-%d.log" % i)
-        with open(log, "wb") as fh:
+        # stdout and stderr apart: the official runner reads stdout alone when a command succeeds
+        with open(os.path.join(out, "cmd-%d.out" % i), "wb") as fo, \
+                open(os.path.join(out, "cmd-%d.err" % i), "wb") as fe:
             try:
-                rc = subprocess.call(argv, cwd=workdir, stdin=subprocess.DEVNULL, stdout=fh,
-                                     stderr=subprocess.STDOUT)
+                child = subprocess.Popen(argv, cwd=workdir, stdin=subprocess.DEVNULL, stdout=fo, stderr=fe)
             except OSError as e:
-                fh.write(("exec %s: %s\n" % (argv[0], e)).encode())
+                fe.write(("exec %s: %s\n" % (argv[0], e)).encode())
                 rc = 127
+            else:
+                try:
+                    rc = child.wait(timeout=command_timeout or None)
+                except subprocess.TimeoutExpired:  # eval.command_timeout_s: this command only
+                    child.kill()
+                    rc = child.wait()
+                    fe.write(("gyre: command stopped at eval.command_timeout_s = %g\n" % command_timeout).encode())
         with open(os.path.join(out, "cmd-%d.rc" % i), "w") as fh:
             fh.write(str(rc))
     return 0
@@ -120,7 +127,8 @@ def main(args):
         return 0
     if args[:1] == ["--commands"]:
         opts = dict(zip(args[0::2], args[1::2]))
-        return run_commands(opts["--commands"], opts["--out"], opts.get("--workdir") or os.getcwd())
+        return run_commands(opts["--commands"], opts["--out"], opts.get("--workdir") or os.getcwd(),
+                            float(opts.get("--command-timeout") or 0))
     while args and args[0] == "--forward":
         port, _, path = args[1].partition("=")
         try:

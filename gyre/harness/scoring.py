@@ -49,6 +49,28 @@ def split_command(command: str) -> list[str]:
     return argv
 
 
+OUTPUT_MODES = ("official", "merged")
+
+
+def command_output(argv: list[str], rc: int | None, stdout: str, stderr: str, mode: str = "official") -> str:
+    """The text the scorer reads for one command.
+
+    ``official``: as NL2RepoBench's runner gets it. It runs each command with python-on-whales'
+    ``container.execute``, which returns stdout alone when the command succeeds, and otherwise
+    raises a DockerException whose text (what the runner keeps) names the command and holds
+    stdout and stderr; that text is restated here from python_on_whales/exceptions.py.
+    ``merged``: stdout then stderr, whatever the exit status."""
+    if mode == "merged":
+        return stdout + stderr
+    if rc == 0:
+        return stdout
+    cmd = " ".join(["docker", "exec", "--workdir", "/workspace", "<container>", *argv])
+    text = f"The docker command executed was `{cmd}`.\nIt returned with code {rc if rc is not None else -1}\n"
+    text += f"The content of stdout is '{stdout}'\n" if stdout else "The command executed did not output anything to stdout\n"
+    text += f"The content of stderr is '{stderr}'\n" if stderr else "The command executed did not output anything to stderr\n"
+    return text
+
+
 def is_pytest_command(command: str) -> bool:
     return "pytest" in command.lower()
 

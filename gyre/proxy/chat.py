@@ -79,9 +79,14 @@ def canonical_arguments(args: Any, where: str) -> str:
             args = json.loads(args) if args.strip() else {}
         except json.JSONDecodeError:
             return args  # kept verbatim: the model may have produced non-JSON arguments
+        except RecursionError:
+            raise MessageError(f"{where}.function.arguments: JSON nested too deeply") from None
     if not isinstance(args, dict):
         raise MessageError(f"{where}.function.arguments: expected a JSON object or its text")
-    return json.dumps(args, ensure_ascii=False, sort_keys=True)
+    try:
+        return json.dumps(args, ensure_ascii=False, sort_keys=True)
+    except RecursionError:
+        raise MessageError(f"{where}.function.arguments: JSON nested too deeply") from None
 
 
 def parse_messages(raw: Any) -> list[Message]:

@@ -21,6 +21,11 @@ class RequestError(Exception):
 
 
 MAX_TOP_LOGPROBS = 20
+# Stop strings are matched on every streamed token, in the proxy and in the engine, for everyone
+# sharing them: their number and total length are bounded so one call cannot slow the others.
+MAX_STOP_STRINGS = 16
+MAX_STOP_TOTAL_CHARS = 4096
+STREAM_OPTIONS = {"include_usage", "include_obfuscation"}  # obfuscation pads chunks: nothing to do here
 SEED_RANGE = (-(2**63), 2**64 - 1)
 
 # Accepted and without effect on the generation (bookkeeping for OpenAI's own service).
@@ -50,6 +55,24 @@ class CallParams:
     explicit_max: bool = field(default=False, repr=False)
 
 
+MAX_DEPTH = 64  # JSON nesting a request may have (Python's own recursion fails near 1,000)
+
+
+def check_depth(value: Any, limit: int = MAX_DEPTH) -> None:
+    """Refuse JSON nested deeper than `limit` (walked without recursion), before anything
+    recursive (rendering, canonical JSON) meets it."""
+    stack = [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict):
+            v = v.values()
+        elif not isinstance(v, list):
+            continue
+        if d > limit:
+            raise RequestError(400, f"request body is nested more than {limit} levels deep")
+        stack.extend((x, d + 1) for x in v)
+
+
 def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
     v = body.get(name, default)
     if v is None:
@@ -73,6 +96,8 @@ def parse_params(body: dict, tools: list[dict], default_max: int, cap: int) -> C
     if n not in (1, None):
         raise RequestError(400, f"n: only n=1 is supported (got {n!r}); send n separate requests instead", param="n")
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
+    if isinstance(mt, int) and not isinstance(mt, bool) and mt > 2**62:
+        mt = 2**62  # any larger value means the same (clamped to the cap); keeps the int small
     explicit = mt is not None
     if mt is None:
         mt = default_max
@@ -81,16 +106,18 @@ def parse_params(body: dict, tools: list[dict], default_max: int, cap: int) -> C
     stop = body.get("stop") or []
     if isinstance(stop, str):
         stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 16:
-        raise RequestError(400, "stop: expected a non-empty string or a list of up to 16 non-empty strings", param="stop")
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP_STRINGS:
+        raise RequestError(400, f"stop: expected a non-empty string or a list of up to {MAX_STOP_STRINGS} "
+                                "non-empty strings", param="stop")
+    if sum(map(len, stop)) > MAX_STOP_TOTAL_CHARS:
+        raise RequestError(400, f"stop: the stop strings hold {sum(map(len, stop))} characters in all; at most "
+                                f"{MAX_STOP_TOTAL_CHARS} are allowed", param="stop")
     stream = body.get("stream", False)
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
         raise RequestError(400, f"stream: expected true or false, got {stream!r}", param="stream")
-    opts = body.get("stream_options") or {}
-    if not isinstance(opts, dict):
-        raise RequestError(400, "stream_options: expected an object like {\"include_usage\": true}", param="stream_options")
+    include_usage = _stream_options(body.get("stream_options"), stream)
     seed = body.get("seed")
     if seed is not None:
         if isinstance(seed, bool) or not isinstance(seed, int) or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
@@ -129,13 +156,37 @@ def parse_params(body: dict, tools: list[dict], default_max: int, cap: int) -> C
     if pt is not None and not isinstance(pt, bool):
         raise RequestError(400, f"parallel_tool_calls: expected true or false, got {pt!r}", param="parallel_tool_calls")
     choice, name = _tool_choice(body.get("tool_choice"), tools)
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p == 0.0:  # OpenAI: only the most likely token is kept, i.e. greedy decoding
+        temperature, top_p = 0.0, 1.0
     return CallParams(
         max_new_tokens=min(mt, cap),
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1.0,
-        stop=stop, stream=stream, include_usage=bool(opts.get("include_usage")),
+        temperature=temperature,
+        top_p=top_p,
+        stop=stop, stream=stream, include_usage=include_usage,
         seed=seed, logprobs=logprobs, top_logprobs=top or 0, tool_choice=choice, tool_name=name,
         explicit_max=explicit)
+
+
+def _stream_options(opts: Any, stream: bool) -> bool:
+    """``stream_options`` as OpenAI checks it: only with ``stream: true``, known keys, booleans.
+    Returns include_usage."""
+    if opts is None:
+        return False
+    if not stream:
+        raise RequestError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    if not isinstance(opts, dict):
+        raise RequestError(400, "stream_options: expected an object like {\"include_usage\": true}", param="stream_options")
+    unknown = sorted(set(opts) - STREAM_OPTIONS)
+    if unknown:
+        raise RequestError(400, f"stream_options: unknown key(s) {', '.join(map(repr, unknown))[:200]}; "
+                                f"known: {', '.join(sorted(STREAM_OPTIONS))}", param="stream_options")
+    for key, value in opts.items():
+        if value is not None and not isinstance(value, bool):
+            raise RequestError(400, f"stream_options.{key}: expected true or false, got {json.dumps(value)[:40]}",
+                               param="stream_options")
+    return bool(opts.get("include_usage"))
 
 
 def _tool_choice(raw: Any, tools: list[dict]) -> tuple[str, str | None]:

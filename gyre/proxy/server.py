@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import hmac
 import json
 import logging
@@ -28,14 +29,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import ContentEncodingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from gyre.engine.client import EngineError
 from gyre.engine.router import RouterError
 from gyre.proxy.capture import (ExecutionSession, PreparedCall, Renderer, new_api_key,
                                 prepare_call, record_call, wire_ids)
-from gyre.proxy.chat import Message, MessageError, parse_messages, parse_output, validate_tools
-from gyre.proxy.params import CallParams, RequestError, forced_prefix, parse_params
+from gyre.proxy.chat import (DEFAULT_TOOL_SYSTEM, Message, MessageError, parse_messages, parse_output,
+                             validate_tools)
+from gyre.proxy.params import CallParams, RequestError, check_depth, forced_prefix, parse_params
 from gyre.proxy.streaming import ContentStream
+from gyre.proxy.token_safety import check_names, template_tokens
 from gyre.traj.record import ExecutionRecord
 
 log = logging.getLogger("gyre.proxy")
@@ -82,6 +87,10 @@ def engine_failure(e: Exception) -> RequestError:
     return RequestError(503, f"model backend unavailable, retry later: {e}", "server_error", "backend_unavailable")
 
 
+class TooManyExecutions(ValueError):
+    """The proxy holds `max_executions` registered executions already."""
+
+
 class AbortedCall(Exception):
     """The engine aborted the generation and the router could not finish it elsewhere."""
 
@@ -110,15 +119,20 @@ class Proxy:
     """Sessions, rendering and capture; `create_app` exposes it over HTTP."""
 
     def __init__(self, router, tokenizer, *, model_name: str = "gyre", default_max_tokens: int = 512,
-                 max_tokens_cap: int = 4096, identity: dict | None = None, context_length: int | None = None):
+                 max_tokens_cap: int = 4096, identity: dict | None = None, context_length: int | None = None,
+                 max_executions: int = 10_000):
         self.router = router
         self.renderer = Renderer(tokenizer)
+        self.template_tokens = template_tokens(tokenizer)
         self.model_name = model_name
         self.default_max_tokens, self.max_tokens_cap = default_max_tokens, max_tokens_cap
         self.identity = identity or {}
         # the longest prompt the engine accepts (SGLang's max_req_input_len); asked once if not given
         self.max_input_tokens: int | None = None if context_length is None else context_length - 1
+        self.max_executions = max_executions
         self.sessions: dict[str, ExecutionSession] = {}  # api key -> session
+        # rid -> (execution id, its loop) of every running call: ending an execution aborts them
+        self._live: dict[str, tuple[str, asyncio.AbstractEventLoop]] = {}
         self.by_id: dict[str, ExecutionSession] = {}
         self.calls_total = 0
         # calls that never reached their client whole: not in any tree (never trained), counted here
@@ -130,6 +144,9 @@ class Proxy:
     def register(self, execution_id: str, task: str = "", group: int = 0, api_key: str | None = None) -> str:
         if execution_id in self.by_id:
             raise ValueError(f"execution {execution_id!r} is already registered")
+        if len(self.by_id) >= self.max_executions:
+            raise TooManyExecutions(f"{len(self.by_id)} executions are registered, the limit "
+                                    f"(proxy.max_executions) is {self.max_executions}; end some first")
         key = api_key or new_api_key()
         sess = ExecutionSession(ExecutionRecord(execution_id, task, group, t_start=time.time()), key)
         self.sessions[key] = sess
@@ -142,7 +159,19 @@ class Proxy:
         self.sessions.pop(sess.api_key, None)
         sess.ended = True
         sess.record.status, sess.record.t_end = status, time.time()
+        for rid, (eid, loop) in list(self._live.items()):  # its running calls end now, not at their end
+            if eid == execution_id and not loop.is_closed():
+                loop.call_soon_threadsafe(lambda r=rid, lp=loop: lp.create_task(self.router.abort(r)))
         return sess.record
+
+    @contextlib.contextmanager
+    def _track(self, c: "Call"):
+        """The call is live (aborted by `end` of its execution) while inside."""
+        self._live[c.rid] = (c.sess.record.execution_id, asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            self._live.pop(c.rid, None)
 
     def session_for(self, auth: str | None) -> ExecutionSession:
         if not auth or not auth.startswith("Bearer "):
@@ -168,11 +197,15 @@ class Proxy:
         return self.max_input_tokens
 
     async def prepare(self, sess: ExecutionSession, body: dict, role: str) -> Call:
+        check_names(body, self.template_tokens)
         messages = parse_messages(body.get("messages"))
         tools = validate_tools(body.get("tools"))
         p = parse_params(body, tools, self.default_max_tokens, self.max_tokens_cap)
+        if tools and messages[0].role != "system":  # as the Qwen template: tools go in a system turn
+            messages = [Message("system", DEFAULT_TOOL_SYSTEM), *messages]
         prepared = prepare_call(self.renderer, sess, messages, tools)
-        forced = self.renderer.encode(forced_prefix(p)) if forced_prefix(p) else []
+        # plain-text encoding: a name can hold no control token (refused above), and never becomes one
+        forced = self.renderer.encode_text(forced_prefix(p)) if forced_prefix(p) else []
         n_prompt = prepared.n_input + len(forced)
         limit = await self._input_limit()
         max_new = p.max_new_tokens
@@ -195,10 +228,14 @@ class Proxy:
 
     def finish(self, c: Call, res) -> tuple[dict, Any]:
         """Record a finished generation and build the OpenAI response (non-streamed shape)."""
+        sess, p = c.sess, c.params
+        if sess.ended:  # the execution ended while its call ran (its generation was aborted): not recorded
+            self.abandoned["execution_ended"] += 1
+            raise RequestError(409, "execution ended while the call was running", "invalid_request_error",
+                               "execution_ended")
         if res.finish_reason == "abort":
             self.abandoned["aborted"] += 1
             raise AbortedCall(res.finish_message or "generation aborted")
-        sess, p = c.sess, c.params
         out_ids, lps = list(res.output_ids), list(res.logprobs)
         text = self.renderer.decode(c.forced + out_ids)
         matched_stop = res.finish_reason == "stop" and isinstance(res.meta_info.get("finish_reason", {}).get("matched"), str)
@@ -207,9 +244,6 @@ class Proxy:
             text = text[: min(hits)]
         parsed = parse_output(text, tools_enabled=bool(c.tools) and p.tool_choice != "none")
         reply = Message("assistant", parsed.content or "", tuple(parsed.tool_calls))
-        if sess.ended:  # the execution ended while its call ran: answer, but do not record
-            raise RequestError(409, "execution ended while the call was running", "invalid_request_error",
-                               "execution_ended")
         prepared = c.prepared
         if c.forced:  # forced ids are context the model saw, not samples
             prepared = PreparedCall(prepared.segments, prepared.prompt_tokens + c.forced,
@@ -260,8 +294,9 @@ class Proxy:
     async def complete(self, c: Call) -> dict:
         """Run one call to the end (non-streamed); returns the OpenAI response."""
         try:
-            res = await self.router.generate(*self._generate_args(c), rid=c.rid,
-                                             top_logprobs_num=c.params.top_logprobs)
+            with self._track(c):
+                res = await self.router.generate(*self._generate_args(c), rid=c.rid,
+                                                 top_logprobs_num=c.params.top_logprobs)
         except asyncio.CancelledError:  # the client went away: the router aborted the engine request
             self.abandoned["client_disconnected"] += 1
             raise
@@ -285,25 +320,22 @@ class Proxy:
             await out.write(b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n")
 
         await send({"role": "assistant", "content": ""})
-        final = None
         gen = self.router.generate_stream(*self._generate_args(c), rid=c.rid, top_logprobs_num=p.top_logprobs)
         try:
-            async for snap in gen:  # the router ends after the final snapshot
-                if snap.finish_reason is not None:
-                    final = snap
-                    continue
-                delta = content.delta(self.renderer.decode(c.forced + snap.output_ids))
-                if delta:
-                    await send({"content": delta})
+            with self._track(c):
+                final = await self._relay(c, gen, content, send)
         except (asyncio.CancelledError, ConnectionError):
             self.abandoned["client_disconnected"] += 1
             raise
         except (EngineError, RouterError) as e:
-            err = engine_failure(e)
-            await self._stream_error(out, err)
+            await self._stream_error(out, engine_failure(e))
             return
         finally:
             await gen.aclose()
+        if final is None and c.sess.ended:
+            await self._stream_error(out, RequestError(409, "execution ended while the call was running",
+                                                       code="execution_ended"))
+            return
         if final is None:
             await self._stream_error(out, RequestError(503, "model backend ended the stream early", "server_error"))
             return
@@ -312,6 +344,9 @@ class Proxy:
         except AbortedCall as e:
             await self._stream_error(out, RequestError(503, f"generation aborted, retry: {e}", "server_error",
                                                        "generation_aborted"))
+            return
+        except RequestError as e:  # e.g. the execution ended while its call ran (409)
+            await self._stream_error(out, e)
             return
         choice = resp["choices"][0]
         rest = content.rest(parsed.content)
@@ -324,12 +359,25 @@ class Proxy:
             await out.write(b"data: " + json.dumps({**base, "choices": [], "usage": resp["usage"]}).encode() + b"\n\n")
         await out.write(b"data: [DONE]\n\n")
 
+    async def _relay(self, c: Call, gen, content: ContentStream, send):
+        """Pass content deltas on as snapshots come; returns the final snapshot (None if none came)."""
+        final = None
+        async for snap in gen:  # the router ends after the final snapshot
+            if snap.finish_reason is not None:
+                final = snap
+                continue
+            delta = content.delta(self.renderer.decode(c.forced + snap.output_ids))
+            if delta:
+                await send({"content": delta})
+        return final
+
     @staticmethod
     async def _stream_error(out: web.StreamResponse, e: RequestError) -> None:
         """After the headers went out, an error can only travel as an event (the openai SDK
         raises it as an APIError)."""
         body = {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
         await out.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+        await out.write(b"data: [DONE]\n\n")  # the stream is over: a client must not wait for more
 
     def overhead_percentiles(self) -> dict:
         if not self.overhead_s:
@@ -348,6 +396,9 @@ async def _read_json(request: web.Request) -> dict:
     except web.HTTPRequestEntityTooLarge:
         raise RequestError(413, f"request body larger than the limit of {request.client_max_size} bytes "
                                 f"(raise proxy.max_body_bytes if this is intended)")
+    except (ContentEncodingError, RequestPayloadError) as e:  # e.g. Content-Encoding: gzip on a plain body
+        raise RequestError(400, f"request body could not be read as its headers say (Content-Encoding, "
+                                f"Content-Length): {getattr(e, 'message', e)}")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -358,8 +409,11 @@ async def _read_json(request: web.Request) -> dict:
         raise RequestError(400, f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}")
     except RecursionError:
         raise RequestError(400, "request body is nested too deeply")
+    except ValueError as e:  # e.g. an integer of more than 4,300 digits
+        raise RequestError(400, f"request body is not acceptable JSON: {e}")
     if not isinstance(body, dict):
         raise RequestError(400, f"request body must be a JSON object, got {type(body).__name__}")
+    check_depth(body)
     if "\\u" in text and _SURROGATE_ESCAPE.search(text):  # cheap test first: bodies reach MBs
         try:  # a pair is joined by json.loads; a lone half cannot be encoded
             json.dumps(body, ensure_ascii=False).encode("utf-8")
@@ -429,8 +483,19 @@ def create_app(proxy: Proxy, *, admin_key: str, max_body_bytes: int = 8 << 20) -
         eid = body.get("execution_id")
         if not isinstance(eid, str) or not eid or len(eid) > 256:
             raise RequestError(400, "execution_id: expected a non-empty string of at most 256 characters")
+        task, group = body.get("task", ""), body.get("group", 0)
+        if not isinstance(task, str) or len(task) > 256:
+            raise RequestError(400, "task: expected a string of at most 256 characters", param="task")
+        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < 2**63:
+            raise RequestError(400, f"group: expected a non-negative integer, got {json.dumps(group)[:40]}",
+                               param="group")
+        unknown = sorted(set(body) - {"execution_id", "task", "group"})
+        if unknown:
+            raise RequestError(400, f"unknown field(s) {', '.join(unknown)[:200]}; known: execution_id, task, group")
         try:
-            key = proxy.register(eid, str(body.get("task", "")), int(body.get("group", 0)))
+            key = proxy.register(eid, task, group)
+        except TooManyExecutions as e:
+            raise RequestError(429, str(e), code="too_many_executions")
         except ValueError as e:
             raise RequestError(409, str(e))
         return web.json_response({"execution_id": eid, "api_key": key})

@@ -1,0 +1,278 @@
+"""One hostile harness on a shared cluster (issue 24): what it costs the others, and what stops it.
+
+1. **Stop strings** (``stop_dos_*``): HOSTILE streamed calls, each with the most stop text the
+   proxy accepts (16 strings, 4,096 characters in all, built so that partial matches never end:
+   ``"a" * 255 + "b"``; the output is ``x``s, so every tail check fails, the costliest case for a
+   matcher that re-checks the text on each token), run while another execution makes short
+   2-token calls one after the other. The figure is that execution's worst call latency while
+   the hostile streams run, beside its median alone. The engine is a scripted stand-in (its own
+   process, 500 tokens/s per stream, no stop matching of its own) behind the real router and
+   proxy, so the cost measured is the proxy's; ``stop_dos_control_*`` is the same load without
+   stop strings. The request the issue measured (16 x 10,000 characters) is a 400 now.
+2. **Limits** (``limits_enforced``): each default limit, exercised by a real process that passes
+   it; listed when it stopped (or capped) the harness with an error naming its key.
+3. **Fuzz** (``fuzz_*``): FUZZ seeded mutations of a full request over the schema
+   (tests/request_fuzz.py) against the proxy; ``fuzz_5xx`` must be 0.
+
+Writes benchmarks/results/hostile.json. Takes about a minute on 2 busy cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the scripted engine, the loop thread, the request fuzz
+
+import httpx  # noqa: E402
+from tokenizers import Tokenizer  # noqa: E402
+
+from gyre.engine.router import Router  # noqa: E402
+from gyre.proxy.capture import Renderer  # noqa: E402
+from gyre.proxy.server import Proxy, create_app, start_site  # noqa: E402
+from loop_thread import LoopThread  # noqa: E402
+from request_fuzz import cases  # noqa: E402
+from scripted_engine import ScriptedEngine  # noqa: E402
+
+TOKENIZER = Tokenizer.from_file(str(ROOT / "gyre" / "assets" / "tokenizer.json"))
+R = Renderer(TOKENIZER)
+HOSTILE = 1  # one hostile harness, as the issue measured
+HOSTILE_TOKENS = 1500
+TOKEN_DELAY_S = 0.002  # 500 tokens/s per stream from the stand-in engine
+VICTIM_CALLS = 60
+FUZZ = 2000
+
+
+def serve_engine() -> None:
+    """The scripted engine as its own process (``--engine``): calls with stop strings (the hostile
+    ones) get a long output of ``a`` tokens, the others a short answer. Prints its port."""
+    long_out = R.encode("x" * HOSTILE_TOKENS)[:HOSTILE_TOKENS] + [R.im_end]
+    short = R.encode("Hi.") + [R.im_end]
+    engine = ScriptedEngine(decode=None)  # no stop matching of its own: the proxy's cost is measured
+    engine.script = [short]
+    engine.token_delay_s = TOKEN_DELAY_S  # an engine yields between tokens (and serves the others)
+
+    def output(body):
+        sp = body.get("sampling_params") or {}
+        ids = long_out if (sp.get("max_new_tokens") or 0) > 100 else short  # the hostile ones ask for many
+        ids = ids[: sp.get("max_new_tokens") or len(ids)]
+        return list(ids), ({"type": "stop", "matched": ids[-1]} if ids[-1] == R.im_end
+                           else {"type": "length", "length": len(ids)})
+    engine._output = output
+
+    async def main():
+        _, port = await start_site(engine.app(), "127.0.0.1", 0)
+        print(port, flush=True)
+        await asyncio.Event().wait()
+    asyncio.run(main())
+
+
+class Served:
+    """Scripted engine in its own process, router + proxy on a loop thread here."""
+
+    def __init__(self):
+        self.eproc = subprocess.Popen([sys.executable, __file__, "--engine"], stdout=subprocess.PIPE, text=True)
+        eport = int(self.eproc.stdout.readline())
+        self.plt = LoopThread()
+
+        async def prox():
+            self.router = Router([f"http://127.0.0.1:{eport}"])
+            self.proxy = Proxy(self.router, TOKENIZER)
+            return await start_site(create_app(self.proxy, admin_key="admin", max_body_bytes=1 << 20), "127.0.0.1", 0)
+
+        self.prunner, pport = self.plt.run(prox())
+        self.base = f"http://127.0.0.1:{pport}"
+
+    def key(self, eid: str) -> str:
+        return self.proxy.register(eid)
+
+    def close(self):
+        async def down():
+            await self.prunner.cleanup()
+            await self.router.close()
+        self.plt.run(down())
+        self.plt.close()
+        self.eproc.terminate()
+        self.eproc.wait(10)
+
+
+def victim_latencies(s: Served, key: str, n: int) -> list[float]:
+    out = []
+    with httpx.Client(timeout=60) as c:
+        for i in range(n):
+            t0 = time.perf_counter()
+            r = c.post(s.base + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                       json={"model": "main", "max_tokens": 2, "messages": [{"role": "user", "content": f"q{i}"}]})
+            out.append((time.perf_counter() - t0) * 1e3)
+            assert r.status_code == 200, r.text
+    return out
+
+
+def hostile_phase(s: Served, victim: str, stop: list[str] | None) -> tuple[list[float], float]:
+    """HOSTILE long streams (with `stop`, or none) while the victim calls; its latencies."""
+    def hostile(k: int) -> None:
+        body = {"model": "main", "stream": True, "max_tokens": HOSTILE_TOKENS + 1,
+                "messages": [{"role": "user", "content": f"x{k}"}]}
+        if stop:
+            body["stop"] = stop
+        with httpx.stream("POST", s.base + "/v1/chat/completions", timeout=300,
+                          headers={"Authorization": f"Bearer {s.key(f'hostile-{k}-{time.time_ns()}')}"},
+                          json=body) as r:
+            for _ in r.iter_lines():
+                pass
+
+    threads = [threading.Thread(target=hostile, args=(k,)) for k in range(HOSTILE)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    under = []
+    while any(t.is_alive() for t in threads):
+        under += victim_latencies(s, victim, 1)
+    for t in threads:
+        t.join()
+    return under, time.perf_counter() - t0
+
+
+def stop_dos() -> dict:
+    s = Served()
+    try:
+        victim = s.key("victim")
+        baseline = victim_latencies(s, victim, VICTIM_CALLS)
+        stop = ["a" * 255 + "b"] * 16  # 4,096 characters: the most the proxy accepts
+        refused = httpx.post(s.base + "/v1/chat/completions", headers={"Authorization": f"Bearer {s.key('h-big')}"},
+                             json={"model": "main", "stream": True, "stop": ["x" * 10_000] * 16,
+                                   "messages": [{"role": "user", "content": "x"}]}).status_code
+        under, hostile_s = hostile_phase(s, victim, stop)
+        control, control_s = hostile_phase(s, victim, None)  # the same streams without stop strings
+    finally:
+        s.close()
+    return {"stop_dos_max_ms": max(under), "stop_dos_p50_ms": statistics.median(under),
+            "stop_dos_control_max_ms": max(control), "stop_dos_control_p50_ms": statistics.median(control),
+            "stop_dos_baseline_p50_ms": statistics.median(baseline), "stop_dos_baseline_max_ms": max(baseline),
+            "stop_dos_victim_calls": len(under), "stop_dos_hostile_streams": HOSTILE,
+            "stop_dos_hostile_tokens": HOSTILE_TOKENS, "stop_dos_hostile_s": hostile_s,
+            "stop_dos_control_s": control_s, "stop_dos_stop_chars": sum(map(len, stop)),
+            "stop_dos_16x10000_status": refused}
+
+
+def stop_match_cost() -> dict:
+    """The proxy's own stop matching per streamed token at the most stop text it accepts, for an
+    output that keeps half-matching and one that never matches (deterministic, no servers)."""
+    from gyre.proxy.streaming import ContentStream
+
+    out = {}
+    for name, ch in (("matching", "a"), ("non_matching", "x")):
+        cs, text, worst = ContentStream(["a" * 255 + "b"] * 16, False), "", 0.0
+        t0 = time.perf_counter()
+        for _ in range(HOSTILE_TOKENS):
+            text += ch
+            t1 = time.perf_counter()
+            cs.delta(text)
+            worst = max(worst, time.perf_counter() - t1)
+        out[f"stop_match_{name}_worst_token_ms"] = worst * 1e3
+        out[f"stop_match_{name}_total_ms"] = (time.perf_counter() - t0) * 1e3
+    return out
+
+
+def fuzz() -> dict:
+    s = Served()
+    statuses: dict[int, int] = {}
+    try:
+        key = s.key("fuzz")
+        for raw, headers in cases(FUZZ, seed=24):
+            req = urllib.request.Request(s.base + "/v1/chat/completions", data=raw, method="POST",
+                                         headers={"Content-Type": "application/json",
+                                                  "Authorization": f"Bearer {key}", **headers})
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    code = r.status
+                    r.read()
+            except urllib.error.HTTPError as e:
+                code = e.code
+            statuses[code] = statuses.get(code, 0) + 1
+    finally:
+        s.close()
+    return {"fuzz_cases": FUZZ, "fuzz_5xx": sum(n for c, n in statuses.items() if c >= 500),
+            "fuzz_statuses": {str(k): v for k, v in sorted(statuses.items())}}
+
+
+def limits() -> dict:
+    import warnings
+
+    from gyre.harness.evaluator import EvalOptions, evaluate_workspace
+    from gyre.harness.runner import HarnessPool, Limits
+    from gyre.harness.sandbox import Environments, SandboxConfig
+    from gyre.harness.tasks import load_suite
+
+    task = {t.name: t for t in load_suite("builtin")}["fizzbuzz"]
+    py = sys.executable
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        envs = Environments(SandboxConfig())  # bubblewrap where installed, else bare (as the default)
+    scenarios = {
+        "harness.max_processes": (dict(max_processes=20),
+                                  "import subprocess, time\nps = [subprocess.Popen(['sleep', '30']) for _ in range(40)]\n"
+                                  "time.sleep(30)\n"),
+        "harness.max_memory_mb": (dict(max_memory_mb=150),
+                                  "import os, time\nfor _ in range(3):\n    if os.fork() == 0: break\n"
+                                  "b = bytearray(60 << 20)\nfor i in range(0, len(b), 4096): b[i] = 1\ntime.sleep(30)\n"),
+        "harness.max_workspace_mb": (dict(max_workspace_mb=8),
+                                     "import time\nfor i in range(12): open(f'f{i}', 'wb').write(b'x' * (1 << 20))\n"
+                                     "time.sleep(30)\n"),
+        "harness.max_log_mb": (dict(max_log_mb=1),
+                               "import sys\nfor _ in range(64): sys.stdout.write('o' * 65536)\n"),
+    }
+    enforced, detail = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for key, (kw, script) in scenarios.items():
+            pool = HarnessPool(Path(tmp) / key, [py, "-c", script], environments=envs,
+                               limits=Limits(timeout_s=60, kill_grace_s=0.5, poll_s=0.1, **kw))
+            t0 = time.perf_counter()
+            res = asyncio.run(pool.run_execution(task, "e1", api_key="k", base_url="http://127.0.0.1:9/v1"))
+            dt = time.perf_counter() - t0
+            if key == "harness.max_log_mb":
+                kept = (Path(res.log_dir) / "harness.stdout").stat().st_size
+                ok = res.status == "done" and kept < (1 << 20) + 200
+            else:
+                ok = res.status == "failed" and key in (res.error or "")
+            detail[key] = {"status": res.status, "error": res.error, "s": round(dt, 2)}
+            if ok:
+                enforced.append(key)
+        ws = Path(tmp) / "sparse-ws"
+        ws.mkdir()
+        with open(ws / "blob", "wb") as f:
+            f.truncate(4 << 30)
+            f.write(b"x" * 4096)
+        (ws / "big").write_bytes(os.urandom(3 << 20))
+        ev = evaluate_workspace(task, ws, "done", EvalOptions(timeout_s=60, scratch_dir=str(Path(tmp) / "scratch"),
+                                                              max_copy_mb=2, environments=envs))
+        if ev.source == "eval-error" and "eval.max_copy_mb" in (ev.error or ""):
+            enforced.append("eval.max_copy_mb")
+        detail["eval.max_copy_mb"] = {"source": ev.source, "error": ev.error}
+    return {"limits_enforced": enforced, "limits_detail": detail, "limits_sandbox": envs.host_backend}
+
+
+def main() -> dict:
+    return {**stop_dos(), **stop_match_cost(), **fuzz(), **limits(), "load_avg_1m": os.getloadavg()[0]}
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--engine"]:
+        serve_engine()
+        sys.exit(0)
+    res = main()
+    out = ROOT / "benchmarks" / "results" / "hostile.json"
+    out.write_text(json.dumps(res, indent=2) + "\n")
+    print(json.dumps(res, indent=2))
