@@ -31,11 +31,10 @@ def big_state(rng: random.Random, now: float, role_mix: str) -> ClusterState:
     else:
         roles = [Role.ROLLOUT if i < CELLS // 2 else Role.TRAIN for i in range(CELLS)]
     cells = tuple(CellView(i, r, rng.uniform(0, now - 600)) for i, r in enumerate(roles))
-    running = tuple(ExecView(i, i // 8, 10, rng.uniform(now - 4 * 3600, now), rng.randrange(300),
-                             rng.random() < 0.8) for i in range(RUNNING))
+    running = tuple(ExecView(i, i // 8, 10, rng.uniform(now - 4 * 3600, now)) for i in range(RUNNING))
     return ClusterState(version=10, staleness=2, groups_per_step=1280, group_size=8, cells=cells,
                         running=running, groups_open=RUNNING // 8 + 100, groups_waiting=40, step_groups=600,
-                        train_tokens_left=3.0e9)
+                        train_tokens_left=3.0e9, calls_in_flight=int(RUNNING * 0.3))
 
 
 def decision_ms() -> dict[str, float]:
@@ -57,7 +56,7 @@ def decision_ms() -> dict[str, float]:
 
 
 def sim_speed() -> dict:
-    r = Scenario("E", 0, nl2repo_cluster(), record=False).run()
+    r = Scenario("E", 0, nl2repo_cluster(), steps=8, groups_per_step=256, record=False).run()
     return {"events": r.events, "wall_s": round(r.wall_s, 3), "events_per_s": round(r.events / r.wall_s)}
 
 
@@ -66,7 +65,7 @@ def main() -> int:
     s = sim_speed()
     doc = {"decision_ms_1024": d, "decision_setup": {"cells": CELLS, "running_executions": RUNNING,
                                                      "repeat": REPEAT, "statistic": "median", "goal_ms": 10},
-           "sim_events_per_s": s["events_per_s"], "sim_run": {"label": "E0", "nodes": 32, "steps": 48, **s}}
+           "sim_events_per_s": s["events_per_s"], "sim_run": {"label": "E0", "nodes": 32, "steps": 8, "groups_per_step": 256, **s}}
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(doc, indent=1), encoding="utf-8")
     print(json.dumps(doc, indent=1))
