@@ -148,6 +148,10 @@ class TrainConfig:
     checkpoint_dir: str = _f("", help="trainer checkpoints; empty = <run.dir>/checkpoints")
     tensor_parallel: int = _f(1, min=1, help="Megatron tensor-parallel size inside a cell (divides its trainer ranks)")
     pipeline_parallel: int = _f(1, min=1, help="Megatron pipeline-parallel size inside a cell")
+    expert_parallel: int = _f(1, min=1, help="Megatron expert-parallel size inside a cell (MoE models: divides the "
+                                            "expert count and, times tensor x pipeline, the cell's trainer ranks)")
+    moe_aux_loss_coef: float = _f(0.0, min=0.0, help="MoE load-balancing (aux) loss weight, added per micro-batch; "
+                                                     "0 = off (its value is still logged by the embedded trainer)")
     local_ranks: int = _f(1, min=1, help="trainer ranks per cell under `gyre run` (one machine); under Slurm a "
                                         "cell has one rank per GPU slot of its nodes (one per node on CPU)")
 

@@ -107,7 +107,13 @@ class Trainer(ABC):
         mb = mb.to(self.device)
         loss, stats = policy_loss(self._logits(mb), mb, self.cfg.clip_low, self.cfg.clip_high,
                                   clip=self.cfg.clip, staleness_weights=self.cfg.staleness_weights)
+        extra, aux = self._moe_aux_loss()
+        if extra is not None:
+            loss = loss + extra
         loss.backward()
+        if aux is not None:
+            stats["moe_aux_loss"] = aux
+            self._acc["moe_aux_loss"] = self._acc.get("moe_aux_loss", 0.0) + aux
         stats["fwd_bwd_s"] = time.perf_counter() - t0
         a = self._acc
         for k in ("loss", "targets", "tokens", "fwd_bwd_s"):
@@ -116,6 +122,11 @@ class Trainer(ABC):
             a[k] += stats[k] * stats["targets"]
         a["micro_batches"] += 1
         return stats
+
+    def _moe_aux_loss(self) -> tuple[Tensor | None, float | None]:
+        """After a forward: (term to add to the loss, or None; the load-balancing loss summed over
+        MoE layers, unweighted, for the logs, or None for a dense model)."""
+        return None, None
 
     def optimizer_step(self) -> dict:
         """Apply the step's gradients; returns the step's statistics including grad_norm."""
@@ -195,6 +206,8 @@ class Trainer(ABC):
         a = self._acc
         out = {k: a[k] for k in ("loss", "targets", "tokens", "micro_batches", "fwd_bwd_s")}
         out.update({k: a[k] / max(a["targets"], 1) for k in _MEAN_STATS})
+        if "moe_aux_loss" in a:  # mean over the step's micro-batches
+            out["moe_aux_loss"] = a["moe_aux_loss"] / max(a["micro_batches"], 1)
         out.update(step=self.step, grad_norm=grad_norm, optimizer_s=time.perf_counter() - t0)
         self._reset_step_stats()
         return out
