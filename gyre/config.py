@@ -41,7 +41,10 @@ class RunConfig:
 @dataclass
 class ModelConfig:
     path: str = _f("", help="model directory (transformers layout); empty = the embedded tiny model")
-    tiny_dir: str = _f("", help="where the embedded tiny model is built; empty = ~/.cache/gyre/tiny-qwen")
+    tiny_dir: str = _f("", help="where the embedded tiny model is built; empty = ~/.cache/gyre/tiny-qwen "
+                                "(tiny-<family> for another family)")
+    tiny_family: str = _f("qwen2", choices=("qwen2", "llama", "qwen3", "qwen3_moe", "qwen2_moe"),
+                          help="family of the embedded tiny model (`gyre make-model --family`)")
 
 
 @dataclass
@@ -375,4 +378,5 @@ def default_tiny_dir(cfg: GyreConfig) -> Path:
     if cfg.model.tiny_dir:
         return Path(cfg.model.tiny_dir)
     base = env("GYRE_CACHE") or str(Path(env("HOME") or "/tmp") / ".cache" / "gyre")
-    return Path(base) / "tiny-qwen"
+    family = cfg.model.tiny_family
+    return Path(base) / ("tiny-qwen" if family == "qwen2" else f"tiny-{family.replace('_', '-')}")

@@ -170,7 +170,7 @@ class Head:
 
         cfg = self.cfg
         private_dir(self.run_dir)
-        self.model_dir = Path(cfg.model.path or ensure_tiny_model(default_tiny_dir(cfg)))
+        self.model_dir = Path(cfg.model.path or ensure_tiny_model(default_tiny_dir(cfg), cfg.model.tiny_family))
         self.weights_root = Path(cfg.train.export_dir or self.run_dir / "weights")
         self.ckpt_root = Path(cfg.train.checkpoint_dir or self.run_dir / "checkpoints")
         self.policy = policy_from_config(cfg)

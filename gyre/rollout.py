@@ -128,7 +128,7 @@ class Rollout:
             raise SystemExit(f"gyre rollout: {shard_dir} already holds shards; pass --resume to continue that run "
                              f"or choose another run.dir")
         todo, self.summary.skipped_resume = plan(tasks, cfg.harness.group_size, previous)
-        model_dir = Path(cfg.model.path or ensure_tiny_model(default_tiny_dir(cfg)))
+        model_dir = Path(cfg.model.path or ensure_tiny_model(default_tiny_dir(cfg), cfg.model.tiny_family))
         identity = model_identity(model_dir)
         writer = ShardWriter.from_config(cfg.store, shard_dir, shard_identity(identity))
         engine_key = secrets.token_urlsafe(24)  # the job's secret: engines accept nothing else

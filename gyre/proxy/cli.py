@@ -31,7 +31,7 @@ async def serve(args: argparse.Namespace) -> None:
     from gyre.proxy.server import Proxy, create_app, start_site
 
     cfg = load_config(args.config, args.overrides)
-    model_dir = Path(args.model or cfg.model.path or ensure_tiny_model(default_tiny_dir(cfg)))
+    model_dir = Path(args.model or cfg.model.path or ensure_tiny_model(default_tiny_dir(cfg), cfg.model.tiny_family))
     tok_file = model_dir / "tokenizer.json"
     if not tok_file.is_file():
         print(f"gyre proxy: {tok_file} not found; --model must be a directory with the model's tokenizer.json",
