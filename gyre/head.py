@@ -503,6 +503,9 @@ class Head:
                "kl_old_max": max(kls, default=None), "grad_norm": next((r.grad_norm for r in reps if getattr(r, "grad_norm", None) is not None), None),
                "reduce_s": reduce_s, "push_s": push_s, "t_start": (res.started_at or res.ended_at) - self.t0,
                "t_end": res.ended_at - self.t0}
+        aux = [x["moe_aux_loss"] for x in st if x.get("moe_aux_loss") is not None]
+        if aux:  # MoE models: the load-balancing loss, mean over the step's micro-batches
+            row["moe_aux_loss"] = statistics.fmean(aux)
         self.step_log.append(row)
         self.steps_file.write(json.dumps(row) + "\n")
         self._committed = res.version
