@@ -75,6 +75,16 @@ class ProxyConfig:
     default_max_tokens: int = _f(512, min=1)
     max_tokens_cap: int = _f(4096, min=1)
     request_retries: int = _f(3, min=0, help="times a call is retried on another endpoint")
+    chat_template: str = _f("builtin", choices=("builtin", "model"),
+                            help="builtin: Gyre's ChatML (Qwen2.5 format); model: the model directory's own Jinja "
+                                 "template (chat_template.jinja or tokenizer_config.json), checked at start")
+    history: str = _f("exact", choices=("exact", "template"),
+                      help="with a template that is not append-only: exact keeps sampled turns as sampled; "
+                           "template follows the template and branches the tree where it rewrites history")
+    tool_parser: str = _f("hermes", choices=("hermes", "qwen3_coder", "none"),
+                          help="tool-call format of the model's output (chat_template = model)")
+    reasoning_parser: str = _f("none", choices=("none", "qwen3"),
+                               help="qwen3: <think>...</think> goes to reasoning_content (chat_template = model)")
 
 
 @dataclass

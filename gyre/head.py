@@ -163,7 +163,7 @@ class Head:
         from gyre.harness.evaluator import EvaluatorPool
         from gyre.harness.execute import load_tasks
         from gyre.harness.runner import HarnessPool, private_dir
-        from gyre.proxy.server import Proxy, create_app, start_site
+        from gyre.proxy.server import Proxy, create_app, proxy_options, start_site
         from gyre.sched import policy_from_config
         from gyre.traj.select import SelectionSpec
         from gyre.traj.store import ShardWriter, shard_identity
@@ -214,7 +214,8 @@ class Head:
             await asyncio.gather(*(self._cmd_push(c, self.core.rollout_version)
                                    for c in self.cells if c.role is Role.ROLLOUT))
         self.proxy = Proxy(self.router, load_tokenizer(self.model_dir), identity=identity,
-                           default_max_tokens=cfg.proxy.default_max_tokens, max_tokens_cap=cfg.proxy.max_tokens_cap)
+                           default_max_tokens=cfg.proxy.default_max_tokens, max_tokens_cap=cfg.proxy.max_tokens_cap,
+                           **proxy_options(cfg.proxy, self.model_dir))
         runner, port = await start_site(create_app(self.proxy, admin_key=secrets.token_urlsafe(24),
                                                    max_body_bytes=cfg.proxy.max_body_bytes), cfg.proxy.host, cfg.proxy.port)
         self.base_url = f"http://{cfg.proxy.host}:{port}/v1"

@@ -112,7 +112,7 @@ class Rollout:
         from gyre.harness.evaluator import EvaluatorPool
         from gyre.harness.runner import HarnessPool, private_dir
         from gyre.harness.sandbox import Environments, SandboxConfig
-        from gyre.proxy.server import Proxy, create_app, start_site
+        from gyre.proxy.server import Proxy, create_app, proxy_options, start_site
         from gyre.traj.store import ShardWriter, shard_identity
 
         cfg, t0 = self.cfg, time.monotonic()
@@ -139,7 +139,8 @@ class Rollout:
                        for _ in range(cfg.engine.endpoints)]
             router = Router([e.url for e in engines], api_key=engine_key, timeout_s=cfg.engine.request_timeout_s)
             proxy = Proxy(router, load_tokenizer(model_dir), identity=identity,
-                          default_max_tokens=cfg.proxy.default_max_tokens, max_tokens_cap=cfg.proxy.max_tokens_cap)
+                          default_max_tokens=cfg.proxy.default_max_tokens, max_tokens_cap=cfg.proxy.max_tokens_cap,
+                          **proxy_options(cfg.proxy, model_dir))
             runner, port = await start_site(create_app(proxy, admin_key=secrets.token_urlsafe(24),
                                                        max_body_bytes=cfg.proxy.max_body_bytes),
                                             cfg.proxy.host, cfg.proxy.port)

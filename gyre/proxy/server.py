@@ -106,13 +106,43 @@ class Call:
         return f"chatcmpl-{self.rid}"
 
 
+def proxy_options(proxy_cfg, model_dir) -> dict:
+    """Proxy keyword arguments for the model directory's chat template from `[proxy]` (the
+    template is loaded, and refused with a clear error, here)."""
+    if proxy_cfg.chat_template != "model":
+        return {}
+    from gyre.model.chat_template import ChatTemplate
+
+    template = ChatTemplate.from_dir(model_dir)
+    if template is None:
+        raise ValueError(f"proxy.chat_template = \"model\" but {model_dir} has no chat template (chat_template.jinja "
+                         f"or tokenizer_config.json's chat_template); add one or use proxy.chat_template = \"builtin\"")
+    return {"chat_template": template, "history": proxy_cfg.history, "tool_parser": proxy_cfg.tool_parser,
+            "reasoning_parser": proxy_cfg.reasoning_parser}
+
+
 class Proxy:
     """Sessions, rendering and capture; `create_app` exposes it over HTTP."""
 
     def __init__(self, router, tokenizer, *, model_name: str = "gyre", default_max_tokens: int = 512,
-                 max_tokens_cap: int = 4096, identity: dict | None = None, context_length: int | None = None):
+                 max_tokens_cap: int = 4096, identity: dict | None = None, context_length: int | None = None,
+                 chat_template=None, history: str = "exact", tool_parser: str = "hermes",
+                 reasoning_parser: str = "none"):
         self.router = router
         self.renderer = Renderer(tokenizer)
+        # the model's own chat template (gyre.model.chat_template.ChatTemplate); None = built-in ChatML
+        self.template, self.history = chat_template, history
+        self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
+        self.template_conformance: dict | None = None
+        if chat_template is not None:
+            from gyre.model.chat_template import conformance
+
+            self.template_conformance = conformance(chat_template)
+            if not self.template_conformance["append_only"]:
+                log.warning("the model's chat template is not append-only (%s); proxy.history=%s: %s",
+                            self.template_conformance["breaks"][0]["why"], history,
+                            "sampled turns are kept as sampled" if history == "exact"
+                            else "the tree branches where the template rewrites history")
         self.model_name = model_name
         self.default_max_tokens, self.max_tokens_cap = default_max_tokens, max_tokens_cap
         self.identity = identity or {}
@@ -171,7 +201,12 @@ class Proxy:
         messages = parse_messages(body.get("messages"))
         tools = validate_tools(body.get("tools"))
         p = parse_params(body, tools, self.default_max_tokens, self.max_tokens_cap)
-        prepared = prepare_call(self.renderer, sess, messages, tools)
+        if self.template is not None:
+            from gyre.proxy.template_capture import prepare_call_template
+
+            prepared = prepare_call_template(self.renderer, self.template, sess, messages, tools, self.history)
+        else:
+            prepared = prepare_call(self.renderer, sess, messages, tools)
         forced = self.renderer.encode(forced_prefix(p)) if forced_prefix(p) else []
         n_prompt = prepared.n_input + len(forced)
         limit = await self._input_limit()
@@ -205,8 +240,13 @@ class Proxy:
         hits = [text.find(s) for s in c.engine_params.get("stop", ()) if s in text]
         if hits:
             text = text[: min(hits)]
-        parsed = parse_output(text, tools_enabled=bool(c.tools) and p.tool_choice != "none")
-        reply = Message("assistant", parsed.content or "", tuple(parsed.tool_calls))
+        tools_on = bool(c.tools) and p.tool_choice != "none"
+        reasoning = None
+        if self.template is not None:  # parsers by name (gyre.model.parsers)
+            parsed, reasoning = self._parse_named(text, tools_on)
+        else:
+            parsed = parse_output(text, tools_enabled=tools_on)
+        reply = Message("assistant", parsed.content or "", tuple(parsed.tool_calls), reasoning or "")
         if sess.ended:  # the execution ended while its call ran: answer, but do not record
             raise RequestError(409, "execution ended while the call was running", "invalid_request_error",
                                "execution_ended")
@@ -225,6 +265,8 @@ class Proxy:
         else:
             finish = "stop"
         msg: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if reasoning:
+            msg["reasoning_content"] = reasoning
         if parsed.tool_calls:
             msg["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:16]}", "type": "function",
                                   "function": {"name": t.name, "arguments": t.arguments}} for t in parsed.tool_calls]
@@ -238,6 +280,15 @@ class Proxy:
             "gyre": {"call_index": call.index, "weight_version": call.weight_version, "reused_messages": prepared.n_reused},
         }
         return resp, parsed
+
+    def _parse_named(self, text: str, tools_on: bool):
+        """The configured tool-call and reasoning parsers, as the built-in path's ParsedOutput."""
+        from gyre.model.parsers import parse
+        from gyre.proxy.chat import ParsedOutput, ToolCall, canonical_arguments, strip_end_tokens
+
+        out = parse(strip_end_tokens(text), self.tool_parser, self.reasoning_parser, tools_enabled=tools_on)
+        calls = [ToolCall(t.name, canonical_arguments(t.arguments, "output")) for t in out.tool_calls]
+        return ParsedOutput(out.content, calls), out.reasoning_content
 
     def _logprobs(self, out_ids: list[int], res) -> dict:
         """OpenAI's ``logprobs.content``: every sampled token but a final end token, with the
