@@ -11,11 +11,19 @@ import torch
 import torch.nn.functional as F
 
 
-def route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm_topk_prob: bool
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights ``[N, k]``, expert ids ``[N, k]``) for tokens ``x`` ``[N, H]``."""
+def route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm_topk_prob: bool,
+          replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights ``[N, k]``, expert ids ``[N, k]``) for tokens ``x`` ``[N, H]``.
+
+    `replay` (``[N, k]`` expert ids, e.g. what the engine routed when it sampled): routing replay
+    (R3): those experts are used, weighted by this router's probabilities of them, so the
+    gradient still reaches the router but no token changes experts."""
     probs = F.softmax(F.linear(x, gate_weight), dim=-1, dtype=torch.float32)
-    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if replay is None:
+        weights, experts = torch.topk(probs, top_k, dim=-1)
+    else:
+        experts = replay.to(device=probs.device, dtype=torch.long)
+        weights = probs.gather(-1, experts)
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(x.dtype), experts

@@ -103,11 +103,12 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = Linear(spec.hidden, 1, bias=False)
         self.aux_loss: Tensor | None = None
         self.last_experts: Tensor | None = None  # [N, k] expert ids of the last forward (stats)
+        self.replay: Tensor | None = None  # [N, k] expert ids to use in the next forward (routing replay)
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         h = x.reshape(-1, shape[-1])
-        weights, experts = route(h, self.gate.weight, self.top_k, self.norm_topk_prob)
+        weights, experts = route(h, self.gate.weight, self.top_k, self.norm_topk_prob, self.replay)
         out = torch.zeros_like(h)
         for e, rows, slot in tokens_per_expert(experts, self.n_experts):
             out = out.index_add(0, rows, self.experts[e](h[rows]) * weights[rows, slot, None])
@@ -161,14 +162,24 @@ class Qwen2LM(nn.Module):
         if self.spec.tied:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, attention_mask=None) -> Tensor:
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, attention_mask=None,
+                routed_experts: Tensor | None = None) -> Tensor:
+        """`routed_experts` ``[B, S, MoE layers, top_k]``: replay this routing (what the engine
+        routed each position to) instead of routing anew."""
         B, S = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary(position_ids, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, attention_mask)
+        moe = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoE)]
+        for slot, m in enumerate(moe):
+            m.replay = None if routed_experts is None else routed_experts[:, :, slot].reshape(B * S, -1)
+        try:
+            for layer in self.model.layers:
+                x = layer(x, cos, sin, attention_mask)
+        finally:
+            for m in moe:
+                m.replay = None
         return self.lm_head(self.model.norm(x))
 
     def moe_aux_loss(self) -> Tensor | None:
