@@ -88,6 +88,12 @@ def test_template_path_equals_builtin_chatml_and_reuses_ids():
     assert p2_tpl.input_ids == p2_std.input_ids
     assert p2_tpl.n_reused == 3  # system, user and the sampled turn from the tree
     assert p2_tpl.input_ids[: p_tpl.n_input + len(ids_a)] == p_tpl.input_ids + ids_a  # token truth
+    # a third call after the tool results: the tool turn's closing came with the prompt, nothing is lost
+    assert sample(a, p2_tpl, "Two files.") == sample(b, p2_std, "Two files.")
+    msgs3 = msgs2 + [{"role": "assistant", "content": "Two files."}, {"role": "user", "content": "Thanks."}]
+    p3_tpl = prepare_call_template(R, t, a, parse_messages(msgs3), TOOLS)
+    assert p3_tpl.input_ids == prepare_call(R, b, parse_messages(msgs3), TOOLS).input_ids
+    assert p3_tpl.n_reused == 6
 
 
 def test_message_text_never_becomes_a_control_token():

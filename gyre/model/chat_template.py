@@ -136,9 +136,9 @@ class ChatTemplate:
             cut = self.stable_end(messages[:start], tools) if start else 0
         out = []
         for i in range(start, len(messages)):
-            end = self.stable_end(messages[: i + 1], tools) if i + 1 < len(messages) else \
-                _common(self.render(messages, tools), prompt)
-            end = max(end, cut)
+            # the last message too: what only the generation prompt closes (a tool turn) goes into
+            # the call's prompt text, as Gyre's built-in renderer puts it
+            end = max(self.stable_end(messages[: i + 1], tools), cut)
             out.append(prompt[cut:end])
             cut = end
         return out, prompt[cut:]
