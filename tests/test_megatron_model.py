@@ -97,8 +97,11 @@ def _path_logprobs(logits_fn, paths, expected_src, temperature):
     return torch.stack(out)
 
 
-def test_tree_packing_matches_paths_megatron(megatron):
-    hf = random_qwen2(seed=3)
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
+def test_tree_packing_matches_paths_megatron(megatron, family):
+    from gyre.train.toy import random_model, tiny_config
+
+    hf = random_qwen2(seed=3) if family == "qwen2" else random_model(tiny_config(family), seed=3)
     model = _build(megatron, hf)
     mb, paths, src = _tree_batch()
     from gyre.train.tree_attention import TreeMask, kv_end_from_mask
