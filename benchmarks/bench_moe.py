@@ -12,8 +12,8 @@ Per family (qwen2, llama, qwen3, qwen3_moe, qwen2_moe; tiny random models built 
 Then ``ep_reduce_matches_single`` (+ ``ep_max_param_diff``): Megatron MoE, expert parallel 2 over
 gloo vs one process. Routing replay on the tiny Qwen3-MoE (8 experts, top-2): the engine's
 behaviour log-probs and routing at W0 (fp32), then the trainer after one optimizer step (W1), with
-its own routing vs the engine's replayed: ``routing_replay_logprob_diff`` (max |trainer - engine|,
-with replay), ``routing_replay_logprob_diff_without``, ``routing_flip_fraction`` (token-layer
+its own routing vs the engine's replayed (lr 1e-3; ``..._lr1e-4_*`` at 1e-4): ``routing_replay_logprob_diff`` (max |trainer -
+engine|, with replay), ``routing_replay_logprob_diff_without``, their ``_mean`` over targets, ``routing_flip_fraction`` (token-layer
 pairs whose top-k set changed), and the same at W0 under bf16 autocast (``..._bf16_*``: the
 numerics-only mismatch replay is meant for). ``template_conformance_<name>``: append-only per
 test template.
@@ -170,19 +170,23 @@ def routing_replay_figures() -> dict:
                 own = torch.stack([layer.mlp.last_experts.view(4, 24, 2) for layer in model.model.layers], dim=2)
             return token_logprobs(logits.float(), mb), own
 
-        for tag, dtype in (("bf16_", torch.bfloat16), ("", None)):
-            if dtype is None:  # one optimizer step on the embedded trainer, then measure at W1
-                trainer = EmbeddedTrainer(TrainConfig(lr=1e-3, dtype="float32"), model)
+        w0 = {k: v.clone() for k, v in model.state_dict().items()}
+        for tag, dtype, lr in (("bf16_", torch.bfloat16, None), ("", None, 1e-3), ("lr1e-4_", None, 1e-4)):
+            if lr is not None:  # one optimizer step from W0 on the embedded trainer, then measure at W1
+                model.load_state_dict(w0)
+                trainer = EmbeddedTrainer(TrainConfig(lr=lr, dtype="float32"), model)
                 trainer.forward_backward(mb)
                 trainer.optimizer_step()
                 model = trainer.model
             lp_own, own = logprobs(None, dtype or torch.float32)
             lp_rep, _ = logprobs(routed, dtype or torch.float32)
             flips = (own[:, :-1].sort(-1).values != routed[:, :-1].sort(-1).values).any(-1).float().mean()
-            key = "routing_replay_logprob_diff" if not tag else "routing_replay_bf16_logprob_diff"
+            key = f"routing_replay_{tag}logprob_diff"
             out[key] = float((lp_rep - old).abs().max())
             out[key + "_without"] = float((lp_own - old).abs().max())
-            out[("routing_flip_fraction" if not tag else "routing_bf16_flip_fraction")] = float(flips)
+            out[key + "_mean"] = float((lp_rep - old).abs().mean())
+            out[key + "_without_mean"] = float((lp_own - old).abs().mean())
+            out[f"routing_{tag}flip_fraction"] = float(flips)
     return out
 
 
