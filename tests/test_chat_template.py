@@ -193,3 +193,42 @@ def test_proxy_over_http_with_the_model_template_and_parsers(tmp_path):
         s.close()
     with pytest.raises(ValueError, match="has no chat template"):
         proxy_options(cfg.proxy, tmp_path / "none")
+
+
+def test_streamed_reasoning_and_content_equal_the_whole_answer(tmp_path):
+    from test_proxy import Stack
+
+    s = Stack()
+    try:
+        s.proxy.template, s.proxy.reasoning_parser = tpl("chatml_hermes"), "qwen3"
+        out = "<think>\nfirst a plan\n</think>\n\nThe plan: ls."
+        s.engine.script = [R.encode(out) + [R.im_end]] * 2
+        client, _ = s.client()
+        whole = client.chat.completions.create(model="main", messages=_conversation()).choices[0].message
+        client2, _ = s.client("e2")
+        parts = {"reasoning_content": "", "content": ""}
+        for chunk in client2.chat.completions.create(model="main", messages=_conversation(), stream=True):
+            if chunk.choices:
+                d = chunk.choices[0].delta
+                parts["content"] += d.content or ""
+                parts["reasoning_content"] += (d.model_extra or {}).get("reasoning_content") or ""
+        assert parts == {"reasoning_content": whole.model_extra["reasoning_content"], "content": whole.content}
+        assert parts["reasoning_content"] == "first a plan" and parts["content"] == "The plan: ls."
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("out", ["<think>\n  plan </th in words\n</think>\n\nanswer </think> here",
+                                 "no reasoning at all", "<think>\ncut by length"])
+def test_reasoning_stream_char_by_char_is_a_prefix_of_the_final_split(out):
+    from gyre.proxy.streaming import ContentStream, ReasoningStream
+
+    rs = ReasoningStream(ContentStream([], False))
+    got = {"reasoning_content": "", "content": ""}
+    for k in range(1, len(out) + 1):
+        for key, v in rs.deltas(out[:k]).items():
+            got[key] += v or ""
+    final = parse(out, "none", "qwen3")
+    got["reasoning_content"] += rs.rest(final.reasoning_content)
+    got["content"] += rs.content.rest(final.content)
+    assert got == {"reasoning_content": final.reasoning_content or "", "content": final.content or ""}

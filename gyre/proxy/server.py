@@ -35,7 +35,7 @@ from gyre.proxy.capture import (ExecutionSession, PreparedCall, Renderer, new_ap
                                 prepare_call, record_call, wire_ids)
 from gyre.proxy.chat import Message, MessageError, parse_messages, parse_output, validate_tools
 from gyre.proxy.params import CallParams, RequestError, forced_prefix, parse_params
-from gyre.proxy.streaming import ContentStream
+from gyre.proxy.streaming import ContentStream, ReasoningStream
 from gyre.traj.record import ExecutionRecord
 
 log = logging.getLogger("gyre.proxy")
@@ -330,6 +330,8 @@ class Proxy:
         content = ContentStream(c.engine_params.get("stop", []), tools_on)
         if c.forced:
             content.closed = True  # the whole output is a tool call
+        reasoning = ReasoningStream(content) if self.template is not None and self.reasoning_parser != "none" \
+            else None
 
         async def send(delta: dict, finish: str | None = None, **extra) -> None:
             chunk = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, **extra}]}
@@ -343,7 +345,13 @@ class Proxy:
                 if snap.finish_reason is not None:
                     final = snap
                     continue
-                delta = content.delta(self.renderer.decode(c.forced + snap.output_ids))
+                text = self.renderer.decode(c.forced + snap.output_ids)
+                if reasoning is not None:
+                    delta = {k: v for k, v in reasoning.deltas(text).items() if v}
+                    if delta:
+                        await send(delta)
+                    continue
+                delta = content.delta(text)
                 if delta:
                     await send({"content": delta})
         except (asyncio.CancelledError, ConnectionError):
@@ -365,6 +373,10 @@ class Proxy:
                                                        "generation_aborted"))
             return
         choice = resp["choices"][0]
+        if reasoning is not None:
+            r_rest = reasoning.rest(choice["message"].get("reasoning_content"))
+            if r_rest:
+                await send({"reasoning_content": r_rest})
         rest = content.rest(parsed.content)
         if rest:
             await send({"content": rest})
