@@ -78,3 +78,29 @@ def test_engine_http_returns_routed_experts(moe_dir):
     assert routed.shape[0] == 4 + 3 - 1
     want = _engine_routing(CausalLM.from_dir(moe_dir), [5, 6, 7, 8] + out["output_ids"][:-1])
     assert np.array_equal(routed, want.numpy())
+
+
+def test_megatron_router_replay_equals_the_embedded_replay(moe_dir):
+    """Megatron's RouterReplay (forward replay) with the same routing gives the embedded module's
+    logits; norm_topk_prob on (Qwen3-MoE) and off (Qwen2-MoE style pre-softmax routing)."""
+    from gyre.batch import causal_mask
+    from gyre.train.dist import init_megatron
+
+    init_megatron(seed=0)
+    from gyre.train import megatron_model
+
+    for norm in (True, False):
+        hf = random_model(tiny_config("qwen3_moe", experts=8, top_k=2, norm_topk_prob=norm), seed=4, std=0.3)
+        ours = Qwen2LM.from_transformers(hf)
+        mg = megatron_model.build_gpt_model(hf.config, routing_replay=True)
+        megatron_model.load_hf_weights(mg, hf.state_dict(), hf.config)
+        ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(2))
+        other = torch.randint(0, 8, (2, 10, 2, 1), generator=torch.Generator().manual_seed(3))
+        routing = torch.cat([other, (other + 1 + torch.randint(0, 6, other.shape)) % 8], dim=-1)  # 2 distinct
+        pos, mask = torch.arange(10).expand(2, 10), causal_mask([10, 10], 10)
+        with torch.no_grad():
+            want = ours(ids, pos, mask, routed_experts=routing)
+            got = mg.eval()(ids, pos, mask, routed_experts=routing)
+            free = mg(ids, pos, mask)
+        assert torch.allclose(got, want, atol=1e-4), (norm, (got - want).abs().max())
+        assert (free - got).abs().max() > 1e-2  # the replayed routing is not what it would pick

@@ -70,22 +70,44 @@ class TreeCoreAttention(DotProductAttention):
 
 
 class QwenGPTModel(GPTModel):
-    """GPTModel whose RoPE follows position_ids (tree depth for packed trees)."""
+    """GPTModel whose RoPE follows position_ids (tree depth for packed trees) and which can replay
+    given MoE routing (`routed_experts` ``[B, S, MoE layers, top_k]``, Megatron's RouterReplay)."""
+
+    def _replays(self) -> list:
+        """This model's RouterReplay instances in layer order (Megatron's own list is global to the
+        process and holds every model ever built)."""
+        return [m.router_replay for m in self.modules() if getattr(m, "router_replay", None) is not None]
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor,
-                **kwargs) -> Tensor:
+                routed_experts: Tensor | None = None, **kwargs) -> Tensor:
         if attention_mask is None:  # the default causal mask is built with device="cuda"
             raise ValueError("pass an explicit [B,1,S,S] boolean attention_mask (True = masked) "
                              "or a gyre.train.tree_attention.TreeMask")
+        replays = []
+        if routed_experts is not None:
+            from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+            replays = self._replays()
+            if len(replays) != routed_experts.shape[2]:
+                raise ValueError(f"routed_experts has {routed_experts.shape[2]} MoE layers, the model "
+                                 f"{len(replays)} (build it with routing_replay=True)")
+            B, S = input_ids.shape
+            for slot, rep in enumerate(replays):  # Megatron routes tokens sequence-first: [S, B] flattened
+                rep.set_target_indices(routed_experts[:, :, slot].transpose(0, 1).reshape(S * B, -1)
+                                       .to(device=input_ids.device, dtype=torch.long))
+                rep.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         self.rotary_pos_emb.positions = position_ids
         try:
             return super().forward(input_ids, position_ids, attention_mask, **kwargs)
         finally:
             self.rotary_pos_emb.positions = None
+            for rep in replays:
+                rep.clear_router_replay_action()
+                rep.clear_indices()
 
 
 def transformer_config(hf_config, *, dtype: torch.dtype = torch.float32, use_cpu_initialization: bool = True,
-                       moe_aux_loss_coef: float = 0.0) -> TransformerConfig:
+                       moe_aux_loss_coef: float = 0.0, routing_replay: bool = False) -> TransformerConfig:
     """Megatron TransformerConfig with the architecture of a config of a `gyre.model` family."""
     spec = as_spec(hf_config)
     moe = {}
@@ -106,6 +128,7 @@ def transformer_config(hf_config, *, dtype: torch.dtype = torch.float32, use_cpu
             # the layers mark expert weights as not data-parallel-reduced only when the config says
             # experts are split (parallel_state alone is not enough)
             expert_model_parallel_size=expert_parallel_rank()[1],
+            moe_enable_routing_replay=routing_replay,
         )
         if spec.shared_intermediate:
             moe |= dict(moe_shared_expert_intermediate_size=spec.shared_intermediate, moe_shared_expert_gate=True)
@@ -145,7 +168,8 @@ def transformer_config(hf_config, *, dtype: torch.dtype = torch.float32, use_cpu
 
 
 def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32, use_cpu_initialization: bool = True,
-                    moe_aux_loss_coef: float = 0.0, grouped_gemm: bool | None = None) -> QwenGPTModel:
+                    moe_aux_loss_coef: float = 0.0, grouped_gemm: bool | None = None,
+                    routing_replay: bool = False) -> QwenGPTModel:
     """A GPTModel with the config's architecture (call after Megatron's parallel state is
     initialised). MoE families use SequentialMLP experts (the local spec) on the CPU; grouped GEMM
     (TEGroupedMLP, Transformer Engine) is for CUDA: `grouped_gemm` None = when CUDA and Transformer
@@ -156,7 +180,7 @@ def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32, use_cpu_in
 
         grouped_gemm = torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
     config = transformer_config(spec, dtype=dtype, use_cpu_initialization=use_cpu_initialization,
-                                moe_aux_loss_coef=moe_aux_loss_coef)
+                                moe_aux_loss_coef=moe_aux_loss_coef, routing_replay=routing_replay and bool(spec.experts))
     layer = get_gpt_layer_local_spec(num_experts=spec.experts or None, moe_grouped_gemm=False,
                                      qk_layernorm=spec.qk_norm, normalization="RMSNorm")
     layer.submodules.self_attention.submodules.core_attention = TreeCoreAttention
