@@ -105,3 +105,14 @@ def test_missing_expert_names_the_tensor():
     del state["model.layers.1.mlp.experts.2.up_proj.weight"]
     with pytest.raises(ModelFormatError, match="missing .*experts.2.up_proj"):
         Qwen2LM.from_state(hf.config.to_dict(), state)
+
+
+def test_make_model_builds_a_family_and_refuses_to_overwrite_another(tmp_path, capsys):
+    from gyre.cli import main
+
+    assert main(["make-model", "--family", "qwen3_moe", "--out", str(tmp_path / "m")]) == 0
+    spec = read_spec(tmp_path / "m")
+    assert (spec.model_type, spec.experts, spec.top_k, spec.qk_norm) == ("qwen3_moe", 8, 2, True)
+    assert CausalLM.from_dir(tmp_path / "m").spec.moe_layers == frozenset({0, 1})
+    assert main(["make-model", "--family", "qwen2", "--out", str(tmp_path / "m")]) == 2
+    assert "holds a qwen3_moe model, not qwen2" in capsys.readouterr().err

@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import struct
+import sys
 import tempfile
 from pathlib import Path
 
@@ -204,7 +205,11 @@ def run(args) -> int:
     if getattr(args, "family", None):
         cfg.model.tiny_family = args.family
     out = args.out or default_tiny_dir(cfg)
-    path = ensure_tiny_model(out, cfg.model.tiny_family)
+    try:
+        path = ensure_tiny_model(out, cfg.model.tiny_family)
+    except ValueError as e:  # a directory holding another family: nothing was overwritten
+        print(f"gyre make-model: {e}", file=sys.stderr)
+        return 2
     ident = model_identity(path)
     print(f"{path}  model_hash={ident['model_hash'][:16]}  tokenizer_hash={ident['tokenizer_hash'][:16]}")
     return 0
