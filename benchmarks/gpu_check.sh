@@ -10,7 +10,7 @@
 #       downloads megatron-core for the device's Python 3.12 into .whl/ and git-ignores .whl/
 #   on the device (the `run` tool):   command="benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=570
 #
-# The benchmark itself is bounded to 8 minutes (timeout 480 below). GYRE_WHEELS overrides .whl.
+# The benchmarks are bounded to 9 minutes (timeouts 420 + 120 below). GYRE_WHEELS overrides .whl.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -44,8 +44,8 @@ python3 -c "import megatron.core, torch; print('megatron-core', megatron.core.__
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true
 
 status=0
-rm -f benchmarks/results/ablation_gpu.json   # only this run's figures go back
-timeout -k 10 480 python3 benchmarks/bench_train_gpu.py || status=$?
+rm -f benchmarks/results/ablation_gpu.json benchmarks/results/moe_gpu.json   # only this run's figures go back
+timeout -k 10 420 python3 benchmarks/bench_train_gpu.py || status=$?
 # issue 21: pi_prox from the extra no-grad forward on CUDA in bf16, both backends. The no-grad
 # forward runs in eval mode and the training one in train mode; at the same weights they must agree
 # (prox_drift_max: bf16 kernels may differ in the last bits, not more), and the step must carry
@@ -72,7 +72,12 @@ for name in ("embedded", "megatron"):
           f"{out['mismatch_k3_lag0']:.3g} grad_norm {out['grad_norm']:.3g}", flush=True)
     assert st["prox_drift_max"] < 0.05 and out["mismatch_k3_lag0"] < 0.01, (name, st, out)
 PY
-if [ -n "${OUT:-}" ] && [ -f benchmarks/results/ablation_gpu.json ]; then
-    cp benchmarks/results/ablation_gpu.json "$OUT/"
-fi
+# MoE (issue 20): Megatron bf16 MoE steps (alltoall dispatcher; grouped GEMM if Transformer Engine
+# is there), engine/trainer log-probs after export, routing replay under bf16 -> moe_gpu.json
+timeout -k 10 120 python3 benchmarks/moe_gpu_check.py || status=$?
+for f in ablation_gpu.json moe_gpu.json; do
+    if [ -n "${OUT:-}" ] && [ -f "benchmarks/results/$f" ]; then
+        cp "benchmarks/results/$f" "$OUT/"
+    fi
+done
 exit $status

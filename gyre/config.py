@@ -41,7 +41,10 @@ class RunConfig:
 @dataclass
 class ModelConfig:
     path: str = _f("", help="model directory (transformers layout); empty = the embedded tiny model")
-    tiny_dir: str = _f("", help="where the embedded tiny model is built; empty = ~/.cache/gyre/tiny-qwen")
+    tiny_dir: str = _f("", help="where the embedded tiny model is built; empty = ~/.cache/gyre/tiny-qwen "
+                                "(tiny-<family> for another family)")
+    tiny_family: str = _f("qwen2", choices=("qwen2", "llama", "qwen3", "qwen3_moe", "qwen2_moe"),
+                          help="family of the embedded tiny model (`gyre make-model --family`)")
 
 
 @dataclass
@@ -74,6 +77,16 @@ class ProxyConfig:
     request_retries: int = _f(3, min=0, help="times a call is retried on another endpoint")
     max_executions: int = _f(10_000, min=1, help="executions registered at once (POST /gyre/executions "
                                                  "beyond it is a 429)")
+    chat_template: str = _f("builtin", choices=("builtin", "model"),
+                            help="builtin: Gyre's ChatML (Qwen2.5 format); model: the model directory's own Jinja "
+                                 "template (chat_template.jinja or tokenizer_config.json), checked at start")
+    history: str = _f("exact", choices=("exact", "template"),
+                      help="with a template that is not append-only: exact keeps sampled turns as sampled; "
+                           "template follows the template and branches the tree where it rewrites history")
+    tool_parser: str = _f("hermes", choices=("hermes", "qwen3_coder", "none"),
+                          help="tool-call format of the model's output (chat_template = model)")
+    reasoning_parser: str = _f("none", choices=("none", "qwen3"),
+                               help="qwen3: <think>...</think> goes to reasoning_content (chat_template = model)")
 
 
 @dataclass
@@ -168,6 +181,10 @@ class TrainConfig:
     checkpoint_dir: str = _f("", help="trainer checkpoints; empty = <run.dir>/checkpoints")
     tensor_parallel: int = _f(1, min=1, help="Megatron tensor-parallel size inside a cell (divides its trainer ranks)")
     pipeline_parallel: int = _f(1, min=1, help="Megatron pipeline-parallel size inside a cell")
+    expert_parallel: int = _f(1, min=1, help="Megatron expert-parallel size inside a cell (MoE models: divides the "
+                                            "expert count and, times tensor x pipeline, the cell's trainer ranks)")
+    moe_aux_loss_coef: float = _f(0.0, min=0.0, help="MoE load-balancing (aux) loss weight, added per micro-batch; "
+                                                     "0 = off (its value is still logged by the embedded trainer)")
     local_ranks: int = _f(1, min=1, help="trainer ranks per cell under `gyre run` (one machine); under Slurm a "
                                         "cell has one rank per GPU slot of its nodes (one per node on CPU)")
 
@@ -440,4 +457,5 @@ def default_tiny_dir(cfg: GyreConfig) -> Path:
     if cfg.model.tiny_dir:
         return Path(cfg.model.tiny_dir)
     base = env("GYRE_CACHE") or str(Path(env("HOME") or "/tmp") / ".cache" / "gyre")
-    return Path(base) / "tiny-qwen"
+    family = cfg.model.tiny_family
+    return Path(base) / ("tiny-qwen" if family == "qwen2" else f"tiny-{family.replace('_', '-')}")

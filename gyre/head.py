@@ -167,14 +167,14 @@ class Head:
         from gyre.harness.execute import check_scorable, load_tasks
         from gyre.harness.sandbox import Environments, SandboxConfig
         from gyre.harness.runner import HarnessPool, private_dir
-        from gyre.proxy.server import Proxy, create_app, start_site
+        from gyre.proxy.server import Proxy, create_app, proxy_options, start_site
         from gyre.sched import policy_from_config
         from gyre.traj.select import SelectionSpec
         from gyre.traj.store import ShardWriter, shard_identity
 
         cfg = self.cfg
         private_dir(self.run_dir)
-        self.model_dir = Path(cfg.model.path or ensure_tiny_model(default_tiny_dir(cfg)))
+        self.model_dir = Path(cfg.model.path or ensure_tiny_model(default_tiny_dir(cfg), cfg.model.tiny_family))
         self.weights_root = Path(cfg.train.export_dir or self.run_dir / "weights")
         self.ckpt_root = Path(cfg.train.checkpoint_dir or self.run_dir / "checkpoints")
         self.policy = policy_from_config(cfg)
@@ -225,7 +225,7 @@ class Head:
                                    for c in self.cells if c.role is Role.ROLLOUT))
         self.proxy = Proxy(self.router, load_tokenizer(self.model_dir), identity=identity,
                            default_max_tokens=cfg.proxy.default_max_tokens, max_tokens_cap=cfg.proxy.max_tokens_cap,
-                           max_executions=cfg.proxy.max_executions)
+                           max_executions=cfg.proxy.max_executions, **proxy_options(cfg.proxy, self.model_dir))
         runner, port = await start_site(create_app(self.proxy, admin_key=secrets.token_urlsafe(24),
                                                    max_body_bytes=cfg.proxy.max_body_bytes), cfg.proxy.host, cfg.proxy.port)
         self.base_url = f"http://{cfg.proxy.host}:{port}/v1"
@@ -533,6 +533,9 @@ class Head:
             if not any(w.startswith("train/inference mismatch") for w in self.warnings):
                 self.warnings.append(warning)
                 print(f"gyre: warning: step {res.index}: {warning}", file=sys.stderr, flush=True)
+        aux = [x["moe_aux_loss"] for x in st if x.get("moe_aux_loss") is not None]
+        if aux:  # MoE models: the load-balancing loss, mean over the step's micro-batches
+            row["moe_aux_loss"] = statistics.fmean(aux)
         self.step_log.append(row)
         self.steps_file.write(json.dumps(row) + "\n")
         self._committed = res.version

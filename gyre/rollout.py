@@ -117,7 +117,7 @@ class Rollout:
         from gyre.harness.evaluator import EvaluatorPool
         from gyre.harness.runner import HarnessPool, private_dir
         from gyre.harness.sandbox import Environments, SandboxConfig
-        from gyre.proxy.server import Proxy, create_app, start_site
+        from gyre.proxy.server import Proxy, create_app, proxy_options, start_site
         from gyre.traj.store import ShardWriter, shard_identity
 
         cfg, t0 = self.cfg, time.monotonic()
@@ -134,7 +134,7 @@ class Rollout:
             raise SystemExit(f"gyre rollout: {shard_dir} already holds shards; pass --resume to continue that run "
                              f"or choose another run.dir")
         todo, self.summary.skipped_resume = plan(tasks, cfg.harness.group_size, previous)
-        model_dir = Path(cfg.model.path or ensure_tiny_model(default_tiny_dir(cfg)))
+        model_dir = Path(cfg.model.path or ensure_tiny_model(default_tiny_dir(cfg), cfg.model.tiny_family))
         identity = model_identity(model_dir)
         writer = ShardWriter.from_config(cfg.store, shard_dir, shard_identity(identity))
         engine_key = secrets.token_urlsafe(24)  # the job's secret: engines accept nothing else
@@ -146,7 +146,7 @@ class Rollout:
             router = Router([e.url for e in engines], api_key=engine_key, timeout_s=cfg.engine.request_timeout_s)
             proxy = Proxy(router, load_tokenizer(model_dir), identity=identity,
                           default_max_tokens=cfg.proxy.default_max_tokens, max_tokens_cap=cfg.proxy.max_tokens_cap,
-                          max_executions=cfg.proxy.max_executions)
+                          max_executions=cfg.proxy.max_executions, **proxy_options(cfg.proxy, model_dir))
             runner, port = await start_site(create_app(proxy, admin_key=secrets.token_urlsafe(24),
                                                        max_body_bytes=cfg.proxy.max_body_bytes),
                                             cfg.proxy.host, cfg.proxy.port)

@@ -66,3 +66,10 @@ def test_train_modules_have_no_import_cycles():
     # the backends know nothing of each other; only the table names them
     assert "gyre.train.megatron_trainer" not in g["gyre.train.trainer"]
     assert "gyre.train.trainer" not in g["gyre.train.megatron_trainer"]
+
+
+def test_model_knows_nobody_who_serves_or_trains():
+    """gyre.model (families, weights, templates, parsers) imports only itself."""
+    for f in sorted((PKG / "model").rglob("*.py")):
+        bad = sorted(i for i in imports_of(f) if not i.startswith("gyre.model"))
+        assert not bad, f"{f.name} imports {bad}"

@@ -97,8 +97,11 @@ def _path_logprobs(logits_fn, paths, expected_src, temperature):
     return torch.stack(out)
 
 
-def test_tree_packing_matches_paths_megatron(megatron):
-    hf = random_qwen2(seed=3)
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
+def test_tree_packing_matches_paths_megatron(megatron, family):
+    from gyre.train.toy import random_model, tiny_config
+
+    hf = random_qwen2(seed=3) if family == "qwen2" else random_model(tiny_config(family), seed=3)
     model = _build(megatron, hf)
     mb, paths, src = _tree_batch()
     from gyre.train.tree_attention import TreeMask, kv_end_from_mask
@@ -140,3 +143,34 @@ def test_cpu_layer_pins_megatron_version(monkeypatch):
     monkeypatch.setattr(megatron.core, "__version__", "0.99.0")
     with pytest.raises(RuntimeError, match="megatron-core==0.16.1"):
         megatron_cpu.check_version()
+
+
+# --- every family (gyre.model.megatron_names) ------------------------------------------------
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "qwen2_moe"])
+def test_families_match_transformers_and_round_trip(megatron, family):
+    from gyre.model import split_fused_experts
+    from gyre.train.toy import random_model, tiny_config
+
+    hf = random_model(tiny_config(family), seed=11, std=0.2)
+    model = _build(megatron, hf)
+    ids = torch.randint(0, hf.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    pos, mask = _causal(ids)
+    with torch.no_grad():
+        ours, ref = model(ids, pos, mask), hf(input_ids=ids).logits
+    assert ref.abs().max() > 1.0
+    assert torch.allclose(ours, ref, atol=1e-4, rtol=0), (family, (ours - ref).abs().max())
+    back = megatron.megatron_to_hf(megatron.model_state(model), hf.config)
+    want = split_fused_experts(hf.state_dict())
+    assert set(back) == set(want)
+    assert all(torch.equal(back[k], want[k]) for k in want)
+
+
+def test_grouped_gemm_names_round_trip():
+    from gyre.model import megatron_names as names
+
+    sd = {"decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight": torch.ones(1),
+          "decoder.layers.0.mlp.router.weight": torch.zeros(1)}
+    grouped = names.to_grouped_gemm(sd)
+    assert set(grouped) == {"decoder.layers.0.mlp.experts.linear_fc1.weight3", "decoder.layers.0.mlp.router.weight"}
+    assert names.from_grouped_gemm(grouped).keys() == sd.keys()

@@ -21,12 +21,12 @@ TEMPERATURE = 0.8
 PROMPTS = [[11, 12, 13, 14, 15], [21, 22, 23]]
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen2", "qwen3_moe"])
+def engine(tmp_path_factory, request):
     from gyre.engine.launch import InProcessEngine
     from gyre.engine.tiny_model import ensure_tiny_model
 
-    model_dir = ensure_tiny_model(tmp_path_factory.mktemp("engine") / "tiny")
+    model_dir = ensure_tiny_model(tmp_path_factory.mktemp("engine") / "tiny", request.param)
     with InProcessEngine(model_dir, api_key="k") as eng:
         eng.model_dir = model_dir
         yield eng

@@ -44,7 +44,7 @@ def run_cell(args: argparse.Namespace) -> int:
     from gyre.sched import cell_agent
 
     cfg = load_config(args.config, args.overrides)
-    model = cfg.model.path or str(ensure_tiny_model(default_tiny_dir(cfg)))
+    model = cfg.model.path or str(ensure_tiny_model(default_tiny_dir(cfg), cfg.model.tiny_family))
     argv = ["--run-dir", cfg.run.dir, "--model", model, "--engine-key-file", args.engine_key_file]
     if args.config:
         argv += ["--config", args.config]

@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     if not model:
         from gyre.engine.tiny_model import ensure_tiny_model
 
-        model = ensure_tiny_model(default_tiny_dir(cfg))
+        model = ensure_tiny_model(default_tiny_dir(cfg), cfg.model.tiny_family)
 
     host = args.host if args.host is not None else cfg.engine.host
     port = args.port if args.port is not None else cfg.engine.port

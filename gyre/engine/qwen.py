@@ -1,13 +1,15 @@
-"""A small inference-only forward pass for Qwen2/Llama checkpoints, with a KV cache we own.
+"""A small inference-only forward pass for the families of `gyre.model` (Qwen2, Llama, Qwen3,
+Qwen3-MoE, Qwen2-MoE), with a KV cache we own.
 
 Why not ``transformers`` ``model.generate``/``DynamicCache``: its per-call overhead is about
 8 ms per decode step on these CPUs (ours: well under 1 ms for the tiny model), and its cache
 API changes between releases; the engine needs to copy and crop caches for prefix reuse.
 The maths is the transformers one (RMSNorm in float32, rotate-half RoPE, grouped-query
-attention, SiLU-gated MLP); tests compare our log-probs with a transformers forward.
+attention, q/k RMSNorm where the family has it, SiLU-gated MLP or top-k routed experts);
+tests compare our log-probs with a transformers forward, per family.
 
-Supported: ``model_type`` qwen2 (q/k/v biases) and llama (``attention_bias``), default RoPE
-(no scaling), no sliding window. Weights are computed in float32 on CPU.
+What is supported is `gyre.model.families`; default RoPE (no scaling), no sliding window.
+Weights are computed in float32 on CPU.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gyre.hf_model import ModelFormatError, ModelSpec, apply_rope, load_weights, read_spec
+from gyre.model.families import ModelFormatError
+from gyre.model.moe import route, tokens_per_expert
+from gyre.model.spec import ModelSpec, apply_rope, load_weights, read_spec
 
 __all__ = ["CausalLM", "KVCache", "ModelFormatError", "ModelSpec", "load_weights", "read_spec"]
 
@@ -31,6 +35,10 @@ class KVCache:
         self.k = [torch.empty(shape) for _ in range(spec.layers)]
         self.v = [torch.empty(shape) for _ in range(spec.layers)]
         self.length = 0
+        # MoE: the experts each position was routed to, [capacity, moe layers, top_k] (SGLang keeps
+        # them per KV slot too, so a cached prefix still answers return_routed_experts)
+        self.routing = torch.empty((capacity, len(spec.moe_layers), spec.top_k), dtype=torch.int32) \
+            if spec.moe_layers else None
 
     def _reserve(self, n: int) -> None:
         cap = self.k[0].shape[1]
@@ -42,6 +50,10 @@ class KVCache:
                 grown = torch.empty((t.shape[0], new, t.shape[2]))
                 grown[:, : self.length] = t[:, : self.length]
                 store[i] = grown
+        if self.routing is not None:
+            grown = torch.empty((new, *self.routing.shape[1:]), dtype=torch.int32)
+            grown[: self.length] = self.routing[: self.length]
+            self.routing = grown
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k, v`` (``[kv, T, d]``) after the current length; return all keys/values so far."""
@@ -61,8 +73,18 @@ class KVCache:
         for src, dst in ((self.k, out.k), (self.v, out.v)):
             for s, d in zip(src, dst):
                 d[:, :length] = s[:, :length]
+        out.routing = None
+        if self.routing is not None:
+            out.routing = torch.empty((cap, *self.routing.shape[1:]), dtype=torch.int32)
+            out.routing[:length] = self.routing[:length]
         out.length = length
         return out
+
+    def routed_experts(self, length: int | None = None) -> torch.Tensor | None:
+        """Experts of positions 0..length-1, ``[length, moe layers, top_k]`` int32 (None: dense)."""
+        if self.routing is None:
+            return None
+        return self.routing[: self.length if length is None else length].clone()
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
@@ -75,6 +97,7 @@ class CausalLM:
         self.spec = spec
         self.w = weights
         self.inv_freq = spec.inv_freq()
+        self._moe_slot: dict[int, int] = {}
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "CausalLM":
@@ -90,6 +113,34 @@ class CausalLM:
 
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
+
+    def _qk(self, x: torch.Tensor, norm: str) -> torch.Tensor:
+        """Per-head RMSNorm of queries or keys ``[..., heads, d]`` (Qwen3), else unchanged."""
+        return self._norm(x, norm + ".weight") if self.spec.qk_norm else x
+
+    def _dense(self, h: torch.Tensor, p: str) -> torch.Tensor:
+        return self._linear(F.silu(self._linear(h, p + "gate_proj")) * self._linear(h, p + "up_proj"), p + "down_proj")
+
+    def _mlp(self, h: torch.Tensor, layer: int, record=()) -> torch.Tensor:
+        """Layer's MLP on ``h`` ``[N, hidden]``: dense, or top-k routed experts (+ a gated shared one).
+        `record`: (cache, first position, rows of h) whose routing the caches keep."""
+        s, p = self.spec, f"model.layers.{layer}.mlp."
+        if not s.is_moe(layer):
+            return self._dense(h, p)
+        weights, experts = route(h, self.w[p + "gate.weight"], s.top_k, s.norm_topk_prob)
+        slot = self._moe_slot.get(layer)
+        if slot is None:
+            slot = self._moe_slot[layer] = sorted(s.moe_layers).index(layer)
+        for cache, start, rows in record:
+            n = rows.stop - rows.start  # capacity: reserved by layer 0's attention append
+            cache.routing[start: start + n, slot] = experts[rows].to(torch.int32)
+        out = torch.zeros_like(h)
+        for e, rows, slot in tokens_per_expert(experts, s.experts):
+            y = self._dense(h[rows], f"{p}experts.{e}.")
+            out.index_add_(0, rows, y * weights[rows, slot, None])
+        if s.shared_intermediate:
+            out = out + torch.sigmoid(self._linear(h, p + "shared_expert_gate")) * self._dense(h, p + "shared_expert.")
+        return out
 
     @torch.inference_mode()
     def forward(self, ids: list[int], cache: KVCache) -> torch.Tensor:
@@ -108,8 +159,9 @@ class CausalLM:
         for i in range(s.layers):
             p = f"model.layers.{i}."
             h = self._norm(x, p + "input_layernorm.weight")
-            q = self._linear(h, p + "self_attn.q_proj").view(T, s.heads, s.head_dim).transpose(0, 1)
-            k = self._linear(h, p + "self_attn.k_proj").view(T, s.kv_heads, s.head_dim).transpose(0, 1)
+            q = self._qk(self._linear(h, p + "self_attn.q_proj").view(T, s.heads, s.head_dim), p + "self_attn.q_norm")
+            k = self._qk(self._linear(h, p + "self_attn.k_proj").view(T, s.kv_heads, s.head_dim), p + "self_attn.k_norm")
+            q, k = q.transpose(0, 1), k.transpose(0, 1)
             v = self._linear(h, p + "self_attn.v_proj").view(T, s.kv_heads, s.head_dim).transpose(0, 1)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             keys, values = cache.append(i, k, v)
@@ -119,8 +171,7 @@ class CausalLM:
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=1 / math.sqrt(s.head_dim))
             x = x + self._linear(attn.transpose(0, 1).reshape(T, s.heads * s.head_dim), p + "self_attn.o_proj")
             h = self._norm(x, p + "post_attention_layernorm.weight")
-            x = x + self._linear(F.silu(self._linear(h, p + "mlp.gate_proj")) * self._linear(h, p + "mlp.up_proj"),
-                                 p + "mlp.down_proj")
+            x = x + self._mlp(h, i, [(cache, past, slice(0, T))])
         cache.length = past + T
         return self._logits(x[-1])
 
@@ -140,8 +191,9 @@ class CausalLM:
         for i in range(s.layers):
             p = f"model.layers.{i}."
             h = self._norm(x, p + "input_layernorm.weight")
-            q = apply_rope(self._linear(h, p + "self_attn.q_proj").view(n, s.heads, s.head_dim), cos, sin)
-            k = apply_rope(self._linear(h, p + "self_attn.k_proj").view(n, s.kv_heads, s.head_dim), cos, sin)
+            q = self._qk(self._linear(h, p + "self_attn.q_proj").view(n, s.heads, s.head_dim), p + "self_attn.q_norm")
+            k = self._qk(self._linear(h, p + "self_attn.k_proj").view(n, s.kv_heads, s.head_dim), p + "self_attn.k_norm")
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             v = self._linear(h, p + "self_attn.v_proj").view(n, s.kv_heads, s.head_dim)
             outs = []
             for j, cache in enumerate(caches):
@@ -153,8 +205,7 @@ class CausalLM:
             attn = torch.stack(outs).reshape(n, s.heads * s.head_dim)
             x = x + self._linear(attn, p + "self_attn.o_proj")
             h = self._norm(x, p + "post_attention_layernorm.weight")
-            x = x + self._linear(F.silu(self._linear(h, p + "mlp.gate_proj")) * self._linear(h, p + "mlp.up_proj"),
-                                 p + "mlp.down_proj")
+            x = x + self._mlp(h, i, [(c, c.length, slice(j, j + 1)) for j, c in enumerate(caches)])
         for cache in caches:
             cache.length += 1
         return self._logits(x)

@@ -58,6 +58,7 @@ class Finished:
     cached_tokens: int
     e2e_latency_s: float
     top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    routed_experts: "torch.Tensor | None" = None  # [prompt + output - 1, moe layers, top_k] when asked
 
 
 @dataclass
@@ -79,6 +80,8 @@ class _Request:
     top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     on_step: Callable[[], None] | None = None  # called (worker thread) after each new token
     stop_tail_tokens: int = 0  # how many output tokens to decode when looking for stop strings
+    return_routed_experts: bool = False  # SGLang's request flag (MoE models)
+    routed: "torch.Tensor | None" = None  # read from the cache when the request finishes
 
 
 class Engine:
@@ -143,8 +146,10 @@ class Engine:
 
     def submit(self, rid: str, input_ids: list[int], params: SamplingParams,
                on_done: Callable[[Finished], None], top_n: int = 0,
-               on_step: Callable[[], None] | None = None) -> "_Request":
+               on_step: Callable[[], None] | None = None, return_routed_experts: bool = False) -> "_Request":
         """Queue a request; returns its handle (``output``/``logprobs`` grow as tokens come)."""
+        if return_routed_experts and not self.spec.moe_layers:
+            raise Refused(400, "return_routed_experts needs a Mixture-of-Experts model; this one is dense")
         if len(input_ids) >= self.max_context:
             # SGLang's wording (TokenizerManager._validate_one_request)
             raise Refused(400, f"The input ({len(input_ids)} tokens) is longer than the model's context "
@@ -152,7 +157,8 @@ class Engine:
         gen = torch.Generator()
         gen.manual_seed(params.sampling_seed if params.sampling_seed is not None
                         else int.from_bytes(os.urandom(8), "little") >> 1)
-        req = _Request(rid, input_ids, params, on_done, gen, top_n=top_n, on_step=on_step)
+        req = _Request(rid, input_ids, params, on_done, gen, top_n=top_n, on_step=on_step,
+                       return_routed_experts=return_routed_experts)
         if params.stop:  # SGLang: decode the last (longest stop string in tokens + 1) tokens
             req.stop_tail_tokens = 1 + max(len(self.tokenizer.encode(s, add_special_tokens=False).ids)
                                            for s in params.stop)
@@ -280,7 +286,7 @@ class Engine:
     def _finish_unlocked(self, r: _Request, reason: dict) -> None:
         result = Finished(r.rid, len(r.input_ids), list(r.output), list(r.logprobs), reason,
                           r.weight_version or self.weight_version, r.cached_tokens,
-                          time.monotonic() - r.created, list(r.top_logprobs))
+                          time.monotonic() - r.created, list(r.top_logprobs), r.routed)
         try:
             r.on_done(result)
         except Exception:  # a broken callback must not kill the worker
@@ -289,6 +295,9 @@ class Engine:
     def _finish(self, r: _Request, reason: dict, keep_cache: bool = True) -> None:
         with self._cv:
             self._active.remove(r)
+            if r.return_routed_experts and r.cache is not None:
+                # every position the model ran: the prompt and all outputs but the last
+                r.routed = r.cache.routed_experts(min(r.cache.length, len(r.input_ids) + max(len(r.output) - 1, 0)))
             if keep_cache and r.cache is not None and r.fed == len(r.input_ids):
                 covered = r.input_ids + r.output[:-1]
                 if r.cache.length == len(covered):

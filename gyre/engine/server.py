@@ -8,6 +8,8 @@ Routes (all require ``Authorization: Bearer KEY`` when the server has an API key
   -> ``{output_ids, text, meta_info: {id, finish_reason: {type: stop|length|abort, ...},
   weight_version, prompt_tokens, completion_tokens, cached_tokens, e2e_latency,
   output_token_logprobs: [[logprob, token_id, token_text|null], ...] (when return_logprob),
+  routed_experts: base64 of int32 [prompt + output - 1, MoE layers, top_k] (when
+  return_routed_experts, MoE models; non-streamed answers),
   output_top_logprobs: [[[logprob, token_id, text|null], ...], ...] (when top_logprobs_num)}}``.
   A stop token (from ``stop_token_ids``, or the model's EOS unless ``ignore_eos``) that ends
   generation IS the last element of ``output_ids`` and has its log-prob; ``text`` leaves it out
@@ -48,6 +50,7 @@ after any of them.
 from __future__ import annotations
 
 import asyncio
+import base64
 import hmac
 import json
 import sys
@@ -167,6 +170,8 @@ def _payload(engine: Engine, rid: str, ids: list[int], lps: list[float], tops: l
             "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "cached_tokens": cached}
     if latency is not None:
         meta["e2e_latency"] = latency
+    if opts.get("routed") is not None:  # SGLang: int32 [token, layer, top-k slot], base64
+        meta["routed_experts"] = base64.b64encode(opts["routed"].numpy().astype("<i4").tobytes()).decode("ascii")
     if opts["return_logprob"]:
         meta["output_token_logprobs"] = _triples(engine, zip(lps, ids), opts["with_text"])
         if opts["top_n"]:
@@ -175,6 +180,7 @@ def _payload(engine: Engine, rid: str, ids: list[int], lps: list[float], tops: l
 
 
 def _render(engine: Engine, res: Finished, opts: dict, params) -> dict:
+    opts = {**opts, "routed": res.routed_experts}
     return _payload(engine, res.rid, res.output_ids, res.logprobs, res.top_logprobs, res.finish_reason,
                     res.weight_version, res.prompt_tokens, res.cached_tokens, len(res.output_ids),
                     _text(engine, res.output_ids, res.finish_reason, params), opts, res.e2e_latency_s)
@@ -187,7 +193,7 @@ _GENERATE_IGNORED = {"model", "log_metrics", "no_logs", "priority", "extra_key",
 _GENERATE_OFF = {"background", "return_hidden_states", "return_bytes", "return_entropy",
                  "lora_path", "image_data", "input_embeds"}
 _GENERATE_FIELDS = {"input_ids", "sampling_params", "return_logprob", "rid", "logprob_start_len", "stream",
-                    "top_logprobs_num", "return_text_in_logprobs"}
+                    "top_logprobs_num", "return_text_in_logprobs", "return_routed_experts"}
 
 
 def _flag(data: dict, name: str) -> bool:
@@ -243,7 +249,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         loop.call_soon_threadsafe(settle)
 
     on_step = (lambda: loop.call_soon_threadsafe(step.set)) if stream else None
-    handle = engine.submit(rid, ids, params, on_done, top_n=top_n if opts["return_logprob"] else 0, on_step=on_step)
+    handle = engine.submit(rid, ids, params, on_done, top_n=top_n if opts["return_logprob"] else 0, on_step=on_step,
+                           return_routed_experts=_flag(data, "return_routed_experts"))
     try:
         if not stream:
             res = await done

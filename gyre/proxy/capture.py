@@ -200,6 +200,8 @@ def record_call(session: ExecutionSession, prepared: PreparedCall, reply: Messag
         weight_version=weight_version, policy_version=policy_version_of(weight_version),
         endpoint=endpoint, finish_reason=finish_reason, t_start=t_start, t_end=time.time())
     session.generated[key] = list(output_ids if replay_ids is None else replay_ids)
+    if reply.reasoning:  # a harness that drops reasoning_content when it replays the turn: same ids
+        session.generated[Message(reply.role, reply.content, reply.tool_calls).key()] = session.generated[key]
     return rec
 
 

@@ -43,12 +43,15 @@ class Message:
     role: str
     content: str
     tool_calls: tuple[ToolCall, ...] = ()
+    reasoning: str = ""  # an assistant message's reasoning_content (model chat templates render it)
 
     def key(self, salt: str = "") -> str:
         """Identity of the message as the model saw it (ids and names do not render).
         Length-prefixed parts, not JSON: escaping a 100 KB tool output cost 0.5 ms per call."""
         h = hashlib.blake2b(digest_size=16)
         parts = [self.role, self.content, *(f"{t.name}\0{t.arguments}" for t in self.tool_calls), salt]
+        if self.reasoning:  # absent reasoning keeps the keys messages always had
+            parts.append("\0reasoning\0" + self.reasoning)
         h.update(len(parts).to_bytes(4, "little"))
         for part in parts:
             b = part.encode("utf-8", "surrogatepass")
@@ -111,7 +114,10 @@ def parse_messages(raw: Any) -> list[Message]:
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                 raise MessageError(f"{where}.tool_calls[{j}]: expected {{'function': {{'name': str, 'arguments': str}}}}")
             calls.append(ToolCall(fn["name"], canonical_arguments(fn.get("arguments", "{}"), f"{where}.tool_calls[{j}]")))
-        out.append(Message(role, _content_text(m.get("content"), where), tuple(calls)))
+        reasoning = m.get("reasoning_content") if role == "assistant" else None
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise MessageError(f"{where}.reasoning_content: expected a string or null")
+        out.append(Message(role, _content_text(m.get("content"), where), tuple(calls), reasoning or ""))
     return out
 
 

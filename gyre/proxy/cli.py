@@ -28,10 +28,10 @@ async def serve(args: argparse.Namespace) -> None:
 
     from gyre.engine.router import Router
     from gyre.engine.tiny_model import ensure_tiny_model, model_identity
-    from gyre.proxy.server import Proxy, create_app, start_site
+    from gyre.proxy.server import Proxy, create_app, proxy_options, start_site
 
     cfg = load_config(args.config, args.overrides)
-    model_dir = Path(args.model or cfg.model.path or ensure_tiny_model(default_tiny_dir(cfg)))
+    model_dir = Path(args.model or cfg.model.path or ensure_tiny_model(default_tiny_dir(cfg), cfg.model.tiny_family))
     tok_file = model_dir / "tokenizer.json"
     if not tok_file.is_file():
         print(f"gyre proxy: {tok_file} not found; --model must be a directory with the model's tokenizer.json",
@@ -42,7 +42,7 @@ async def serve(args: argparse.Namespace) -> None:
     proxy = Proxy(router, Tokenizer.from_file(str(tok_file)), identity=model_identity(model_dir),
                   default_max_tokens=cfg.proxy.default_max_tokens, max_tokens_cap=cfg.proxy.max_tokens_cap,
                   max_executions=cfg.proxy.max_executions,
-                  context_length=_context_length(model_dir))
+                  context_length=_context_length(model_dir), **proxy_options(cfg.proxy, model_dir))
     app = create_app(proxy, admin_key=admin_key, max_body_bytes=cfg.proxy.max_body_bytes)
     runner, port = await start_site(app, args.host or cfg.proxy.host, cfg.proxy.port if args.port is None else args.port)
     if not (args.admin_key or env("GYRE_ADMIN_KEY")):

@@ -39,7 +39,7 @@ from gyre.proxy.capture import (ExecutionSession, PreparedCall, Renderer, new_ap
 from gyre.proxy.chat import (DEFAULT_TOOL_SYSTEM, Message, MessageError, parse_messages, parse_output,
                              validate_tools)
 from gyre.proxy.params import CallParams, RequestError, check_depth, forced_prefix, parse_params
-from gyre.proxy.streaming import ContentStream
+from gyre.proxy.streaming import ContentStream, ReasoningStream
 from gyre.proxy.token_safety import check_names, template_tokens
 from gyre.traj.record import ExecutionRecord
 
@@ -115,15 +115,44 @@ class Call:
         return f"chatcmpl-{self.rid}"
 
 
+def proxy_options(proxy_cfg, model_dir) -> dict:
+    """Proxy keyword arguments for the model directory's chat template from `[proxy]` (the
+    template is loaded, and refused with a clear error, here)."""
+    if proxy_cfg.chat_template != "model":
+        return {}
+    from gyre.model.chat_template import ChatTemplate
+
+    template = ChatTemplate.from_dir(model_dir)
+    if template is None:
+        raise ValueError(f"proxy.chat_template = \"model\" but {model_dir} has no chat template (chat_template.jinja "
+                         f"or tokenizer_config.json's chat_template); add one or use proxy.chat_template = \"builtin\"")
+    return {"chat_template": template, "history": proxy_cfg.history, "tool_parser": proxy_cfg.tool_parser,
+            "reasoning_parser": proxy_cfg.reasoning_parser}
+
+
 class Proxy:
     """Sessions, rendering and capture; `create_app` exposes it over HTTP."""
 
     def __init__(self, router, tokenizer, *, model_name: str = "gyre", default_max_tokens: int = 512,
                  max_tokens_cap: int = 4096, identity: dict | None = None, context_length: int | None = None,
-                 max_executions: int = 10_000):
+                 max_executions: int = 10_000, chat_template=None, history: str = "exact",
+                 tool_parser: str = "hermes", reasoning_parser: str = "none"):
         self.router = router
         self.renderer = Renderer(tokenizer)
         self.template_tokens = template_tokens(tokenizer)
+        # the model's own chat template (gyre.model.chat_template.ChatTemplate); None = built-in ChatML
+        self.template, self.history = chat_template, history
+        self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
+        self.template_conformance: dict | None = None
+        if chat_template is not None:
+            from gyre.model.chat_template import conformance
+
+            self.template_conformance = conformance(chat_template)
+            if not self.template_conformance["append_only"]:
+                log.warning("the model's chat template is not append-only (%s); proxy.history=%s: %s",
+                            self.template_conformance["breaks"][0]["why"], history,
+                            "sampled turns are kept as sampled" if history == "exact"
+                            else "the tree branches where the template rewrites history")
         self.model_name = model_name
         self.default_max_tokens, self.max_tokens_cap = default_max_tokens, max_tokens_cap
         self.identity = identity or {}
@@ -201,9 +230,15 @@ class Proxy:
         messages = parse_messages(body.get("messages"))
         tools = validate_tools(body.get("tools"))
         p = parse_params(body, tools, self.default_max_tokens, self.max_tokens_cap)
-        if tools and messages[0].role != "system":  # as the Qwen template: tools go in a system turn
-            messages = [Message("system", DEFAULT_TOOL_SYSTEM), *messages]
-        prepared = prepare_call(self.renderer, sess, messages, tools)
+        if self.template is not None:
+            # the model's own template renders tools with or without a system turn, as it does
+            from gyre.proxy.template_capture import prepare_call_template
+
+            prepared = prepare_call_template(self.renderer, self.template, sess, messages, tools, self.history)
+        else:
+            if tools and messages[0].role != "system":  # as the Qwen template: tools go in a system turn
+                messages = [Message("system", DEFAULT_TOOL_SYSTEM), *messages]
+            prepared = prepare_call(self.renderer, sess, messages, tools)
         # plain-text encoding: a name can hold no control token (refused above), and never becomes one
         forced = self.renderer.encode_text(forced_prefix(p)) if forced_prefix(p) else []
         n_prompt = prepared.n_input + len(forced)
@@ -242,8 +277,13 @@ class Proxy:
         hits = [text.find(s) for s in c.engine_params.get("stop", ()) if s in text]
         if hits:
             text = text[: min(hits)]
-        parsed = parse_output(text, tools_enabled=bool(c.tools) and p.tool_choice != "none")
-        reply = Message("assistant", parsed.content or "", tuple(parsed.tool_calls))
+        tools_on = bool(c.tools) and p.tool_choice != "none"
+        reasoning = None
+        if self.template is not None:  # parsers by name (gyre.model.parsers)
+            parsed, reasoning = self._parse_named(text, tools_on)
+        else:
+            parsed = parse_output(text, tools_enabled=tools_on)
+        reply = Message("assistant", parsed.content or "", tuple(parsed.tool_calls), reasoning or "")
         prepared = c.prepared
         if c.forced:  # forced ids are context the model saw, not samples
             prepared = PreparedCall(prepared.segments, prepared.prompt_tokens + c.forced,
@@ -259,6 +299,8 @@ class Proxy:
         else:
             finish = "stop"
         msg: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if reasoning:
+            msg["reasoning_content"] = reasoning
         if parsed.tool_calls:
             msg["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:16]}", "type": "function",
                                   "function": {"name": t.name, "arguments": t.arguments}} for t in parsed.tool_calls]
@@ -272,6 +314,15 @@ class Proxy:
             "gyre": {"call_index": call.index, "weight_version": call.weight_version, "reused_messages": prepared.n_reused},
         }
         return resp, parsed
+
+    def _parse_named(self, text: str, tools_on: bool):
+        """The configured tool-call and reasoning parsers, as the built-in path's ParsedOutput."""
+        from gyre.model.parsers import parse
+        from gyre.proxy.chat import ParsedOutput, ToolCall, canonical_arguments, strip_end_tokens
+
+        out = parse(strip_end_tokens(text), self.tool_parser, self.reasoning_parser, tools_enabled=tools_on)
+        calls = [ToolCall(t.name, canonical_arguments(t.arguments, "output")) for t in out.tool_calls]
+        return ParsedOutput(out.content, calls), out.reasoning_content
 
     def _logprobs(self, out_ids: list[int], res) -> dict:
         """OpenAI's ``logprobs.content``: every sampled token but a final end token, with the
@@ -314,6 +365,8 @@ class Proxy:
         content = ContentStream(c.engine_params.get("stop", []), tools_on)
         if c.forced:
             content.closed = True  # the whole output is a tool call
+        reasoning = ReasoningStream(content) if self.template is not None and self.reasoning_parser != "none" \
+            else None
 
         async def send(delta: dict, finish: str | None = None, **extra) -> None:
             chunk = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, **extra}]}
@@ -323,7 +376,7 @@ class Proxy:
         gen = self.router.generate_stream(*self._generate_args(c), rid=c.rid, top_logprobs_num=p.top_logprobs)
         try:
             with self._track(c):
-                final = await self._relay(c, gen, content, send)
+                final = await self._relay(c, gen, content, send, reasoning)
         except (asyncio.CancelledError, ConnectionError):
             self.abandoned["client_disconnected"] += 1
             raise
@@ -349,6 +402,10 @@ class Proxy:
             await self._stream_error(out, e)
             return
         choice = resp["choices"][0]
+        if reasoning is not None:
+            r_rest = reasoning.rest(choice["message"].get("reasoning_content"))
+            if r_rest:
+                await send({"reasoning_content": r_rest})
         rest = content.rest(parsed.content)
         if rest:
             await send({"content": rest})
@@ -359,14 +416,21 @@ class Proxy:
             await out.write(b"data: " + json.dumps({**base, "choices": [], "usage": resp["usage"]}).encode() + b"\n\n")
         await out.write(b"data: [DONE]\n\n")
 
-    async def _relay(self, c: Call, gen, content: ContentStream, send):
-        """Pass content deltas on as snapshots come; returns the final snapshot (None if none came)."""
+    async def _relay(self, c: Call, gen, content: ContentStream, send, reasoning=None):
+        """Pass content (or reasoning) deltas on as snapshots come; returns the final snapshot
+        (None if none came)."""
         final = None
         async for snap in gen:  # the router ends after the final snapshot
             if snap.finish_reason is not None:
                 final = snap
                 continue
-            delta = content.delta(self.renderer.decode(c.forced + snap.output_ids))
+            text = self.renderer.decode(c.forced + snap.output_ids)
+            if reasoning is not None:
+                delta = {k: v for k, v in reasoning.deltas(text).items() if v}
+                if delta:
+                    await send(delta)
+                continue
+            delta = content.delta(text)
             if delta:
                 await send({"content": delta})
         return final

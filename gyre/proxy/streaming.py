@@ -128,3 +128,47 @@ class ContentStream:
         """What is left to send once the call's final content is known."""
         final = final_content or ""
         return final[len(self.sent):] if final.startswith(self.sent) else ""
+
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+class ReasoningStream:
+    """Deltas for a reasoning parser (``proxy.reasoning_parser = "qwen3"``): while the output is
+    inside ``<think>...</think>``, ``reasoning_content`` deltas; after it, content deltas through a
+    `ContentStream`. Like content, what is sent stays a prefix of what the finished call reports
+    (a partial ``</think>`` is held back). An output that does not open with ``<think>`` streams as
+    content (a template that opens the block in its generation prompt is not split while
+    streaming)."""
+
+    def __init__(self, content: ContentStream):
+        self.content = content
+        self.sent = ""
+
+    def deltas(self, text: str) -> dict:
+        body = text.lstrip()
+        if not body.startswith(THINK_OPEN):
+            if THINK_OPEN.startswith(body):
+                return {}  # could still become "<think>"
+            return {"content": self.content.delta(text)}
+        inner = body[len(THINK_OPEN):]
+        end = inner.find(THINK_CLOSE)
+        out = {}
+        if end < 0:
+            seen = inner[: len(inner) - _partial_suffix(inner, (THINK_CLOSE,))].lstrip()
+        else:
+            seen = inner[:end].strip()
+            after = inner[end + len(THINK_CLOSE):].lstrip("\n")
+            c = self.content.delta(after)
+            if c:
+                out["content"] = c
+        seen = seen.rstrip("\ufffd")
+        if end < 0:
+            seen = seen.rstrip()  # the final reasoning is stripped: never send what may go
+        if seen.startswith(self.sent) and len(seen) > len(self.sent):
+            out["reasoning_content"], self.sent = seen[len(self.sent):], seen
+        return out
+
+    def rest(self, final_reasoning: str | None) -> str:
+        final = final_reasoning or ""
+        return final[len(self.sent):] if final.startswith(self.sent) else ""

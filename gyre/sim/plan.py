@@ -115,6 +115,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs-dir", default="gyre-plan-jobs", help="submitit log folder")
     p.add_argument("--partition", default="", help="Slurm partition for --executor slurm")
     p.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
+    p.add_argument("--model-config", type=Path, default=None,
+                   help="a model's config.json (or its directory), any family gyre.model supports: its total/active "
+                        "parameters and attention shape replace the preset's model; rates stay the preset's")
+
+
+def with_model_config(p, path):
+    """The preset with its model replaced by the one `path` describes (gyre.model.params counts;
+    a serving replica: the fewest GPUs, a power of two, whose HBM share holds the weights)."""
+    import dataclasses
+    import math
+
+    from gyre.model import ModelFormatError
+    from gyre.model.params import param_counts
+    from gyre.sim.calibration import SERVE_MEM_SHARE
+
+    try:
+        c = param_counts(path)
+    except ModelFormatError as e:
+        raise ConfigError(f"--model-config: {e}") from None
+    need = c["total"] * p.model.serve_bytes_per_param / (p.hw.hbm_gb * 1e9 * SERVE_MEM_SHARE)
+    replica = 1 << max(0, math.ceil(math.log2(max(need, 1.0))))
+    model = dataclasses.replace(
+        p.model, name=f"{c['model_type']}:{Path(path).name}", params=float(c["total"]), active=float(c["active"]),
+        attn_layers=c["layers"], attn_dim=c["attn_dim"], replica_gpus=replica,
+        sources={"params": f"{path}: gyre.model.params (total {c['total']:,}, active {c['active']:,})",
+                 "replica_gpus": "computed: serving weights over the HBM share, rounded up to a power of two"})
+    return dataclasses.replace(p, model=model)
 
 
 def scenarios(args: argparse.Namespace) -> list[Scenario]:
@@ -139,6 +166,8 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
     if args.tool_s is not None and args.tool_s < 0:
         raise ConfigError(f"--tool-s: must be >= 0 seconds, got {args.tool_s}")
     p = _preset(args)
+    if getattr(args, "model_config", None):
+        p = with_model_config(p, args.model_config)
     bad = [s for s in args.schemes if s not in SCHEMES]
     if bad or not args.schemes:
         raise ConfigError(f"--schemes: unknown {bad or 'none given'}; choose from {', '.join(SCHEMES)}")

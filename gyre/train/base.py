@@ -117,7 +117,13 @@ class Trainer(ABC):
         loss, stats = policy_loss(self._logits(mb), mb, self.cfg.clip_low, self.cfg.clip_high,
                                   clip=self.cfg.clip, staleness_weights=self.cfg.staleness_weights,
                                   off_policy=self.off_policy, prox_logprobs=prox)
+        extra, aux = self._moe_aux_loss()
+        if extra is not None:
+            loss = loss + extra
         loss.backward()
+        if aux is not None:
+            stats["moe_aux_loss"] = aux
+            self._acc["moe_aux_loss"] = self._acc.get("moe_aux_loss", 0.0) + aux
         stats["fwd_bwd_s"] = time.perf_counter() - t0
         self._mb_stats.append(stats)
         a = self._acc
@@ -127,6 +133,11 @@ class Trainer(ABC):
             a[k] += stats[k] * stats["targets"]
         a["micro_batches"] += 1
         return stats
+
+    def _moe_aux_loss(self) -> tuple[Tensor | None, float | None]:
+        """After a forward: (term to add to the loss, or None; the load-balancing loss summed over
+        MoE layers, unweighted, for the logs, or None for a dense model)."""
+        return None, None
 
     def optimizer_step(self) -> dict:
         """Apply the step's gradients; returns the step's statistics including grad_norm."""
@@ -207,6 +218,8 @@ class Trainer(ABC):
         out = {k: a[k] for k in ("loss", "targets", "tokens", "micro_batches", "fwd_bwd_s")}
         out.update({k: a[k] / max(a["targets"], 1) for k in _MEAN_STATS})
         out.update(summarize(merge(self._mb_stats, parallel=False)))
+        if "moe_aux_loss" in a:  # mean over the step's micro-batches
+            out["moe_aux_loss"] = a["moe_aux_loss"] / max(a["micro_batches"], 1)
         out.update(step=self.step, grad_norm=grad_norm, optimizer_s=time.perf_counter() - t0,
                    off_policy=self.off_policy.mode)
         self._reset_step_stats()

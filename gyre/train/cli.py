@@ -194,7 +194,7 @@ def resolve_model(cfg) -> Path:
             raise InputError(f"model.path: {path} holds no transformers model "
                              f"(config.json and *.safetensors)")
         return path
-    return ensure_tiny_model(default_tiny_dir(cfg))
+    return ensure_tiny_model(default_tiny_dir(cfg), cfg.model.tiny_family)
 
 
 def export_engine_dir(trainer, model_dir: Path, dest: Path, version: int) -> dict:

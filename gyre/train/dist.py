@@ -41,7 +41,8 @@ def init_distributed(*, rank: int | None = None, world_size: int | None = None,
     dist.init_process_group(backend, init_method=init_method, **kwargs)
 
 
-def init_megatron(*, tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: int = 0) -> None:
+def init_megatron(*, tensor_parallel: int = 1, pipeline_parallel: int = 1, expert_parallel: int = 1,
+                  seed: int = 0) -> None:
     """Megatron's parallel state and RNG tracker (and the CPU layer when CUDA is absent)."""
     from gyre.train import megatron_cpu
 
@@ -51,9 +52,11 @@ def init_megatron(*, tensor_parallel: int = 1, pipeline_parallel: int = 1, seed:
 
     if not parallel_state.model_parallel_is_initialized():
         world = torch.distributed.get_world_size()
-        if world % (tensor_parallel * pipeline_parallel):
+        if world % (tensor_parallel * pipeline_parallel * expert_parallel):
             raise ValueError(f"a cell of {world} trainer ranks cannot hold tensor_parallel={tensor_parallel} x "
-                             f"pipeline_parallel={pipeline_parallel}; make their product divide the ranks")
+                             f"pipeline_parallel={pipeline_parallel} x expert_parallel={expert_parallel}; "
+                             f"make their product divide the ranks")
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
-                                                 pipeline_model_parallel_size=pipeline_parallel)
+                                                 pipeline_model_parallel_size=pipeline_parallel,
+                                                 expert_model_parallel_size=expert_parallel)
     tp.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)

@@ -23,6 +23,11 @@ _MODULES = (  # the modules that hard-code CUDA on the training path
     "megatron.core.optimizer.clip_grads",
     "megatron.core.optimizer.optimizer",
     "megatron.core.distributed.param_and_grad_buffer",
+    # MoE: the router moves its weight to the current device; the aux-loss tracker is made on "cuda"
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.moe_utils",
+    # expert parallelism: the token dispatcher's gathers allocate on the current device
+    "megatron.core.tensor_parallel.mappings",
 )
 
 _installed = False
@@ -103,5 +108,10 @@ def install() -> bool:
         mod = importlib.import_module(name)
         if hasattr(mod, "clip_grad_by_total_norm_fp32"):
             mod.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    if not hasattr(moe_utils, "te_general_gemm"):
+        # 0.16.1 reads this name in the router's gating linear but binds it only when Transformer
+        # Engine imports; None selects its plain-torch path
+        moe_utils.te_general_gemm = None
     _installed = True
     return True

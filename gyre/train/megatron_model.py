@@ -1,7 +1,10 @@
-"""A Megatron-Core GPTModel that is an exact clone of a transformers Qwen2 model.
+"""A Megatron-Core GPTModel that is an exact clone of a transformers model of a `gyre.model` family
+(Qwen2, Llama, Qwen3 with q/k layernorm, Qwen3-MoE / Qwen2-MoE with routed experts).
 
-`build_gpt_model` turns a Qwen2 config into a GPTModel (local layer spec: no Transformer Engine),
-and `hf_to_megatron` / `megatron_to_hf` convert state dicts between the two layouts exactly.
+`build_gpt_model` turns a config into a GPTModel (local layer spec: no Transformer Engine; MoE
+layers with SequentialMLP experts, expert parallelism from Megatron's parallel state), and
+`hf_to_megatron` / `megatron_to_hf` convert state dicts between the two layouts exactly (the name
+maps themselves are `gyre.model.megatron_names`).
 RoPE is computed at the *given* position_ids: tree-packed rows carry tree depth, not 0..S-1,
 and stock GPTModel silently ignores position_ids under `position_embedding_type="rope"`.
 """
@@ -18,6 +21,10 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from gyre.model import megatron_names as names
+from gyre.model.families import ModelFormatError
+from gyre.model.megatron_names import as_spec, pack_qkv
+from gyre.model.spec import split_fused_experts
 from gyre.train.tree_attention import TreeMask
 
 
@@ -63,38 +70,82 @@ class TreeCoreAttention(DotProductAttention):
 
 
 class QwenGPTModel(GPTModel):
-    """GPTModel whose RoPE follows position_ids (tree depth for packed trees)."""
+    """GPTModel whose RoPE follows position_ids (tree depth for packed trees) and which can replay
+    given MoE routing (`routed_experts` ``[B, S, MoE layers, top_k]``, Megatron's RouterReplay)."""
+
+    def _replays(self) -> list:
+        """This model's RouterReplay instances in layer order (Megatron's own list is global to the
+        process and holds every model ever built)."""
+        return [m.router_replay for m in self.modules() if getattr(m, "router_replay", None) is not None]
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor,
-                **kwargs) -> Tensor:
+                routed_experts: Tensor | None = None, **kwargs) -> Tensor:
         if attention_mask is None:  # the default causal mask is built with device="cuda"
             raise ValueError("pass an explicit [B,1,S,S] boolean attention_mask (True = masked) "
                              "or a gyre.train.tree_attention.TreeMask")
+        replays = []
+        if routed_experts is not None:
+            from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+            replays = self._replays()
+            if len(replays) != routed_experts.shape[2]:
+                raise ValueError(f"routed_experts has {routed_experts.shape[2]} MoE layers, the model "
+                                 f"{len(replays)} (build it with routing_replay=True)")
+            B, S = input_ids.shape
+            for slot, rep in enumerate(replays):  # Megatron routes tokens sequence-first: [S, B] flattened
+                rep.set_target_indices(routed_experts[:, :, slot].transpose(0, 1).reshape(S * B, -1)
+                                       .to(device=input_ids.device, dtype=torch.long))
+                rep.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         self.rotary_pos_emb.positions = position_ids
         try:
             return super().forward(input_ids, position_ids, attention_mask, **kwargs)
         finally:
             self.rotary_pos_emb.positions = None
+            for rep in replays:
+                rep.clear_router_replay_action()
+                rep.clear_indices()
 
 
-def transformer_config(hf_config, *, dtype: torch.dtype = torch.float32,
-                       use_cpu_initialization: bool = True) -> TransformerConfig:
-    """Megatron TransformerConfig with the architecture of a transformers Qwen2/Llama config."""
-    c = hf_config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+def transformer_config(hf_config, *, dtype: torch.dtype = torch.float32, use_cpu_initialization: bool = True,
+                       moe_aux_loss_coef: float = 0.0, routing_replay: bool = False) -> TransformerConfig:
+    """Megatron TransformerConfig with the architecture of a config of a `gyre.model` family."""
+    spec = as_spec(hf_config)
+    moe = {}
+    if spec.experts:
+        if len(spec.moe_layers) != spec.layers:
+            raise ModelFormatError("the Megatron backend takes MoE models whose every layer is sparse "
+                                   "(mlp_only_layers empty, decoder_sparse_step 1); use train.backend=embedded")
+        moe = dict(
+            num_moe_experts=spec.experts, moe_router_topk=spec.top_k, moe_ffn_hidden_size=spec.moe_intermediate,
+            # softmax over all experts then top-k (Qwen) == Megatron's pre-softmax routing; renormalised
+            # top-k probabilities == softmax over the top-k logits, Megatron's default
+            moe_router_pre_softmax=not spec.norm_topk_prob, moe_router_dtype="fp32",
+            # "allgather" needs no CUDA streams (alltoall creates one at construction)
+            moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
+            moe_grouped_gemm=False,
+            moe_router_load_balancing_type="aux_loss" if moe_aux_loss_coef > 0 else "none",
+            moe_aux_loss_coeff=moe_aux_loss_coef,
+            # the layers mark expert weights as not data-parallel-reduced only when the config says
+            # experts are split (parallel_state alone is not enough)
+            expert_model_parallel_size=expert_parallel_rank()[1],
+            moe_enable_routing_replay=routing_replay,
+        )
+        if spec.shared_intermediate:
+            moe |= dict(moe_shared_expert_intermediate_size=spec.shared_intermediate, moe_shared_expert_gate=True)
     return TransformerConfig(
-        num_layers=c.num_hidden_layers,
-        hidden_size=c.hidden_size,
-        ffn_hidden_size=c.intermediate_size,
-        num_attention_heads=c.num_attention_heads,
-        num_query_groups=c.num_key_value_heads,
-        kv_channels=head_dim,
+        num_layers=spec.layers,
+        hidden_size=spec.hidden,
+        ffn_hidden_size=spec.intermediate,
+        num_attention_heads=spec.heads,
+        num_query_groups=spec.kv_heads,
+        kv_channels=spec.head_dim,
         normalization="RMSNorm",
-        layernorm_epsilon=c.rms_norm_eps,
+        layernorm_epsilon=spec.eps,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=c.model_type == "qwen2",
+        add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         # fusions need CUDA kernels and change rounding; exactness matters more here
@@ -108,118 +159,97 @@ def transformer_config(hf_config, *, dtype: torch.dtype = torch.float32,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        init_method_std=getattr(c, "initializer_range", 0.02),
+        init_method_std=spec.raw.get("initializer_range", 0.02),
         # loss weights are precomputed for the whole step, so data-parallel grads must be summed,
         # not averaged: this makes Megatron DDP use a scaling factor of 1
         calculate_per_token_loss=True,
+        **moe,
     )
 
 
-def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32,
-                    use_cpu_initialization: bool = True) -> QwenGPTModel:
-    """A GPTModel with Qwen2's architecture (call after Megatron's parallel state is initialised)."""
-    # transformers 5 keeps RoPE settings in rope_parameters; 4.x in rope_theta / rope_scaling
-    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ValueError(f"only plain RoPE is supported, got {rope}")
-    theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = TreeCoreAttention
+def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32, use_cpu_initialization: bool = True,
+                    moe_aux_loss_coef: float = 0.0, grouped_gemm: bool | None = None,
+                    routing_replay: bool = False) -> QwenGPTModel:
+    """A GPTModel with the config's architecture (call after Megatron's parallel state is
+    initialised). MoE families use SequentialMLP experts (the local spec) on the CPU; grouped GEMM
+    (TEGroupedMLP, Transformer Engine) is for CUDA: `grouped_gemm` None = when CUDA and Transformer
+    Engine are both there."""
+    spec = as_spec(hf_config)
+    if grouped_gemm is None:
+        import importlib.util
+
+        grouped_gemm = torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+    config = transformer_config(spec, dtype=dtype, use_cpu_initialization=use_cpu_initialization,
+                                moe_aux_loss_coef=moe_aux_loss_coef, routing_replay=routing_replay and bool(spec.experts))
+    layer = get_gpt_layer_local_spec(num_experts=spec.experts or None, moe_grouped_gemm=False,
+                                     qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    layer.submodules.self_attention.submodules.core_attention = TreeCoreAttention
+    if spec.experts and grouped_gemm:
+        # CUDA: only the experts change (TEGroupedMLP, Transformer Engine's grouped GEMM); attention,
+        # norms and names elsewhere stay the local spec's. Checked by benchmarks/gpu_check.sh only.
+        from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+        config.moe_grouped_gemm = True
+        layer.submodules.mlp = get_moe_module_spec(use_te=True, num_experts=spec.experts, moe_grouped_gemm=True)
     model = QwenGPTModel(
-        config=transformer_config(hf_config, dtype=dtype, use_cpu_initialization=use_cpu_initialization),
-        transformer_layer_spec=spec,
-        vocab_size=hf_config.vocab_size,
-        max_sequence_length=hf_config.max_position_embeddings,
+        config=config,
+        transformer_layer_spec=layer,
+        vocab_size=spec.vocab_size,
+        max_sequence_length=spec.max_positions,
         position_embedding_type="rope",
-        rotary_base=theta,
-        share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
+        rotary_base=spec.theta,
+        share_embeddings_and_output_weights=spec.tied,
     )
     rot = model.rotary_pos_emb
     rot.__class__ = PositionalRotaryEmbedding  # same state, forward that honours positions
     return model
 
 
-# --- weight layouts --------------------------------------------------------------------------
-
-_LAYER_SIMPLE = {  # Megatron suffix -> HF suffix, within one decoder layer
-    "input_layernorm.weight": "input_layernorm.weight",
-    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
-    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
-}
-
-
-def _dims(hf_config) -> tuple[int, int, int]:
-    heads, groups = hf_config.num_attention_heads, hf_config.num_key_value_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    return heads // groups, groups, head_dim
-
+# --- weight layouts (the name maps live in gyre.model.megatron_names) --------------------------
 
 def _pack_qkv(q: Tensor, k: Tensor, v: Tensor, hf_config) -> Tensor:
-    """HF q/k/v (weights or biases) -> linear_qkv: per KV group its query heads, key, value."""
-    per, groups, d = _dims(hf_config)
-    rest = q.shape[1:]
-    q = q.reshape(groups, per * d, *rest)
-    k = k.reshape(groups, d, *rest)
-    v = v.reshape(groups, d, *rest)
-    return torch.cat([q, k, v], dim=1).reshape(groups * (per + 2) * d, *rest)
+    return pack_qkv(q, k, v, as_spec(hf_config))
 
 
-def _unpack_qkv(qkv: Tensor, hf_config) -> tuple[Tensor, Tensor, Tensor]:
-    per, groups, d = _dims(hf_config)
-    rest = qkv.shape[1:]
-    g = qkv.reshape(groups, (per + 2) * d, *rest)
-    q, k, v = torch.split(g, [per * d, d, d], dim=1)
-    return (q.reshape(groups * per * d, *rest), k.reshape(groups * d, *rest),
-            v.reshape(groups * d, *rest))
+def expert_parallel_rank() -> tuple[int, int]:
+    """(rank, size) of this process in Megatron's expert-parallel group ((0, 1) without one)."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 1
+    return parallel_state.get_expert_model_parallel_rank(), parallel_state.get_expert_model_parallel_world_size()
 
 
-def hf_to_megatron(hf_sd: dict[str, Tensor], hf_config) -> dict[str, Tensor]:
-    """transformers state dict -> GPTModel state dict (load with strict=False: `_extra_state`)."""
-    out = {"embedding.word_embeddings.weight": hf_sd["model.embed_tokens.weight"],
-           "decoder.final_layernorm.weight": hf_sd["model.norm.weight"]}
-    if not hf_config.tie_word_embeddings:
-        out["output_layer.weight"] = hf_sd["lm_head.weight"]
-    for i in range(hf_config.num_hidden_layers):
-        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for msuf, hsuf in _LAYER_SIMPLE.items():
-            out[m + msuf] = hf_sd[h + hsuf]
-        a = h + "self_attn."
-        out[m + "self_attention.linear_qkv.weight"] = _pack_qkv(
-            hf_sd[a + "q_proj.weight"], hf_sd[a + "k_proj.weight"], hf_sd[a + "v_proj.weight"], hf_config)
-        if a + "q_proj.bias" in hf_sd:
-            out[m + "self_attention.linear_qkv.bias"] = _pack_qkv(
-                hf_sd[a + "q_proj.bias"], hf_sd[a + "k_proj.bias"], hf_sd[a + "v_proj.bias"], hf_config)
-        out[m + "mlp.linear_fc1.weight"] = torch.cat(
-            [hf_sd[h + "mlp.gate_proj.weight"], hf_sd[h + "mlp.up_proj.weight"]], dim=0)
-    return out
+def _grouped(model) -> bool:
+    return bool(getattr(model.config, "moe_grouped_gemm", False)) if model is not None else False
+
+
+def hf_to_megatron(hf_sd: dict[str, Tensor], hf_config, *, grouped: bool = False) -> dict[str, Tensor]:
+    """Checkpoint state dict -> this rank's GPTModel state dict (its experts only under EP)."""
+    rank, size = expert_parallel_rank()
+    out = names.hf_to_megatron(split_fused_experts(hf_sd), hf_config, ep_rank=rank, ep_size=size)
+    return names.to_grouped_gemm(out) if grouped else out
 
 
 def megatron_to_hf(mg_sd: dict[str, Tensor], hf_config) -> dict[str, Tensor]:
-    """GPTModel state dict -> transformers state dict (`_extra_state` entries are dropped)."""
-    out = {"model.embed_tokens.weight": mg_sd["embedding.word_embeddings.weight"],
-           "model.norm.weight": mg_sd["decoder.final_layernorm.weight"]}
-    if not hf_config.tie_word_embeddings:
-        out["lm_head.weight"] = mg_sd["output_layer.weight"]
-    for i in range(hf_config.num_hidden_layers):
-        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for msuf, hsuf in _LAYER_SIMPLE.items():
-            out[h + hsuf] = mg_sd[m + msuf]
-        a = h + "self_attn."
-        q, k, v = _unpack_qkv(mg_sd[m + "self_attention.linear_qkv.weight"], hf_config)
-        out[a + "q_proj.weight"], out[a + "k_proj.weight"], out[a + "v_proj.weight"] = q, k, v
-        bias = mg_sd.get(m + "self_attention.linear_qkv.bias")
-        if bias is not None:
-            q, k, v = _unpack_qkv(bias, hf_config)
-            out[a + "q_proj.bias"], out[a + "k_proj.bias"], out[a + "v_proj.bias"] = q, k, v
-        gate, up = torch.chunk(mg_sd[m + "mlp.linear_fc1.weight"], 2, dim=0)
-        out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
-    return {k: v.contiguous() for k, v in out.items()}
+    """This rank's GPTModel state dict -> checkpoint names; under expert parallelism the other
+    ranks' experts are gathered over the expert-parallel group, so every rank returns all."""
+    rank, size = expert_parallel_rank()
+    out = names.megatron_to_hf(names.from_grouped_gemm(mg_sd), hf_config, ep_rank=rank, ep_size=size)
+    if size > 1:
+        from megatron.core import parallel_state
+
+        mine = {k: v.cpu() for k, v in out.items() if ".mlp.experts." in k}
+        gathered: list = [None] * size
+        torch.distributed.all_gather_object(gathered, mine, group=parallel_state.get_expert_model_parallel_group())
+        for part in gathered:
+            out.update(part)
+    return out
 
 
 def load_hf_weights(model: GPTModel, hf_sd: dict[str, Tensor], hf_config) -> None:
     """Copy transformers weights into a GPTModel; every parameter must be covered."""
-    mg = hf_to_megatron(hf_sd, hf_config)
+    mg = hf_to_megatron(hf_sd, hf_config, grouped=_grouped(model))
     missing, unexpected = model.load_state_dict(mg, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:

@@ -25,7 +25,8 @@ class MegatronTrainer(Trainer):
         if attention not in ATTENTION_PATHS:
             raise ValueError(f"attention {attention!r}: choose one of {', '.join(ATTENTION_PATHS)}")
         self.attention = attention
-        init_megatron(seed=seed)
+        init_megatron(tensor_parallel=cfg.tensor_parallel, pipeline_parallel=cfg.pipeline_parallel,
+                      expert_parallel=cfg.expert_parallel, seed=seed)  # a no-op when the cell did it
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -35,7 +36,7 @@ class MegatronTrainer(Trainer):
         self.dtype = torch_dtype(cfg.dtype)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
-        model = build_gpt_model(hf_config, dtype=self.dtype)
+        model = build_gpt_model(hf_config, dtype=self.dtype, moe_aux_loss_coef=cfg.moe_aux_loss_coef)
         load_hf_weights(model, {k: v.to(self.dtype) for k, v in hf_state.items()}, hf_config)
         model.to(self.device)
         self.model = model
@@ -54,8 +55,30 @@ class MegatronTrainer(Trainer):
         self._grads_reduced = False  # flat_grads already ran the data-parallel reduction
 
     # --- hooks --------------------------------------------------------------------------------
+    def _moe_aux_loss(self):
+        """Megatron adds the aux loss itself (MoEAuxLossAutoScaler, in backward); its tracker holds
+        the per-layer values of the forward, read and cleared here."""
+        if not self.model.config.num_moe_experts or self.cfg.moe_aux_loss_coef <= 0:
+            return None, None
+        from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker,
+                                                             get_moe_layer_wise_logging_tracker)
+
+        entry = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+        value = float(entry["values"].sum()) if entry else None
+        clear_aux_losses_tracker()
+        return None, value
+
     def _logits(self, mb: MicroBatch) -> Tensor:
         self.ddp.train(torch.is_grad_enabled())
+        if self.model.config.num_moe_experts and torch.is_grad_enabled():
+            from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, clear_aux_losses_tracker
+
+            clear_aux_losses_tracker()  # only this forward's values are logged
+            # with calculate_per_token_loss Megatron multiplies the aux loss by the micro-batch's
+            # tokens (it expects finalize_model_grads to divide by them; Gyre's loss weights are
+            # final already): scale it back so the aux term is coef x loss per micro-batch, as
+            # in the embedded trainer
+            MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / mb.input_ids.numel(), device=self.device))
         if self.attention == "tree" and mb.kv_end is not None:
             mask = TreeMask.build(mb.kv_end)  # TreeCoreAttention (megatron_model) follows it
         else:
@@ -108,7 +131,7 @@ class MegatronTrainer(Trainer):
     def hf_state_dict(self) -> dict[str, Tensor]:
         from gyre.train.megatron_model import megatron_to_hf, model_state
 
-        return megatron_to_hf(model_state(self.model), self.hf_config)
+        return megatron_to_hf(model_state(self.model), self.hf_config)  # gathers experts under EP
 
     # --- offload ------------------------------------------------------------------------------
     def _inner_optimizers(self) -> list:

@@ -1,10 +1,12 @@
-"""The embedded trainer's model: a Qwen2/Llama decoder as a torch module, transformers' maths.
+"""The embedded trainer's model: a decoder of any `gyre.model` family (Qwen2, Llama, Qwen3,
+Qwen3-MoE, Qwen2-MoE) as a torch module, transformers' maths.
 
-Parameter names are transformers' (``model.layers.0.self_attn.q_proj.weight``, ...), so state
-dicts, checkpoints and exported weights are interchangeable with ``Qwen2ForCausalLM``; the
-forward is transformers' op for op (RMSNorm in float32, rotate-half RoPE from position ids,
-grouped-query attention, SiLU-gated MLP), which `tests/test_train_qwen2.py` checks logits and
-gradients against. Attention takes what the micro-batch carries: a `TreeMask` (the tree path), a
+Parameter names are the checkpoint's (``model.layers.0.self_attn.q_proj.weight``,
+``model.layers.0.mlp.experts.3.up_proj.weight``, ...), so state dicts, checkpoints and exported
+weights are interchangeable with transformers' ``save_pretrained`` directories; the forward is
+transformers' op for op (RMSNorm in float32, rotate-half RoPE from position ids, grouped-query
+attention, q/k RMSNorm for Qwen3, SiLU-gated MLP or top-k routed experts), which
+`tests/test_train_qwen2.py` and `tests/test_model_families.py` check logits and gradients against. Attention takes what the micro-batch carries: a `TreeMask` (the tree path), a
 bool ``[B, 1, S, S]`` mask (True = masked; the dense path) or None (causal).
 
 Why not transformers' ``AutoModelForCausalLM``: importing its model code costs ~3-4 CPU-s in every
@@ -20,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gyre.hf_model import ModelSpec, apply_rope, checked_weights, load_weights, read_spec
+from gyre.model.moe import route, tokens_per_expert
+from gyre.model.spec import ModelSpec, apply_rope, checked_weights, load_weights, read_spec, rms_norm
 from gyre.train.tree_attention import attention
 
 
@@ -43,10 +46,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -58,11 +58,17 @@ class Attention(nn.Module):
         self.k_proj = Linear(h, spec.kv_heads * d, bias=spec.qkv_bias)
         self.v_proj = Linear(h, spec.kv_heads * d, bias=spec.qkv_bias)
         self.o_proj = Linear(spec.heads * d, h, bias=False)
+        if spec.qk_norm:  # Qwen3: RMSNorm over each head's dimension, before RoPE
+            self.q_norm = RMSNorm(d, spec.eps)
+            self.k_norm = RMSNorm(d, spec.eps)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask) -> Tensor:
         B, S, _ = x.shape
-        q = self.q_proj(x).view(B, S, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, S, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(B, S, self.heads, self.head_dim)
+        k = self.k_proj(x).view(B, S, self.kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(B, S, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # cos/sin [B, 1, S, D]
         out = attention(q, k, v, mask, self.head_dim ** -0.5)            # [B, H, S, D]
@@ -70,9 +76,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, inter: int | None = None) -> None:
         super().__init__()
-        inter = int(spec.raw["intermediate_size"])
+        inter = inter or spec.intermediate
         self.gate_proj = Linear(spec.hidden, inter, bias=False)
         self.up_proj = Linear(spec.hidden, inter, bias=False)
         self.down_proj = Linear(inter, spec.hidden, bias=False)
@@ -81,11 +87,46 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class DecoderLayer(nn.Module):
+class SparseMoE(nn.Module):
+    """Top-k routed experts (`gyre.model.moe.route`), plus a sigmoid-gated shared expert where the
+    family has one. Each forward in training mode leaves its load-balancing loss in `aux_loss`
+    (Switch Transformer's E * sum_e f_e * P_e over the forward's tokens, as transformers'
+    ``load_balancing_loss_func``); the trainer adds it with ``train.moe_aux_loss_coef``."""
+
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
+        self.top_k, self.norm_topk_prob, self.n_experts = spec.top_k, spec.norm_topk_prob, spec.experts
+        self.gate = Linear(spec.hidden, spec.experts, bias=False)
+        self.experts = nn.ModuleList(MLP(spec, spec.moe_intermediate) for _ in range(spec.experts))
+        if spec.shared_intermediate:
+            self.shared_expert = MLP(spec, spec.shared_intermediate)
+            self.shared_expert_gate = Linear(spec.hidden, 1, bias=False)
+        self.aux_loss: Tensor | None = None
+        self.last_experts: Tensor | None = None  # [N, k] expert ids of the last forward (stats)
+        self.replay: Tensor | None = None  # [N, k] expert ids to use in the next forward (routing replay)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        h = x.reshape(-1, shape[-1])
+        weights, experts = route(h, self.gate.weight, self.top_k, self.norm_topk_prob, self.replay)
+        out = torch.zeros_like(h)
+        for e, rows, slot in tokens_per_expert(experts, self.n_experts):
+            out = out.index_add(0, rows, self.experts[e](h[rows]) * weights[rows, slot, None])
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
+        self.last_experts = experts.detach()
+        if self.training:
+            probs = F.softmax(F.linear(h, self.gate.weight), dim=-1, dtype=torch.float32)
+            frac = F.one_hot(experts, self.n_experts).float().mean(dim=(0, 1))  # tokens per expert / (N k)
+            self.aux_loss = self.n_experts * (frac * probs.mean(0)).sum()
+        return out.reshape(shape)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, index: int = 0) -> None:
+        super().__init__()
         self.self_attn = Attention(spec)
-        self.mlp = MLP(spec)
+        self.mlp = SparseMoE(spec) if spec.is_moe(index) else MLP(spec)
         self.input_layernorm = RMSNorm(spec.hidden, spec.eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden, spec.eps)
 
@@ -98,7 +139,7 @@ class Decoder(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.embed_tokens = Embedding(spec.vocab_size, spec.hidden)
-        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.layers))
         self.norm = RMSNorm(spec.hidden, spec.eps)
         self.register_buffer("inv_freq", spec.inv_freq(), persistent=False)  # not a weight
 
@@ -121,15 +162,30 @@ class Qwen2LM(nn.Module):
         if self.spec.tied:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, attention_mask=None) -> Tensor:
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, attention_mask=None,
+                routed_experts: Tensor | None = None) -> Tensor:
+        """`routed_experts` ``[B, S, MoE layers, top_k]``: replay this routing (what the engine
+        routed each position to) instead of routing anew."""
         B, S = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary(position_ids, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, attention_mask)
+        moe = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoE)]
+        for slot, m in enumerate(moe):
+            m.replay = None if routed_experts is None else routed_experts[:, :, slot].reshape(B * S, -1)
+        try:
+            for layer in self.model.layers:
+                x = layer(x, cos, sin, attention_mask)
+        finally:
+            for m in moe:
+                m.replay = None
         return self.lm_head(self.model.norm(x))
+
+    def moe_aux_loss(self) -> Tensor | None:
+        """Sum of the MoE layers' load-balancing losses from the last training forward (None: dense)."""
+        losses = [m.aux_loss for m in self.modules() if isinstance(m, SparseMoE) and m.aux_loss is not None]
+        return torch.stack(losses).sum() if losses else None
 
     # --- construction -------------------------------------------------------------------------
     @classmethod
@@ -156,7 +212,8 @@ class Qwen2LM(nn.Module):
 
     @classmethod
     def from_transformers(cls, model) -> "Qwen2LM":
-        """A copy of an in-memory transformers Qwen2/Llama model (tests, benchmarks)."""
+        """A copy of an in-memory transformers model of a supported family (tests, benchmarks);
+        transformers 5's fused expert tensors are split into the checkpoint's per-expert names."""
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         return cls.from_state(model.config.to_dict(), state)
 

@@ -89,9 +89,10 @@ class Rank:
             from gyre.train.dist import init_megatron
 
             init_megatron(tensor_parallel=cfg.tensor_parallel, pipeline_parallel=cfg.pipeline_parallel,
-                          seed=init["seed"])
-        elif cfg.tensor_parallel * cfg.pipeline_parallel != 1:
-            raise ValueError("train.tensor_parallel / pipeline_parallel > 1 need train.backend = \"megatron\"")
+                          expert_parallel=cfg.expert_parallel, seed=init["seed"])
+        elif cfg.tensor_parallel * cfg.pipeline_parallel * cfg.expert_parallel != 1:
+            raise ValueError("train.tensor_parallel / pipeline_parallel / expert_parallel > 1 need "
+                             "train.backend = \"megatron\"")
         self.trainer = make_trainer(cfg, init["model_dir"], seed=init["seed"])
         if init["checkpoint"]:
             self.trainer.load_checkpoint(init["checkpoint"])

@@ -36,3 +36,56 @@ def random_qwen2(config=None, *, seed: int = 0, std: float = 0.3):
             noise = torch.randn(p.shape, generator=gen) * std
             p.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else noise)
     return model.float().eval()
+
+
+# --- every family of gyre.model ---------------------------------------------------------------
+
+FAMILY_CLASSES = {  # model_type -> (transformers config class, causal-LM class)
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+}
+
+
+def tiny_config(family: str, *, vocab_size: int = 96, hidden_size: int = 64, layers: int = 2,
+                heads: int = 4, kv_heads: int = 2, intermediate_size: int = 128,
+                tie_word_embeddings: bool = False, experts: int = 4, top_k: int = 2,
+                moe_intermediate_size: int = 32, **extra):
+    """A tiny transformers config of `family` (MoE families: `experts` experts, top-`top_k`)."""
+    import transformers
+
+    if family not in FAMILY_CLASSES:
+        raise ValueError(f"family {family!r}: choose one of {', '.join(FAMILY_CLASSES)}")
+    kw = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+              num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+              max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=tie_word_embeddings,
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, initializer_range=0.02,
+              hidden_act="silu")
+    if family in ("qwen3", "qwen3_moe"):
+        kw["head_dim"] = hidden_size // heads
+    if family in ("qwen3_moe", "qwen2_moe"):
+        kw |= dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=moe_intermediate_size,
+                   norm_topk_prob=family == "qwen3_moe", decoder_sparse_step=1, mlp_only_layers=[])
+    if family == "qwen2_moe":
+        kw["shared_expert_intermediate_size"] = 2 * moe_intermediate_size
+    kw |= extra
+    cfg = getattr(transformers, FAMILY_CLASSES[family][0])(**kw)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def random_model(config, *, seed: int = 0, std: float = 0.3):
+    """A transformers causal LM of the config's family with seeded N(0, std) weights (norm
+    weights around 1), float32, eval."""
+    import transformers
+
+    model = getattr(transformers, FAMILY_CLASSES[config.model_type][1])(config)
+    model.config._attn_implementation = "eager"
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen) * std
+            p.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else noise)
+    return model.float().eval()

@@ -55,6 +55,13 @@ class EmbeddedTrainer(Trainer):
             lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
         self._stashes: dict[str, HostStash] = {}
 
+    def _moe_aux_loss(self):
+        aux = self.model.moe_aux_loss()
+        if aux is None:
+            return None, None
+        coef = self.cfg.moe_aux_loss_coef
+        return (coef * aux if coef > 0 else None), float(aux.detach())
+
     def _logits(self, mb: MicroBatch) -> Tensor:
         self.model.train(torch.is_grad_enabled())
         if self.attention == "tree" and mb.kv_end is not None:

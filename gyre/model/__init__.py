@@ -1,0 +1,18 @@
+"""Model directories by family (qwen2, llama, qwen3, qwen3_moe, qwen2_moe): config, weights with
+checks, the HF <-> Megatron name maps, parameter counts, the model's own chat template and its
+tool-call / reasoning parsers. Knows nothing of who serves or trains.
+
+* ``families``: the supported families (and the refused hybrid ones), one table.
+* ``spec``: ``config.json`` -> `ModelSpec`, safetensors checked against it.
+* ``moe``: top-k routing shared by the engine's and trainer's forwards.
+* ``megatron_names``: HF <-> Megatron-Core state-dict names per family, both directions.
+* ``params``: total / active / expert parameter counts from a config.
+* ``chat_template``, ``parsers``: the directory's Jinja chat template; tool-call and reasoning parsers.
+"""
+
+from gyre.model.families import FAMILIES, HYBRID, Family, ModelFormatError, family_of, supported
+from gyre.model.spec import (ModelSpec, apply_rope, checked_weights, load_weights, read_config, read_spec,
+                             rms_norm, split_fused_experts)
+
+__all__ = ["FAMILIES", "HYBRID", "Family", "ModelFormatError", "ModelSpec", "apply_rope", "checked_weights",
+           "family_of", "load_weights", "read_config", "read_spec", "rms_norm", "split_fused_experts", "supported"]

@@ -1,0 +1,47 @@
+"""Parameter counts of a model from its ``config.json`` (any supported family), counted from the
+exact tensor list the checkpoint must hold (`ModelSpec.expected_shapes`), so they agree with the
+weights by construction.
+
+* ``total``: every tensor (a tied head counted once).
+* ``expert``: the routed experts' tensors (``mlp.experts.E.*``).
+* ``active``: what one token uses: everything but the routed experts, plus top_k / E of them
+  (the planner's FLOPs per token and the serving arithmetic use it).
+* ``embedding``: the input embedding (a lookup, no FLOPs).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from gyre.model.families import ModelFormatError
+from gyre.model.spec import ModelSpec
+
+
+def param_counts(config: dict | str | Path) -> dict:
+    """``{total, active, expert, embedding, model_type, layers, attn_dim}`` of a config dict or a
+    config.json path (or a model directory holding one)."""
+    if not isinstance(config, dict):
+        path = Path(config)
+        path = path / "config.json" if path.is_dir() else path
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as e:
+            raise ModelFormatError(f"{path}: cannot read a model config ({e})") from None
+    try:
+        spec = ModelSpec(config)
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, ModelFormatError):
+            raise
+        raise ModelFormatError(f"model config: missing or bad field ({type(e).__name__}: {e})") from None
+    total = expert = 0
+    for name, shape in spec.expected_shapes().items():
+        n = math.prod(shape)
+        total += n
+        if ".mlp.experts." in name:
+            expert += n
+    active = total - expert + (expert * spec.top_k // spec.experts if spec.experts else 0)
+    return {"model_type": spec.model_type, "total": total, "active": active, "expert": expert,
+            "embedding": spec.vocab_size * spec.hidden, "layers": spec.layers,
+            "attn_dim": spec.heads * spec.head_dim}

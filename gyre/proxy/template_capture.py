@@ -1,0 +1,155 @@
+"""Rendering with the model directory's own chat template (`gyre.model.chat_template`), with the
+same capture contract as the built-in ChatML path (gyre.proxy.capture): the messages are walked
+down the execution's tree, matched messages reuse their stored ids, an assistant message this
+proxy sampled reuses its sampled ids, and only new messages are rendered (cut from the template's
+render of the conversation into per-message segments) and tokenized.
+
+Templates that are not append-only (a Qwen3-style template drops past reasoning from history)
+make two behaviours possible, chosen by ``proxy.history``:
+
+* ``exact`` (default): what the model saw stays what trains. Messages already in the tree keep
+  their stored ids even where the template would now render them differently; only new
+  messages are rendered. Later calls are conditioned on the sampled history, not the template's.
+* ``template``: follow the template. Where its render of an already-seen message differs from
+  the stored text, the walk stops and the tree branches there: the rewritten messages become new
+  segments (context, not targets), and each target keeps the exact context it was sampled from.
+
+Token safety is kept: the message text inside a segment (content, reasoning) is tokenized as
+plain text, only the template's own text can produce control tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from gyre.model.chat_template import ChatTemplate
+from gyre.proxy.capture import ExecutionSession, PreparedCall, Renderer, tools_salt
+from gyre.proxy.chat import Message
+from gyre.traj.tree import ROOT, Segment
+
+HISTORY_MODES = ("exact", "template")
+
+
+def as_template_message(m: Message) -> dict:
+    """A message as chat templates read it (transformers' convention: arguments as objects)."""
+    out: dict = {"role": m.role, "content": m.content}
+    if m.reasoning:
+        out["reasoning_content"] = m.reasoning
+    if m.tool_calls:
+        calls = []
+        for t in m.tool_calls:
+            try:
+                args = json.loads(t.arguments)
+            except ValueError:
+                args = t.arguments
+            calls.append({"type": "function", "function": {"name": t.name, "arguments": args}})
+        out["tool_calls"] = calls
+    return out
+
+
+def _specials(r: Renderer) -> dict[str, int]:
+    found = getattr(r, "_gyre_specials", None)
+    if found is None:
+        found = {t.content: i for i, t in r.tok.get_added_tokens_decoder().items() if t.special}
+        r._gyre_specials = found
+    return found
+
+
+def encode_segment(r: Renderer, text: str, plain: list[str]) -> list[int]:
+    """`text` tokenized as Gyre's built-in renderer tokenizes its pieces: special tokens the
+    template wrote become their ids, everything between them (template text and message text
+    together) is tokenized as plain text; special-token strings inside the message pieces
+    `plain` (found in order) stay characters."""
+    specials = _specials(r)
+    spans, pos = [], 0
+    for piece in plain:
+        at = text.find(piece, pos) if piece else -1
+        if at >= 0:
+            spans.append((at, at + len(piece)))
+            pos = at + len(piece)
+    pattern = re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)))
+    ids: list[int] = []
+    last = 0
+    for m in pattern.finditer(text):
+        if any(a <= m.start() < b for a, b in spans):
+            continue  # inside message text: characters, not a control token
+        if m.start() > last:
+            ids += r.encode_text(text[last:m.start()])
+        ids.append(specials[m.group()])
+        last = m.end()
+    if last < len(text):
+        ids += r.encode_text(text[last:])
+    return ids
+
+
+def _sampled_segment(r: Renderer, text: str, gen_prompt: str, out_ids: list[int]) -> list[int]:
+    """A sampled assistant message: its generation prompt, the exact sampled ids, then the
+    template's text after the turn (e.g. the newline after the end token)."""
+    sampled = r.decode(out_ids)
+    body = text[len(gen_prompt):] if text.startswith(gen_prompt) else text
+    at = body.find(sampled) if sampled else -1
+    tail = body[at + len(sampled):] if at >= 0 else ""
+    return encode_segment(r, gen_prompt, []) + list(out_ids) + (encode_segment(r, tail, []) if tail else [])
+
+
+def _resume_offset(template: ChatTemplate, dicts: list[dict], j: int, tools, stored: str) -> int:
+    """Where in the template's prompt the new messages' text starts, after the stored history
+    (text `stored`): its end when the template renders the history as stored; otherwise (exact
+    history under a template that rewrote it) just after the last stored turn's final text as the
+    template now renders it, falling back to where the template's history becomes final."""
+    prompt = template.render(dicts, tools, add_generation_prompt=True)
+    if prompt.startswith(stored):
+        return len(stored)
+    tail = stored[-32:]
+    bound = template.stable_end(dicts[:j], tools) + len(tail)  # within the history, not the new messages
+    at = prompt.rfind(tail, 0, bound) if tail else -1
+    return at + len(tail) if at >= 0 else 0  # 0: the caller falls back to the stable end
+
+
+def prepare_call_template(r: Renderer, template: ChatTemplate, session: ExecutionSession, messages: list[Message],
+                          tools: list[dict], history: str = "exact") -> PreparedCall:
+    if history not in HISTORY_MODES:
+        raise ValueError(f"proxy.history {history!r}: choose one of {', '.join(HISTORY_MODES)}")
+    tree, salt = session.tree, tools_salt(tools)
+    keys = [m.key(salt if i == 0 else "") for i, m in enumerate(messages)]
+    dicts = [as_template_message(m) for m in messages]
+    matched: list[int] = []
+    parent = ROOT
+    for key in keys:
+        nid = tree.find_child(parent, key)
+        if nid is None:
+            break
+        matched.append(nid)
+        parent = nid
+    texts = [r.decode(list(tree.nodes[nid].tokens)) for nid in matched]
+    if history == "template" and matched:
+        # follow the template: keep matched messages only while it renders them as stored
+        prompt = template.render(dicts, tools, add_generation_prompt=True)
+        acc = ""
+        for i, t in enumerate(texts):
+            if not prompt.startswith(acc + t):
+                matched, texts = matched[:i], texts[:i]
+                break
+            acc += t
+    j = len(matched)
+    segments = [Segment(keys[i], tree.nodes[nid].tokens, tree.nodes[nid].message_role) for i, nid in enumerate(matched)]
+    nodes: list[int | None] = list(matched)
+    cut = _resume_offset(template, dicts, j, tools, "".join(texts)) if j else 0
+    if j and cut == 0:
+        cut = template.stable_end(dicts[:j], tools)
+    new_texts, gen = template.segments(dicts, tools, start=j, cut=cut)
+    reused = j
+    for i, text in zip(range(j, len(messages)), new_texts):
+        msg = messages[i]
+        out_ids = session.generated.get(keys[i]) if msg.role == "assistant" else None
+        if out_ids is not None and history == "exact":
+            toks = _sampled_segment(r, text, template.segments(dicts[:i], tools, start=i)[1] if i else "", out_ids)
+            reused += 1
+        else:
+            toks = encode_segment(r, text, [msg.reasoning, msg.content])
+        segments.append(Segment(keys[i], toks, msg.role))
+        nodes.append(None)
+    prompt_ids = encode_segment(r, gen, [])
+    n_input = sum(len(s.tokens) for s in segments) + len(prompt_ids)
+    return PreparedCall(segments, prompt_ids, n_input, reused, nodes)
