@@ -221,6 +221,10 @@ class HarnessConfig:
                                    "restrict it); host: the host's network")
     sandbox_binds: list = _f([], help="extra read-only host paths SRC[:DST] a sandboxed harness needs "
                                       "(e.g. its own virtualenv)")
+    resume: str = _f("replay", choices=("replay", "restart"),
+                     help="an execution stopped mid-run (preemption, SIGTERM) on resume: replay = its harness "
+                          "restarts in a fresh workspace and every request equal to a recorded call is answered "
+                          "from the recording; restart = from scratch, recorded calls unused")
 
 
 @dataclass

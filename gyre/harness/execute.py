@@ -9,31 +9,36 @@ from __future__ import annotations
 from typing import Callable
 
 FINISHED = ("done", "failed", "crashed", "timeout")  # statuses that end an execution for good
+# ended by Gyre, not by the harness: never scored, rerun on resume ("lost": the infrastructure
+# failed it before its harness ran, e.g. its workspace path was taken)
+NOT_FINISHED = ("stopped", "lost")
 
 
 async def run_and_evaluate(proxy, pool, evaluators, task, execution_id: str, group: int, base_url: str,
-                           on_ended: Callable[[str], None] | None = None):
+                           on_ended: Callable[[str], None] | None = None, replay=None):
     """Run one execution and score it.
 
     Returns the ExecutionRecord: status, workspace, tree and (for executions that ended by
     themselves) reward, passed/total and reward source; stopped ones say why they were not scored.
     `on_ended(status)` is called when the harness has ended, before the evaluation starts (the
-    coordinator stops counting it as running rollout work then).
+    coordinator stops counting it as running rollout work then). ``replay``: the tree a stopped
+    earlier run of this execution recorded (replay-resume, gyre.proxy.replay).
     """
-    key = proxy.register(execution_id, task=task.name, group=group)
+    key = proxy.register(execution_id, task=task.name, group=group, replay=replay)
     try:
         result = await pool.run_execution(task, execution_id, api_key=key, base_url=base_url)
         status, workspace, error = result.status, result.workspace, result.error
     except RuntimeError as e:  # the pool is stopping: this execution never started
         status, workspace, error = "stopped", "", str(e)
-    except Exception as e:  # e.g. a reused id whose workspace is kept: recorded, never lost
-        status, workspace, error = "failed", "", f"{type(e).__name__}: {e}"
+    except Exception as e:  # e.g. a reused id whose workspace is kept: Gyre's failure, not the harness's
+        status, workspace, error = "lost", "", f"{type(e).__name__}: {e}"
     rec = proxy.end(execution_id, status)
     rec.workspace = workspace
     if on_ended is not None:
         on_ended(status)
     if status in FINISHED:
-        ev = await evaluators.evaluate(task, workspace, status)
+        # its own workspace only: the evaluator refuses anything else (never the current directory)
+        ev = await evaluators.evaluate(task, workspace, status, execution_id=execution_id)
         rec.reward = float("nan") if ev.reward is None else float(ev.reward)
         rec.reward_source, rec.passed, rec.total = ev.source, ev.passed, ev.total
     else:

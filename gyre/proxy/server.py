@@ -35,8 +35,10 @@ from gyre.proxy.capture import (ExecutionSession, PreparedCall, Renderer, new_ap
                                 prepare_call, record_call, wire_ids)
 from gyre.proxy.chat import Message, MessageError, parse_messages, parse_output, validate_tools
 from gyre.proxy.params import CallParams, RequestError, forced_prefix, parse_params
+from gyre.proxy.replay import Replay
 from gyre.proxy.streaming import ContentStream
 from gyre.traj.record import ExecutionRecord
+from gyre.traj.tree import TrajectoryTree
 
 log = logging.getLogger("gyre.proxy")
 
@@ -127,11 +129,15 @@ class Proxy:
         self.overhead_s: collections.deque[float] = collections.deque(maxlen=100_000)
 
     # -- execution registry (head side) ---------------------------------------------------
-    def register(self, execution_id: str, task: str = "", group: int = 0, api_key: str | None = None) -> str:
+    def register(self, execution_id: str, task: str = "", group: int = 0, api_key: str | None = None,
+                 replay: TrajectoryTree | None = None) -> str:
+        """A key for a new execution; ``replay``: the tree a stopped run of it recorded, whose
+        calls are answered again where the resumed harness asks the same (gyre.proxy.replay)."""
         if execution_id in self.by_id:
             raise ValueError(f"execution {execution_id!r} is already registered")
         key = api_key or new_api_key()
-        sess = ExecutionSession(ExecutionRecord(execution_id, task, group, t_start=time.time()), key)
+        sess = ExecutionSession(ExecutionRecord(execution_id, task, group, t_start=time.time()), key,
+                                replay=Replay(replay) if replay is not None and replay.calls else None)
         self.sessions[key] = sess
         self.by_id[execution_id] = sess
         return key
@@ -192,6 +198,12 @@ class Proxy:
 
     def _generate_args(self, c: Call) -> tuple:
         return (c.sess.record.execution_id, wire_ids(c.sess, c.prepared, c.forced), c.engine_params)
+
+    def _engine(self, c: Call, args: tuple):
+        """The router, or (a resumed execution) the recorded answer to these exact input ids."""
+        replay = c.sess.replay
+        hit = replay.match(args[1]) if replay is not None else None
+        return self.router if hit is None else hit
 
     def finish(self, c: Call, res) -> tuple[dict, Any]:
         """Record a finished generation and build the OpenAI response (non-streamed shape)."""
@@ -259,9 +271,9 @@ class Proxy:
 
     async def complete(self, c: Call) -> dict:
         """Run one call to the end (non-streamed); returns the OpenAI response."""
+        args = self._generate_args(c)
         try:
-            res = await self.router.generate(*self._generate_args(c), rid=c.rid,
-                                             top_logprobs_num=c.params.top_logprobs)
+            res = await self._engine(c, args).generate(*args, rid=c.rid, top_logprobs_num=c.params.top_logprobs)
         except asyncio.CancelledError:  # the client went away: the router aborted the engine request
             self.abandoned["client_disconnected"] += 1
             raise
@@ -286,7 +298,8 @@ class Proxy:
 
         await send({"role": "assistant", "content": ""})
         final = None
-        gen = self.router.generate_stream(*self._generate_args(c), rid=c.rid, top_logprobs_num=p.top_logprobs)
+        args = self._generate_args(c)
+        gen = self._engine(c, args).generate_stream(*args, rid=c.rid, top_logprobs_num=p.top_logprobs)
         try:
             async for snap in gen:  # the router ends after the final snapshot
                 if snap.finish_reason is not None:
