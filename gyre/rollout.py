@@ -232,7 +232,8 @@ class Rollout:
 
     async def _one(self, p: Planned, proxy, pool, evaluators, base_url: str, writer, bar) -> None:
         # one query = one group of G executions
-        rec = await run_and_evaluate(proxy, pool, evaluators, p.task, p.execution_id, 0, base_url, replay=p.replay)
+        rec = await run_and_evaluate(proxy, pool, evaluators, p.task, p.execution_id, 0, base_url, replay=p.replay,
+                                     infra_retries=self.cfg.harness.infra_retries)
         faults.hit("rollout", "execution_ended")
         writer.write([rec])  # durable before it counts: a SIGKILL from here on loses nothing of it
         faults.hit("rollout", "execution_recorded")

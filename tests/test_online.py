@@ -247,3 +247,45 @@ def test_burst_feeds_two_steps_from_one_round_and_pushes_once(tmp_path):
     rows = check_ledger(run_dir)
     assert sum(r["admitted"] for r in rows) == 2 * 2 * 2
     assert {r["version"] for r in rows if r["admitted"]} == {0}  # every trained group was served by v0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # two gyre runs
+def test_head_sigkill_at_execution_recorded_then_resume_loses_nothing_and_reaps_orphans(tmp_path):
+    """The head is SIGKILLed right after its 3rd execution is on disk, before the coordinator
+    hears of it. The dead job's engines and trainers are listed in run_dir/pids (whatever
+    outlives the job is reaped by `--resume`); `gyre run --resume` finishes the run: every recorded
+    execution is in the shards once and in the ledger, none `failed` with no calls, nothing lost."""
+    from gyre.engine.reaper import _running
+    from gyre.traj.store import iter_executions
+
+    run_dir, faults_dir = tmp_path / "h", tmp_path / "faults"
+    env = {"GYRE_FAULT": "head:execution_recorded:3", "GYRE_FAULT_DIR": str(faults_dir)}
+    orphans: list[int] = []
+    try:
+        proc = gyre_run(run_dir, "harness.group_size=2", wait=False, env=env)
+        out, _ = proc.communicate(timeout=550)
+        assert proc.returncode != 0, out[-2000:]
+        assert (faults_dir / "fired-head-execution_recorded-3").exists()
+        lists = [json.loads(p.read_text()) for p in (run_dir / "pids").glob("cell*.json")]
+        orphans = [pid for lst in lists for e in lst.values() for pid, _ in e["pids"]]
+        assert orphans  # the killed job's engines and trainers were written down (here mpiexec ended them)
+        recorded_first = executions_in_shards(run_dir)
+        assert len(recorded_first) >= 3  # durable before the coordinator heard of them
+        rc, out = gyre_run(run_dir, "harness.group_size=2", resume=True, env=env, timeout=550)
+        assert rc == 0, out[-3000:]
+        assert not any(_running(p) for p in orphans)
+    finally:
+        for pid in orphans:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert report(run_dir)["version"] == 2
+    recs = list(iter_executions(run_dir / "shards"))
+    ids = Counter(r.execution_id for r in recs)
+    assert all(n == 1 for n in ids.values()), ids.most_common(3)  # each execution once
+    assert not [r.execution_id for r in recs if r.status in ("failed", "lost") and not r.tree.calls]
+    rows = check_ledger(run_dir)
+    assert recorded_first <= {r["execution"] for r in rows}
+    assert sum(r["admitted"] for r in rows) == 2 * 2 * 2  # steps x Q x G, each trained once

@@ -14,8 +14,11 @@ FINISHED = ("done", "failed", "crashed", "timeout")  # statuses that end an exec
 NOT_FINISHED = ("stopped", "lost")
 
 
+INFRA_PREFIX = "cannot start the harness"  # the runner's error when the sandbox or process could not start
+
+
 async def run_and_evaluate(proxy, pool, evaluators, task, execution_id: str, group: int, base_url: str,
-                           on_ended: Callable[[str], None] | None = None, replay=None):
+                           on_ended: Callable[[str], None] | None = None, replay=None, infra_retries: int = 0):
     """Run one execution and score it.
 
     Returns the ExecutionRecord: status, workspace, tree and (for executions that ended by
@@ -23,22 +26,37 @@ async def run_and_evaluate(proxy, pool, evaluators, task, execution_id: str, gro
     `on_ended(status)` is called when the harness has ended, before the evaluation starts (the
     coordinator stops counting it as running rollout work then). ``replay``: the tree a stopped
     earlier run of this execution recorded (replay-resume, gyre.proxy.replay).
+
+    An infrastructure failure (its sandbox or process could not start: no harness ran, no call
+    was made) is retried, this execution alone, up to ``infra_retries`` times, each try in a
+    fresh workspace ``<id>.retry<n>``; after that it is ``lost`` (never scored as a real 0).
     """
     key = proxy.register(execution_id, task=task.name, group=group, replay=replay)
-    try:
-        result = await pool.run_execution(task, execution_id, api_key=key, base_url=base_url)
-        status, workspace, error = result.status, result.workspace, result.error
-    except RuntimeError as e:  # the pool is stopping: this execution never started
-        status, workspace, error = "stopped", "", str(e)
-    except Exception as e:  # e.g. a reused id whose workspace is kept: Gyre's failure, not the harness's
-        status, workspace, error = "lost", "", f"{type(e).__name__}: {e}"
+    own, tries = execution_id, []  # own: the id whose workspace the evaluator may score
+    while True:
+        try:
+            result = await pool.run_execution(task, own, api_key=key, base_url=base_url)
+            status, workspace, error = result.status, result.workspace, result.error
+        except RuntimeError as e:  # the pool is stopping: this execution never started
+            status, workspace, error = "stopped", "", str(e)
+        except Exception as e:  # e.g. a reused id whose workspace is kept: Gyre's failure, not the harness's
+            status, workspace, error = "lost", "", f"{type(e).__name__}: {e}"
+        infra = status == "failed" and (error or "").startswith(INFRA_PREFIX) and not proxy.by_id[execution_id].tree.calls
+        if not infra:
+            break
+        tries.append(error)
+        if len(tries) > infra_retries:
+            status = "lost"
+            error = f"{error} (tried {len(tries)} times)"
+            break
+        own = f"{execution_id}.retry{len(tries)}"
     rec = proxy.end(execution_id, status)
     rec.workspace = workspace
     if on_ended is not None:
         on_ended(status)
     if status in FINISHED:
         # its own workspace only: the evaluator refuses anything else (never the current directory)
-        ev = await evaluators.evaluate(task, workspace, status, execution_id=execution_id)
+        ev = await evaluators.evaluate(task, workspace, status, execution_id=own)
         rec.reward = float("nan") if ev.reward is None else float(ev.reward)
         rec.reward_source, rec.passed, rec.total = ev.source, ev.passed, ev.total
     else:
