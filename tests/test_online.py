@@ -153,11 +153,18 @@ def test_sigterm_to_head_then_resume_trains_nothing_twice(tmp_path):
     assert proc.returncode != 0, out[-2000:]
     first = report(run_dir)
     assert first["stopped"] and 1 <= first["version"] < 3
+    stopped = {r.execution_id: len(r.tree.calls) for r in iter_shards(run_dir) if r.status == "stopped"}
     rc, out = gyre_run(run_dir, steps=3, resume=True)
     assert rc == 0, out[-3000:]
     steps = [json.loads(s)["step"] for s in (run_dir / "steps.jsonl").read_text().splitlines()]
     assert sorted(steps) == [0, 1, 2]  # each step once, across the two jobs
     check_ledger(run_dir)
+    # replay-resume: a stopped execution with calls continues in a new group of its task
+    resumed = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines() if '"resumed"' in line]
+    assert len({r["from"] for r in resumed}) == len(resumed)  # each stopped execution resumed at most once
+    for r in resumed:
+        assert r["recorded_calls"] == stopped[r["from"]] and r["replayed_calls"] >= 1, r
+    assert resumed or not any(stopped.values()), (stopped, resumed)
 
 
 HOLD_AGENT = ROOT / "tests" / "harness_scripts" / "hold_agent.py"
@@ -224,6 +231,12 @@ def test_head_fault_phase_step_end_resume(tmp_path):
     assert all(not r["admitted"] for r in rows if r["execution"] in in_shards_first)
 
 
+def iter_shards(run_dir: Path):
+    from gyre.traj.store import iter_executions
+
+    return list(iter_executions(run_dir / "shards")) if (run_dir / "shards").exists() else []
+
+
 def executions_in_shards(run_dir: Path) -> set[str]:
     from gyre.traj.store import iter_executions
 
@@ -272,6 +285,7 @@ def test_head_sigkill_at_execution_recorded_then_resume_loses_nothing_and_reaps_
         assert orphans  # the killed job's engines and trainers were written down (here mpiexec ended them)
         recorded_first = executions_in_shards(run_dir)
         assert len(recorded_first) >= 3  # durable before the coordinator heard of them
+        running_at_kill = {p.name for p in (run_dir / "workspaces").iterdir()} - recorded_first
         rc, out = gyre_run(run_dir, "harness.group_size=2", resume=True, env=env, timeout=550)
         assert rc == 0, out[-3000:]
         assert not any(_running(p) for p in orphans)
@@ -289,3 +303,5 @@ def test_head_sigkill_at_execution_recorded_then_resume_loses_nothing_and_reaps_
     rows = check_ledger(run_dir)
     assert recorded_first <= {r["execution"] for r in rows}
     assert sum(r["admitted"] for r in rows) == 2 * 2 * 2  # steps x Q x G, each trained once
+    lost = {r["execution"] for r in rows if r["reason"].startswith("lost:")}
+    assert lost == running_at_kill  # what was running at the kill is recorded lost, with its reason
