@@ -168,7 +168,8 @@ class Rollout:
         shard_dir = private_dir(cfg.shard_dir())
         replays: dict[str, object] = {}
         previous = previous_executions(shard_dir, replays) if resume else {}
-        if not resume and (previous_executions(shard_dir) or (run_dir / "workspaces").is_dir()):
+        if not resume and (previous_executions(shard_dir) or (run_dir / "workspaces").is_dir()
+                           or any((run_dir / "pids").glob("*.json"))):
             raise SystemExit(f"gyre rollout: {run_dir} already holds a run; pass --resume to continue it "
                              f"or choose another run.dir")
         if resume:  # the engines (and key files) a killed run left behind go before anything starts
