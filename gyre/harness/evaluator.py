@@ -282,9 +282,10 @@ def evaluate_workspace(task: Task, workspace: str | os.PathLike, status: str = "
     official reward of 0 (the benchmark's post-processing failure)."""
     opts = options or EvalOptions()
     t0 = time.monotonic()
-    if not str(workspace) or not Path(workspace).is_absolute():
-        # "" or "." would mean the evaluator's own current directory: never a workspace
-        return refused(task, f"workspace {str(workspace)!r} is not an absolute path to an execution's workspace")
+    if not str(workspace) or _holds_cwd(Path(workspace)):
+        # "" (an execution that never had a workspace) would mean the evaluator's own directory
+        return refused(task, f"workspace {str(workspace)!r} is the evaluator's current directory "
+                             f"(or holds it), not an execution's workspace")
     try:
         envs = opts.envs()
         place = envs.place(task)
@@ -365,6 +366,12 @@ def evaluate_workspace(task: Task, workspace: str | os.PathLike, status: str = "
     finally:
         if scratch is not None and not opts.keep_scratch:
             shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _holds_cwd(path: Path) -> bool:
+    cwd = Path.cwd().resolve()
+    target = path.resolve()
+    return target == cwd or target in cwd.parents
 
 
 def refused(task: Task, why: str) -> Evaluation:
@@ -461,12 +468,14 @@ class EvaluatorPool:
                log_path: str | os.PathLike | None = None, execution_id: str | None = None) -> cf.Future:
         """A Future of the Evaluation; the call returns at once. With ``execution_id`` (and a
         pool made from a config) only that execution's own workspace is scored."""
-        why = own_workspace_error(workspace, self.workspaces_root, execution_id)
+        why = own_workspace_error(workspace, self.workspaces_root, execution_id) \
+            if execution_id is not None or not str(workspace) else None
         if why is not None:
             fut: cf.Future = cf.Future()
             fut.set_result(refused(task, why))
             return fut
-        return self._threads.submit(self._run, task, str(workspace), status,
+        # absolute: a submitit job may start in another directory
+        return self._threads.submit(self._run, task, str(Path(workspace).absolute()), status,
                                     str(Path(log_path).absolute()) if log_path else None)
 
     async def evaluate(self, task: Task, workspace: str | os.PathLike, status: str = "done",
