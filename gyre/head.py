@@ -341,6 +341,8 @@ class Head:
             self._spawn(self._execution(g.id, task, eid, replays.pop(0) if replays else None))
 
     async def _execution(self, gid: int, task, eid: str, replay=None) -> None:
+        if replay:  # written first: a stopped execution's recording is never replayed into two executions
+            self.ledger.write(json.dumps({"resuming": eid, "from": replay[0]}) + "\n")
         rec = await run_and_evaluate(self.proxy, self.pool, self.evaluators, task, eid, gid, self.base_url,
                                      on_ended=lambda _status: self.core.execution_ended(eid, time.time()),
                                      replay=replay[1] if replay else None,
@@ -646,16 +648,16 @@ class Head:
         resumes them by replay, member for member (gyre.proxy.replay)."""
         from gyre.traj.store import iter_executions
 
-        done = set()
+        done = set()  # recordings already taken by a resumed execution ("resuming" lines)
         path = self.run_dir / "ledger.jsonl"
         for line in path.read_text().splitlines() if path.exists() else []:
-            if '"resumed"' in line:
+            if '"resuming"' in line:
                 done.add(json.loads(line).get("from"))
         out: dict[tuple[str, int], list] = {}
         for rec in iter_executions(self.cfg.shard_dir()):
-            member = rec.execution_id.rsplit("-g", 1)[-1]
-            if rec.status == "stopped" and rec.tree.calls and rec.execution_id not in done and member.isdigit():
-                out.setdefault((rec.task, int(member)), []).append((rec.execution_id, rec.tree))
+            m = _EXECUTION_ID.match(rec.execution_id)
+            if m and rec.status == "stopped" and rec.tree.calls and rec.execution_id not in done:
+                out.setdefault((rec.task, int(m["member"])), []).append((rec.execution_id, rec.tree))
         return out
 
     # ==== report ================================================================================

@@ -156,7 +156,7 @@ class Rollout:
         from gyre.harness.sandbox import Environments, SandboxConfig
         from gyre.proxy.server import Proxy, create_app, start_site
         from gyre.engine.reaper import ProcessList, reap
-        from gyre.traj.store import ShardWriter, compact, shard_identity
+        from gyre.traj.store import ShardWriter, compact, shard_identity, shard_paths
 
         cfg, t0 = self.cfg, time.monotonic()
         suite = read_tasks(cfg)  # before anything is created: a bad suite is the user's first message
@@ -226,7 +226,6 @@ class Rollout:
                 await runner.cleanup()
                 await router.close()
         compact(writer, cfg.store.executions_per_shard)  # the per-execution shards, merged
-        from gyre.traj.store import shard_paths
         self.summary.shards = [str(q) for q in shard_paths(shard_dir)]
         self.summary.seconds = time.monotonic() - t0
         return self.summary
