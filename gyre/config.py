@@ -272,6 +272,12 @@ class HarnessConfig:
                                    "restrict it); host: the host's network")
     sandbox_binds: list = _f([], help="extra read-only host paths SRC[:DST] a sandboxed harness needs "
                                       "(e.g. its own virtualenv)")
+    infra_retries: int = _f(2, min=0, help="an execution whose sandbox or process could not start is tried "
+                                          "again this many times (alone, in a fresh workspace), then recorded lost")
+    resume: str = _f("replay", choices=("replay", "restart"),
+                     help="an execution stopped mid-run (preemption, SIGTERM) on resume: replay = its harness "
+                          "restarts in a fresh workspace and every request equal to a recorded call is answered "
+                          "from the recording; restart = from scratch, recorded calls unused")
 
 
 @dataclass

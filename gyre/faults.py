@@ -14,7 +14,9 @@ Phases in use (process: phases):
     trainer: micro_batch, prepare_reduce, reduce, optimizer_step, export, checkpoint
     engine:  generate, release, weight_load
     agent:   command
-    head:    step_end
+    head:    step_end, execution_ended, execution_recorded
+    rollout: execution_ended, execution_recorded
+    store:   compacted (a merged shard written, its sources not yet removed)
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ import asyncio
 import itertools
 import json
 import math
+import re
 import secrets
 import signal
 import statistics
@@ -39,12 +40,16 @@ from gyre import faults
 from gyre.config import GyreConfig, default_tiny_dir
 from gyre.fsio import atomic_write_json, atomic_write_text
 from gyre.harness.execute import FINISHED, run_and_evaluate
+from gyre.proxy.replay import REPLAY_ENDPOINT
 from gyre.sched.cells import Cell, cell_stats
 from gyre.sched.core import Admission, Coordinator, CoreSpec, GroupRecord, StepResult
 from gyre.sched.protocol import (Command, Event, PrepareReduce, PushWeights, Reduce, Reply, Stop, ToRollout, ToTrain,
                                  Train, reply_for)
 from gyre.sched.state import Role
 from gyre.train.step_stats import lag0_warning, merge, summarize
+
+
+_EXECUTION_ID = re.compile(r"^q(?P<group>\d+)-(?P<task>.+)-g(?P<member>\d+)$")  # as _start_group names them
 
 
 class Head:
@@ -76,6 +81,7 @@ class Head:
         self._cells_written = 0.0
         self.harness_errors = 0
         self.status_counts: dict[str, int] = {}
+        self.replays: dict[tuple[str, int], list] = {}  # resume: stopped executions to replay
 
     @property
     def version(self) -> int:
@@ -170,7 +176,7 @@ class Head:
         from gyre.proxy.server import Proxy, create_app, proxy_options, start_site
         from gyre.sched import policy_from_config
         from gyre.traj.select import SelectionSpec
-        from gyre.traj.store import ShardWriter, shard_identity
+        from gyre.traj.store import ShardWriter, compact, shard_identity
 
         cfg = self.cfg
         private_dir(self.run_dir)
@@ -185,7 +191,10 @@ class Head:
         self.task_cycle = itertools.cycle(self.tasks)
         identity = model_identity(self.model_dir)
         self.writer = ShardWriter.from_config(cfg.store, private_dir(cfg.shard_dir()), shard_identity(identity))
+        if self.resume:
+            compact(self.writer, cfg.store.executions_per_shard)  # finish one a crash cut short
         version, first_group = self._load_state() if self.resume else (0, 0)
+        self.replays = self._stopped_to_replay() if self.resume and cfg.harness.resume == "replay" else {}
         self.ledger = open(self.run_dir / "ledger.jsonl", "a", buffering=1)
         self.steps_file = open(self.run_dir / "steps.jsonl", "a", buffering=1)
         s = cfg.sched
@@ -243,6 +252,7 @@ class Head:
             await self.pool.stop_all()
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
             self._flush(force=True)
+            compact(self.writer, cfg.store.executions_per_shard)  # the per-execution shards, merged
             self._close_ledger(f"run stopped: {self.pool.broken}" if self.pool.broken
                                else "run stopped" if stopped else "run ended")
             if self.pool.broken:
@@ -341,20 +351,32 @@ class Head:
         for k in range(self.cfg.harness.group_size):
             eid = f"q{g.id}-{task.name}-g{k}"
             self.core.execution_started(g.id, eid, now)
-            self._spawn(self._execution(g.id, task, eid))
+            replays = self.replays.get((task.name, k))
+            self._spawn(self._execution(g.id, task, eid, replays.pop(0) if replays else None))
 
-    async def _execution(self, gid: int, task, eid: str) -> None:
+    async def _execution(self, gid: int, task, eid: str, replay=None) -> None:
+        if replay:  # written first: a stopped execution's recording is never replayed into two executions
+            self.ledger.write(json.dumps({"resuming": eid, "from": replay[0]}) + "\n")
         rec = await run_and_evaluate(self.proxy, self.pool, self.evaluators, task, eid, gid, self.base_url,
-                                     on_ended=lambda _status: self.core.execution_ended(eid, time.time()))
+                                     on_ended=lambda _status: self.core.execution_ended(eid, time.time()),
+                                     replay=replay[1] if replay else None,
+                                     infra_retries=self.cfg.harness.infra_retries)
         self._execution_done(eid, rec, time.time())
+        if replay:  # replay-resume: which stopped execution this one continued, and what it saved
+            self.ledger.write(json.dumps({
+                "resumed": eid, "from": replay[0], "recorded_calls": len(replay[1].calls),
+                "replayed_calls": sum(c.endpoint == REPLAY_ENDPOINT for c in rec.tree.calls)}) + "\n")
 
     def _execution_done(self, eid: str, rec, now: float) -> None:
-        """An execution ended and was scored: its record goes to the shards, the core admits."""
+        """An execution ended and was scored: its record is on disk (its own small shard, compacted
+        at the end) before the core hears of it, so a SIGKILL from here on loses none of it."""
+        faults.hit("head", "execution_ended")
         self.records[eid] = rec
         self.status_counts[rec.status] = self.status_counts.get(rec.status, 0) + 1
         self.harness_errors += rec.status in ("failed", "crashed")
         self.records_buffer.append(rec)
         self._flush()
+        faults.hit("head", "execution_recorded")
         usable = rec.status in FINISHED and math.isfinite(rec.reward)
         adm = self.core.execution_evaluated(eid, now, version=rec.min_version,
                                             tokens=float(rec.tree.stats().unique_tokens), usable=usable,
@@ -373,11 +395,17 @@ class Head:
         from gyre.batch import to_wire
         from gyre.traj.materialize import materialize, prepare_step
 
+        # a group trains with its evaluated members; the others are recorded with their reason
         usable = [self.records[eid] for eid, e in g.executions.items() if e.usable]
         for eid, e in g.executions.items():
             if not e.usable:
                 rec = self.records[eid]
                 self._ledger(eid, g, admitted=False, reason=rec.reward_source or f"status {rec.status}")
+        if len(usable) == 1 and self.cfg.train.advantage != "reward":  # no baseline: no signal, zero advantage
+            self._ledger(usable[0].execution_id, g, admitted=False,
+                         reason=f"the only evaluated member of its group of {len(g.executions)}: "
+                                f"a group baseline ({self.cfg.train.advantage}) needs at least 2")
+            return
         if not usable:
             return
         batch = prepare_step(usable, self.spec, step_version=g.step, estimator=self.cfg.train.advantage)
@@ -575,8 +603,8 @@ class Head:
                                                          "step_mbs_left": len(self.core.step.queue),
                                                          "cells": rows})
 
-    def _flush(self, force: bool = False) -> None:
-        if self.records_buffer and (force or len(self.records_buffer) >= self.cfg.store.executions_per_shard):
+    def _flush(self, force: bool = False) -> None:  # noqa: ARG002 (every record is written at once now)
+        if self.records_buffer:
             self.writer.write(self.records_buffer)
             self.records_buffer = []
 
@@ -631,11 +659,39 @@ class Head:
                                        "admitted": False, "step": None, "staleness": None, "lag_syncs": None,
                                        "reason": "the head stopped before this execution was admitted or recorded",
                                        "reward": None, "version": rec.min_version, "sync": None}))
+        ws_dir = self.run_dir / "workspaces"
+        for ws in sorted(ws_dir.iterdir()) if ws_dir.is_dir() else ():
+            m = _EXECUTION_ID.match(ws.name)
+            if m and ws.name not in seen:  # it was running when the head died: no record of it exists
+                seen.add(ws.name)
+                out.append(json.dumps({"execution": ws.name, "group": int(m["group"]), "task": m["task"],
+                                       "admitted": False, "step": None, "staleness": None, "lag_syncs": None,
+                                       "reason": "lost: it was running when the head was killed; its calls were "
+                                                 "not recorded (its group is rerun)",
+                                       "reward": None, "version": None, "sync": None}))
         atomic_write_text(ledger_path, "".join(line + "\n" for line in out))
         if steps_path.exists():
             keep = [line for line in steps_path.read_text().splitlines()
                     if line.strip() and json.loads(line)["step"] < version]
             atomic_write_text(steps_path, "".join(line + "\n" for line in keep))
+
+    def _stopped_to_replay(self) -> dict[tuple[str, int], list]:
+        """(task, member) -> [(execution id, tree)] of executions the stopped job was running
+        (status ``stopped``, calls recorded, never resumed yet): a new group of the same task
+        resumes them by replay, member for member (gyre.proxy.replay)."""
+        from gyre.traj.store import iter_executions
+
+        done = set()  # recordings already taken by a resumed execution ("resuming" lines)
+        path = self.run_dir / "ledger.jsonl"
+        for line in path.read_text().splitlines() if path.exists() else []:
+            if '"resuming"' in line:
+                done.add(json.loads(line).get("from"))
+        out: dict[tuple[str, int], list] = {}
+        for rec in iter_executions(self.cfg.shard_dir()):
+            m = _EXECUTION_ID.match(rec.execution_id)
+            if m and rec.status == "stopped" and rec.tree.calls and rec.execution_id not in done:
+                out.setdefault((rec.task, int(m["member"])), []).append((rec.execution_id, rec.tree))
+        return out
 
     # ==== report ================================================================================
     def report(self, t1: float, stopped: bool) -> dict:

@@ -3,9 +3,13 @@
 One process plays the head on one machine: it starts M engine endpoints (``engine.backend``),
 the router and the proxy, then runs the harness pool. Each finished execution is ended at the
 proxy (its key revoked, its tree handed over), scored from its workspace off the critical path,
-and buffered for the next shard. Ctrl-C / SIGTERM stops the harnesses, writes everything that
-was recorded (stopped executions with status ``stopped``) and exits; ``--resume`` skips every
-(task, member) whose execution already finished, and reruns stopped ones under a new attempt id.
+and written as its own small shard before it counts as done (a SIGKILL loses at most the
+executions still running); the small shards are compacted at the end. Ctrl-C / SIGTERM stops the
+harnesses, writes everything that was recorded (stopped executions with status ``stopped``) and
+exits. ``--resume`` first reaps the engines a killed run left behind, then skips every
+(task, member) whose execution already finished and reruns the others under a new attempt id
+(a fresh workspace: a path is never reused); one that was stopped with recorded calls is resumed
+by replay (``harness.resume``, gyre.proxy.replay).
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gyre import faults
 from gyre.config import GyreConfig, default_tiny_dir, load_config
 from gyre.harness.execute import (FINISHED, check_scorable, read_tasks, run_and_evaluate,  # noqa: F401 (re-exported)
                                   select_tasks)
+from gyre.proxy.replay import REPLAY_ENDPOINT
 
 _ATTEMPT = re.compile(r"^(?P<base>.+)-a(?P<n>\d+)$")
 
@@ -35,6 +41,7 @@ class Planned:
     task: object          # gyre.harness.tasks.Task
     member: int           # index within the task's group of G executions
     attempt: int = 0
+    replay: object = None  # the tree its stopped attempt recorded (replay-resume), or None
 
     @property
     def base_id(self) -> str:
@@ -64,11 +71,25 @@ class RolloutSummary:
     broken: str | None = None  # why the run stopped early: harnesses could not start in their sandbox
     unscorable_tasks: dict[str, str] = field(default_factory=dict)  # task -> why it cannot be scored here
     unscorable_reasons: dict[str, int] = field(default_factory=dict)  # executions by reason
+    resumed: int = 0        # executions resumed by replay
+    replayed_calls: int = 0  # calls those answered from their recording
+    diverged: int = 0       # resumed executions whose harness asked something not recorded
+    reaped: dict = field(default_factory=dict)  # what a killed earlier run left running
 
 
-def plan(tasks, group_size: int, previous: dict[str, tuple[str, int]]) -> tuple[list[Planned], int]:
-    """Executions still to run. ``previous`` maps base id -> (last status, last attempt)."""
+def _split(execution_id: str) -> tuple[str, int]:
+    m = _ATTEMPT.match(execution_id)
+    return (m["base"], int(m["n"])) if m else (execution_id, 0)
+
+
+def plan(tasks, group_size: int, previous: dict[str, tuple[str, int]], used: dict[str, int] | None = None,
+         replays: dict[str, object] | None = None) -> tuple[list[Planned], int]:
+    """Executions still to run. ``previous`` maps base id -> (last status, last attempt) in the
+    shards; ``used`` base id -> highest attempt that has a workspace (a run killed before it
+    recorded them), so a rerun never gets a path that exists; ``replays`` base id -> the tree a
+    stopped attempt recorded."""
     todo, skipped = [], 0
+    used, replays = used or {}, replays or {}
     for task in tasks:
         for g in range(group_size):
             p = Planned(task, g)
@@ -76,24 +97,46 @@ def plan(tasks, group_size: int, previous: dict[str, tuple[str, int]]) -> tuple[
             if status in FINISHED:
                 skipped += 1
                 continue
-            p.attempt = attempt + 1
+            p.attempt = max(attempt, used.get(p.base_id, -1)) + 1
+            p.replay = replays.get(p.base_id)
             todo.append(p)
     return todo, skipped
 
 
-def previous_executions(shard_dir: Path) -> dict[str, tuple[str, int]]:
-    """Base id -> (status, attempt) of the latest attempt already in shards."""
+def previous_executions(shard_dir: Path, replays: dict | None = None) -> dict[str, tuple[str, int]]:
+    """Base id -> (status, attempt) of the latest attempt already in shards. ``replays``, if
+    given, gets base id -> tree for each whose latest attempt was stopped with calls recorded."""
     from gyre.traj.store import iter_executions
 
     seen: dict[str, tuple[str, int]] = {}
     if not shard_dir.exists():
         return seen
     for rec in iter_executions(shard_dir):
-        m = _ATTEMPT.match(rec.execution_id)
-        base, n = (m["base"], int(m["n"])) if m else (rec.execution_id, 0)
+        base, n = _split(rec.execution_id)
         if base not in seen or n >= seen[base][1]:
             seen[base] = (rec.status, n)
+            if replays is not None:
+                if rec.status == "stopped" and rec.tree.calls:
+                    replays[base] = rec.tree
+                else:
+                    replays.pop(base, None)
     return seen
+
+
+def used_attempts(run_dir: Path) -> dict[str, int]:
+    """Base id -> highest attempt whose workspace or log folder exists."""
+    out: dict[str, int] = {}
+    for sub in ("workspaces", "logs"):
+        d = run_dir / sub
+        for entry in (d.iterdir() if d.is_dir() else ()):
+            if _ATTEMPT.match(entry.name):
+                base, n = _split(entry.name)
+                out[base] = max(out.get(base, -1), n)
+    return out
+
+
+def replayed_calls(rec) -> int:
+    return sum(c.endpoint == REPLAY_ENDPOINT for c in rec.tree.calls)
 
 
 class Rollout:
@@ -101,7 +144,6 @@ class Rollout:
         self.cfg = cfg
         self.progress = progress
         self.summary = RolloutSummary()
-        self._buffer: list = []
         self._stop = asyncio.Event()
         self.started = asyncio.Event()  # set once engines, router and proxy serve (tests, tooling)
         self.router = self.proxy = None
@@ -117,8 +159,9 @@ class Rollout:
         from gyre.harness.evaluator import EvaluatorPool
         from gyre.harness.runner import HarnessPool, private_dir
         from gyre.harness.sandbox import Environments, SandboxConfig
+        from gyre.engine.reaper import ProcessList, reap
         from gyre.proxy.server import Proxy, create_app, proxy_options, start_site
-        from gyre.traj.store import ShardWriter, shard_identity
+        from gyre.traj.store import ShardWriter, compact, shard_identity, shard_paths
 
         cfg, t0 = self.cfg, time.monotonic()
         suite = read_tasks(cfg)  # before anything is created: a bad suite is the user's first message
@@ -127,22 +170,33 @@ class Rollout:
         envs = Environments(SandboxConfig.from_config(cfg.harness))  # one placement per task, shared
         self.summary.sandbox = envs.host_backend
         self.summary.unscorable_tasks = check_scorable(tasks, envs, cfg.harness.min_scorable_share)
-        private_dir(Path(cfg.run.dir))  # the run directory exists and is private before anything lands in it
+        run_dir = private_dir(Path(cfg.run.dir))  # exists and is private before anything lands in it
         shard_dir = private_dir(cfg.shard_dir())
-        previous = previous_executions(shard_dir) if resume else {}
-        if not resume and previous_executions(shard_dir):
-            raise SystemExit(f"gyre rollout: {shard_dir} already holds shards; pass --resume to continue that run "
+        replays: dict[str, object] = {}
+        previous = previous_executions(shard_dir, replays) if resume else {}
+        if not resume and (previous_executions(shard_dir) or (run_dir / "workspaces").is_dir()
+                           or any((run_dir / "pids").glob("*.json"))):
+            raise SystemExit(f"gyre rollout: {run_dir} already holds a run; pass --resume to continue it "
                              f"or choose another run.dir")
-        todo, self.summary.skipped_resume = plan(tasks, cfg.harness.group_size, previous)
+        if resume:  # the engines (and key files) a killed run left behind go before anything starts
+            self.summary.reaped = reap(run_dir)
+        if cfg.harness.resume != "replay":
+            replays = {}
+        todo, self.summary.skipped_resume = plan(tasks, cfg.harness.group_size, previous, used_attempts(run_dir),
+                                                 replays)
         model_dir = Path(cfg.model.path or ensure_tiny_model(default_tiny_dir(cfg), cfg.model.tiny_family))
         identity = model_identity(model_dir)
         writer = ShardWriter.from_config(cfg.store, shard_dir, shard_identity(identity))
         engine_key = secrets.token_urlsafe(24)  # the job's secret: engines accept nothing else
+        pids = ProcessList(run_dir, "rollout")
 
         with contextlib.ExitStack() as stack:
             # engine.backend picks embedded engines or SGLang servers (one per endpoint, on this machine)
-            engines = [stack.enter_context(start_cell_engine(cfg, model_dir, api_key=engine_key))
-                       for _ in range(cfg.engine.endpoints)]
+            stack.callback(pids.close)  # the list goes once the engines stopped (an ExitStack unwinds LIFO)
+            engines = []
+            for i in range(cfg.engine.endpoints):
+                engines.append(stack.enter_context(start_cell_engine(cfg, model_dir, api_key=engine_key)))
+                pids.add(f"engine{i}", engines[-1].pids, engines[-1].key_file)
             router = Router([e.url for e in engines], api_key=engine_key, timeout_s=cfg.engine.request_timeout_s)
             proxy = Proxy(router, load_tokenizer(model_dir), identity=identity,
                           default_max_tokens=cfg.proxy.default_max_tokens, max_tokens_cap=cfg.proxy.max_tokens_cap,
@@ -170,7 +224,6 @@ class Rollout:
                     await pool.stop_all()
                 await asyncio.gather(*jobs, return_exceptions=True)
                 stopper.cancel()
-                self._flush(writer, force=True)
             finally:
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     loop.remove_signal_handler(sig)
@@ -179,13 +232,24 @@ class Rollout:
                 evaluators.shutdown(wait=True)
                 await runner.cleanup()
                 await router.close()
+        compact(writer, cfg.store.executions_per_shard)  # the per-execution shards, merged
+        self.summary.shards = [str(q) for q in shard_paths(shard_dir)]
         self.summary.seconds = time.monotonic() - t0
         self.summary.broken = pool.broken
         return self.summary
 
     async def _one(self, p: Planned, proxy, pool, evaluators, base_url: str, writer, bar) -> None:
         # one query = one group of G executions
-        rec = await run_and_evaluate(proxy, pool, evaluators, p.task, p.execution_id, 0, base_url)
+        rec = await run_and_evaluate(proxy, pool, evaluators, p.task, p.execution_id, 0, base_url, replay=p.replay,
+                                     infra_retries=self.cfg.harness.infra_retries)
+        faults.hit("rollout", "execution_ended")
+        writer.write([rec])  # durable before it counts: a SIGKILL from here on loses nothing of it
+        faults.hit("rollout", "execution_recorded")
+        if p.replay is not None:
+            self.summary.resumed += 1
+            n = replayed_calls(rec)
+            self.summary.replayed_calls += n
+            self.summary.diverged += n < len(p.replay.calls)
         if rec.status in FINISHED:
             # the official score counts what could not be scored (no image, evaluator failure) as 0
             self.summary.official.append(rec.reward if math.isfinite(rec.reward) else 0.0)
@@ -203,17 +267,9 @@ class Rollout:
         self.summary.executions[rec.status] = self.summary.executions.get(rec.status, 0) + 1
         self.summary.calls += st.calls
         self.summary.tokens += st.unique_tokens
-        self._buffer.append(rec)
-        self._flush(writer)
         if bar is not None:
             bar.update(1)
             bar.set_postfix(calls=self.summary.calls, reward=f"{_mean(self.summary.rewards):.3f}")
-
-    def _flush(self, writer, force: bool = False) -> None:
-        if self._buffer and (force or len(self._buffer) >= self.cfg.store.executions_per_shard):
-            path = writer.write(self._buffer)
-            self.summary.shards.append(str(path))
-            self._buffer = []
 
     def _bar(self, total: int):
         if not self.progress:
@@ -246,7 +302,11 @@ def print_summary(s: RolloutSummary, cfg: GyreConfig) -> None:
             ("reward by source", ", ".join(f"{k} {_mean(v):.3f} (n={len(v)})" for k, v in sorted(s.by_source.items())) or "-"),
             ("timeouts", s.executions.get("timeout", 0)),
             ("unscorable", f"{s.unscorable}" + "".join(f"\n  {n} x {why}" for why, n in sorted(s.unscorable_reasons.items()))),
-            ("skipped (resume)", s.skipped_resume), ("broken task folders skipped", s.skipped_tasks),
+            ("skipped (resume)", s.skipped_resume),
+            ("resumed by replay", f"{s.resumed} ({s.replayed_calls} calls replayed, {s.diverged} diverged)"),
+            ("reaped (resume)", f"{len(s.reaped.get('processes', []))} engine processes, "
+                                f"{len(s.reaped.get('key_files', []))} key files"),
+            ("broken task folders skipped", s.skipped_tasks),
             ("sandbox", s.sandbox), ("shards", len(s.shards)), ("time", f"{s.seconds:.1f} s")]
     for k, v in rows:
         t.add_row(k, str(v))

@@ -262,3 +262,29 @@ def test_task_commands_never_touch_gyres_environment(tmp_path, opts):
     finally:
         target.unlink(missing_ok=True)
         home_target.unlink(missing_ok=True)
+
+
+def test_evaluator_refuses_anything_but_the_executions_own_workspace(tmp_path, opts, monkeypatch):
+    """The bug this guards: an execution that never got a workspace ("" after its id was reused)
+    was scored in the evaluator's current directory; from a folder holding a solution it scored
+    1.0. Here the current directory holds a full fizzbuzz solution: no call may score it, copy it,
+    or even make a scratch copy."""
+    cwd = workspace(tmp_path / "cwd", solution="fizzbuzz")
+    monkeypatch.chdir(cwd)
+    root = tmp_path / "run" / "workspaces"
+    own, other = root / "fizzbuzz-g0-a1", root / "fizzbuzz-g1-a0"
+    for ws in (own, other):
+        shutil.copytree(SOLUTIONS / "fizzbuzz", ws)
+    with EvaluatorPool(opts, workers=1, workspaces_root=root) as pool:
+        tries = {"empty": ("", "fizzbuzz-g0-a1"), "dot": (".", "fizzbuzz-g0-a1"),
+                 "another's": (str(other), "fizzbuzz-g0-a1"), "missing": (str(own.parent / "x"), "x")}
+        for what, (ws, eid) in tries.items():
+            ev = pool.submit(TASKS["fizzbuzz"], ws, "done", execution_id=eid).result(60)
+            assert (ev.reward, ev.source, ev.official_reward) == (None, "refused", 0.0), (what, ev)
+            assert ev.error, what
+        assert not Path(opts.scratch_dir).exists() or not any(Path(opts.scratch_dir).iterdir())
+        ev = pool.submit(TASKS["fizzbuzz"], str(own), "done", execution_id="fizzbuzz-g0-a1").result(60)
+        assert (ev.reward, ev.source) == (1.0, "tests")  # its own workspace is scored as ever
+    for ws in ("", "."):  # the function itself refuses a path that means the current directory
+        ev = evaluate_workspace(TASKS["fizzbuzz"], ws, "done", opts)
+        assert (ev.reward, ev.source) == (None, "refused"), ws

@@ -157,11 +157,18 @@ def test_sigterm_to_head_then_resume_trains_nothing_twice(tmp_path):
     assert proc.returncode != 0, out[-2000:]
     first = report(run_dir)
     assert first["stopped"] and 1 <= first["version"] < 3
+    stopped = {r.execution_id: len(r.tree.calls) for r in iter_shards(run_dir) if r.status == "stopped"}
     rc, out = gyre_run(run_dir, steps=3, resume=True)
     assert rc == 0, out[-3000:]
     steps = [json.loads(s)["step"] for s in (run_dir / "steps.jsonl").read_text().splitlines()]
     assert sorted(steps) == [0, 1, 2]  # each step once, across the two jobs
     check_ledger(run_dir)
+    # replay-resume: a stopped execution with calls continues in a new group of its task
+    resumed = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines() if '"resumed"' in line]
+    assert len({r["from"] for r in resumed}) == len(resumed)  # each stopped execution resumed at most once
+    for r in resumed:
+        assert r["recorded_calls"] == stopped[r["from"]] and r["replayed_calls"] >= 1, r
+    assert resumed or not any(stopped.values()), (stopped, resumed)
 
 
 HOLD_AGENT = ROOT / "tests" / "harness_scripts" / "hold_agent.py"
@@ -228,6 +235,12 @@ def test_head_fault_phase_step_end_resume(tmp_path):
     assert all(not r["admitted"] for r in rows if r["execution"] in in_shards_first)
 
 
+def iter_shards(run_dir: Path):
+    from gyre.traj.store import iter_executions
+
+    return list(iter_executions(run_dir / "shards")) if (run_dir / "shards").exists() else []
+
+
 def executions_in_shards(run_dir: Path) -> set[str]:
     from gyre.traj.store import iter_executions
 
@@ -274,3 +287,47 @@ def test_run_zero_variance_groups_replaced_live(tmp_path):
     assert len(dropped) == 2 * steps and not any(r["admitted"] for r in dropped)
     assert all(r["reward"] == 0.0 for r in dropped)
     assert sum(r["admitted"] for r in rows) == steps * 1 * 2  # past the cap the step trains what it has
+
+
+@pytest.mark.timeout(1200)  # two gyre runs
+def test_head_sigkill_at_execution_recorded_then_resume_loses_nothing_and_reaps_orphans(tmp_path):
+    """The head is SIGKILLed right after its 3rd execution is on disk, before the coordinator
+    hears of it. The dead job's engines and trainers are listed in run_dir/pids (whatever
+    outlives the job is reaped by `--resume`); `gyre run --resume` finishes the run: every recorded
+    execution is in the shards once and in the ledger, none `failed` with no calls, nothing lost."""
+    from gyre.engine.reaper import _running
+    from gyre.traj.store import iter_executions
+
+    run_dir, faults_dir = tmp_path / "h", tmp_path / "faults"
+    env = {"GYRE_FAULT": "head:execution_recorded:3", "GYRE_FAULT_DIR": str(faults_dir)}
+    orphans: list[int] = []
+    try:
+        proc = gyre_run(run_dir, "harness.group_size=2", wait=False, env=env)
+        out, _ = proc.communicate(timeout=550)
+        assert proc.returncode != 0, out[-2000:]
+        assert (faults_dir / "fired-head-execution_recorded-3").exists()
+        lists = [json.loads(p.read_text()) for p in (run_dir / "pids").glob("cell*.json")]
+        orphans = [pid for lst in lists for e in lst.values() for pid, _ in e["pids"]]
+        assert orphans  # the killed job's engines and trainers were written down (here mpiexec ended them)
+        recorded_first = executions_in_shards(run_dir)
+        assert len(recorded_first) >= 3  # durable before the coordinator heard of them
+        running_at_kill = {p.name for p in (run_dir / "workspaces").iterdir()} - recorded_first
+        rc, out = gyre_run(run_dir, "harness.group_size=2", resume=True, env=env, timeout=550)
+        assert rc == 0, out[-3000:]
+        assert not any(_running(p) for p in orphans)
+    finally:
+        for pid in orphans:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert report(run_dir)["version"] == 2
+    recs = list(iter_executions(run_dir / "shards"))
+    ids = Counter(r.execution_id for r in recs)
+    assert all(n == 1 for n in ids.values()), ids.most_common(3)  # each execution once
+    assert not [r.execution_id for r in recs if r.status in ("failed", "lost") and not r.tree.calls]
+    rows = check_ledger(run_dir)
+    assert recorded_first <= {r["execution"] for r in rows}
+    assert sum(r["admitted"] for r in rows) == 2 * 2 * 2  # steps x Q x G, each trained once
+    lost = {r["execution"] for r in rows if r["reason"].startswith("lost:")}
+    assert lost == running_at_kill  # what was running at the kill is recorded lost, with its reason

@@ -91,7 +91,7 @@ def test_endpoint_removed_mid_rollout_fails_no_execution(tmp_path):
     assert all(c.finish_reason != "abort" for c in calls)
 
 
-def test_sigterm_then_resume_runs_only_the_rest(tmp_path):
+def test_sigterm_then_resume_runs_only_the_rest_and_replays_the_stopped(tmp_path):
     run_dir = tmp_path / "run"
     slow_agent = list(AGENT)
     slow_agent[AGENT.index("--max-turns") + 1] = "6"  # long enough to be stopped mid-execution
@@ -121,6 +121,20 @@ def test_sigterm_then_resume_runs_only_the_rest(tmp_path):
     assert sorted(bases) == sorted({f"{t}-g{g}" for t in ("fizzbuzz", "roman") for g in range(2)})  # each once
     assert done_first <= {r.execution_id for r in finished}  # nothing finished was rerun
     assert len(final) == len(first) + (len(finished) - len(done_first))
+    # replay-resume: a stopped execution's recorded calls are answered again, token for token
+    by_base = {r.execution_id.rsplit("-a", 1)[0]: r for r in finished}
+    replayed = 0
+    for old in (r for r in stopped if r.tree.calls):
+        new = by_base[old.execution_id.rsplit("-a", 1)[0]]
+        hits = [c for c in new.tree.calls if c.endpoint == "replay"]
+        assert len(hits) == len(old.tree.calls), (old.execution_id, len(hits), len(old.tree.calls))
+        for a, b in zip(old.tree.calls, hits):
+            assert (a.weight_version, a.agent_role) == (b.weight_version, b.agent_role)
+            assert list(old.tree.call_output_ids(a)) == list(new.tree.call_output_ids(b))
+        replayed += len(hits)
+        assert new.workspace != old.workspace  # a fresh workspace, never the stopped one's path
+    assert replayed > 0, "no stopped execution had recorded calls: stop later"
+    assert f"({replayed} calls replayed" in again.stdout
 
 
 MINI = shutil.which("mini", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
@@ -138,3 +152,49 @@ def test_mini_swe_agent_runs_unmodified_through_the_proxy(tmp_path):
     assert len(rec.tree.calls) >= 2, rec
     assert {c.agent_role for c in rec.tree.calls} == {"main"}
     assert rec.tree.stats().leaves >= 1 and math.isfinite(rec.reward)
+
+
+def _alive(pid: int) -> bool:
+    from gyre.engine.reaper import _running
+
+    return _running(pid)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["execution_ended", "execution_recorded"])
+def test_sigkill_of_rollout_at_a_named_phase_then_resume_runs_every_execution_once(tmp_path, phase):
+    """`gyre rollout` SIGKILLed at its 2nd execution's end (before / after that execution is on
+    disk), then `--resume`: what was recorded is kept, the rest reruns in fresh workspaces,
+    every (task, member) finishes exactly once, nothing is `failed` or `lost` without cause, and
+    the engines and key files the killed run left behind are reaped."""
+    import json
+
+    run_dir = tmp_path / "run"
+    cmd = "[" + ", ".join(f'"{c}"' for c in AGENT) + "]"
+    args = [sys.executable, "-m", "gyre.cli", "rollout", "--no-progress", f"run.dir={run_dir}", "engine.endpoints=1",
+            "harness.group_size=2", "harness.concurrency=2", 'harness.tasks=["fizzbuzz", "roman"]',
+            f"harness.command={cmd}"]
+    env = {**os.environ, "GYRE_FAULT": f"rollout:{phase}:2", "GYRE_FAULT_DIR": str(tmp_path / "faults")}
+    first = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+    assert first.returncode == -signal.SIGKILL, first.stdout + first.stderr
+    left = json.loads((run_dir / "pids" / "rollout.json").read_text())
+    orphans = [pid for e in left.values() for pid, _ in e["pids"]]
+    keys = [e["key_file"] for e in left.values() if e["key_file"]]
+    assert orphans and all(_alive(p) for p in orphans)  # what SIGKILL leaves behind
+    assert keys and all(Path(k).exists() for k in keys)
+    kept = {r.execution_id for r in records(run_dir)}
+    assert len(kept) == (2 if phase == "execution_recorded" else 1)  # durable before acknowledged
+    again = subprocess.run(args + ["--resume"], capture_output=True, text=True, timeout=400, env=env)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert not any(_alive(p) for p in orphans) and not any(Path(k).exists() for k in keys)
+    assert not list((run_dir / "pids").glob("*.json"))  # the lists go with what they listed
+    final = records(run_dir)
+    assert kept <= {r.execution_id for r in final}
+    assert sorted(r.execution_id.rsplit("-a", 1)[0] for r in final) == \
+        sorted(f"{t}-g{g}" for t in ("fizzbuzz", "roman") for g in range(2))  # every execution once
+    for r in final:
+        assert r.status == "done" and r.tree.calls, (r.execution_id, r.status, r.reward_source)
+        assert Path(r.workspace) == (run_dir / "workspaces" / r.execution_id).absolute()
+        assert math.isfinite(r.reward) and r.reward_source == "tests"
+    killed = {p.name for p in (run_dir / "workspaces").iterdir()} - {r.execution_id for r in final}
+    assert killed  # the executions the kill interrupted kept their workspaces; reruns got new ones

@@ -342,3 +342,46 @@ def test_empty_write_is_refused(tmp_path):
         writer(tmp_path).write([])
     rec = replace(records(1)[-1], tree=TrajectoryTree())
     assert read_shard(writer(tmp_path).write([rec]))[0].tree.nodes == []
+
+
+# -- per-execution shards and their compaction (invariant 7: durable before acknowledged) ----
+def test_compaction_merges_small_shards_and_each_execution_reads_once(tmp_path):
+    from gyre.traj.store import COMPACT_SUFFIX, compact
+
+    w = writer(tmp_path)
+    recs = records(5, seed=3)
+    for r in recs:  # one shard per execution, as the drivers write them
+        w.write([r])
+    merged = compact(w, per_shard=3)
+    assert len(merged) == 2 and all(p.name.endswith(COMPACT_SUFFIX) for p in merged)
+    assert sorted(p.name for p in shard_paths(w.dir)) == sorted(p.name for p in merged)
+    back = list(iter_executions(w.dir))
+    assert [r.execution_id for r in back] == [r.execution_id for r in recs]
+    for a, b in zip(recs, back):
+        assert_same(a, b)
+    assert compact(w, per_shard=3) == []  # nothing left to merge: idempotent
+
+
+def test_a_compaction_cut_short_by_sigkill_shows_every_execution_once(tmp_path):
+    """SIGKILL after the merged shard is written and before its sources are removed: readers see
+    each execution once, and the next compaction removes the sources."""
+    from gyre.traj.store import compact
+
+    shards = tmp_path / "shards"
+    script = ("import sys; sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[2])\n"
+              "from test_store import records, IDENTITY\n"
+              "from gyre.traj.store import ShardWriter, compact\n"
+              "w = ShardWriter(sys.argv[3], identity=IDENTITY)\n"
+              "[w.write([r]) for r in records(3, seed=5)]\n"
+              "compact(w, per_shard=8)\n")
+    env = {**os.environ, "GYRE_FAULT": "store:compacted", "GYRE_FAULT_DIR": str(tmp_path / "faults")}
+    proc = subprocess.run([sys.executable, "-c", script, str(ROOT_DIR), str(ROOT_DIR / "tests"), str(shards)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    on_disk = sorted(p.name for p in shards.glob("*.h5"))
+    assert len(on_disk) == len(records(3, seed=5)) + 1  # the merged shard and its sources, all still there
+    ids = [r.execution_id for r in iter_executions(shards)]
+    assert sorted(ids) == sorted(r.execution_id for r in records(3, seed=5))  # each once
+    compact(ShardWriter(shards, identity=IDENTITY), per_shard=8)
+    assert len(list(shards.glob("*.h5"))) == 1
+    assert sorted(r.execution_id for r in iter_executions(shards)) == sorted(ids)

@@ -69,6 +69,12 @@ def run(args: argparse.Namespace) -> int:
     run_dir = private_dir(Path(cfg.run.dir))
     if not args.resume and (run_dir / "state.json").exists():
         raise SystemExit(f"gyre run: {run_dir} holds a run; pass --resume to continue it or choose another run.dir")
+    if args.resume:  # engines, trainers and key files a killed job left behind go first
+        from gyre.engine.reaper import reap
+        gone = reap(run_dir)
+        if gone["processes"] or gone["key_files"]:
+            print(f"gyre run: reaped {len(gone['processes'])} processes and {len(gone['key_files'])} key files "
+                  f"of the killed run", file=sys.stderr)
     report_path = run_dir / "report.json"
     report_path.unlink(missing_ok=True)
     proc = subprocess.Popen(launch_command(args, cfg.sched.cells, engine_key_file(run_dir), report_path))

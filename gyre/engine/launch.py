@@ -155,6 +155,7 @@ class EngineHandle:
         self.output = output if output is not None else collections.deque(maxlen=400)
         self._on_stop = on_stop
         self._stopped = False
+        self.key_file: Path | None = None  # where the engine read its key from (deleted by stop)
 
     @classmethod
     def spawn(cls, commands: list[list[str]], url: str, backend: str, nodes: Sequence[str],
@@ -301,6 +302,7 @@ def start_cell_engine(cfg, model_dir: str | os.PathLike, *, api_key: str | None,
         url = proc.url.replace("127.0.0.1", socket.getfqdn()) if wildcard else proc.url
         handle = EngineHandle([proc.proc], url, "embedded", nodes[:1], api_key, output=proc.output,
                               on_stop=proc.stop)
+        handle.key_file = proc._key_file
         if wait:
             handle.wait_healthy(e.startup_timeout_s)
         return handle

@@ -298,6 +298,10 @@ def evaluate_workspace(task: Task, workspace: str | os.PathLike, status: str = "
     official reward of 0 (the benchmark's post-processing failure)."""
     opts = options or EvalOptions()
     t0 = time.monotonic()
+    if not str(workspace) or _holds_cwd(Path(workspace)):
+        # "" (an execution that never had a workspace) would mean the evaluator's own directory
+        return refused(task, f"workspace {str(workspace)!r} is the evaluator's current directory "
+                             f"(or holds it), not an execution's workspace")
     try:
         envs = opts.envs()
         place = envs.place(task)
@@ -386,6 +390,38 @@ def evaluate_workspace(task: Task, workspace: str | os.PathLike, status: str = "
             shutil.rmtree(scratch, ignore_errors=True)
 
 
+def _holds_cwd(path: Path) -> bool:
+    cwd = Path.cwd().resolve()
+    target = path.resolve()
+    return target == cwd or target in cwd.parents
+
+
+def refused(task: Task, why: str) -> Evaluation:
+    """Not scored at all: what was asked to be scored is not the execution's own workspace."""
+    return Evaluation(None, 0, task.test_case_count, "refused", 0.0, None, why)
+
+
+def own_workspace_error(workspace: str | os.PathLike, root: Path | None, execution_id: str | None) -> str | None:
+    """Why ``workspace`` is not the workspace of ``execution_id`` under ``root`` (None: it is).
+
+    The evaluator scores nothing else: not an empty path (the current directory), not another
+    execution's workspace, not a directory that is not there."""
+    if not str(workspace):
+        return "no workspace given (the execution never had one)"
+    ws = Path(workspace)
+    if not ws.is_absolute():
+        return f"workspace {str(workspace)!r} is relative: it would be resolved against the evaluator's directory"
+    if root is not None and execution_id is not None:
+        from gyre.harness.runner import workspace_path
+
+        want = workspace_path(root.parent, execution_id)
+        if os.path.realpath(ws) != os.path.realpath(want):
+            return f"workspace {ws} is not execution {execution_id}'s own ({want})"
+    if not ws.is_dir():
+        return f"workspace {ws} does not exist"
+    return None
+
+
 # -- off the critical path ---------------------------------------------------------------------
 
 @dataclass
@@ -400,8 +436,11 @@ class EvaluatorPool:
     most ``workers`` are in flight either way."""
 
     def __init__(self, options: EvalOptions | None = None, workers: int = 2, executor: str = "pool",
-                 submitit_dir: str | os.PathLike | None = None, slurm: dict | None = None):
+                 submitit_dir: str | os.PathLike | None = None, slurm: dict | None = None,
+                 workspaces_root: str | os.PathLike | None = None):
         self.options = options or EvalOptions()
+        # <run_dir>/workspaces: an execution's workspace must be its own folder there
+        self.workspaces_root = Path(workspaces_root).absolute() if workspaces_root else None
         self.kind = executor
         self._threads = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gyre-eval")
         self._submitit = None
@@ -414,7 +453,8 @@ class EvaluatorPool:
         slurm = {"slurm_partition": e.slurm_partition, "cpus_per_task": e.slurm_cpus_per_task,
                  "mem_gb": e.slurm_mem_gb}
         folder = e.submitit_dir or str(Path(cfg.run.dir) / "eval-jobs")
-        return cls(EvalOptions.from_config(cfg, environments), e.workers, e.executor, folder, slurm)
+        return cls(EvalOptions.from_config(cfg, environments), e.workers, e.executor, folder, slurm,
+                   workspaces_root=Path(cfg.run.dir) / "workspaces")
 
     def _make_submitit(self, kind: str, folder, slurm: dict):
         import submitit  # only where asked for: a pool needs no submitit
@@ -448,15 +488,22 @@ class EvaluatorPool:
                               log_path, f"submitit job failed: {type(e).__name__}: {e}")
 
     def submit(self, task: Task, workspace: str | os.PathLike, status: str = "done",
-               log_path: str | os.PathLike | None = None) -> cf.Future:
-        """A Future of the Evaluation; the call returns at once."""
+               log_path: str | os.PathLike | None = None, execution_id: str | None = None) -> cf.Future:
+        """A Future of the Evaluation; the call returns at once. With ``execution_id`` (and a
+        pool made from a config) only that execution's own workspace is scored."""
+        why = own_workspace_error(workspace, self.workspaces_root, execution_id) \
+            if execution_id is not None or not str(workspace) else None
+        if why is not None:
+            fut: cf.Future = cf.Future()
+            fut.set_result(refused(task, why))
+            return fut
         # absolute: a submitit job may start in another directory
         return self._threads.submit(self._run, task, str(Path(workspace).absolute()), status,
                                     str(Path(log_path).absolute()) if log_path else None)
 
     async def evaluate(self, task: Task, workspace: str | os.PathLike, status: str = "done",
-                       log_path: str | os.PathLike | None = None) -> Evaluation:
-        return await asyncio.wrap_future(self.submit(task, workspace, status, log_path))
+                       log_path: str | os.PathLike | None = None, execution_id: str | None = None) -> Evaluation:
+        return await asyncio.wrap_future(self.submit(task, workspace, status, log_path, execution_id))
 
     def shutdown(self, wait: bool = True, cancel_pending: bool = False) -> None:
         self._threads.shutdown(wait=wait, cancel_futures=cancel_pending)

@@ -12,27 +12,53 @@ from typing import Callable
 log = logging.getLogger("gyre.execute")
 
 FINISHED = ("done", "failed", "crashed", "timeout")  # statuses that end an execution for good
+# ended by Gyre, not by the harness: never scored, rerun on resume ("lost": the infrastructure
+# failed it before its harness ran, e.g. its workspace path was taken)
+NOT_FINISHED = ("stopped", "lost")
+
+
+INFRA_PREFIX = "cannot start the harness"  # the runner's error when the sandbox or process could not start
 
 
 async def run_and_evaluate(proxy, pool, evaluators, task, execution_id: str, group: int, base_url: str,
-                           on_ended: Callable[[str], None] | None = None):
+                           on_ended: Callable[[str], None] | None = None, replay=None, infra_retries: int = 0):
     """Run one execution and score it.
 
     Returns the ExecutionRecord: status, workspace, tree and (for executions that ended by
     themselves) reward, passed/total and reward source; stopped ones say why they were not scored.
     `on_ended(status)` is called when the harness has ended, before the evaluation starts (the
-    coordinator stops counting it as running rollout work then).
+    coordinator stops counting it as running rollout work then). ``replay``: the tree a stopped
+    earlier run of this execution recorded (replay-resume, gyre.proxy.replay).
+
+    An infrastructure failure (its sandbox or process could not start: no harness ran, no call
+    was made) is retried, this execution alone, up to ``infra_retries`` times, each try in a
+    fresh workspace ``<id>.retry<n>``; after that it is ``lost`` (never scored as a real 0).
     """
-    key = proxy.register(execution_id, task=task.name, group=group)
-    start_failure = False
-    try:
-        result = await pool.run_execution(task, execution_id, api_key=key, base_url=base_url)
-        status, workspace, error = result.status, result.workspace, result.error
-        log_dir, start_failure = result.log_dir, result.start_failure
-    except RuntimeError as e:  # the pool is stopping: this execution never started
-        status, workspace, error, log_dir = "stopped", "", str(e), ""
-    except Exception as e:  # e.g. a reused id whose workspace is kept: recorded, never lost
-        status, workspace, error, log_dir = "failed", "", f"{type(e).__name__}: {e}", ""
+    key = proxy.register(execution_id, task=task.name, group=group, replay=replay)
+    own, tries = execution_id, []  # own: the id whose workspace the evaluator may score
+    while True:
+        start_failure, log_dir = False, ""
+        try:
+            result = await pool.run_execution(task, own, api_key=key, base_url=base_url)
+            status, workspace, error = result.status, result.workspace, result.error
+            log_dir, start_failure = result.log_dir, result.start_failure
+        except RuntimeError as e:  # the pool is stopping: this execution never started
+            status, workspace, error = "stopped", "", str(e)
+        except Exception as e:  # e.g. a reused id whose workspace is kept: Gyre's failure, not the harness's
+            status, workspace, error = "lost", "", f"{type(e).__name__}: {e}"
+        infra = (start_failure or (status == "failed" and (error or "").startswith(INFRA_PREFIX))) \
+            and not proxy.by_id[execution_id].tree.calls
+        if infra and getattr(pool, "broken", None):  # the sandbox fails again and again: the run stops
+            status = "lost"
+            break
+        if not infra:
+            break
+        tries.append(error)
+        if len(tries) > infra_retries:
+            status = "lost"
+            error = f"{error} (tried {len(tries)} times)"
+            break
+        own = f"{execution_id}.retry{len(tries)}"
     rec = proxy.end(execution_id, status)
     rec.workspace = workspace
     if on_ended is not None:
@@ -40,8 +66,9 @@ async def run_and_evaluate(proxy, pool, evaluators, task, execution_id: str, gro
     if start_failure:  # infrastructure, not a score: never trained
         rec.reward_source = f"not-evaluated: infrastructure ({error})"
     elif status in FINISHED:
+        # its own workspace only: the evaluator refuses anything else (never the current directory);
         # the evaluation's log beside the harness's, under run.dir (not the system temp dir)
-        ev = await evaluators.evaluate(task, workspace, status,
+        ev = await evaluators.evaluate(task, workspace, status, execution_id=own,
                                        log_path=f"{log_dir}/evaluation.log" if log_dir else None)
         rec.reward = float("nan") if ev.reward is None else float(ev.reward)
         rec.reward_source, rec.passed, rec.total = ev.source, ev.passed, ev.total

@@ -141,6 +141,7 @@ class ExecutionSession:
     ended: bool = False
     in_flight: int = 0
     wire: dict[int, str] = field(default_factory=dict)  # node id -> JSON digits of its tokens
+    replay: object | None = None  # gyre.proxy.replay.Replay of a resumed execution's recorded calls
 
     @property
     def tree(self) -> TrajectoryTree:

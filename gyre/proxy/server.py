@@ -39,9 +39,11 @@ from gyre.proxy.capture import (ExecutionSession, PreparedCall, Renderer, new_ap
 from gyre.proxy.chat import (DEFAULT_TOOL_SYSTEM, Message, MessageError, parse_messages, parse_output,
                              validate_tools)
 from gyre.proxy.params import CallParams, RequestError, check_depth, forced_prefix, parse_params
+from gyre.proxy.replay import Replay
 from gyre.proxy.streaming import ContentStream, ReasoningStream
 from gyre.proxy.token_safety import check_names, template_tokens
 from gyre.traj.record import ExecutionRecord
+from gyre.traj.tree import TrajectoryTree
 
 log = logging.getLogger("gyre.proxy")
 
@@ -170,14 +172,18 @@ class Proxy:
         self.overhead_s: collections.deque[float] = collections.deque(maxlen=100_000)
 
     # -- execution registry (head side) ---------------------------------------------------
-    def register(self, execution_id: str, task: str = "", group: int = 0, api_key: str | None = None) -> str:
+    def register(self, execution_id: str, task: str = "", group: int = 0, api_key: str | None = None,
+                 replay: TrajectoryTree | None = None) -> str:
+        """A key for a new execution; ``replay``: the tree a stopped run of it recorded, whose
+        calls are answered again where the resumed harness asks the same (gyre.proxy.replay)."""
         if execution_id in self.by_id:
             raise ValueError(f"execution {execution_id!r} is already registered")
         if len(self.by_id) >= self.max_executions:
             raise TooManyExecutions(f"{len(self.by_id)} executions are registered, the limit "
                                     f"(proxy.max_executions) is {self.max_executions}; end some first")
         key = api_key or new_api_key()
-        sess = ExecutionSession(ExecutionRecord(execution_id, task, group, t_start=time.time()), key)
+        sess = ExecutionSession(ExecutionRecord(execution_id, task, group, t_start=time.time()), key,
+                                replay=Replay(replay) if replay is not None and replay.calls else None)
         self.sessions[key] = sess
         self.by_id[execution_id] = sess
         return key
@@ -260,6 +266,12 @@ class Proxy:
 
     def _generate_args(self, c: Call) -> tuple:
         return (c.sess.record.execution_id, wire_ids(c.sess, c.prepared, c.forced), c.engine_params)
+
+    def _engine(self, c: Call, args: tuple):
+        """The router, or (a resumed execution) the recorded answer to these exact input ids."""
+        replay = c.sess.replay
+        hit = replay.match(args[1]) if replay is not None else None
+        return self.router if hit is None else hit
 
     def finish(self, c: Call, res) -> tuple[dict, Any]:
         """Record a finished generation and build the OpenAI response (non-streamed shape)."""
@@ -344,10 +356,11 @@ class Proxy:
 
     async def complete(self, c: Call) -> dict:
         """Run one call to the end (non-streamed); returns the OpenAI response."""
+        args = self._generate_args(c)
         try:
+            args = self._generate_args(c)
             with self._track(c):
-                res = await self.router.generate(*self._generate_args(c), rid=c.rid,
-                                                 top_logprobs_num=c.params.top_logprobs)
+                res = await self._engine(c, args).generate(*args, rid=c.rid, top_logprobs_num=c.params.top_logprobs)
         except asyncio.CancelledError:  # the client went away: the router aborted the engine request
             self.abandoned["client_disconnected"] += 1
             raise
@@ -373,7 +386,8 @@ class Proxy:
             await out.write(b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n")
 
         await send({"role": "assistant", "content": ""})
-        gen = self.router.generate_stream(*self._generate_args(c), rid=c.rid, top_logprobs_num=p.top_logprobs)
+        args = self._generate_args(c)
+        gen = self._engine(c, args).generate_stream(*args, rid=c.rid, top_logprobs_num=p.top_logprobs)
         try:
             with self._track(c):
                 final = await self._relay(c, gen, content, send, reasoning)

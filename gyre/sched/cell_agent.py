@@ -109,6 +109,8 @@ class CellAgent:
         self._last_sent = 0.0
         self._beat_req = None     # the last heartbeat's isend, while the head has not taken it
         self.slurm = self._slurm_layout()
+        from gyre.engine.reaper import ProcessList
+        self.pids = ProcessList(self.run_dir, f"cell{self.cell}")  # reaped by a --resume if this agent dies
 
     # --- where the cell's processes run -----------------------------------------------------
     def _slurm_layout(self) -> dict | None:
@@ -199,6 +201,7 @@ class CellAgent:
             trainer.close()
         if engine is not None:
             engine.stop()
+        self.pids.close()
 
     # --- dispatch ---------------------------------------------------------------------------
     def handlers(self) -> dict:
@@ -406,11 +409,13 @@ class CellAgent:
         # in rollout the trainer waits offloaded; in train it must be ready to compute
         self.trainer_gen += 1
         slurm = self.slurm
-        return TrainerProcess(trainer_config(self.cfg), self.model_dir, seed=self.cfg.run.seed,
-                              offloaded=self.role is Role.ROLLOUT, checkpoint=self.checkpoint,
-                              cell=self.cell, gen=self.trainer_gen, ranks=self.trainer_ranks(),
-                              store=self.store_addr, advertise=self._advertise(), srun=self._srun(),
-                              nodes=slurm["nodes"] if slurm else ())
+        trainer = TrainerProcess(trainer_config(self.cfg), self.model_dir, seed=self.cfg.run.seed,
+                                 offloaded=self.role is Role.ROLLOUT, checkpoint=self.checkpoint,
+                                 cell=self.cell, gen=self.trainer_gen, ranks=self.trainer_ranks(),
+                                 store=self.store_addr, advertise=self._advertise(), srun=self._srun(),
+                                 nodes=slurm["nodes"] if slurm else ())
+        self.pids.add("trainer", [p.pid for p in trainer.procs])
+        return trainer
 
     def _ensure_trainer(self) -> None:
         if not self.trainer.alive():
@@ -463,6 +468,7 @@ class CellAgent:
         self.engine = start_cell_engine(self.cfg, self.model_dir, api_key=self.api_key,
                                         nodes=slurm["nodes"] if slurm else (), port=port, srun=srun,
                                         extra_args=["--weight-version", "0", *self._engine_args])
+        self.pids.add("engine", self.engine.pids, self.engine.key_file)
         self.admin = SGLangAdmin(self.engine.url, self.api_key, timeout_s=ENGINE_CALL_S)
         if self.engine_version != "0":
             self._admin("update_weights_from_disk", self.engine_weights, self.engine_version)

@@ -6,8 +6,9 @@ from dataclasses import dataclass, field
 
 from gyre.traj.tree import TrajectoryTree
 
-# status: how the harness ended; reward_source: how the evaluator scored what it left behind
-STATUSES = ("running", "done", "failed", "crashed", "timeout", "stopped")
+# status: how the harness ended ("stopped": by Gyre; "lost": Gyre failed it before it ran);
+# reward_source: how the evaluator scored what it left behind
+STATUSES = ("running", "done", "failed", "crashed", "timeout", "stopped", "lost")
 
 
 @dataclass

@@ -2,7 +2,11 @@
 
 Writing follows ARCHITECTURE.md invariant 5: a shard is built under ``<name>.tmp`` in the
 target directory, flushed, fsynced, renamed and the directory fsynced, so a crash leaves either
-no shard or a whole one; readers never look at ``*.tmp``. Every dataset carries a sha256 of its
+no shard or a whole one; readers never look at ``*.tmp``. Drivers write each finished execution
+as its own small shard before acknowledging it (invariant 7) and merge them later with
+``compact``: a compacted shard (``*.c.h5``) names its sources in the ``compacted_from``
+attribute and readers skip any source still on disk, so a crash mid-compaction shows every
+execution exactly once. Every dataset carries a sha256 of its
 canonical bytes in the file attributes; a reader that finds a bad shard raises ``ShardError``
 naming the file and the dataset, and ``iter_executions`` reports it and goes on to the next.
 """
@@ -13,6 +17,7 @@ import csv
 import datetime as _dt
 import hashlib
 import itertools
+import json
 import logging
 import operator
 import os
@@ -26,6 +31,7 @@ import h5py
 import numpy as np
 
 import gyre
+from gyre import faults
 from gyre.fsio import fsync_path
 from gyre.traj.record import ExecutionRecord
 from gyre.traj.tree import CallRecord, Node, TrajectoryTree
@@ -223,11 +229,11 @@ class ShardWriter:
         return cls(directory, cfg.compression, cfg.compression_level, cfg.chunk_tokens,
                    cfg.hdf5_locking, identity)
 
-    def _new_name(self) -> tuple[Path, Path]:
+    def _new_name(self, suffix: str = ".h5") -> tuple[Path, Path]:
         # time first so names sort in write order; seq and pid make them unique
         while True:
             now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
-            final = self.dir / f"shard-{now}-{next(_seq):06d}-{os.getpid()}.h5"
+            final = self.dir / f"shard-{now}-{next(_seq):06d}-{os.getpid()}{suffix}"
             tmp = final.with_name(final.name + ".tmp")
             if final.exists():
                 continue
@@ -244,16 +250,18 @@ class ShardWriter:
             return {"compression": "lzf", "shuffle": True}
         return {}
 
-    def write(self, records: list[ExecutionRecord]) -> Path:
+    def write(self, records: list[ExecutionRecord], extra_attrs: dict | None = None,
+              suffix: str = ".h5") -> Path:
         """Write ``records`` as one new shard; returns its final path."""
         if not records:
             raise ValueError("no executions to write")
-        return self.write_packed(pack(records))
+        return self.write_packed(pack(records), extra_attrs, suffix)
 
-    def write_packed(self, data: dict[str, np.ndarray]) -> Path:
+    def write_packed(self, data: dict[str, np.ndarray], extra_attrs: dict | None = None,
+                     suffix: str = ".h5") -> Path:
         """Write already packed datasets (``pack``) as one new shard."""
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        final, tmp = self._new_name()
+        final, tmp = self._new_name(suffix)
         # hashlib and zlib release the GIL: checksums and table compression run in threads
         # while the main thread writes the bulk arrays through HDF5
         with ThreadPoolExecutor(max_workers=2) as pool:
@@ -267,6 +275,7 @@ class ShardWriter:
                         ds = self._create(f, name, data[name], deflated)
                         ds.attrs["description"] = DESCRIPTIONS[name]
                     f.attrs.update(self._file_attrs(data))
+                    f.attrs.update(extra_attrs or {})
                     f.attrs.update({f"sha256_{k}": v.result() for k, v in digests.items()})
                     f.flush()
                 os.chmod(tmp, 0o600)
@@ -448,16 +457,76 @@ def read_shard(path: str | os.PathLike, verify: bool = True, locking: bool = Fal
         raise ShardError(path, "nodes/calls/executions", f"inconsistent tables: {e}") from None
 
 
+COMPACT_SUFFIX = ".c.h5"  # a compacted shard: its ``compacted_from`` attribute names its sources
+
+
+def compacted_sources(path: str | os.PathLike) -> list[str]:
+    """File names (same directory) a compacted shard replaces; [] when it cannot be read (its
+    sources are then still the truth)."""
+    try:
+        raw = read_attrs(path).get("compacted_from", "[]")
+        return [str(n) for n in json.loads(raw)]
+    except (ShardError, ValueError, TypeError):
+        return []
+
+
 def shard_paths(paths_or_dirs: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Path]:
-    """Shard files named or found (``*.h5``, sorted) in directories; ``*.tmp`` never."""
+    """Shard files named or found (``*.h5``, sorted) in directories; ``*.tmp`` never, nor a
+    source of a compacted shard in the same directory (a compaction cut short by a crash)."""
     if isinstance(paths_or_dirs, (str, os.PathLike)):
         paths_or_dirs = [paths_or_dirs]
     out: list[Path] = []
     for p in map(Path, paths_or_dirs):
         if p.is_dir():
-            out += sorted(q for q in p.glob("*.h5") if q.is_file())
+            found = sorted(q for q in p.glob("*.h5") if q.is_file())
+            covered = {n for q in found if q.name.endswith(COMPACT_SUFFIX) for n in compacted_sources(q)}
+            out += [q for q in found if q.name not in covered]
         elif not p.name.endswith(".tmp"):
             out.append(p)
+    return out
+
+
+def compact(writer: "ShardWriter", per_shard: int) -> list[Path]:
+    """Merge the small shards of ``writer.dir`` (fewer than ``per_shard`` executions, not
+    compacted already) into shards of up to ``per_shard``; returns the new shards.
+
+    Each merged shard is written whole (temp + rename) naming its sources, then the sources are
+    removed: a crash at any point leaves every execution readable exactly once (``shard_paths``).
+    A source that cannot be read is left where it is, for ``gyre inspect`` to report."""
+    d = Path(writer.dir)
+    if not d.is_dir():
+        return []
+    found = sorted(q for q in d.glob("*.h5") if q.is_file())
+    for q in found:  # finish a compaction a crash cut short
+        if q.name.endswith(COMPACT_SUFFIX):
+            for name in compacted_sources(q):
+                (d / name).unlink(missing_ok=True)
+    small: list[tuple[Path, list[ExecutionRecord]]] = []
+    for q in found:
+        if q.name.endswith(COMPACT_SUFFIX) or not q.exists():
+            continue
+        try:
+            if int(read_attrs(q).get("n_executions", per_shard)) >= per_shard:
+                continue
+            small.append((q, read_shard(q, locking=writer.locking)))
+        except ShardError as err:
+            _log_error(err)
+    out: list[Path] = []
+    batch: list[tuple[Path, list[ExecutionRecord]]] = []
+    for item in small + [None]:  # type: ignore[list-item]
+        full = item is None or sum(len(r) for _, r in batch) + len(item[1]) > per_shard
+        if full and len(batch) > 1:
+            names = [q.name for q, _ in batch]
+            out.append(writer.write([r for _, rs in batch for r in rs],
+                                    {"compacted_from": json.dumps(names)}, COMPACT_SUFFIX))
+            faults.hit("store", "compacted")  # merged shard written, sources not yet removed
+            for q, _ in batch:
+                q.unlink(missing_ok=True)
+            fsync_path(d)
+        if full:
+            batch = []
+        if item is not None:
+            batch.append(item)
     return out
 
 
