@@ -64,7 +64,7 @@ async def run_and_evaluate(proxy, pool, evaluators, task, execution_id: str, gro
     if on_ended is not None:
         on_ended(status)
     if start_failure:  # infrastructure, not a score: never trained
-        rec.reward_source = f"not-evaluated: infrastructure ({error})"
+        rec.reward_source = f"not-evaluated: {status}: infrastructure ({error})"
     elif status in FINISHED:
         # its own workspace only: the evaluator refuses anything else (never the current directory);
         # the evaluation's log beside the harness's, under run.dir (not the system temp dir)
