@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from gyre.config import ConfigError
-from gyre.sim.cluster import ClusterModel
+from gyre.sim.cluster import KEEP_SOLO_SPEED, ClusterModel
 from gyre.sim.roofline import ReplicaSpec
 from gyre.sim.workload import DURATION_SCALE_2P4T, NL2REPO, NL2REPO_2P4T, LognormalPreset
 
@@ -33,7 +33,6 @@ from gyre.sim.workload import DURATION_SCALE_2P4T, NL2REPO, NL2REPO_2P4T, Lognor
 TRAIN_MEM_SHARE = 0.8    # share of HBM the training state may take; the rest: activations, buffers
 MEM_FRACTION = 0.88      # SGLang --mem-fraction-static: weights + KV share of a serving GPU's HBM
 STEP_OVERHEAD_MS = 2.5   # per decode step: kernel launches, TP all-reduce, scheduler (assumed)
-KEEP_SOLO_SPEED = 0.8    # E-paper sizes rollout so each call keeps >= this share of its solo decode speed
 PREFILL_MFU = 0.4        # prefill is compute-bound; assumed MFU
 
 
@@ -151,15 +150,10 @@ def train_tokens_per_s(m: ModelSpec, cell_nodes: int, mfu: float, seq: float, hw
     return gpus * hw.bf16_tflops * 1e12 * mfu / m.train_flops_per_token(seq)
 
 
-def calls_per_cell(c: ClusterModel, context: float, keep: float = KEEP_SOLO_SPEED) -> float:
-    """E's knee: calls one rollout cell decodes while each keeps `keep` of its solo decode speed."""
-    return c.calls_per_cell(context, keep)
-
-
 def execs_per_cell(c: ClusterModel, in_call_share: float, context: float, keep: float = KEEP_SOLO_SPEED) -> float:
     """E-paper's sizing: the executions one cell serves at `calls_per_cell`, given the share of an
     execution's time a call is in flight."""
-    return max(1.0, calls_per_cell(c, context, keep) / max(in_call_share, 1e-6))
+    return max(1.0, c.calls_per_cell(context, keep) / max(in_call_share, 1e-6))
 
 
 @dataclass(frozen=True)
@@ -281,7 +275,7 @@ def calibration(p: Preset) -> dict:
                                        "(fwd + bwd + log-prob recompute)"),
         "train_tokens_per_s": e(round(c.train_tokens_per_s), "FLOP arithmetic: cell GPUs x peak x MFU / "
                                 "FLOPs per token"),
-        "calls_per_cell": e(round(calls_per_cell(c, w.mean_context_tokens / 2), 1),
+        "calls_per_cell": e(round(c.calls_per_cell(w.mean_context_tokens / 2, KEEP_SOLO_SPEED), 1),
                             f"derived (E): calls a rollout cell decodes while each keeps >= {KEEP_SOLO_SPEED:.0%} "
                             "of its solo decode speed at the mean context"),
         "execs_per_cell": e(round(execs_per_cell(c, in_call, w.mean_context_tokens / 2), 2),

@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 from gyre.config import ConfigError
 from gyre.sim.roofline import ReplicaSpec
 
+# The decode knee: a cell "needs" as many calls as it decodes while each keeps this share of its
+# solo speed (E's rollout sizing and the slack's spare capacity use it; assumed).
+KEEP_SOLO_SPEED = 0.8
+
 # A small replica for tests and toy clusters: a dense ~1B model on one GPU-like device. Stated,
 # not measured; presets use their own specs (gyre/sim/calibration.py).
 TOY_REPLICA = ReplicaSpec(gpus=1, hbm_gb=80.0, hbm_tb_s=2.0, peak_tflops=400.0, dense_gb=2.0, expert_gb=0.0,
@@ -95,7 +99,7 @@ class ClusterModel:
             return 0.0
         return decoding / rollout_cells * self.token_rate(decoding, rollout_cells, context)
 
-    def calls_per_cell(self, context: float, keep: float = 0.8) -> float:
+    def calls_per_cell(self, context: float, keep: float = KEEP_SOLO_SPEED) -> float:
         """Calls one rollout cell decodes while each keeps `keep` of its solo decode speed at mean
         context `context` (step_s(1) / step_s(B) >= keep), over the cell's replicas."""
         rep, solo = self.replica, self.replica.step_s(1, context)

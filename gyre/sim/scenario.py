@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from gyre.sched import Hints, Policy, make_policy
-from gyre.sim.calibration import P122B, Preset, calls_per_cell, execs_per_cell, preset
+from gyre.sim.calibration import KEEP_SOLO_SPEED, P122B, Preset, execs_per_cell, preset
 from gyre.sim.cluster import ClusterModel
 from gyre.sim.engine import SimSpec, simulate
 from gyre.sim.result import SimResult
@@ -33,7 +33,8 @@ def hints_for(cluster: ClusterModel, workload: Workload) -> Hints:
     ctx = sum(e.context_tokens for e in execs) / len(execs) / 2  # mean over an execution's calls
     return Hints(to_train_s=cluster.to_train_s, to_rollout_s=cluster.to_rollout_s, push_s=cluster.push_s,
                  eval_s=cluster.eval_s, execs_per_cell=execs_per_cell(cluster, max(0.05, 1 - tool), ctx),
-                 train_tokens_per_s=cluster.train_tokens_per_s, calls_per_cell=calls_per_cell(cluster, ctx))
+                 train_tokens_per_s=cluster.train_tokens_per_s,
+                 calls_per_cell=cluster.calls_per_cell(ctx, KEEP_SOLO_SPEED))
 
 
 @dataclass(frozen=True)
