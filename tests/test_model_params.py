@@ -55,7 +55,10 @@ def test_plan_takes_a_model_config(tmp_path):
     # the FLOP arithmetic follows the config: attention in all 48 layers (4096 wide) vs the preset's
     # 12 full-attention layers, 3.3B active instead of 10B
     counts = param_counts(QWEN3_30B_A3B)
-    assert runs[0].cluster.prefill_ctx_half == pytest.approx(counts["active"] / (48 * 32 * 128))
+    rep = runs[0].cluster.replica
+    assert rep.active_params == counts["active"] and rep.attn_flops_per_ctx_token == 4 * 48 * 32 * 128
+    assert (rep.experts, rep.topk) == (128, 8) and rep.kv_bytes_per_token == 48 * 2 * 4 * 128 * 2
+    assert rep.dense_gb + rep.expert_gb == pytest.approx(counts["total"] / 1e9)  # FP8: a byte a parameter
     assert runs[0].cluster.train_tokens_per_s != pytest.approx(base[0].cluster.train_tokens_per_s, rel=0.05)
     p = plan.with_model_config(plan.preset(args.preset), tmp_path)
     assert p.model.params == param_counts(QWEN3_30B_A3B)["total"] and p.model.replica_gpus == 1

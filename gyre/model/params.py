@@ -44,4 +44,7 @@ def param_counts(config: dict | str | Path) -> dict:
     active = total - expert + (expert * spec.top_k // spec.experts if spec.experts else 0)
     return {"model_type": spec.model_type, "total": total, "active": active, "expert": expert,
             "embedding": spec.vocab_size * spec.hidden, "layers": spec.layers,
-            "attn_dim": spec.heads * spec.head_dim}
+            "attn_dim": spec.heads * spec.head_dim, "experts": spec.experts,
+            "top_k": spec.top_k if spec.experts else 0,
+            # bf16 K and V of every layer (all full attention in the supported families)
+            "kv_bytes_per_token": spec.layers * 2 * spec.kv_heads * spec.head_dim * 2}

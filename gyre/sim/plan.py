@@ -128,19 +128,22 @@ def with_model_config(p, path):
 
     from gyre.model import ModelFormatError
     from gyre.model.params import param_counts
-    from gyre.sim.calibration import SERVE_MEM_SHARE
+    from gyre.sim.calibration import MEM_FRACTION
 
     try:
         c = param_counts(path)
     except ModelFormatError as e:
         raise ConfigError(f"--model-config: {e}") from None
-    need = c["total"] * p.model.serve_bytes_per_param / (p.hw.hbm_gb * 1e9 * SERVE_MEM_SHARE)
+    # the weights take at most 70% of what SGLang may use of the replica's HBM; the rest is KV
+    need = c["total"] * p.model.serve_bytes_per_param / (p.hw.hbm_gb * 1e9 * MEM_FRACTION * 0.7)
     replica = 1 << max(0, math.ceil(math.log2(max(need, 1.0))))
     model = dataclasses.replace(
         p.model, name=f"{c['model_type']}:{Path(path).name}", params=float(c["total"]), active=float(c["active"]),
-        attn_layers=c["layers"], attn_dim=c["attn_dim"], replica_gpus=replica,
+        attn_layers=c["layers"], attn_dim=c["attn_dim"], replica_gpus=replica, experts=c["experts"],
+        topk=c["top_k"], kv_bytes_per_token=float(c["kv_bytes_per_token"]),
         sources={"params": f"{path}: gyre.model.params (total {c['total']:,}, active {c['active']:,})",
-                 "replica_gpus": "computed: serving weights over the HBM share, rounded up to a power of two"})
+                 "replica_gpus": "computed: FP8 weights within 70% of the replica's usable HBM, a power of two",
+                 "kv_bytes_per_token": "computed: layers x K,V x KV heads x head dim x bf16"})
     return dataclasses.replace(p, model=model)
 
 
