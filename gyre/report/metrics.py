@@ -117,7 +117,10 @@ class MetricsSink:
             self._tb.close()
             self._tb = None
         if self._wb is not None:
+            import wandb
+
             self._wb.finish()
+            wandb.teardown()  # stops W&B's service: only then is the offline run file complete
             self._wb = None
 
     def describe(self) -> dict:
