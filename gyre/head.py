@@ -367,7 +367,7 @@ class Head:
         usable = rec.status in FINISHED and math.isfinite(rec.reward)
         reward = rec.reward if math.isfinite(rec.reward) else None
         self.ended[eid] = (reward, "" if usable else rec.reward_source or f"status {rec.status}")
-        url_cell = {u: c.id for c in self.cells for u in self._urls_of(c)}
+        url_cell = {u: c.id for c in self.cells for u in self._urls_of(c) if u}
         for call in rec.tree.calls:
             self._emit(CallRecorded(call.t_start, call.t_end, url_cell.get(call.endpoint), eid))
         tokens = float(rec.tree.stats().unique_tokens)
