@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Iterable, Union
 
 # Role names as the cell book spells them (`gyre.sched.state.Role` values); plain strings here so
@@ -378,5 +378,5 @@ _HANDLERS = {RunStarted: RunStats._run_started, CellRoleChanged: RunStats._role,
 def summarise(events: Iterable[Event], t1: float | None = None) -> dict:
     """Step rows, lag and per-cell time of a whole event list (the report's shared schema)."""
     s = RunStats().extend(events)
-    return {"steps": s.steps, "lag": s.lag().__dict__, "cells": [s.cell_time(c, t1) for c in s.cell_ids()],
+    return {"steps": s.steps, "lag": asdict(s.lag()), "cells": [s.cell_time(c, t1) for c in s.cell_ids()],
             "executions": dict(s.status_counts)}

@@ -39,6 +39,7 @@ from gyre.events import (CallRecorded, CellRoleChanged, ExecutionDropped, Execut
                          GroupDropped, GroupLag, MicroBatchDone, RunEnded, RunStarted, RunStats, StepEnded)
 from gyre.fsio import atomic_write_json, atomic_write_text
 from gyre.harness.execute import FINISHED, run_and_evaluate
+from gyre.report.metrics import MetricsSink
 from gyre.sched.cells import Cell
 from gyre.sched.core import Admission, Coordinator, CoreSpec, GroupRecord, StepResult
 from gyre.sched.protocol import (Command, Event, PrepareReduce, PushWeights, Reduce, Reply, Stop, ToRollout, ToTrain,
@@ -221,7 +222,6 @@ class Head:
         self._emit(RunStarted(now, len(self.cells)))
         for c in self.cells:  # the role each cell is in at time zero
             self._emit(CellRoleChanged(now, c.id, c.role.value))
-        from gyre.report.metrics import MetricsSink
         self.metrics = MetricsSink(self.run_dir, cfg.run.loggers, name=cfg.run.name, config=asdict(cfg),
                                    wandb_mode=cfg.run.wandb_mode)
         roles = self.policy.initial_roles(len(self.cells))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 from gyre.events import Event, RunEnded, RunStats, StepEnded
@@ -100,7 +101,7 @@ class MetricsSink:
         elif isinstance(ev, RunEnded):
             lag = stats.lag()
             step = stats.steps[-1]["step"] + 1 if stats.steps else 0  # W&B steps only grow
-            self.log(step, {f"run/lag_{k}": float(v) for k, v in lag.__dict__.items()}, t=ev.t - stats.t0)
+            self.log(step, {f"run/lag_{k}": float(v) for k, v in asdict(lag).items()}, t=ev.t - stats.t0)
 
     def log(self, step: int, scalars: dict[str, float], *, t: float | None = None) -> None:
         self._jsonl.write(json.dumps({"step": step, "t": t, **scalars}) + "\n")
