@@ -440,7 +440,8 @@ class Head:
         rep = await self._cmd_train(cell, step, mid)
         cell.mb_in_flight = None
         cell.busy_intervals.append((t, time.time()))
-        self._emit(MicroBatchDone(t, time.time(), cell.id, mid, step, rep.ok, rep.info.get("stats", {}) if rep.ok else {}))
+        stats = rep.info.get("stats", {}) if rep.ok else {}
+        self._emit(MicroBatchDone(t, time.time(), cell.id, mid, step, rep.ok, stats))
         if rep.ok:
             self.core.microbatch_trained(mid)
             cell.step_mbs.add(mid)

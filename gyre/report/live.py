@@ -69,7 +69,8 @@ def gantt(report: dict, path: str | Path, t0: float | None = None) -> Path:
     ax.set_xlabel("seconds since start (dotted: step ends; pale: idle inside the role)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ROLE_COLORS.values()]
     handles.append(plt.Rectangle((0, 0), 1, 1, color="#F0C4A6"))
-    ax.legend(handles, [*ROLE_COLORS, "pale: idle in role"], ncol=6, loc="upper center", bbox_to_anchor=(0.5, 1.18), fontsize=8)
+    ax.legend(handles, [*ROLE_COLORS, "pale: idle in role"], ncol=6, loc="upper center", bbox_to_anchor=(0.5, 1.18),
+              fontsize=8)
     ax.set_title(f"cell roles, {report['label']}", pad=28)
     fig.tight_layout()
     out = Path(path)
