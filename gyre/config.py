@@ -36,6 +36,21 @@ class RunConfig:
     steps: int = _f(4, min=1, help="optimizer steps of an online run (`gyre run`)")
     groups_per_step: int = _f(2, min=1, help="queries (groups of harness.group_size executions) per step")
     heartbeat_timeout_s: float = _f(60.0, min=1.0, help="a cell silent this long is marked failed")
+    loggers: list = _f(["jsonl", "tensorboard", "wandb"],
+                       help="metrics backends: metrics.jsonl is always written; tensorboard and wandb are "
+                            "used when installed (see gyre/report/metrics.py)")
+    wandb_mode: str = _f("offline", choices=("offline", "online", "disabled"),
+                         help="W&B mode; offline runs sync later with `wandb sync`")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Validate here, not in __post_init__: load_config sets fields after construction.
+        if name == "loggers":
+            known = ("jsonl", "tensorboard", "wandb")
+            if isinstance(value, str) or not all(isinstance(x, str) and x.strip() in known for x in value):
+                raise ConfigError(f"run.loggers: {value!r} must be a list drawn from {', '.join(known)}, "
+                                  f"e.g. ['jsonl', 'tensorboard']")
+            value = [x.strip() for x in value]
+        super().__setattr__(name, value)
 
 
 @dataclass

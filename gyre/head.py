@@ -38,10 +38,13 @@ from pathlib import Path
 
 from gyre import faults
 from gyre.config import GyreConfig, default_tiny_dir
+from gyre.events import (CallRecorded, CellRoleChanged, ExecutionDropped, ExecutionEvaluated, ExecutionStarted,
+                         GroupDropped, GroupLag, MicroBatchDone, RunEnded, RunStarted, RunStats, StepEnded)
 from gyre.fsio import atomic_write_json, atomic_write_text
 from gyre.harness.execute import FINISHED, run_and_evaluate
 from gyre.proxy.replay import REPLAY_ENDPOINT
-from gyre.sched.cells import Cell, cell_stats
+from gyre.report.metrics import MetricsSink
+from gyre.sched.cells import Cell
 from gyre.sched.core import Admission, Coordinator, CoreSpec, GroupRecord, StepResult
 from gyre.sched.protocol import (Command, Event, PrepareReduce, PushWeights, Reduce, Reply, Stop, ToRollout, ToTrain,
                                  Train, reply_for)
@@ -63,10 +66,14 @@ class Head:
         # payload of the open step (the core keeps which micro-batch is where)
         self.batches: dict[int, dict] = {}              # micro-batch id -> wire dict
         self.admitted: dict[int, list] = {}             # group id -> [(execution id, staleness)]
-        self.mb_stats: dict[int, dict] = {}             # micro-batch id -> trainer stats
         self.task_of: dict[int, object] = {}            # group id -> task
+        # an ended execution's full record (tree included) stays only until its shard is on disk
+        # and its group was materialized or dropped (`_release`); what the ledger still needs
+        # after that is its summary: execution id -> (reward or None, why it cannot train or "")
         self.records: dict[str, object] = {}            # execution id -> ExecutionRecord
-        self.step_log: list[dict] = []
+        self.ended: dict[str, tuple[float | None, str]] = {}
+        self._unwritten: set[str] = set()               # ids in records_buffer
+        self._to_materialize: set[int] = set()          # groups with records, not yet materialized or dropped
         self._futures: dict[int, asyncio.Future] = {}
         self._locks = [asyncio.Lock() for _ in range(n_cells)]
         self._hello = asyncio.Event()
@@ -79,13 +86,27 @@ class Head:
         self.events: list[dict] = []      # restarts and failures, for the report
         self.cell_info: dict[int, dict] = {}
         self._cells_written = 0.0
-        self.harness_errors = 0
-        self.status_counts: dict[str, int] = {}
         self.replays: dict[tuple[str, int], list] = {}  # resume: stopped executions to replay
+        self.unscorable: dict[str, int] = {}  # executions that ended with no reward, by why
+        self.stats = RunStats(self.t0, n_cells)         # every figure of the report, from the events
+        self.metrics = None                              # the metrics sink (opened by run)
+        self.pool = None                                 # the harness pool (started by run)
 
     @property
     def version(self) -> int:
         return self.core.version if self.core else 0
+
+    def _emit(self, event) -> dict | None:
+        """Tell the run's statistics (and the metrics sink) what happened; see gyre/events.py."""
+        row = self.stats.apply(event)
+        if self.metrics is not None:
+            self.metrics.on_event(event, self.stats, row)
+        return row
+
+    def _set_role(self, cell: Cell, role: Role, now: float) -> None:
+        if role is not cell.role:
+            self._emit(CellRoleChanged(now, cell.id, role.value))
+        cell.set_role(role, now)
 
     # ==== messaging (head <-> cell agents) ======================================================
     # The only place that builds Commands and reads Replies/Events: a change of the protocol's
@@ -115,7 +136,7 @@ class Head:
                 self._spawn(self._replace_endpoint(cell, old))
             elif msg.kind == "fatal":
                 self.errors.append(f"cell {cell.id}: {msg.info}")
-                cell.set_role(Role.FAILED, now)
+                self._set_role(cell, Role.FAILED, now)
 
     async def _call(self, cell: Cell, cmd: Command, timeout: float = 600.0) -> Reply:
         """Send one command and wait for its reply; commands to one cell never overlap."""
@@ -220,6 +241,11 @@ class Head:
                                ", ".join(f"cell {c.id}" for c in self.cells if not c.engine_url))
         now = time.time()
         self.t0 = now
+        self._emit(RunStarted(now, len(self.cells)))
+        for c in self.cells:  # the role each cell is in at time zero
+            self._emit(CellRoleChanged(now, c.id, c.role.value))
+        self.metrics = MetricsSink(self.run_dir, cfg.run.loggers, name=cfg.run.name, config=asdict(cfg),
+                                   wandb_mode=cfg.run.wandb_mode)
         roles = self.policy.initial_roles(len(self.cells))
         self.router = Router([], api_key=self.link.engine_key, timeout_s=cfg.engine.request_timeout_s,
                              wait_for_endpoint_s=120.0)
@@ -266,6 +292,8 @@ class Head:
         t1 = time.time()
         for c in self.cells:
             c.close(t1)
+        self._emit(RunEnded(t1, stopped))
+        self.metrics.close()
         await asyncio.gather(*(self._cmd_stop(c) for c in self.cells))
         await self.router.close()
         self.ledger.close()
@@ -281,10 +309,10 @@ class Head:
         for sw in decision.switches:
             cell = self.cells[sw.cell]
             if sw.to is Role.TRAIN and cell.role is Role.ROLLOUT:
-                cell.set_role(Role.TO_TRAIN, now)
+                self._set_role(cell, Role.TO_TRAIN, now)
                 self._spawn(self._to_train(cell))
             elif sw.to is Role.ROLLOUT and cell.role is Role.TRAIN:
-                cell.set_role(Role.TO_ROLLOUT, now)
+                self._set_role(cell, Role.TO_ROLLOUT, now)
                 self._spawn(self._to_rollout(cell))
         self._start_groups(decision.start_groups, now)
         self._dispatch()
@@ -298,21 +326,21 @@ class Head:
         for c in self.cells:
             if c.role is not Role.FAILED and now - c.last_seen > limit:
                 self.errors.append(f"cell {c.id} silent for {now - c.last_seen:.0f} s: marked failed")
-                c.set_role(Role.FAILED, now)
+                self._set_role(c, Role.FAILED, now)
                 self._spawn(self.router.remove_endpoint(c.engine_url, abort=True))
 
     # ==== switches ==============================================================================
     async def _to_train(self, cell: Cell) -> None:
         t = time.time()
-        cell.set_role(Role.TO_TRAIN, t)
+        self._set_role(cell, Role.TO_TRAIN, t)
         await self.router.remove_endpoint(cell.engine_url, abort=True)  # aborted calls retry elsewhere
         rep = await self._cmd_to_train(cell, self.core.version)
         cell.switch_phases.append({"to": "train", "ok": rep.ok, "wall_s": time.time() - t, **rep.phases})
         if rep.ok:
-            cell.set_role(Role.TRAIN, time.time())
+            self._set_role(cell, Role.TRAIN, time.time())
         else:
             self.errors.append(f"cell {cell.id} to_train failed: {rep.error}")
-            cell.set_role(Role.FAILED, time.time())
+            self._set_role(cell, Role.FAILED, time.time())
 
     async def _to_rollout(self, cell: Cell) -> None:
         t = time.time()
@@ -321,12 +349,12 @@ class Head:
         cell.switch_phases.append({"to": "rollout", "ok": rep.ok, "wall_s": time.time() - t, **rep.phases})
         if not rep.ok:
             self.errors.append(f"cell {cell.id} to_rollout failed: {rep.error}")
-            cell.set_role(Role.FAILED, time.time())
+            self._set_role(cell, Role.FAILED, time.time())
             return
         if self.core.rollout_version != version:  # weights were pushed while it switched
             await self._cmd_push(cell, self.core.rollout_version)
         self.router.add_endpoint(cell.engine_url)
-        cell.set_role(Role.ROLLOUT, time.time())
+        self._set_role(cell, Role.ROLLOUT, time.time())
 
     async def _replace_endpoint(self, cell: Cell, old: str) -> None:
         await self.router.remove_endpoint(old, abort=True)
@@ -352,6 +380,7 @@ class Head:
             eid = f"q{g.id}-{task.name}-g{k}"
             self.core.execution_started(g.id, eid, now)
             replays = self.replays.get((task.name, k))
+            self._emit(ExecutionStarted(now, eid, g.id))
             self._spawn(self._execution(g.id, task, eid, replays.pop(0) if replays else None))
 
     async def _execution(self, gid: int, task, eid: str, replay=None) -> None:
@@ -372,24 +401,44 @@ class Head:
         at the end) before the core hears of it, so a SIGKILL from here on loses none of it."""
         faults.hit("head", "execution_ended")
         self.records[eid] = rec
-        self.status_counts[rec.status] = self.status_counts.get(rec.status, 0) + 1
-        self.harness_errors += rec.status in ("failed", "crashed")
-        self.records_buffer.append(rec)
-        self._flush()
-        faults.hit("head", "execution_recorded")
+        self._to_materialize.add(rec.group)
         usable = rec.status in FINISHED and math.isfinite(rec.reward)
-        adm = self.core.execution_evaluated(eid, now, version=rec.min_version,
-                                            tokens=float(rec.tree.stats().unique_tokens), usable=usable,
-                                            reward=rec.reward if usable else None)
+        reward = rec.reward if math.isfinite(rec.reward) else None
+        self.ended[eid] = (reward, "" if usable else rec.reward_source or f"status {rec.status}")
+        if reward is None:
+            why = rec.reward_source or "no reward"
+            self.unscorable[why] = self.unscorable.get(why, 0) + 1
+        url_cell = {u: c.id for c in self.cells for u in self._urls_of(c) if u}
+        for call in rec.tree.calls:
+            self._emit(CallRecorded(call.t_start, call.t_end, url_cell.get(call.endpoint), eid))
+        tokens = float(rec.tree.stats().unique_tokens)
+        self._emit(ExecutionEvaluated(now, eid, rec.group, rec.status, reward, rec.min_version, tokens, usable))
+        self.records_buffer.append(rec)
+        self._unwritten.add(eid)
+        self._flush()  # durable before the coordinator hears of it
+        faults.hit("head", "execution_recorded")
+        adm = self.core.execution_evaluated(eid, now, version=rec.min_version, tokens=tokens, usable=usable,
+                                            reward=reward if usable else None)
         self._on_admission(adm)
 
     def _on_admission(self, adm: Admission) -> None:
         """Record dropped groups; materialize the groups the core assigned to the open step."""
         for g in adm.dropped:
+            self._emit(GroupDropped(time.time(), g.id, g.reason))
             for eid in g.executions:
                 self._ledger(eid, g, admitted=False, reason=g.reason)
         for g in adm.assigned:
             self._materialize(g)
+        for g in adm.dropped + adm.assigned:  # their records are needed no more once on disk
+            self._to_materialize.discard(g.id)
+            self._release(g.executions)
+
+    def _release(self, eids) -> None:
+        """Free the full records whose shard is durable and whose group was materialized or dropped."""
+        for eid in eids:
+            rec = self.records.get(eid)
+            if rec is not None and eid not in self._unwritten and rec.group not in self._to_materialize:
+                del self.records[eid]
 
     def _materialize(self, g: GroupRecord) -> None:
         from gyre.batch import to_wire
@@ -399,8 +448,7 @@ class Head:
         usable = [self.records[eid] for eid, e in g.executions.items() if e.usable]
         for eid, e in g.executions.items():
             if not e.usable:
-                rec = self.records[eid]
-                self._ledger(eid, g, admitted=False, reason=rec.reward_source or f"status {rec.status}")
+                self._ledger(eid, g, admitted=False, reason=self.ended[eid][1])
         if len(usable) == 1 and self.cfg.train.advantage != "reward":  # no baseline: no signal, zero advantage
             self._ledger(usable[0].execution_id, g, admitted=False,
                          reason=f"the only evaluated member of its group of {len(g.executions)}: "
@@ -437,13 +485,15 @@ class Head:
 
     async def _train(self, cell: Cell, mid: int) -> None:
         t = time.time()
-        rep = await self._cmd_train(cell, self.core.step.index, mid)
+        step = self.core.step.index
+        rep = await self._cmd_train(cell, step, mid)
         cell.mb_in_flight = None
         cell.busy_intervals.append((t, time.time()))
+        stats = rep.info.get("stats", {}) if rep.ok else {}
+        self._emit(MicroBatchDone(t, time.time(), cell.id, mid, step, rep.ok, stats))
         if rep.ok:
             self.core.microbatch_trained(mid)
             cell.step_mbs.add(mid)
-            self.mb_stats[mid] = rep.info.get("stats", {})
         else:  # its trainer died: this micro-batch and the ones it held go back to the queue
             self._requeue(cell, (set(rep.info.get("lost", [])) & cell.step_mbs) | {mid})
 
@@ -523,37 +573,28 @@ class Head:
     def _close_step(self, res: StepResult, participants: list[Cell], reps: list[Reply], reduce_s: float,
                     push_s: float) -> None:
         """Step rows and ledger lines, then state.json: the commit point of the step."""
-        rewards = [r.reward for g in res.groups for eid in g.executions
-                   if math.isfinite((r := self.records[eid]).reward)]
         for g in res.groups:  # written only now: admitted means trained in this step
             for eid, stal in self.admitted.pop(g.id, []):
                 self._ledger(eid, g, admitted=True, staleness=stal, step=res.index)
-        st = [self.mb_stats.pop(m) for m in res.microbatches if m in self.mb_stats]
-        losses = [x.get("loss", 0.0) for x in st]
-        ratios = [x["ratio_mean"] for x in st if x.get("ratio_mean") is not None]
-        kls = [x["kl_old"] for x in st if x.get("kl_old") is not None]
+        # the driver's figures of the step's micro-batches: off-policy weights, mismatch, MoE aux loss
+        st = self.stats.microbatch_stats(res.microbatches)
         merged = merge(st, parallel=False)
         mismatch = summarize(merged)
-        lag = [g.lag_steps for g in res.groups]
-        lag_sync = [g.lag_syncs for g in res.groups]
-        toks = [g.train_tokens for g in res.groups]
-        row = {"step": res.index, "version": res.version, "groups": len(res.groups),
-               "micro_batches": len(res.microbatches), "participants": [c.id for c in participants],
-               "reward_mean": statistics.fmean(rewards) if rewards else None, "reward_n": len(rewards),
-               "staleness_mean": statistics.fmean(lag) if lag else 0, "staleness_max": max(lag, default=0),
-               "staleness_token_mean": sum(a * b for a, b in zip(lag, toks)) / sum(toks) if sum(toks) else 0,
-               "lag_syncs_mean": statistics.fmean(lag_sync) if lag_sync else 0, "lag_syncs_max": max(lag_sync, default=0),
-               "pushed": res.push_due,
-               "loss": sum(losses), "ratio_mean": statistics.fmean(ratios) if ratios else None,
-               "kl_old_max": max(kls, default=None), "grad_norm": next((r.grad_norm for r in reps if getattr(r, "grad_norm", None) is not None), None),
-               "reduce_s": reduce_s, "push_s": push_s, "t_start": (res.started_at or res.ended_at) - self.t0,
-               "t_end": res.ended_at - self.t0,
-               # the loss of a GRPO step is ~0 by construction; what moves is the surrogate's scale
-               "loss_per_target": merged["loss"] / merged["targets"] if merged.get("targets") else None,
-               "is_weight_mean": merged.get("is_weight_mean"), "clip_frac": merged.get("clip_frac"),
-               "replaced_zero_variance": res.replaced,
-               "replaced_share": res.replaced / (res.replaced + len(res.groups)) if res.groups else 0.0,
-               **mismatch}
+        extra = {
+            # the loss of a GRPO step is ~0 by construction; what moves is the surrogate's scale
+            "loss_per_target": merged["loss"] / merged["targets"] if merged.get("targets") else None,
+            "is_weight_mean": merged.get("is_weight_mean"), "clip_frac": merged.get("clip_frac"),
+            "replaced_zero_variance": res.replaced,
+            "replaced_share": res.replaced / (res.replaced + len(res.groups)) if res.groups else 0.0,
+            **mismatch}
+        aux = [x["moe_aux_loss"] for x in st if x.get("moe_aux_loss") is not None]
+        if aux:  # MoE models: the load-balancing loss, mean over the step's micro-batches
+            extra["moe_aux_loss"] = statistics.fmean(aux)
+        row = self._emit(StepEnded(
+            res.started_at or res.ended_at, res.ended_at, res.index, res.version,
+            tuple(GroupLag(g.id, g.version, g.lag_steps, g.lag_syncs, g.train_tokens) for g in res.groups),
+            tuple(res.microbatches), tuple(c.id for c in participants), res.push_due, reduce_s, push_s,
+            next((r.grad_norm for r in reps if getattr(r, "grad_norm", None) is not None), None), extra))
         warning = lag0_warning(mismatch, self.cfg.train.mismatch_warn_k3)
         if warning:
             self.events.append({"t": res.ended_at - self.t0, "cell": None, "kind": "mismatch_warning",
@@ -561,10 +602,6 @@ class Head:
             if not any(w.startswith("train/inference mismatch") for w in self.warnings):
                 self.warnings.append(warning)
                 print(f"gyre: warning: step {res.index}: {warning}", file=sys.stderr, flush=True)
-        aux = [x["moe_aux_loss"] for x in st if x.get("moe_aux_loss") is not None]
-        if aux:  # MoE models: the load-balancing loss, mean over the step's micro-batches
-            row["moe_aux_loss"] = statistics.fmean(aux)
-        self.step_log.append(row)
         self.steps_file.write(json.dumps(row) + "\n")
         self._committed = res.version
         for c in self.cells:  # the next step may already be training: free only this step's
@@ -578,17 +615,19 @@ class Head:
         """Every execution that ended and did not train gets its line, with the reason."""
         for g in self.core.unfinished():
             for eid in g.executions:
-                if eid in self.records:
+                if eid in self.ended:  # ended, and not yet given its last ledger line
                     self._ledger(eid, g, admitted=False,
                                  reason=f"{why} before step {self.core.step.index} closed (group {g.state.value})")
 
     def _ledger(self, eid: str, g: GroupRecord, *, admitted: bool, reason: str = "", staleness: int | None = None,
                 step: int | None = None) -> None:
-        rec = self.records.get(eid)
+        reward, _ = self.ended.pop(eid, (None, ""))  # an execution's ledger line is its last word
+        if not admitted:
+            self._emit(ExecutionDropped(time.time(), eid, g.id, reason))
         self.ledger.write(json.dumps({
             "execution": eid, "group": g.id, "task": self.task_of[g.id].name, "admitted": admitted,
             "step": step, "staleness": staleness, "lag_syncs": g.lag_syncs if admitted else None,
-            "reason": reason, "reward": None if rec is None or not math.isfinite(rec.reward) else rec.reward,
+            "reason": reason, "reward": reward,
             "version": g.version, "sync": g.sync}) + "\n")
 
     # ==== persistence ===========================================================================
@@ -605,8 +644,11 @@ class Head:
 
     def _flush(self, force: bool = False) -> None:  # noqa: ARG002 (every record is written at once now)
         if self.records_buffer:
-            self.writer.write(self.records_buffer)
+            self.writer.write(self.records_buffer)  # durable when it returns (fsynced, renamed)
+            written = [r.execution_id for r in self.records_buffer]
             self.records_buffer = []
+            self._unwritten.difference_update(written)
+            self._release(written)
 
     def _save_state(self) -> None:
         self._flush(force=True)  # shards first: state never points past what is on disk
@@ -695,32 +737,25 @@ class Head:
 
     # ==== report ================================================================================
     def report(self, t1: float, stopped: bool) -> dict:
-        from gyre.traj.store import iter_executions
-
-        by_url: dict[str, list[tuple[float, float]]] = {}
-        for rec in iter_executions(self.cfg.shard_dir()):
-            for c in rec.tree.calls:
-                by_url.setdefault(c.endpoint, []).append((c.t_start, c.t_end))
-        cells = []
-        for c in self.cells:
-            busy = [iv for url, ivs in by_url.items() if url in self._urls_of(c) for iv in ivs]
-            cells.append({**cell_stats(c, self.t0, t1, busy), "switch_phases": c.switch_phases})
+        """report.json: every figure from the events (gyre/events.py); no shard is read back."""
+        st = self.stats
+        cells = [{**st.cell_time(c.id, t1), "hostname": c.hostname, "switch_phases": c.switch_phases}
+                 for c in self.cells]
         s = self.cfg.sched
-        dropped = [g for g in self.core.groups.values() if g.state.value == "dropped"]
-        unscorable: dict[str, int] = {}  # executions that ended but got no reward, by why
-        for rec in self.records.values():
-            if not math.isfinite(rec.reward):
-                unscorable[rec.reward_source or "no reward"] = unscorable.get(rec.reward_source or "no reward", 0) + 1
-        return {"stopped_reason": self.pool.broken, "unscorable": unscorable,
+        executions = dict(st.status_counts)
+        return {"stopped_reason": self.pool.broken if self.pool else None, "unscorable": dict(self.unscorable),
                 "scheme": s.scheme, "label": f"{s.scheme}{s.staleness}", "staleness": s.staleness,
                 "staleness_rule": s.staleness_rule, "steps_per_sync": s.steps_per_sync,
-                "lag": asdict(self.core.lag_stats()), "groups_dropped": len(dropped),
+                "lag": asdict(st.lag()), "groups_dropped": st.groups_dropped,
                 "groups_started": self.core.started,
-                "steps": self.step_log, "cells": cells, "wall_s": t1 - self.t0, "stopped": stopped,
-                "errors": self.errors, "warnings": self.warnings, "harness_errors": self.harness_errors,
-                "events": self.events, "groups_replaced_zero_variance": self.core.zero_variance_dropped,
-                "executions": self.status_counts, "version": self.version,
-                "intervals": {c.id: c.intervals for c in self.cells}}
+                "steps": st.steps, "cells": cells, "wall_s": t1 - self.t0, "stopped": stopped,
+                "errors": self.errors + (self.metrics.errors if self.metrics else []), "warnings": self.warnings,
+                "harness_errors": executions.get("failed", 0) + executions.get("crashed", 0), "events": self.events,
+                "groups_replaced_zero_variance": self.core.zero_variance_dropped,
+                "executions": executions, "version": self.version,
+                "intervals": {c.id: st.intervals(c.id, t1) for c in self.cells},
+                "idle": {c.id: st.idle_spans(c.id, t1) for c in self.cells},
+                "metrics": self.metrics.describe() if self.metrics else None}
 
     def _urls_of(self, cell: Cell) -> set[str]:
         return {cell.engine_url, *cell.old_urls}

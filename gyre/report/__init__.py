@@ -1,1 +1,3 @@
-"""gyre.report: plots of what a run (or a simulated run) recorded: role Gantt charts with regime shares, utilisation, sensitivity tornado; live-run tables (live.py)."""
+"""gyre.report: what a run (or a simulated run) recorded, shown: role Gantt charts with regime
+shares, utilisation, sensitivity tornado (plots.py); live-run tables and charts (live.py); the
+metrics sink fed by gyre.events (metrics.py). Imports no driver (tests/test_layering.py)."""

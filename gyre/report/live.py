@@ -8,29 +8,43 @@ ROLE_COLORS = {"rollout": "#4C72B0", "train": "#DD8452", "to_train": "#C44E52", 
                "failed": "#333333"}
 
 
-def print_report(report: dict) -> None:
+def _num(x: float | None) -> str:
+    """Four significant digits, any magnitude (a per-token loss of 3e-5 stays readable)."""
+    return "-" if x is None else f"{x:.4g}"
+
+
+def print_report(report: dict, console=None) -> None:
+    """The live run's tables, narrow enough for an 80-column terminal (headers wrap, never cut).
+    Per cell, busy rollout + busy train + switching + idle + failed add up to the wall time."""
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
-    con = Console()
-    t = Table(title=f"cells ({report['label']}, {report['wall_s']:.1f} s)")
-    for col in ("cell", "host", "rollout s", "train s", "switching s", "idle s", "switches", "utilisation"):
-        t.add_column(col, justify="right")
+    con = console or Console()
+    t = Table(title=f"cells ({report['label']}, {report['wall_s']:.1f} s)", box=box.SIMPLE_HEAD,
+              caption="seconds; rollout, train: busy in that role; idle: in a role with no work;\n"
+                      "rollout + train + switch + idle + failed = wall")
+    t.add_column("cell", justify="right", no_wrap=True)
+    t.add_column("host", overflow="fold", max_width=24)
+    for col in ("rollout", "train", "switch", "idle", "failed", "switches", "util"):
+        t.add_column(col, justify="right", no_wrap=True)
     for c in report["cells"]:
-        t.add_row(str(c["cell"]), c["hostname"], f"{c['rollout_s']:.1f}", f"{c['train_s']:.1f}",
-                  f"{c['switching_s']:.1f}", f"{c['idle_s']:.1f}", str(c["switches"]), f"{c['utilisation']:.0%}")
+        t.add_row(str(c["cell"]), c["hostname"] or "-", f"{c['busy_rollout_s']:.1f}", f"{c['busy_train_s']:.1f}",
+                  f"{c['switching_s']:.1f}", f"{c['idle_s']:.1f}", f"{c.get('failed_s', 0.0):.1f}",
+                  str(c["switches"]), f"{c['utilisation']:.0%}")
     con.print(t)
-    s = Table(title="steps")
-    for col in ("step", "groups", "micro-batches", "reward", "staleness mean/max", "loss/target", "grad norm",
-                "replaced", "mismatch k3 (lag 0)", "cells", "end s"):
-        s.add_column(col, justify="right")
+    s = Table(title="steps", box=box.SIMPLE_HEAD,
+              caption="lag in optimizer steps; loss per target token; repl.: share of zero-variance\n"
+                      "groups replaced; end: seconds since start (mismatch per step: steps.jsonl)")
+    for col in ("step", "groups", "micro-\nbatches", "reward", "lag\nmean/max", "loss", "grad\nnorm", "repl.",
+                "cells", "end"):
+        s.add_column(col, justify="right", no_wrap=col != "cells", overflow="fold")
     for r in report["steps"]:
         rew = "-" if r["reward_mean"] is None else f"{r['reward_mean']:.3f}"
-        gn = "-" if r["grad_norm"] is None else f"{r['grad_norm']:.3f}"
         s.add_row(str(r["step"]), str(r["groups"]), str(r["micro_batches"]), rew,
-                  f"{r['staleness_mean']:.2f}/{r['staleness_max']}", readable_loss(r), gn,
-                  f"{r.get('replaced_share', 0.0):.0%}", _sci(r.get("mismatch_k3_lag0")),
-                  ",".join(map(str, r["participants"])), f"{r['t_end']:.1f}")
+                  f"{r['staleness_mean']:.2f}/{r['staleness_max']}", readable_loss(r), _num(r["grad_norm"]),
+                  f"{r.get('replaced_share', 0.0):.0%}",
+                  ",".join(map(str, r["participants"])), f"{r['t_end']:.0f}")
     con.print(s)
     for w in report.get("warnings", []):
         con.print(f"[yellow]warning[/yellow] {w}")
@@ -38,18 +52,12 @@ def print_report(report: dict) -> None:
         con.print(f"[red]error[/red] {e}")
 
 
-def _sci(x) -> str:
-    return "-" if x is None else f"{x:.1e}"
-
-
 def readable_loss(row: dict) -> str:
-    """The step's loss per target token in 3 significant figures: a GRPO loss is ~0 by
+    """The step's loss per target token in 4 significant figures: a GRPO loss is ~0 by
     construction (advantages sum to ~0 in each group), so a fixed 4-decimal format reads 0.0000
     at every step; the value that moves is small, not absent."""
     v = row.get("loss_per_target")
-    if v is None:
-        v = row.get("loss")
-    return "-" if v is None else f"{v:+.2e}"
+    return _num(row.get("loss") if v is None else v)
 
 
 def gantt(report: dict, path: str | Path, t0: float | None = None) -> Path:
@@ -61,16 +69,21 @@ def gantt(report: dict, path: str | Path, t0: float | None = None) -> Path:
     intervals = report["intervals"]
     start = t0 if t0 is not None else min((a for ivs in intervals.values() for _, a, _ in ivs), default=0.0)
     fig, ax = plt.subplots(figsize=(10, 0.6 * len(intervals) + 1.2))
+    idle = report.get("idle") or {}
     for cell, ivs in intervals.items():
         for role, a, b in ivs:
             ax.barh(int(cell), b - a, left=a - start, color=ROLE_COLORS.get(role, "#999"), height=0.8)
+        for a, b in idle.get(cell, idle.get(str(cell), [])):  # idle inside a role: washed out
+            ax.barh(int(cell), b - a, left=a - start, color="white", alpha=0.6, height=0.8, linewidth=0)
     for r in report["steps"]:
         ax.axvline(r["t_end"], color="k", lw=0.6, ls=":")
     ax.set_yticks(sorted(int(c) for c in intervals))
     ax.set_yticklabels([f"cell {c}" for c in sorted(int(c) for c in intervals)])
-    ax.set_xlabel("seconds since start (dotted: step ends)")
+    ax.set_xlabel("seconds since start (dotted: step ends; pale: idle inside the role)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ROLE_COLORS.values()]
-    ax.legend(handles, list(ROLE_COLORS), ncol=5, loc="upper center", bbox_to_anchor=(0.5, 1.18), fontsize=8)
+    handles.append(plt.Rectangle((0, 0), 1, 1, color="#F0C4A6"))
+    ax.legend(handles, [*ROLE_COLORS, "pale: idle in role"], ncol=6, loc="upper center", bbox_to_anchor=(0.5, 1.18),
+              fontsize=8)
     ax.set_title(f"cell roles, {report['label']}", pad=28)
     fig.tight_layout()
     out = Path(path)

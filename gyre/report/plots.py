@@ -10,14 +10,17 @@ matplotlib.use("Agg")  # files only; never a display
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from gyre.sim.result import BUCKETS, SimResult  # noqa: E402
+from gyre.events import BUCKETS  # noqa: E402
+
+# `result` below is a simulated run's result (gyre.sim.result.SimResult): read by its attributes,
+# never imported, so that the report depends on neither driver (docs/architecture.md).
 
 ROLE_COLOURS = {"rollout": "#4C72B0", "train": "#DD8452", "to_train": "#C44E52",
                 "to_rollout": "#8172B3", "failed": "#333333"}
 BUCKET_COLOURS = {"rollout": "#4C72B0", "train": "#DD8452", "switch": "#C44E52", "idle": "#BBBBBB"}
 
 
-def gantt(result: SimResult, path: str | Path, hours: float | None = None) -> Path:
+def gantt(result, path: str | Path, hours: float | None = None) -> Path:
     """Cell roles over time, one row per cell; `hours` limits the x axis (None = whole run)."""
     fig, ax = plt.subplots(figsize=(11, 0.35 * result.cells + 1.4))
     for i, spans in enumerate(result.roles):
@@ -49,7 +52,7 @@ def gantt(result: SimResult, path: str | Path, hours: float | None = None) -> Pa
     return out
 
 
-def utilisation(results: list[SimResult], path: str | Path, bin_h: float = 1.0) -> Path:
+def utilisation(results: list, path: str | Path, bin_h: float = 1.0) -> Path:
     """Left: busy share of the cells over time (binned). Right: time per bucket, per run."""
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.6), gridspec_kw={"width_ratios": [3, 2]})
     for r in results:
@@ -75,7 +78,7 @@ def utilisation(results: list[SimResult], path: str | Path, bin_h: float = 1.0) 
     return out
 
 
-def _busy_series(r: SimResult, bin_h: float) -> tuple[list[float], list[float]]:
+def _busy_series(r, bin_h: float) -> tuple[list[float], list[float]]:
     """Time-weighted share of busy cells in each bin, from the run's usage changes."""
     width = bin_h * 3600
     n = max(1, int(r.makespan_s // width) + 1)

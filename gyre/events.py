@@ -1,0 +1,387 @@
+"""The events of a run, and the one place that turns them into statistics.
+
+A driver (the live head today; the simulator next) tells what happened as typed events; `RunStats`
+folds them into everything a report shows: step rows, lags (group- and token-weighted means and
+the worst, in optimizer steps and in rollout syncs), per-cell time (busy rollout, busy train,
+switching, idle inside a role, failed: they add up to the wall time) and utilisation. The live
+table, `report.json`, `steps.jsonl` and the metrics sink all read these figures, so they are
+computed once and agree.
+
+Pure: no clock, no I/O, nothing of a driver. Every time is an argument (seconds, any origin; rows
+are relative to `RunStarted.t`). Memory is flat over a run: per-execution facts leave once the
+step (or drop) that needed them is folded; per cell only merged busy intervals and role changes
+are kept. docs/events.md says who emits and who consumes each event.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, Union
+
+# Role names as the cell book spells them (`gyre.sched.state.Role` values); plain strings here so
+# that this module and the report depend on nothing of the scheduler.
+ROLLOUT, TRAIN, TO_TRAIN, TO_ROLLOUT, FAILED = "rollout", "train", "to_train", "to_rollout", "failed"
+ROLES = (ROLLOUT, TRAIN, TO_TRAIN, TO_ROLLOUT, FAILED)
+# The time buckets of a cell; with `failed` they add up to the wall time (the simulator's buckets).
+BUCKETS = ("rollout", "train", "switch", "idle")
+
+
+@dataclass(frozen=True)
+class RunStarted:
+    t: float            # time zero of the run's rows (cells said hello)
+    cells: int
+
+
+@dataclass(frozen=True)
+class CellRoleChanged:
+    t: float
+    cell: int
+    role: str           # one of ROLES; the first one of a cell is its role at the start
+
+
+@dataclass(frozen=True)
+class ExecutionStarted:
+    t: float
+    execution: str
+    group: int
+
+
+@dataclass(frozen=True)
+class CallRecorded:
+    """One model call of an execution: busy time of the rollout cell that served it."""
+    t_start: float
+    t_end: float
+    cell: int | None    # None: an endpoint no cell owns (never counted)
+    execution: str = ""
+
+
+@dataclass(frozen=True)
+class ExecutionEvaluated:
+    t: float
+    execution: str
+    group: int
+    status: str
+    reward: float | None    # None: no finite reward
+    version: int            # oldest policy version that served it
+    tokens: float           # unique tokens of its tree
+    usable: bool            # finished with a finite reward: it can train
+
+
+@dataclass(frozen=True)
+class ExecutionDropped:
+    """An ended execution that will not train (the ledger's `admitted: false` line)."""
+    t: float
+    execution: str
+    group: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class GroupDropped:
+    """A group expired in the admission queue (too stale for any step it could still reach)."""
+    t: float
+    group: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class MicroBatchDone:
+    """A train cell finished (ok) or lost (not ok) one micro-batch."""
+    t_start: float
+    t_end: float
+    cell: int
+    mb: int
+    step: int
+    ok: bool
+    stats: dict = field(default_factory=dict)   # the trainer's figures: loss, ratio_mean, kl_old, ...
+
+
+@dataclass(frozen=True)
+class GroupLag:
+    group: int
+    version: int        # oldest optimizer version that served it
+    lag_steps: int
+    lag_syncs: int
+    tokens: float       # training tokens (weight of the token-weighted lag)
+
+
+@dataclass(frozen=True)
+class StepEnded:
+    t_start: float              # first group assigned (t_end if none)
+    t_end: float
+    step: int
+    version: int                # optimizer version after it
+    groups: tuple[GroupLag, ...]
+    micro_batches: tuple = ()
+    participants: tuple[int, ...] = ()
+    pushed: bool = False
+    reduce_s: float = 0.0
+    push_s: float = 0.0
+    grad_norm: float | None = None
+    extra: dict = field(default_factory=dict)  # the driver's further figures of the step, into its row
+
+
+@dataclass(frozen=True)
+class RunEnded:
+    t: float
+    stopped: bool = False
+
+
+Event = Union[RunStarted, CellRoleChanged, ExecutionStarted, CallRecorded, ExecutionEvaluated,
+              ExecutionDropped, GroupDropped, MicroBatchDone, StepEnded, RunEnded]
+
+
+@dataclass(frozen=True)
+class Lag:
+    """Staleness of trained groups (the keys of report.json's `lag`)."""
+    groups: int = 0
+    group_mean_steps: float = 0.0
+    token_mean_steps: float = 0.0
+    worst_steps: int = 0
+    group_mean_syncs: float = 0.0
+    token_mean_syncs: float = 0.0
+    worst_syncs: int = 0
+
+
+class _CellBook:
+    """One cell's time: role changes and merged busy intervals (few: merging keeps them so)."""
+
+    def __init__(self) -> None:
+        self.role: str | None = None
+        self.since = 0.0
+        self.intervals: list[tuple[str, float, float]] = []
+        self.switches = 0
+        self.busy: dict[str, list[list[float]]] = {ROLLOUT: [], TRAIN: []}
+
+    def change(self, role: str, t: float) -> None:
+        if role == self.role:
+            return
+        if self.role is not None:
+            self.intervals.append((self.role, self.since, t))
+            if role in (TO_TRAIN, TO_ROLLOUT):
+                self.switches += 1
+        self.role, self.since = role, t
+
+    def work(self, kind: str, a: float, b: float) -> None:
+        if b > a:
+            _insert(self.busy[kind], a, b)
+
+    def spans(self, t1: float) -> list[tuple[str, float, float]]:
+        open_ = [(self.role, self.since, t1)] if self.role is not None and t1 > self.since else []
+        return self.intervals + open_
+
+
+def _insert(merged: list[list[float]], a: float, b: float) -> None:
+    """Add [a, b] to a sorted list of disjoint intervals, merging what it touches."""
+    i = bisect.bisect_left(merged, [a, a])
+    if i > 0 and merged[i - 1][1] >= a:
+        i -= 1
+    j = i
+    while j < len(merged) and merged[j][0] <= b:
+        a, b = min(a, merged[j][0]), max(b, merged[j][1])
+        j += 1
+    merged[i:j] = [[a, b]]
+
+
+def _clip(spans: Iterable[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
+    return [(max(a, lo), min(b, hi)) for a, b in spans if min(b, hi) > max(a, lo)]
+
+
+def _inside(busy: list[list[float]], windows: list[tuple[float, float]]) -> tuple[float, list[tuple[float, float]]]:
+    """Busy seconds inside the windows, and the idle gaps inside them."""
+    total, idle = 0.0, []
+    for c, d in windows:
+        cur = c
+        for a, b in busy:
+            if b <= c or a >= d:
+                continue
+            lo, hi = max(a, c), min(b, d)
+            total += hi - lo
+            if lo > cur:
+                idle.append((cur, lo))
+            cur = max(cur, hi)
+        if d > cur:
+            idle.append((cur, d))
+    return total, idle
+
+
+class RunStats:
+    """Folds events (in the order they happened) into the figures of a run's report."""
+
+    def __init__(self, t0: float = 0.0, cells: int = 0) -> None:
+        self.t0 = t0
+        self.t1: float | None = None
+        self.stopped = False
+        self._cells: dict[int, _CellBook] = {i: _CellBook() for i in range(cells)}
+        self._rewards: dict[int, list[float]] = {}        # group -> finite rewards, until trained/dropped
+        self._mb: dict[int, dict] = {}                     # micro-batch -> last ok trainer stats, until its step ends
+        self.status_counts: dict[str, int] = {}
+        self.started = 0
+        self.dropped_executions = 0
+        self.groups_dropped = 0
+        self.steps: list[dict] = []
+        # running sums of the lag of trained groups (flat memory; the same figures as LagStats)
+        self._n = 0
+        self._lag_sum = [0, 0]          # steps, syncs
+        self._lag_tok = [0.0, 0.0]
+        self._tok = 0.0
+        self._worst = [0, 0]
+
+    # ---- folding ----------------------------------------------------------------------------
+    def apply(self, ev: Event) -> dict | None:
+        """Fold one event; a StepEnded answers the step's row (the one `steps.jsonl` gets)."""
+        handler = _HANDLERS.get(type(ev))
+        if handler is None:
+            raise TypeError(f"RunStats.apply: {type(ev).__name__} is not a gyre.events event")
+        return handler(self, ev)
+
+    def extend(self, events: Iterable[Event]) -> "RunStats":
+        for ev in events:
+            self.apply(ev)
+        return self
+
+    def _cell(self, i: int) -> _CellBook:
+        return self._cells.setdefault(i, _CellBook())
+
+    def _run_started(self, ev: RunStarted) -> None:
+        self.t0 = ev.t
+        for i in range(ev.cells):
+            self._cell(i)
+
+    def _role(self, ev: CellRoleChanged) -> None:
+        if ev.role not in ROLES:
+            raise ValueError(f"CellRoleChanged: role {ev.role!r} is not one of {ROLES}")
+        self._cell(ev.cell).change(ev.role, ev.t)
+
+    def _exec_started(self, ev: ExecutionStarted) -> None:
+        self.started += 1
+
+    def _call(self, ev: CallRecorded) -> None:
+        if ev.cell is not None:
+            self._cell(ev.cell).work(ROLLOUT, ev.t_start, ev.t_end)
+
+    def _evaluated(self, ev: ExecutionEvaluated) -> None:
+        self.status_counts[ev.status] = self.status_counts.get(ev.status, 0) + 1
+        rewards = self._rewards.setdefault(ev.group, [])
+        if ev.reward is not None and math.isfinite(ev.reward):
+            rewards.append(ev.reward)
+
+    def _exec_dropped(self, ev: ExecutionDropped) -> None:
+        self.dropped_executions += 1
+
+    def _group_dropped(self, ev: GroupDropped) -> None:
+        self.groups_dropped += 1
+        self._rewards.pop(ev.group, None)
+
+    def _mb_done(self, ev: MicroBatchDone) -> None:
+        self._cell(ev.cell).work(TRAIN, ev.t_start, ev.t_end)  # lost work was busy time too
+        if ev.ok:
+            self._mb[ev.mb] = ev.stats
+
+    def microbatch_stats(self, micro_batches) -> list[dict]:
+        """The trainers' figures of these micro-batches (kept until their step ends)."""
+        return [self._mb[m] for m in micro_batches if m in self._mb]
+
+    def _step(self, ev: StepEnded) -> dict:
+        rewards = [r for g in ev.groups for r in self._rewards.pop(g.group, [])]
+        st = [self._mb.pop(m) for m in ev.micro_batches if m in self._mb]
+        losses = [x.get("loss", 0.0) for x in st]
+        ratios = [x["ratio_mean"] for x in st if x.get("ratio_mean") is not None]
+        kls = [x["kl_old"] for x in st if x.get("kl_old") is not None]
+        lag = [g.lag_steps for g in ev.groups]
+        lag_sync = [g.lag_syncs for g in ev.groups]
+        toks = [g.tokens for g in ev.groups]
+        for g in ev.groups:
+            self._n += 1
+            self._tok += g.tokens
+            for i, v in enumerate((g.lag_steps, g.lag_syncs)):
+                self._lag_sum[i] += v
+                self._lag_tok[i] += v * g.tokens
+                self._worst[i] = max(self._worst[i], v)
+        row = {"step": ev.step, "version": ev.version, "groups": len(ev.groups),
+               "micro_batches": len(ev.micro_batches), "participants": list(ev.participants),
+               "reward_mean": statistics.fmean(rewards) if rewards else None, "reward_n": len(rewards),
+               "staleness_mean": statistics.fmean(lag) if lag else 0, "staleness_max": max(lag, default=0),
+               "staleness_token_mean": sum(a * b for a, b in zip(lag, toks)) / sum(toks) if sum(toks) else 0,
+               "lag_syncs_mean": statistics.fmean(lag_sync) if lag_sync else 0,
+               "lag_syncs_max": max(lag_sync, default=0), "pushed": ev.pushed,
+               "loss": sum(losses), "ratio_mean": statistics.fmean(ratios) if ratios else None,
+               "kl_old_max": max(kls, default=None), "grad_norm": ev.grad_norm,
+               "reduce_s": ev.reduce_s, "push_s": ev.push_s, "t_start": ev.t_start - self.t0,
+               "t_end": ev.t_end - self.t0, **ev.extra}
+        self.steps.append(row)
+        return row
+
+    def _run_ended(self, ev: RunEnded) -> None:
+        self.t1, self.stopped = ev.t, ev.stopped
+
+    # ---- figures ----------------------------------------------------------------------------
+    def lag(self) -> Lag:
+        if not self._n:
+            return Lag()
+        n, tok = self._n, self._tok
+        tmean = [(self._lag_tok[i] / tok) if tok > 0 else self._lag_sum[i] / n for i in (0, 1)]
+        return Lag(n, self._lag_sum[0] / n, tmean[0], self._worst[0], self._lag_sum[1] / n, tmean[1],
+                   self._worst[1])
+
+    def cell_ids(self) -> list[int]:
+        return sorted(self._cells)
+
+    def cell_time(self, cell: int, t1: float | None = None) -> dict:
+        """Seconds per role and bucket over [t0, t1]: busy_rollout + busy_train + switching +
+        idle + failed = wall (idle: a settled cell with no work, inside its role's time)."""
+        t1 = self._end(t1)
+        book = self._cell(cell)
+        role_s = dict.fromkeys(ROLES, 0.0)
+        windows: dict[str, list[tuple[float, float]]] = {ROLLOUT: [], TRAIN: []}
+        for role, a, b in book.spans(t1):
+            a, b = max(a, self.t0), min(b, t1)
+            if b > a:
+                role_s[role] += b - a
+                if role in windows:
+                    windows[role].append((a, b))
+        busy_roll, _ = _inside(book.busy[ROLLOUT], windows[ROLLOUT])
+        busy_train, _ = _inside(book.busy[TRAIN], windows[TRAIN])
+        wall = t1 - self.t0
+        idle = max(0.0, role_s[TRAIN] - busy_train) + max(0.0, role_s[ROLLOUT] - busy_roll)
+        return {"cell": cell, "wall_s": wall, "rollout_s": role_s[ROLLOUT], "train_s": role_s[TRAIN],
+                "switching_s": role_s[TO_TRAIN] + role_s[TO_ROLLOUT], "failed_s": role_s[FAILED],
+                "busy_rollout_s": busy_roll, "busy_train_s": busy_train, "idle_s": idle,
+                "switches": book.switches, "utilisation": (busy_roll + busy_train) / wall if wall > 0 else 0.0}
+
+    def intervals(self, cell: int, t1: float | None = None) -> list[tuple[str, float, float]]:
+        """(role, start, end) in absolute time, the last one closed at t1."""
+        return self._cell(cell).spans(self._end(t1))
+
+    def idle_spans(self, cell: int, t1: float | None = None) -> list[tuple[float, float]]:
+        """The idle gaps inside the cell's rollout and train time (for the Gantt chart's shading)."""
+        t1 = self._end(t1)
+        book, out = self._cell(cell), []
+        for role in (ROLLOUT, TRAIN):
+            windows = _clip(((a, b) for r, a, b in book.spans(t1) if r == role), self.t0, t1)
+            out += _inside(book.busy[role], windows)[1]
+        return sorted(out)
+
+    def _end(self, t1: float | None) -> float:
+        if t1 is not None:
+            return t1
+        if self.t1 is None:
+            raise ValueError("RunStats: pass t1 (the run has not ended)")
+        return self.t1
+
+
+_HANDLERS = {RunStarted: RunStats._run_started, CellRoleChanged: RunStats._role,
+             ExecutionStarted: RunStats._exec_started, CallRecorded: RunStats._call,
+             ExecutionEvaluated: RunStats._evaluated, ExecutionDropped: RunStats._exec_dropped,
+             GroupDropped: RunStats._group_dropped, MicroBatchDone: RunStats._mb_done,
+             StepEnded: RunStats._step, RunEnded: RunStats._run_ended}
+
+
+def summarise(events: Iterable[Event], t1: float | None = None) -> dict:
+    """Step rows, lag and per-cell time of a whole event list (the report's shared schema)."""
+    s = RunStats().extend(events)
+    return {"steps": s.steps, "lag": asdict(s.lag()), "cells": [s.cell_time(c, t1) for c in s.cell_ids()],
+            "executions": dict(s.status_counts)}

@@ -1,0 +1,249 @@
+"""gyre/events.py: the run's typed events and the one place that computes its statistics.
+
+The head is driven through its real handlers (core, ledger, HDF5 shards, materializer; only the
+cell agents and harnesses are absent), and what the events give is checked against what the head
+computed before the events existed: step rows from the core's step results and the records, lag
+from `Coordinator.lag_stats`, per-cell time from `sched.cells.cell_stats` over the calls read back
+from the shards."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import math
+import random
+import statistics
+from dataclasses import asdict
+from types import SimpleNamespace
+
+import pytest
+
+from gyre.events import (CallRecorded, CellRoleChanged, ExecutionEvaluated, ExecutionStarted, GroupLag,
+                         MicroBatchDone, RunEnded, RunStarted, RunStats, StepEnded, summarise)
+from gyre.sched.cells import Cell, cell_stats
+from gyre.sched.core import Coordinator, CoreSpec
+from gyre.sched.state import Role
+
+
+def make_head(tmp_path, spec: CoreSpec, per_shard: int = 1):
+    from gyre.config import GyreConfig
+    from gyre.head import Head
+    from gyre.traj.select import SelectionSpec
+    from gyre.traj.store import ShardWriter, shard_identity
+
+    cfg = GyreConfig()
+    cfg.run.dir, cfg.run.steps, cfg.run.groups_per_step = str(tmp_path), spec.steps, spec.groups_per_step
+    cfg.harness.group_size = spec.group_size
+    cfg.sched.staleness, cfg.sched.steps_per_sync = spec.staleness, spec.steps_per_sync
+    cfg.store.executions_per_shard = per_shard
+    head = Head(cfg, None, 2)
+    head.core = Coordinator(spec)
+    head.model_dir = head.weights_root = head.ckpt_root = tmp_path
+    head.spec = SelectionSpec.from_config(cfg.selection)
+    head.task_cycle = itertools.cycle([SimpleNamespace(name="task")])
+    head.writer = ShardWriter.from_config(cfg.store, tmp_path / "shards",
+                                          shard_identity({"model_hash": "m" * 8, "tokenizer_hash": "t" * 8}))
+    head.ledger = open(tmp_path / "ledger.jsonl", "a")
+    head.steps_file = open(tmp_path / "steps.jsonl", "a")
+    head._spawn = lambda coro: coro.close()  # executions are played by the test
+    for c in head.cells:
+        c.engine_url = f"http://engine{c.id}"
+    return head
+
+
+def record(eid: str, gid: int, member: int, version: int, t: float, endpoint: str, status: str = "done",
+           reward: float | None = None):
+    from gyre.traj.record import ExecutionRecord
+    from gyre.traj.tree import Segment, TrajectoryTree
+
+    tree = TrajectoryTree()
+    for k in range(2):  # two calls, the second 3 s after the first ends
+        a = t + 5.0 * k
+        tree.add_call([Segment("task", [5, 6, 7, member + 8 + k], "user")], f"a{k}", [3, 4],
+                      [20 + member, 30 + k, 31], [-0.5, -1.0, -0.25], agent_role="main", policy_version=version,
+                      endpoint=endpoint, t_start=a, t_end=a + 2.0)
+    r = float(member % 3) / 2 if reward is None else reward
+    return ExecutionRecord(eid, "task", gid, status, r, "tests" if status == "done" else "", tree=tree)
+
+
+def train_reply(ok: bool = True, loss: float = 0.0):
+    return SimpleNamespace(ok=ok, info={"stats": {"loss": loss, "ratio_mean": 1.0 + loss, "kl_old": abs(loss)},
+                                        "lost": []})
+
+
+def play(head, steps: int, rng: random.Random, monkeypatch, t0: float = 1000.0):
+    """Drive the head's handlers through `steps` on-policy steps; returns what it was told. The
+    head's clock is the test's (training a micro-batch takes 2 s of it)."""
+    import gyre.head
+    from gyre.events import RunStarted as RS
+
+    clock = SimpleNamespace(now=t0)
+    monkeypatch.setattr(gyre.head, "time", SimpleNamespace(time=lambda: clock.now))
+    told = {"records": {}, "losses": {}}
+    head.t0 = t0
+    head._emit(RS(t0, 2))
+    for c in head.cells:
+        head._emit(CellRoleChanged(t0, c.id, c.role.value))
+    rollout, trainer = head.cells
+    now = t0
+    head._set_role(trainer, Role.TO_TRAIN, now)
+    now += 3.0
+    head._set_role(trainer, Role.TRAIN, now)
+    for _ in range(steps):
+        for g in head._start_groups(head.core.spec.groups_per_step, now):
+            for m in range(head.core.spec.group_size):
+                eid = f"q{g.id}-task-g{m}"
+                failed = rng.random() < 0.2
+                rec = record(eid, g.id, m, head.core.rollout_version, now + 0.5 * m, rollout.engine_url,
+                             status="failed" if failed else "done",
+                             reward=float("nan") if failed and m % 2 else None)
+                told["records"][eid] = rec
+                head._execution_done(eid, rec, now + 12.0 + m)
+        now += 20.0
+        clock.now = now
+        while (mb := head.core.next_microbatch()) is not None:
+            loss = rng.uniform(-1e-4, 1e-4)
+            told["losses"][mb] = loss
+
+            async def train(cell, step, mid, _loss=loss):
+                clock.now += 2.0
+                return train_reply(loss=_loss)
+
+            head._cmd_train = train
+            asyncio.run(head._train(trainer, mb))
+        now = clock.now + 1.0
+        head.core.step_ending(now)
+        res = head._step_ended(now)
+        head._step_committed(res, [trainer], [SimpleNamespace(ok=True, grad_norm=0.25)], 1.5, 0.0)
+        now += 1.0
+    return now, told
+
+
+def old_step_row(res, records, losses, t0) -> dict:
+    """The row the head built itself before gyre/events.py (kept here as the oracle)."""
+    rewards = [r.reward for g in res.groups for eid in g.executions if math.isfinite((r := records[eid]).reward)]
+    ls = [losses[m] for m in res.microbatches]
+    lag = [g.lag_steps for g in res.groups]
+    toks = [g.train_tokens for g in res.groups]
+    return {"step": res.index, "version": res.version, "groups": len(res.groups),
+            "reward_mean": statistics.fmean(rewards) if rewards else None, "reward_n": len(rewards),
+            "staleness_mean": statistics.fmean(lag) if lag else 0, "staleness_max": max(lag, default=0),
+            "staleness_token_mean": sum(a * b for a, b in zip(lag, toks)) / sum(toks) if sum(toks) else 0,
+            "loss": sum(ls), "t_start": (res.started_at or res.ended_at) - t0, "t_end": res.ended_at - t0}
+
+
+def test_step_rows_lag_and_cell_time_from_events_equal_what_the_head_computed(tmp_path, monkeypatch):
+    from gyre.traj.store import iter_executions
+
+    head = make_head(tmp_path, CoreSpec(steps=4, groups_per_step=2, group_size=3))
+    t1, told = play(head, 4, random.Random(7), monkeypatch)
+    for c in head.cells:
+        c.close(t1)
+    rep = head.report(t1, False)
+    assert len(rep["steps"]) == 4
+    for res, row in zip(head.core.steps, rep["steps"]):
+        want = old_step_row(res, told["records"], told["losses"], head.t0)
+        assert {k: row[k] for k in want} == pytest.approx(want)
+        assert row["grad_norm"] == 0.25 and row["participants"] == [1]
+    # steps.jsonl carries exactly the rows of the report
+    head.steps_file.close()
+    assert [json.loads(x) for x in (tmp_path / "steps.jsonl").read_text().splitlines()] == rep["steps"]
+    assert rep["lag"] == asdict(head.core.lag_stats())
+    # cell time: the old computation read every call back from the shards
+    by_url: dict[str, list] = {}
+    for rec in iter_executions(tmp_path / "shards"):
+        for call in rec.tree.calls:
+            by_url.setdefault(call.endpoint, []).append((call.t_start, call.t_end))
+    for c, got in zip(head.cells, rep["cells"]):
+        want = cell_stats(c, head.t0, t1, by_url.get(c.engine_url, []))
+        assert {k: got[k] for k in want if k != "hostname"} == pytest.approx({k: v for k, v in want.items()
+                                                                             if k != "hostname"})
+        parts = got["busy_rollout_s"] + got["busy_train_s"] + got["switching_s"] + got["idle_s"] + got["failed_s"]
+        assert parts == pytest.approx(got["wall_s"])
+        assert sum(b - a for a, b in rep["idle"][c.id]) == pytest.approx(got["idle_s"])
+    assert rep["cells"][0]["busy_rollout_s"] > 0 and rep["cells"][1]["busy_train_s"] > 0
+    assert rep["executions"] == {s: sum(r.status == s for r in told["records"].values())
+                                 for s in {r.status for r in told["records"].values()}}
+
+
+def test_a_record_leaves_memory_once_its_shard_is_durable_and_its_group_materialized(tmp_path):
+    # k = 1: two groups run for step 0; the second waits in the admission queue until step 1
+    head = make_head(tmp_path, CoreSpec(steps=2, groups_per_step=1, group_size=2, staleness=1), per_shard=100)
+    started = head._start_groups(2, 0.0)
+    assert [g.id for g in started] == [0, 1]
+    for g in started:
+        for m in range(2):
+            eid = f"q{g.id}-task-g{m}"
+            head._execution_done(eid, record(eid, g.id, m, 0, 1.0, head.cells[0].engine_url), 10.0 + g.id)
+    # every record is durable as soon as it ends (its own small shard); group 0 was materialized
+    # (its micro-batches hold what training needs) and left memory; group 1 still waits
+    assert len(list((tmp_path / "shards").glob("*.h5"))) == 4
+    assert set(head.records) == {"q1-task-g0", "q1-task-g1"}
+    while (mb := head.core.next_microbatch()) is not None:
+        head.core.microbatch_trained(mb)
+    head.core.step_ending(20.0)
+    res = head._step_ended(20.0)
+    head._step_committed(res, [], [], 0.0, 0.0)  # step 1 takes group 1: materialized, then freed
+    assert head.core.groups[1].state.value == "assigned" and head.core.step.work
+    assert head.records == {}
+    # what the ledger still needs is a small summary, gone with the execution's last line
+    assert set(head.ended) == {"q1-task-g0", "q1-task-g1"}
+    head._close_ledger("run stopped")
+    assert head.ended == {}
+    head.ledger.close()
+    rows = [json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    assert sorted(r["execution"] for r in rows) == ["q0-task-g0", "q0-task-g1", "q1-task-g0", "q1-task-g1"]
+    assert [r["reward"] for r in rows if r["execution"] == "q1-task-g1"] == [0.5]
+
+
+def test_cell_time_adds_up_and_matches_the_cell_book_on_random_histories():
+    rng = random.Random(3)
+    for _ in range(30):
+        t0, now = 100.0, 100.0
+        cell, ev = Cell(0, 1), [RunStarted(100.0, 1), CellRoleChanged(100.0, 0, "rollout")]
+        cell.since = t0
+        calls, train = [], []
+        for _ in range(rng.randint(1, 8)):
+            role = rng.choice([Role.ROLLOUT, Role.TRAIN, Role.TO_TRAIN, Role.TO_ROLLOUT, Role.FAILED])
+            span = rng.uniform(1, 50)
+            if cell.role is Role.ROLLOUT:
+                for _ in range(rng.randint(0, 6)):
+                    a = rng.uniform(now, now + span)
+                    calls.append((a, min(a + rng.uniform(0, 10), now + span)))
+            elif cell.role is Role.TRAIN:
+                for _ in range(rng.randint(0, 4)):
+                    a = rng.uniform(now, now + span)
+                    train.append((a, min(a + rng.uniform(0, 8), now + span)))
+            now += span
+            if role is not cell.role:
+                ev.append(CellRoleChanged(now, 0, role.value))
+            cell.set_role(role, now)
+        t1 = now + rng.uniform(0, 20)
+        cell.close(t1)
+        cell.busy_intervals = train
+        ev += [CallRecorded(a, b, 0) for a, b in calls]
+        ev += [MicroBatchDone(a, b, 0, i, 0, True) for i, (a, b) in enumerate(train)]
+        ev.append(RunEnded(t1))
+        rng.shuffle(ev[2:-1])  # calls are told when their execution ends, in any order
+        ev[2:-1] = sorted(ev[2:-1], key=lambda e: 0 if isinstance(e, CellRoleChanged) else 1)  # roles in order
+        got = summarise(ev)["cells"][0]
+        want = cell_stats(cell, t0, t1, calls)
+        assert {k: got[k] for k in want if k != "hostname"} == pytest.approx({k: v for k, v in want.items()
+                                                                             if k != "hostname"})
+        total = got["busy_rollout_s"] + got["busy_train_s"] + got["switching_s"] + got["idle_s"] + got["failed_s"]
+        assert total == pytest.approx(t1 - t0)
+
+
+def test_stats_are_flat_per_execution_and_name_a_foreign_event():
+    s = RunStats(0.0, 1)
+    for gid in range(200):
+        s.apply(ExecutionStarted(1.0, f"e{gid}", gid))
+        s.apply(ExecutionEvaluated(2.0, f"e{gid}", gid, "done", 1.0, 0, 10.0, True))
+        s.apply(StepEnded(2.0, 3.0, gid, gid + 1, (GroupLag(gid, gid, 0, 0, 10.0),), (gid,)))
+    assert s._rewards == {} and s._mb == {}  # nothing per execution outlives its step
+    assert s.lag().groups == 200 and s.steps[-1]["reward_mean"] == 1.0
+    with pytest.raises(TypeError, match="dict is not a gyre.events event"):
+        s.apply({"kind": "step"})
+    with pytest.raises(ValueError, match="role 'resting'"):
+        s.apply(CellRoleChanged(1.0, 0, "resting"))
