@@ -543,8 +543,10 @@ class Simulator:
             t = self._next_time()
             if t == math.inf:
                 raise SimError(f"{self.p.label}: nothing left to happen at t={self.now:.0f}s")
+            left = self.train_left
             self._advance(t)
             progressed, wake = self._handle_due()
+            progressed |= self.train_left < left  # training drained work (a long step has no events)
             if self.core.done:
                 break
             idle_ticks = 0 if progressed else idle_ticks + 1
