@@ -91,6 +91,25 @@ def test_pacer_sleeps_the_rest_of_the_step_and_counts_overruns():
     assert len(slept) == 1 and p.overruns == 1 and p.steps == 2
 
 
+def test_pacer_counts_the_hand_out_time_inside_the_step():
+    clock = [0.0]
+    slept = []
+    p = Pacer(sleep=lambda s: (slept.append(s), clock.__setitem__(0, clock[0] + s)), clock=lambda: clock[0])
+    rounds = []
+    for _ in range(3):  # compute 4 ms, hand-out 2 ms
+        t = clock[0]
+        p.start()
+        clock[0] += 0.004
+        target = p.finish(4, [300] * 4)
+        clock[0] += 0.002
+        p.done()
+        rounds.append(clock[0] - t)
+    # the first round cannot know the hand-out time; from the second on a round lasts the step
+    assert rounds[0] == pytest.approx(target + 0.002)
+    assert rounds[1:] == [pytest.approx(target), pytest.approx(target)]
+    assert p.tail_s == pytest.approx(0.002)
+
+
 def test_paced_engine_steps_follow_the_spec_for_its_batch(tiny):
     engine = Engine(tiny, pace=True)
     try:

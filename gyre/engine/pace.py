@@ -45,28 +45,47 @@ def prefix_cache_tokens(prefix_cache_mb: int, layers: int, kv_heads: int, head_d
 
 
 class Pacer:
-    """Holds each decode step to its paced duration: ``start()`` before the step's compute,
-    ``finish(batch, contexts)`` after it sleeps the rest. Counts steps whose compute alone ran
-    past the paced time (``overruns``: the CPU could not keep up; a benchmark reports them)."""
+    """Holds each engine round with a decode step to the paced duration of that step.
+
+    ``start()`` when the round begins (its prefill chunks and the decode step's compute run
+    inside the paced time, as the simulator assumes prefill overlaps memory-bound decoding);
+    ``finish(batch, contexts)`` after the decode compute sleeps what is left, less the time the
+    engine spends afterwards handing the tokens out (sampling, stop checks: measured by ``done()``
+    and carried over as a running estimate), so a round lasts the paced step time. Counts steps
+    whose compute alone ran past the paced time (``overruns``: the CPU could not keep up)."""
+
+    TAIL_WEIGHT = 0.3  # weight of the newest measurement in the hand-out time estimate
 
     def __init__(self, spec: ReplicaSpec = PACED_REPLICA, sleep=time.sleep, clock=time.monotonic) -> None:
         self.spec, self._sleep, self._clock = spec, sleep, clock
         self.steps = 0
         self.overruns = 0
         self.paced_s = 0.0   # sum of the paced step times
+        self.tail_s = 0.0    # estimate of the hand-out time after a step
         self._t0 = 0.0
+        self._t_slept: float | None = None
 
     def start(self) -> None:
         self._t0 = self._clock()
+        self._t_slept = None
 
     def finish(self, batch: int, contexts: list[int]) -> float:
-        """Sleep out the step; returns its paced duration."""
+        """Sleep out the step (less the expected hand-out time); returns its paced duration."""
         target = paced_step_s(batch, contexts, self.spec)
-        left = target - (self._clock() - self._t0)
+        left = target - (self._clock() - self._t0) - self.tail_s
         self.steps += 1
         self.paced_s += target
         if left > 0:
             self._sleep(left)
         else:
             self.overruns += 1
+        self._t_slept = self._clock()
         return target
+
+    def done(self) -> None:
+        """The step's tokens are handed out: update the hand-out time estimate."""
+        if self._t_slept is None:
+            return
+        took = self._clock() - self._t_slept
+        self.tail_s = took if self.steps == 1 else (1 - self.TAIL_WEIGHT) * self.tail_s + self.TAIL_WEIGHT * took
+        self._t_slept = None

@@ -327,6 +327,8 @@ class Engine:
 
     def _round(self, model: CausalLM, batch: list[_Request]) -> None:
         """One step for every active request: a prompt chunk each, then one batched decode."""
+        if self.pacer is not None:
+            self.pacer.start()
         live = []
         for r in batch:
             if r.abort_message is not None:
@@ -346,14 +348,14 @@ class Engine:
                     self._fail([r], e)
         if decoding:
             try:
-                if self.pacer is not None:
-                    self.pacer.start()
-                    contexts = [r.cache.length for r in decoding]
+                contexts = [r.cache.length for r in decoding] if self.pacer is not None else []
                 logits = model.decode([r.output[-1] for r in decoding], [r.cache for r in decoding])
                 if self.pacer is not None:  # before the tokens are handed out, as a GPU step would
                     self.pacer.finish(len(decoding), contexts)
                 for r, row in zip(decoding, logits):
                     self._emit(r, row)
+                if self.pacer is not None:
+                    self.pacer.done()
             except Exception as e:
                 self._fail([r for r in decoding if r in self._active], e)
 
