@@ -6,10 +6,13 @@
   ``switch_t2r_ms`` = median head round trip without the weight-bytes ("load") phase, plus the
   agent-side phase medians (drain, release, restore; stash, offload, resume). Goal < 100 ms.
 - ``sim_gap``: the simulator, given the rates measured in the E run (execution trace from its
-  shards, decode load, training tokens/s, switch costs, evaluation delay, optimizer step + push),
-  drives the same E policy (same config) and predicts each cell's time fractions
-  (rollout / train / switch / idle); sim_gap = mean absolute difference to the live fractions.
-  The same measured rates are also given to the simulator for A and C (sim_gap_A, sim_gap_C).
+  shards with calls, output tokens, context and tool time; a serving replica fitted to the
+  per-token decode time against the calls in flight per rollout cell; training tokens/s, switch
+  costs, evaluation delay, optimizer step, weight push), drives the same E policy (same config)
+  and predicts each cell's time fractions (rollout / train / switch / idle); sim_gap = mean
+  absolute difference to the live fractions. The same measured rates are also given to the
+  simulator for A and C (sim_gap_A, sim_gap_C). The engine here is NOT paced (the demo's
+  embedded engine as it is; benchmarks/bench_live_sched.py is the paced check).
 
     python benchmarks/bench_online.py                 # writes benchmarks/results/online.json
     python benchmarks/bench_online.py --keep          # keep the run directories (printed)
@@ -19,7 +22,6 @@
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import shutil
 import statistics
@@ -30,6 +32,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from bench_live_sched import kv_tokens, trace_rows, write_trace  # noqa: E402  (one trace builder for both)
+
+from gyre.engine.pace import PACED_REPLICA  # noqa: E402
 OUT = REPO / "benchmarks" / "results" / "online.json"
 CONFIG = REPO / "launchers" / "demo.toml"
 STEPS, GROUP_SIZE, SEED = 3, 8, 0
@@ -131,46 +139,54 @@ def _sweep_load(report: dict, recs) -> tuple[list[tuple[float, float]], float]:
     return per_call, mean
 
 
-def _fit_half_load(per_call: list[tuple[float, float]]) -> tuple[float | None, str]:
-    """Least squares d = a + b * max(L, 1); the sim's speed ∝ 1 / (L + half_load) gives half_load = a / b."""
-    xs = [max(l, 1.0) for l, _ in per_call]
-    ys = [d for _, d in per_call]
-    if len(xs) < 3 or max(xs) - min(xs) < 0.5:
-        return None, "per-cell load did not vary enough to fit half_load: decode taken as load-flat"
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    a = my - b * mx
-    if b <= 0 or a <= 0:
-        return None, (f"call duration did not grow with per-cell load ({min(xs):.1f}-{max(xs):.1f} calls/cell, "
-                      f"slope {b:+.4f} s per call, {len(xs)} calls): decode taken as load-flat (half_load = 1e6)")
-    return a / b, f"half_load fitted on {len(xs)} calls: d = {a:.3f} s + {b:.4f} s x load"
+def fit_replica(recs, per_call_load: list[tuple[float, float]]) -> tuple[dict, str]:
+    """A serving replica (gyre.sim.roofline.ReplicaSpec) from the measured decode: least squares
+    of per-token time on the calls in flight per rollout cell, t = a + b x max(L, 1), read as the
+    roofline's step time: overhead a, and b = (mean context x KV bytes per token) / bandwidth
+    (no weight term: on the CPU the fixed cost of a step is all overhead). One engine per cell:
+    one replica of one 'GPU' per cell. Prefill is the paced spec's (the tiny model's measured CPU
+    prefill rate, gyre/engine/pace.py)."""
+    calls = [c for r in recs for c in r.tree.calls if c.t_end > c.t_start]
+    xs = [max(load, 1.0) for load, _ in per_call_load]
+    ys = [(c.t_end - c.t_start) / max(1, c.n_output) for c in calls]
+    ctx = statistics.fmean(c.n_input + c.n_output / 2 for c in calls) if calls else 1.0
+    bw = 1.0e12  # 1 TB/s: a unit, only b x bw / ctx matters
+    a, b, why = statistics.fmean(ys), 0.0, ""
+    if len(xs) >= 3 and max(xs) - min(xs) >= 0.5:
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        if slope > 0 and my - slope * mx > 0:
+            a, b = my - slope * mx, slope
+            why = (f"fitted on {len(xs)} calls: per-token time = {a * 1e3:.2f} ms + {b * 1e3:.3f} ms x calls per cell "
+                   f"({min(xs):.1f}-{max(xs):.1f})")
+        else:
+            why = (f"per-token time did not grow with the calls per cell ({min(xs):.1f}-{max(xs):.1f}, slope "
+                   f"{slope * 1e3:+.3f} ms): decode taken as load-flat at {a * 1e3:.2f} ms per token")
+    else:
+        why = f"per-cell load did not vary enough to fit: decode taken as load-flat at {a * 1e3:.2f} ms per token"
+    spec = {"gpus": 1, "hbm_gb": 80.0, "hbm_tb_s": bw / 1e12, "peak_tflops": PACED_REPLICA.peak_tflops,
+            "dense_gb": 0.0, "expert_gb": 0.0, "kv_bytes_per_token": b * bw / ctx, "overhead_ms": a * 1e3,
+            "active_params": PACED_REPLICA.active_params, "prefill_mfu": PACED_REPLICA.prefill_mfu}
+    return {**spec, "mean_context_tokens": ctx}, why
 
 
 def measured_rates(report: dict, run_dir: Path, trace_csv: Path) -> tuple[dict, list[str]]:
-    from gyre.traj.store import export_trace, iter_executions
+    from gyre.traj.store import iter_executions
 
     notes = []
     recs = list(iter_executions(run_dir / "shards"))
-    export_trace(run_dir / "shards", trace_csv)
-    # groups in id order (export_trace writes in shard order, i.e. by completion)
-    with open(trace_csv, newline="") as f:
-        rows = sorted(csv.DictReader(f), key=lambda r: (int(r["group"]), r["execution_id"]))
-    with open(trace_csv, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    rows = trace_rows(run_dir)  # groups in id order, with output tokens, context and tool time
+    write_trace(rows, trace_csv)
     t0 = _t0(report)
     dur = [r.t_end - r.t_start for r in recs]
-    call_s = [sum(c.t_end - c.t_start for c in r.tree.calls) for r in recs]
-    model_share = min(1.0, sum(call_s) / sum(dur))
     calls = [len(r.tree.calls) for r in recs]
     segments = max(1, round(statistics.median(calls)))
     if len(set(calls)) > 1:
         notes.append(f"executions made {min(calls)}-{max(calls)} calls; the simulator splits each into "
                      f"{segments} call/environment segment(s) (SimSpec.segments is one number)")
-    per_call, ref_load = _sweep_load(report, recs)
-    half, why = _fit_half_load(per_call)
-    notes.append(f"decode load curve: {why}")
+    per_call, mean_load = _sweep_load(report, recs)
+    replica, why = fit_replica(recs, per_call)
+    notes.append(f"decode: {why}")
     # training: tokens of trained executions (the trace's tokens = what the sim trains) / busy train s
     ledger = [json.loads(l) for l in (run_dir / "ledger.jsonl").read_text().splitlines() if l.strip()]
     trained = {d["execution"] for d in ledger if d.get("admitted")}
@@ -197,17 +213,18 @@ def measured_rates(report: dict, run_dir: Path, trace_csv: Path) -> tuple[dict, 
     sw = [p for c in report["cells"] for p in c["switch_phases"] if p.get("ok")]
     to_train = _med([p["wall_s"] for p in sw if p["to"] == "train"]) or 0.0
     to_rollout = _med([p["wall_s"] for p in sw if p["to"] == "rollout"]) or 0.0
-    push = _med([st["reduce_s"] + st["push_s"] for st in report["steps"]]) or 0.0
+    opt = _med([st["reduce_s"] for st in report["steps"]]) or 0.0
+    push = _med([st["push_s"] for st in report["steps"]]) or 0.0
     rates = {
         "executions": len(recs), "mean_duration_s": _r(statistics.fmean(dur), 3),
         "mean_calls": _r(statistics.fmean(calls), 2), "segments": segments,
-        "model_share": _r(model_share), "ref_load": _r(max(1.0, ref_load), 3), "ref_load_measured": _r(ref_load, 3),
-        "half_load": _r(half, 3) if half is not None else None,
+        "model_share_measured": _r(min(1.0, sum(r["model_s"] for r in rows) / sum(dur))),
+        "load_measured": _r(mean_load, 3), "replica": {k: (_r(v, 6) if isinstance(v, float) else v) for k, v in replica.items()},
         "train_tokens_per_s": _r(train_tps, 1), "trained_executions": len(trained),
         "busy_train_s": _r(busy_train, 3), "mean_micro_batch_train_s": _r(mb_s, 3),
         "eval_s": _r(eval_s, 3), "eval_last_group_lags_s": [_r(x, 3) for x in last_lags],
         "eval_first_admission_lags_s": [_r(x, 3) for x in first_lags],
-        "to_train_s": _r(to_train, 4), "to_rollout_s": _r(to_rollout, 4), "push_s": _r(push, 4),
+        "to_train_s": _r(to_train, 4), "to_rollout_s": _r(to_rollout, 4), "push_s": _r(push, 5), "opt_s": _r(opt, 4),
         "reduce_s_median": _r(_med([st["reduce_s"] for st in report["steps"]]), 4),
         "weight_push_s_median": _r(_med([st["push_s"] for st in report["steps"]]), 5),
     }
@@ -229,17 +246,17 @@ def sim_compare(scheme: str, report: dict, rates: dict, trace_csv: Path) -> dict
     from gyre.sched import policy_from_config
     from gyre.sim.cluster import ClusterModel
     from gyre.sim.engine import SimSpec, simulate
+    from gyre.sim.roofline import ReplicaSpec
     from gyre.sim.workload import Workload
 
     cfg = load_config(str(CONFIG), [*COMMON, *SCHEMES[scheme]])
     n = cfg.sched.cells
-    half = rates["half_load"] if rates["half_load"] is not None else 1.0e6  # load-flat decode
-    cluster = ClusterModel(nodes=n, cell_nodes=1, gpus_per_node=1, ref_cell_nodes=1, min_cell_nodes=1,
-                           half_load=half, ref_load=rates["ref_load"],
+    rep = {k: v for k, v in rates["replica"].items() if k != "mean_context_tokens"}
+    cluster = ClusterModel(nodes=n, cell_nodes=1, gpus_per_node=1, replica=ReplicaSpec(**rep),
                            train_tokens_per_s=rates["train_tokens_per_s"], to_train_s=rates["to_train_s"],
                            to_rollout_s=rates["to_rollout_s"], push_s=rates["push_s"], eval_s=rates["eval_s"],
-                           reprefill_s=0.0)
-    workload = Workload.from_trace(trace_csv, model_share=rates["model_share"])
+                           opt_s=rates["opt_s"], kv_tokens_per_replica=kv_tokens())
+    workload = Workload.from_trace(trace_csv)
     spec = SimSpec(steps=cfg.run.steps, groups_per_step=cfg.run.groups_per_step, segments=rates["segments"],
                    tick_s=0.1)  # the head decides every 0.1 s
     policy = policy_from_config(cfg)  # the live run's policy, with the live run's hints
@@ -275,16 +292,21 @@ SIM_NOTES = [
     "same policy object; the sim re-decides every 0.1 s like the head",
     "cluster: 3 cells of one 'node', cell scale 1; switch costs = median head round trip per direction "
     "of the E run (load phase included here: it is part of a switch's cost)",
-    "push_s = median (reduce_s + push_s) per step: the sim's push is optimizer step + weight push (live "
-    "push_s alone is ~0 in E: no cell is in rollout at a step end); live, the reduce is not busy train "
-    "time while the sim counts it as train for train cells",
+    "opt_s = median reduce_s per step (all-reduce + optimizer step: trainers busy), push_s = median weight "
+    "push per step (rollout cells pause); live push_s is ~0 in E (no cell is in rollout at a step end)",
     "training: the sim drains a step's tokens fluidly over all train cells at n x train_tokens_per_s "
     "(train_tokens_per_s = trained tokens / busy train seconds, per cell); live, work goes by whole "
     "micro-batches (2 per step here, one per group, as groups become ready), so the live train time "
     "lands on fewer cells: per-cell train fractions differ while the pooled one is close",
-    "ref_load = time-weighted calls in flight per settled rollout cell while any call ran (floored at 1: "
-    "the sim's load is max(L, 1)); model_share = call seconds / execution seconds; execution durations, "
-    "calls and tokens = the E run's own trace (export_trace of its shards), groups in id order",
+    "decode: a ReplicaSpec fitted to the measured per-token time of the E run's calls against the calls in "
+    "flight per settled rollout cell (measured_rates.replica: overhead_ms = intercept, kv_bytes_per_token x "
+    "mean context / bandwidth = slope); the simulator's decode is its roofline step time. Prefix-cache "
+    "capacity = the embedded engine's (256 MB of float32 KV). execution calls, output tokens, unique tokens, "
+    "context (2 x the mean while decoding) and tool time (wall minus model-call time) = the E run's own "
+    "trace from its shards (benchmarks/bench_live_sched.trace_rows), groups in id order",
+    "keys dropped with the old decode model (issue 19): measured_rates.ref_load, ref_load_measured, "
+    "half_load (ClusterModel.speed, half_load, ref_load are gone), model_share (now an output of the "
+    "simulator; the measured share is model_share_measured); added: measured_rates.replica, load_measured, opt_s",
     "the sim books a rollout cell's pause during the optimizer step + weight push as 'switch' (live: rollout, "
     "idle unless serving); the policy's initial roles cost nothing in the sim, while live the initial train "
     "cells of A switch once at start-up (A's 2 live switches)",
@@ -316,7 +338,7 @@ def main() -> int:
             schemes[s]["switch"] = {k: v for k, v in switch_path(reports[s]).items()
                                     if k.endswith(("_ms", "_n")) and not k.endswith("phases_ms")}
         sw = switch_path(reports["E"])
-        trace = base / "E_trace.csv"
+        trace = base / "E_trace.json"
         rates, notes = measured_rates(reports["E"], base / "E", trace)
         t_sim = time.perf_counter()
         sims = {s: sim_compare(s, reports[s], rates, trace) for s in SCHEMES}

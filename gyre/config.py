@@ -80,6 +80,9 @@ class EngineConfig:
     tp_size: int = _f(0, min=0, help="SGLang --tp-size over a cell; 0 = sched.gpus_per_node x the cell's nodes")
     startup_timeout_s: float = _f(1800.0, min=1.0, help="bound on an engine's start until /health answers "
                                                           "(large models load for minutes)")
+    pace: bool = _f(False, help="benchmarks only: each decode step of the embedded engine lasts the roofline "
+                                "step time of its batch under the paced replica spec (gyre/engine/pace.py), so "
+                                "it behaves like a loaded GPU replica; figures from paced runs say so")
 
 
 @dataclass

@@ -101,6 +101,13 @@ KNOWN = {
 }
 
 
+# Arrows the table allows by design, each with its reason.
+BY_DESIGN = {
+    ("gyre.engine.pace", "sim"): "the paced engine (benchmarks only) steps at the simulator's roofline: one "
+                                 "formula for the live check and the simulation it is compared with",
+}
+
+
 def _package(module: str) -> str:
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else ""
@@ -121,7 +128,7 @@ def arrows() -> set[tuple[str, str]]:
 
 def test_the_module_table_holds():
     found = arrows()
-    bad = sorted((m, p) for m, p in found - set(KNOWN)
+    bad = sorted((m, p) for m, p in found - set(KNOWN) - set(BY_DESIGN)
                  if (rule := MUST_NOT.get(_package(m))) and ("*" in rule or p in rule))
     assert not bad, "imports against docs/architecture.md's module table: " + ", ".join(f"{m} -> {p}" for m, p in bad)
     stale = sorted(k for k in KNOWN if k not in found)

@@ -101,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         engine = Engine(model, weight_version=args.weight_version, max_running=cfg.engine.max_running_requests,
-                        max_new_tokens_cap=cfg.engine.max_new_tokens_cap, prefix_cache_mb=args.prefix_cache_mb)
+                        max_new_tokens_cap=cfg.engine.max_new_tokens_cap, prefix_cache_mb=args.prefix_cache_mb,
+                        pace=cfg.engine.pace)
     except (ModelFormatError, OSError) as e:
         print(f"gyre engine: cannot serve {model}: {e}", file=sys.stderr)
         return 2

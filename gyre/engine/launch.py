@@ -294,7 +294,7 @@ def start_cell_engine(cfg, model_dir: str | os.PathLike, *, api_key: str | None,
     nodes = list(nodes) or ["localhost"]
     wildcard = e.host in ("0.0.0.0", "::", "")
     if e.backend == "embedded":
-        settings = [a for k in ("max_running_requests", "max_new_tokens_cap", "max_body_bytes")
+        settings = [a for k in ("max_running_requests", "max_new_tokens_cap", "max_body_bytes", "pace")
                     for a in ("--set", f"engine.{k}={getattr(e, k)}")]  # the caller's config, not defaults
         proc = start_engine(model_dir, port=port, api_key=api_key, host=e.host,
                             extra_args=["--weight-version", str(weight_version), *settings, *extra_args],

@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 
 from gyre.engine.checksums import WeightCheckError, check_finite, require_regular_files, verify_checksums
+from gyre.engine.pace import Pacer
 from gyre.engine.prefix_cache import PrefixCache
 from gyre.engine.qwen import CausalLM, KVCache, ModelFormatError, load_weights, read_spec
 from gyre.engine.sampling import SamplingParams, sample
@@ -87,7 +88,7 @@ class _Request:
 class Engine:
     def __init__(self, model_dir: str | os.PathLike, weight_version: str = "0", max_running: int = 64,
                  max_new_tokens_cap: int = 4096, prefill_chunk: int = 512,
-                 prefix_cache_mb: int = 256):
+                 prefix_cache_mb: int = 256, pace: bool = False):
         self.model_dir = Path(model_dir)
         self.model: CausalLM | None = CausalLM.from_dir(self.model_dir)
         self.spec = self.model.spec
@@ -104,6 +105,9 @@ class Engine:
         s = self.spec
         kv_bytes_per_token = 2 * s.layers * s.kv_heads * s.head_dim * 4  # float32 keys + values
         self._prefix = PrefixCache(max(1, (prefix_cache_mb << 20) // kv_bytes_per_token))
+        # engine.pace (benchmarks only): each decode step lasts the paced replica's roofline time
+        # for its batch (gyre/engine/pace.py), so this engine behaves like a loaded GPU replica
+        self.pacer: Pacer | None = Pacer() if pace else None
         self._cv = threading.Condition()
         self._admin = threading.Lock()  # one release/resume/update at a time
         self._pending: deque[_Request] = deque()
@@ -334,6 +338,8 @@ class Engine:
 
     def _round(self, model: CausalLM, batch: list[_Request]) -> None:
         """One step for every active request: a prompt chunk each, then one batched decode."""
+        if self.pacer is not None:
+            self.pacer.start()
         live = []
         for r in batch:
             if r.abort_message is not None:
@@ -353,9 +359,14 @@ class Engine:
                     self._fail([r], e)
         if decoding:
             try:
+                contexts = [r.cache.length for r in decoding] if self.pacer is not None else []
                 logits = model.decode([r.output[-1] for r in decoding], [r.cache for r in decoding])
+                if self.pacer is not None:  # before the tokens are handed out, as a GPU step would
+                    self.pacer.finish(len(decoding), contexts)
                 for r, row in zip(decoding, logits):
                     self._emit(r, row)
+                if self.pacer is not None:
+                    self.pacer.done()
             except Exception as e:
                 self._fail([r for r in decoding if r in self._active], e)
 
