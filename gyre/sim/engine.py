@@ -306,8 +306,7 @@ class Simulator:
             g.exec_ids.append(e.id)
             self.running[e.id] = e
             self.core.execution_started(rec.id, e.id, self.now)
-            self._home(e)
-            self._begin_call(e)
+            self._begin_call(e)  # homes it (nothing cached yet)
 
     def _begin_call(self, e: _Exec) -> None:
         """A call starts: prefill its new tokens (and its whole context if its prefix is gone),
