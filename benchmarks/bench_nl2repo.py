@@ -155,7 +155,8 @@ def run_row(r, by_split: dict, b: int) -> dict:
             "gpu_hours": round(r.gpu_hours("rollout", "train", "switch", "idle"), 0),
             "mean_rollout_h": round(r.mean_rollout_h, 3), "mean_query_h": round(r.mean_query_h, 3),
             "model_wait_share": round(r.model_wait_share, 3), "mean_batch": round(r.mean_batch, 2),
-            "slack": round(r.slack, 4), "evictions": r.evictions, "reprefills": r.reprefills,
+            "slack": None if r.slack is None else round(r.slack, 4), "evictions": r.evictions,
+            "reprefills": r.reprefills,
             "best_async_split": r.async_rollout_cells if r.scheme == "A" else None,
             "async_half_hours": round(half, 2) if half else None,
             "async_hours_by_split": {str(k): round(v, 2) for k, v in by_split.items()} or None,
@@ -203,6 +204,10 @@ def regime_map_png(points: list[dict], family: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def _f3(x) -> str:
+    return "–" if x is None else f"{x:.3f}"
+
+
 def markdown(doc: dict) -> str:
     md = ["# NL2RepoBench scheduling comparison (simulated, physical cluster model)", "",
           "`make bench-nl2repo`. Decode: roofline per replica; KV capacity from HBM; unknowns pinned only by "
@@ -245,7 +250,7 @@ def markdown(doc: dict) -> str:
     for r in doc["runs"]:
         split = f"{r['best_async_split']} ({r['async_half_hours']} h)" if r["best_async_split"] else "–"
         md.append(f"| {r['preset']} | {r['label']} | {r['hours']} | {r['bound_hours']} | {r['mean_rollout_h']:.2f} / "
-                  f"{r['mean_query_h']:.2f} | {r['model_wait_share']:.0%} | {r['mean_batch']:.1f} | {r['slack']:.3f} "
+                  f"{r['mean_query_h']:.2f} | {r['model_wait_share']:.0%} | {r['mean_batch']:.1f} | {_f3(r['slack'])} "
                   f"| {r['evictions']} | {split} | {r['lag_group_mean_steps']:.2f} / {r['lag_worst_steps']} "
                   f"| {r['trainer_idle_share']:.0%} | {r['switches']} |")
     md += ["", "## Paper vs Gyre", "", "| claim | paper | Gyre | holds |", "|---|---|---|---|"]
@@ -295,7 +300,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="coarse grid, short runs")
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--render", action="store_true", help="only re-render nl2repo.md from nl2repo.json")
     args = ap.parse_args(argv)
+    if args.render:
+        doc = json.loads((args.out / "nl2repo.json").read_text())
+        atomic_write_text(args.out / "nl2repo.md", markdown(doc))
+        return 0
     t0 = time.perf_counter()
     P, P24 = cal.P122B.name, cal.P2P4T.name
     grid_g = (16, 64, 256) if args.quick else GRID_G
@@ -332,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     results = _pool(_run, jobs, args.jobs)
     runs = [run_row(r, by, job[3]) for (r, by), job in zip(results, jobs)]
     for r in runs:
-        print(f"{r['preset']:18} {r['label']:10} {r['hours']:7.2f} h  slack {r['slack']:+.3f}  evictions "
+        print(f"{r['preset']:18} {r['label']:10} {r['hours']:7.2f} h  slack {_f3(r['slack'])}  evictions "
               f"{r['evictions']}  split {r['best_async_split']}", flush=True)
     calib = {name: cal.calibration(cal.preset(name)) for name in (P, P24)}
     doc = {"benchmark": "nl2repo", "quick": args.quick,

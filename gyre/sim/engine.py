@@ -654,7 +654,8 @@ class Simulator:
             mean_batch=self.load_num / self.load_den if self.load_den else 0.0,
             model_wait_share=1.0 - self.tool_time / self.exec_time if self.exec_time else 0.0,
             evictions=self.evictions, reprefills=self.reprefills,
-            slack=sum(self.slacks) / len(self.slacks) if self.slacks else 0.0,
+            # a step's rollout window is defined only when each step rolls out its own batch
+            slack=(sum(self.slacks) / len(self.slacks) if self.slacks else 0.0) if exact else None,
             bound_basis=("the groups actually trained: work" + (", open-group concurrency" if window else "")
                          + (", per-step arrival" if exact else "")),
             outcomes=self.outcomes, roles=self.role_log, usage=self.usage,

@@ -72,8 +72,9 @@ class SimResult:
     # "Rollout masks training with X% slack": mean over steps of 1 - the step's training
     # cell-seconds / the rollout side's spare cell-seconds in its rollout window (step start ->
     # batch complete; spare = cells the calls in flight do not need at the decode knee). Negative:
-    # the step's training does not fit in the spare capacity.
-    slack: float = 0.0
+    # the step's training does not fit in the spare capacity. None where a step has no window of its
+    # own (staleness > 0 or several steps per sync: its batch may be complete when it opens).
+    slack: float | None = 0.0
     async_rollout_cells: int = 0          # scheme A: its rollout pool
     bound_basis: str = ""                 # what the lower bound was computed on
     # Not serialised: per-execution outcome and the timelines behind the plots.
