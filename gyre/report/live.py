@@ -9,8 +9,8 @@ ROLE_COLORS = {"rollout": "#4C72B0", "train": "#DD8452", "to_train": "#C44E52", 
 
 
 def _num(x: float | None) -> str:
-    """Four significant digits, any magnitude (a per-token loss of 3e-5 stays readable)."""
-    return "-" if x is None else f"{x:.4g}"
+    """Three significant digits, any magnitude (a per-token loss of 3e-5 stays readable)."""
+    return "-" if x is None else f"{x:.3g}"
 
 
 def print_report(report: dict, console=None) -> None:
@@ -33,15 +33,17 @@ def print_report(report: dict, console=None) -> None:
                   f"{c['switching_s']:.1f}", f"{c['idle_s']:.1f}", f"{c.get('failed_s', 0.0):.1f}",
                   str(c["switches"]), f"{c['utilisation']:.0%}")
     con.print(t)
-    s = Table(title="steps", box=box.SIMPLE_HEAD,
-              caption="lag in optimizer steps; loss per target token; repl.: share of zero-variance\n"
-                      "groups replaced; end: seconds since start (mismatch per step: steps.jsonl)")
-    for col in ("step", "groups", "micro-\nbatches", "reward", "lag\nmean/max", "loss", "grad\nnorm", "repl.",
-                "cells", "end"):
-        s.add_column(col, justify="right", no_wrap=col != "cells", overflow="fold")
+    s = Table(title="steps", box=box.SIMPLE_HEAD, pad_edge=False,
+              caption="grp/mb: groups/micro-batches; lag in optimizer steps; loss per target\n"
+                      "token; repl.: share of zero-variance groups replaced; end: seconds since\n"
+                      "start (train/inference mismatch per step: steps.jsonl)")
+    # every figure keeps its width (a cut number reads as another number); only the cells list wraps
+    for col, width in (("step", 4), ("grp/\nmb", 5), ("reward", 6), ("lag\nmean/max", 8), ("loss", 9),
+                       ("grad\nnorm", 8), ("repl.", 5), ("cells", 5), ("end", 5)):
+        s.add_column(col, justify="right", no_wrap=col != "cells", min_width=width, overflow="fold")
     for r in report["steps"]:
         rew = "-" if r["reward_mean"] is None else f"{r['reward_mean']:.3f}"
-        s.add_row(str(r["step"]), str(r["groups"]), str(r["micro_batches"]), rew,
+        s.add_row(str(r["step"]), f"{r['groups']}/{r['micro_batches']}", rew,
                   f"{r['staleness_mean']:.2f}/{r['staleness_max']}", readable_loss(r), _num(r["grad_norm"]),
                   f"{r.get('replaced_share', 0.0):.0%}",
                   ",".join(map(str, r["participants"])), f"{r['t_end']:.0f}")
@@ -53,7 +55,7 @@ def print_report(report: dict, console=None) -> None:
 
 
 def readable_loss(row: dict) -> str:
-    """The step's loss per target token in 4 significant figures: a GRPO loss is ~0 by
+    """The step's loss per target token in 3 significant figures: a GRPO loss is ~0 by
     construction (advantages sum to ~0 in each group), so a fixed 4-decimal format reads 0.0000
     at every step; the value that moves is small, not absent."""
     v = row.get("loss_per_target")
