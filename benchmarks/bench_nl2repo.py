@@ -141,15 +141,15 @@ def _run(job):
     return s.run(), {}
 
 
-def _label(scheme: str, k: int, b: int) -> str:
-    base = f"E{k}-paper" if scheme == "E-paper" else f"{scheme}{k}"
-    return base + (f" b{b}" if b > 1 else "")
+def _label(r, b: int) -> str:
+    """The policy's own label, with the burst size where there is one."""
+    return r.label + (f" b{b}" if b > 1 else "")
 
 
 def run_row(r, by_split: dict, b: int) -> dict:
     lag = r.lag
     half = by_split.get(max(1, r.cells // 2)) if by_split else None
-    return {"preset": r.preset, "label": _label(r.scheme, r.staleness, b), "scheme": r.scheme,
+    return {"preset": r.preset, "label": _label(r, b), "scheme": r.scheme,
             "staleness": r.staleness, "steps_per_sync": b, "nodes": r.nodes, "cell_size": r.cell_size,
             "hours": round(r.hours, 2), "bound_hours": round(r.lower_bound_hours, 2),
             "gpu_hours": round(r.gpu_hours("rollout", "train", "switch", "idle"), 0),

@@ -30,12 +30,7 @@ def random_qwen2(config=None, *, seed: int = 0, std: float = 0.3):
     config = config or tiny_qwen2_config()
     config._attn_implementation = "eager"  # exact tree masks need a float mask; eager is exact
     model = Qwen2ForCausalLM(config)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen) * std
-            p.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else noise)
-    return model.float().eval()
+    return _seeded(model, seed, std)
 
 
 # --- every family of gyre.model ---------------------------------------------------------------
@@ -83,6 +78,11 @@ def random_model(config, *, seed: int = 0, std: float = 0.3):
 
     model = getattr(transformers, FAMILY_CLASSES[config.model_type][1])(config)
     model.config._attn_implementation = "eager"
+    return _seeded(model, seed, std)
+
+
+def _seeded(model, seed: int, std: float):
+    """Seeded N(0, std) weights, norm weights around 1; float32, eval (one init for every family)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
