@@ -6,8 +6,8 @@ engines, trainers, evaluator and shards), one job per configuration and seed.
 Configurations (at `--size full`, the default `make bench` runs: 3 seeds x 14 steps each):
 
 - E, A, C at staleness 0 and 2 (`train.off_policy = auto`: tis at 0, decoupled at 2);
-- E2 with each correction: none, tis, decoupled (E2_decoupled is E2's configuration, run as its
-  own jobs: sampling is not seeded, so the two show the run-to-run spread);
+- E2 with each correction: none, tis, decoupled (E2_decoupled is E2's configuration: its runs are
+  E2's runs, reported under both labels);
 - E0 with `sched.steps_per_sync = 4` and `train.burst_order` stream vs shuffle.
 
 Written to benchmarks/results/learning.json (flat): `final_reward_{label}` (mean over seeds of the
@@ -21,11 +21,16 @@ position of its step in the round, 0..3, pooled over seeds; `duration_position_c
 grad norms, per-step reward curves, and `size` / `seeds` / `steps` saying what actually ran.
 One PNG of the reward curves: benchmarks/results/learning.png.
 
-    python benchmarks/bench_learning.py                    # full size: 33 jobs like `make demo`
+    python benchmarks/bench_learning.py                    # full size: 30 jobs like `make demo`
                                                            # (~2 min 45 s each on a quiet 2-core machine)
-    python benchmarks/bench_learning.py --size reduced     # 11 jobs, 1 seed, 3 steps, G 8: ~6 min, a smoke
+    python benchmarks/bench_learning.py --size reduced     # 10 jobs, 1 seed, 3 steps, G 8: ~6 min, a smoke
                                                            # run (no intervals; learning starts later)
     python benchmarks/bench_learning.py --keep             # keep run directories (printed)
+    python benchmarks/bench_learning.py --work DIR         # run directories in DIR; a rerun with the same
+                                                           # DIR reuses every finished job (resumable)
+
+Jobs run seed-major (every configuration's seed 0, then seed 1, ...), so a run cut short still
+has every configuration at the seeds it reached.
 """
 
 from __future__ import annotations
@@ -60,12 +65,16 @@ def configs() -> dict[str, list[str]]:
     for k in (0, 2):
         for s, over in SCHEMES.items():
             out[f"{s}{k}"] = [*over, f"sched.staleness={k}"]
-    for corr in ("none", "tis", "decoupled"):
+    for corr in ("none", "tis"):
         out[f"E2_{corr}"] = [*SCHEMES["E"], "sched.staleness=2", f"train.off_policy={corr}"]
     for order in ("stream", "shuffle"):
         out[f"E0_b{BURST}_{order}"] = [*SCHEMES["E"], "sched.staleness=0", f"sched.steps_per_sync={BURST}",
                                        f"train.burst_order={order}"]
     return out
+
+
+# a label whose configuration is another's: reported from that one's runs, never run twice
+ALIASES = {"E2_decoupled": "E2"}  # auto at staleness 2 is decoupled
 
 
 def interval(xs: list[float]) -> list[float] | None:
@@ -151,7 +160,7 @@ def analyse(runs: dict[str, list[tuple[dict, Path]]], size_name: str, size: tupl
         e, a, c = (out.get(f"final_reward_{s}{k}") for s in "EAC")
         ia, ic = out.get(f"final_reward_A{k}_ci95"), out.get(f"final_reward_C{k}_ci95")
         out[f"parity_E{k}"] = None if None in (e, ia, ic) else bool(ia[0] <= e <= ia[1] and ic[0] <= e <= ic[1])
-    every = [r for items in runs.values() for r, _ in items]
+    every = [r for label, items in runs.items() if label not in ALIASES for r, _ in items]
     out["mismatch_k3_lag0"] = weighted(every, "mismatch_k3_lag0", "mismatch_tokens_lag0")
     out["mismatch_abs_max_lag0"] = max((s["mismatch_abs_max_lag0"] for r in every for s in r["steps"]
                                         if s.get("mismatch_abs_max_lag0") is not None), default=None)
@@ -159,7 +168,7 @@ def analyse(runs: dict[str, list[tuple[dict, Path]]], size_name: str, size: tupl
     for corr in ("none", "tis", "decoupled"):
         reps = [r for r, _ in runs.get(f"E2_{corr}", [])]
         out[f"truncated_frac_E2_{corr}"] = weighted(reps, "truncated_frac", "micro_batches")
-    replaced = sum(s.get("replaced_zero_variance", 0) for r in every for s in r["steps"])
+    replaced = sum(s.get("replaced_zero_variance", 0) for r in every for s in r["steps"])  # aliases not twice
     trained = sum(s["groups"] for r in every for s in r["steps"])
     out["replaced_zero_variance_share"] = replaced / (replaced + trained) if replaced + trained else None
     out["warnings"] = sorted({w for r in every for w in r.get("warnings", [])})
@@ -212,18 +221,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", choices=sorted(SIZES), default="full")
     p.add_argument("--only", nargs="*", default=None, help="configuration labels to run (default: all)")
     p.add_argument("--keep", action="store_true", help="keep the run directories")
+    p.add_argument("--work", type=Path, default=None,
+                   help="directory for the run directories, kept; finished jobs found there are reused")
     args = p.parse_args(argv)
     size = SIZES[args.size]
     todo = {k: v for k, v in configs().items() if args.only is None or k in args.only}
-    work = Path(tempfile.mkdtemp(prefix="gyre-learning-"))
+    if args.work is not None:
+        args.work.mkdir(parents=True, exist_ok=True)
+        args.keep = True
+    work = args.work or Path(tempfile.mkdtemp(prefix="gyre-learning-"))
     runs: dict[str, list[tuple[dict, Path]]] = {}
     try:
-        for label, over in todo.items():
-            for seed in range(size[0]):
-                run_dir = work / f"{label}-s{seed}"
-                rep = run_one(label, over, seed, size, run_dir)
+        for seed in range(size[0]):
+            for label, over in todo.items():
+                run_dir = work / f"{args.size}-{label}-s{seed}"
+                done = run_dir / "bench.json"
+                if done.exists():
+                    rep = json.loads(done.read_text())
+                else:
+                    shutil.rmtree(run_dir, ignore_errors=True)  # a job cut short starts over
+                    rep = run_one(label, over, seed, size, run_dir)
+                    done.write_text(json.dumps(rep))
                 runs.setdefault(label, []).append((rep, run_dir))
                 print(f"{label} seed {seed}: final reward {final_reward(rep)}, {rep['bench_wall_s']:.0f} s", flush=True)
+        for alias, label in ALIASES.items():
+            if label in runs and (args.only is None or alias in args.only):
+                runs[alias] = runs[label]
         out = analyse(runs, args.size, size)
     finally:
         if args.keep:
