@@ -24,6 +24,7 @@ from gyre.events import (CallRecorded, CellRoleChanged, ExecutionEvaluated, Exec
 from gyre.sched.cells import Cell, cell_stats
 from gyre.sched.core import Coordinator, CoreSpec
 from gyre.sched.state import Role
+from gyre.sched.protocol import ReduceReply
 from gyre.services.training import Reduced
 from replay_head import NOTHING_REDUCED, head_for_replay, set_clock
 
@@ -49,8 +50,9 @@ def record(eid: str, gid: int, member: int, version: int, t: float, endpoint: st
 
 
 def train_reply(ok: bool = True, loss: float = 0.0):
-    return SimpleNamespace(ok=ok, info={"stats": {"loss": loss, "ratio_mean": 1.0 + loss, "kl_old": abs(loss)},
-                                        "lost": []})
+    from gyre.sched.protocol import TrainReply
+
+    return TrainReply(seq=0, cell=1, ok=ok, stats={"loss": loss, "ratio_mean": 1.0 + loss, "kl_old": abs(loss)})
 
 
 def play(head, steps: int, rng: random.Random, monkeypatch, t0: float = 1000.0):
@@ -95,7 +97,7 @@ def play(head, steps: int, rng: random.Random, monkeypatch, t0: float = 1000.0):
         now = clock.now + 1.0
         head.core.step_ending(now)
         res = head._step_ended(now)
-        head._step_committed(res, Reduced([trainer], [SimpleNamespace(ok=True, grad_norm=0.25)], 1.5), 0.0)
+        head._step_committed(res, Reduced([trainer], [ReduceReply(seq=0, cell=1, grad_norm=0.25)], 1.5), 0.0)
         now += 1.0
     return now, told
 

@@ -20,7 +20,7 @@ from gyre.batch import to_wire
 from gyre.events import MicroBatchDone
 from gyre.sched.cells import Cell
 from gyre.sched.core import Coordinator, GroupRecord
-from gyre.sched.protocol import Reply
+from gyre.sched.protocol import PrepareReduceReply, ReduceReply
 from gyre.sched.state import Role
 from gyre.traj.materialize import materialize, prepare_step
 from gyre.train.step_stats import merge, summarize
@@ -30,12 +30,12 @@ from gyre.train.step_stats import merge, summarize
 class Reduced:
     """A step whose reduce every participant applied."""
     participants: list[Cell]
-    replies: list[Reply]
+    replies: list[ReduceReply]
     seconds: float
 
     @property
     def grad_norm(self) -> float | None:
-        return next((r.grad_norm for r in self.replies if getattr(r, "grad_norm", None) is not None), None)
+        return next((r.grad_norm for r in self.replies if r.grad_norm is not None), None)
 
 
 class TrainingDispatch:
@@ -110,27 +110,27 @@ class TrainingDispatch:
         cell.mb_in_flight = None
         now = self.clock()
         cell.busy_intervals.append((t, now))
-        stats = rep.info.get("stats", {}) if rep.ok else {}
+        stats = rep.stats if rep.ok else {}
         self.emit(MicroBatchDone(t, now, cell.id, mid, step, rep.ok, stats))
         if rep.ok:
             self.core.microbatch_trained(mid)
             cell.step_mbs.add(mid)
         else:  # its trainer died: this micro-batch and the ones it held go back to the queue
-            self.requeue(cell, (set(rep.info.get("lost", [])) & cell.step_mbs) | {mid})
+            self.requeue(cell, (set(rep.lost) & cell.step_mbs) | {mid})
 
     def requeue(self, cell: Cell, lost: set[int]) -> None:
         cell.step_mbs.difference_update(lost)
         self.core.microbatches_lost(sorted(lost))
 
     @staticmethod
-    def lost_at_prepare(cell: Cell, rep: Reply) -> set[int]:
+    def lost_at_prepare(cell: Cell, rep: PrepareReduceReply) -> set[int]:
         """Micro-batches whose gradients this cell no longer holds. The agent reports every
         micro-batch it lost in the step, again at each prepare_reduce; one already requeued (and
         trained again, maybe on another cell) must not be requeued again, or the step never
         ends and its gradient would count twice. So what it says it *holds* decides."""
-        if rep.ok and "mb_ids" in rep.info:
-            return cell.step_mbs - set(rep.info["mb_ids"])
-        return set(rep.info.get("lost", [])) & cell.step_mbs
+        if rep.ok:
+            return cell.step_mbs - set(rep.mb_ids)
+        return set(rep.lost) & cell.step_mbs
 
     # ---- the step's reduce ---------------------------------------------------------------------
     async def reduce(self, index: int) -> Reduced | None | str:
@@ -156,11 +156,11 @@ class TrainingDispatch:
         t = self.clock()
         reps = await asyncio.gather(*(self.fleet.reduce(c, index, cells, leader, index + 1) for c in cells))
         bad = [f"cell {r.cell}: {r.error.splitlines()[0] if r.error else 'failed'}" for r in reps if not r.ok]
-        if bad and all(r.ok or getattr(r, "retry", False) for r in reps):
+        if bad and all(r.ok or r.retry for r in reps):
             # no cell applied the step (a trainer died before the commit): hand the lost
             # micro-batches out again; the next tick reduces again
             for c, r in zip(cells, reps):
-                self.requeue(c, set(getattr(r, "lost", [])) & c.step_mbs)
+                self.requeue(c, set(r.lost) & c.step_mbs)
             self.notice("reduce_retry", {"step": index, "why": bad})
             return None
         if bad:
