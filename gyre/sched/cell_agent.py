@@ -338,8 +338,8 @@ class CellAgent:
             with timed(phases, "allreduce"):
                 info = self.trainer.reduce(c.step, members, attempt, on_wait=self._beat,
                                            timeout_s=c.timeout_s)
-            rep.group_form_ms, rep.group_cached = info["form_ms"], info["cached"]
-            rep.grad_norm = info["grad_norm_total"]
+            rep.group_form_ms, rep.group_cached = info.form_ms, info.cached
+            rep.grad_norm = info.grad_norm_total
         except TrainerDied as e:
             return fail(str(e), True)
         except TrainerError as e:  # another member died, or did not come
@@ -353,14 +353,14 @@ class CellAgent:
                 with timed(phases, "apply"):
                     stats = self.trainer.apply(c.step, on_wait=self._beat)
                 with timed(phases, "export"):
-                    rep.weights = self.trainer.export_weights(c.weights_dir, stats["step"], on_wait=self._beat)
+                    rep.weights = self.trainer.export_weights(c.weights_dir, stats.step, on_wait=self._beat)
                 with timed(phases, "checkpoint"):
                     rep.checkpoint = self.trainer.save_checkpoint(c.checkpoint_dir, on_wait=self._beat)
             except TrainerDied as e:
                 return fail(str(e), True)
             except TrainerError as e:
                 return fail(str(e), False)
-            rep.grad_norm = stats["grad_norm"]
+            rep.grad_norm = stats.grad_norm
             self.store.set(commit, "1")
         else:
             with timed(phases, "commit_wait"):
@@ -369,7 +369,7 @@ class CellAgent:
             if self.role is Role.TRAIN:
                 try:
                     with timed(phases, "apply"):
-                        rep.grad_norm = self.trainer.apply(c.step, on_wait=self._beat)["grad_norm"]
+                        rep.grad_norm = self.trainer.apply(c.step, on_wait=self._beat).grad_norm
                 except TrainerDied as e:  # the step is committed: the new trainer loads the leader's checkpoint
                     self._trainer_died(str(e), lose=False)
                     self._heard(c.step + 1, c.checkpoint_dir)
