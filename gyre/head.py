@@ -50,6 +50,7 @@ from gyre.sched.protocol import (Command, Event, PrepareReduce, PushWeights, Red
                                  Train, reply_for)
 from gyre.sched.state import Role
 from gyre.train.step_stats import lag0_warning, merge, summarize
+from gyre.traj.record import Status
 
 
 _EXECUTION_ID = re.compile(r"^q(?P<group>\d+)-(?P<task>.+)-g(?P<member>\d+)$")  # as _start_group names them
@@ -731,7 +732,7 @@ class Head:
         out: dict[tuple[str, int], list] = {}
         for rec in iter_executions(self.cfg.shard_dir()):
             m = _EXECUTION_ID.match(rec.execution_id)
-            if m and rec.status == "stopped" and rec.tree.calls and rec.execution_id not in done:
+            if m and rec.status == Status.STOPPED and rec.tree.calls and rec.execution_id not in done:
                 out.setdefault((rec.task, int(m["member"])), []).append((rec.execution_id, rec.tree))
         return out
 

@@ -32,6 +32,7 @@ from gyre.config import GyreConfig, default_tiny_dir, load_config
 from gyre.harness.execute import (FINISHED, check_scorable, read_tasks, run_and_evaluate,  # noqa: F401 (re-exported)
                                   select_tasks)
 from gyre.proxy.replay import REPLAY_ENDPOINT
+from gyre.traj.record import Status
 
 _ATTEMPT = re.compile(r"^(?P<base>.+)-a(?P<n>\d+)$")
 
@@ -116,7 +117,7 @@ def previous_executions(shard_dir: Path, replays: dict | None = None) -> dict[st
         if base not in seen or n >= seen[base][1]:
             seen[base] = (rec.status, n)
             if replays is not None:
-                if rec.status == "stopped" and rec.tree.calls:
+                if rec.status == Status.STOPPED and rec.tree.calls:
                     replays[base] = rec.tree
                 else:
                     replays.pop(base, None)

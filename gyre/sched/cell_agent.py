@@ -39,7 +39,7 @@ import traceback
 from pathlib import Path
 
 from gyre import faults
-from gyre.config import GyreConfig, env, load_config, trainer_config
+from gyre.config import EngineBackend, GyreConfig, env, load_config, trainer_config
 from gyre.fsio import atomic_write_json
 from gyre.sched import mpi_link
 from gyre.sched.protocol import (TAG_STORE, Command, Event, PrepareReduce, PushWeights, Reduce, Reply, Role, Stop,
@@ -462,7 +462,7 @@ class CellAgent:
         slurm = self.slurm
         srun = None
         port = 0
-        if slurm is not None and self.cfg.engine.backend == "sglang":
+        if slurm is not None and self.cfg.engine.backend == EngineBackend.SGLANG:
             srun = list(slurm["srun"])
             port = self.cfg.engine.port + self.cell
         self.engine = start_cell_engine(self.cfg, self.model_dir, api_key=self.api_key,

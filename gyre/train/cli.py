@@ -47,7 +47,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-FINISHED = ("done", "failed", "crashed", "timeout")  # as gyre.rollout / gyre.head
+from gyre.traj.record import FINISHED
+
 # files of a transformers model directory that the engine needs besides the weights
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json")

@@ -27,6 +27,7 @@ from multiprocessing.connection import Client
 from typing import Any, Callable
 
 from gyre import faults
+from gyre.config import TrainBackend, TrainConfig, env
 from gyre.train.messages import (Applied, Apply, Close, ExportWeights, ForwardBackward, Hostnames, LoadCheckpoint,
                                  Offload, Reduce, Reduced, Reply, Request, Restore, SaveCheckpoint, Start, Started,
                                  Stash, Stashed)
@@ -35,8 +36,6 @@ CTRL_TIMEOUT = datetime.timedelta(days=30)   # ranks wait for the agent's next r
 
 
 def _env_int(*names: str) -> int | None:
-    from gyre.config import env
-
     for n in names:
         v = env(n)
         if v not in (None, ""):
@@ -84,13 +83,12 @@ class Rank:
         import torch
         import torch.distributed as dist
 
-        from gyre.config import TrainConfig
         from gyre.train.groups import CrossCellReducer
         from gyre.train.backends import make_trainer
 
         self.cell, self.rank, self.size, self.store = cell, rank, size, store
         cfg = TrainConfig(**init.cfg)
-        if cfg.backend == "megatron":
+        if cfg.backend == TrainBackend.MEGATRON:
             from gyre.train.dist import init_megatron
 
             init_megatron(tensor_parallel=cfg.tensor_parallel, pipeline_parallel=cfg.pipeline_parallel,
@@ -117,7 +115,7 @@ class Rank:
     def _data_parallel(self):
         """The cell's data-parallel group of this rank (Megatron's, or the whole cell)."""
         dist = __import__("torch.distributed", fromlist=["x"])
-        if self.trainer.cfg.backend == "megatron":
+        if self.trainer.cfg.backend == TrainBackend.MEGATRON:
             from megatron.core import parallel_state as ps
 
             return ps.get_data_parallel_group(), ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
