@@ -409,8 +409,8 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
     """Convert a TOML or command-line value to the field's type, or raise naming the key."""
     origin = typing.get_origin(typ) or typ
     if isinstance(origin, type) and issubclass(origin, Enum):
-        if isinstance(value, str):
-            return enum_value(key, value, origin)
+        if isinstance(value, (str, int)) and not isinstance(value, bool):  # as a str field would
+            return enum_value(key, str(value), origin)
     elif origin is bool:
         if isinstance(value, bool):
             return value

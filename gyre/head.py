@@ -751,7 +751,7 @@ class Head:
                 "groups_started": self.core.started,
                 "steps": st.steps, "cells": cells, "wall_s": t1 - self.t0, "stopped": stopped,
                 "errors": self.errors + (self.metrics.errors if self.metrics else []), "warnings": self.warnings,
-                "harness_errors": executions.get("failed", 0) + executions.get("crashed", 0), "events": self.events,
+                "harness_errors": executions.get(Status.FAILED, 0) + executions.get(Status.CRASHED, 0), "events": self.events,
                 "groups_replaced_zero_variance": self.core.zero_variance_dropped,
                 "executions": executions, "version": self.version,
                 "intervals": {c.id: st.intervals(c.id, t1) for c in self.cells},

@@ -301,7 +301,7 @@ def print_summary(s: RolloutSummary, cfg: GyreConfig) -> None:
             ("official score: passed tests", f"{_mean(s.official_passed):.1f} per execution"),
             ("reward mean / std", f"{_mean(s.rewards):.3f} / {spread:.3f}  (scored executions only)"),
             ("reward by source", ", ".join(f"{k} {_mean(v):.3f} (n={len(v)})" for k, v in sorted(s.by_source.items())) or "-"),
-            ("timeouts", s.executions.get("timeout", 0)),
+            ("timeouts", s.executions.get(Status.TIMEOUT, 0)),
             ("unscorable", f"{s.unscorable}" + "".join(f"\n  {n} x {why}" for why, n in sorted(s.unscorable_reasons.items()))),
             ("skipped (resume)", s.skipped_resume),
             ("resumed by replay", f"{s.resumed} ({s.replayed_calls} calls replayed, {s.diverged} diverged)"),

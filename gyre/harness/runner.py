@@ -139,7 +139,7 @@ def public_task_dir(run_dir: str | os.PathLike, task: Task) -> Path:
         for name in PUBLIC_TASK_FILES:
             if (task.dir / name).is_file():
                 shutil.copyfile(task.dir / name, tmp / name)
-        try:
+        try:  # not fsio.atomic_dir: the first copy wins (the same files; remade if lost)
             os.rename(tmp, dst)
         except OSError:  # another execution of the same task won the race
             shutil.rmtree(tmp, ignore_errors=True)

@@ -3,7 +3,8 @@
 A cell's trainer is ``size`` of these processes, one per GPU slot (one per node on CPU), spread
 over the cell's nodes (an ``srun`` step under Slurm, local processes under ``gyre run``). They form
 the cell's torch.distributed world (gloo on CPU, NCCL on GPU) with Megatron-Core's parallel state
-inside it. Rank 0 connects back to the cell agent and receives its requests; every request is
+inside it. Rank 0 connects back to the cell agent and receives its requests (typed messages,
+gyre.train.messages, dispatched by type: ``Rank.HANDLERS``); every request is
 broadcast to all ranks, which all carry it out (forward/backward on their rows of the micro-batch,
 offload, restore, reduce, optimizer step, export and checkpoint), and rank 0 answers for the cell.
 
