@@ -41,7 +41,7 @@ from gyre.config import GyreConfig, default_tiny_dir
 from gyre.engine.tiny_model import ensure_tiny_model, model_identity
 from gyre.events import (CallRecorded, CellRoleChanged, ExecutionEvaluated, ExecutionStarted, GroupDropped, GroupLag,
                          RunEnded, RunStarted, RunStats, StepEnded)
-from gyre.harness.execute import FINISHED, check_scorable, load_tasks
+from gyre.harness.execute import check_scorable, load_tasks
 from gyre.harness.runner import private_dir
 from gyre.harness.sandbox import Environments, SandboxConfig
 from gyre.proxy.replay import REPLAY_ENDPOINT
@@ -55,6 +55,7 @@ from gyre.services.ledger import Ledger, execution_id
 from gyre.services.rollout import RolloutService
 from gyre.services.training import Reduced, TrainingDispatch
 from gyre.train.step_stats import lag0_warning
+from gyre.traj.record import FINISHED, Status
 from gyre.traj.select import SelectionSpec
 
 
@@ -409,7 +410,7 @@ class Head:
                 "steps": st.steps, "cells": cells, "wall_s": t1 - self.t0, "stopped": stopped,
                 "errors": self.fleet.errors + self.errors + (self.metrics.errors if self.metrics else []),
                 "warnings": self.warnings,
-                "harness_errors": executions.get("failed", 0) + executions.get("crashed", 0), "events": events,
+                "harness_errors": executions.get(Status.FAILED, 0) + executions.get(Status.CRASHED, 0), "events": events,
                 "groups_replaced_zero_variance": self.core.zero_variance_dropped,
                 "executions": executions, "version": self.version,
                 "intervals": {c.id: st.intervals(c.id, t1) for c in self.cells},

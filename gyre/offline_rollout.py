@@ -33,11 +33,12 @@ from gyre.config import GyreConfig, default_tiny_dir, load_config
 from gyre.engine.launch import start_cell_engine
 from gyre.engine.reaper import ProcessList, reap
 from gyre.engine.tiny_model import ensure_tiny_model, model_identity
-from gyre.harness.execute import FINISHED, check_scorable, read_tasks, select_tasks
+from gyre.harness.execute import check_scorable, read_tasks, select_tasks
 from gyre.harness.runner import private_dir
 from gyre.harness.sandbox import Environments, SandboxConfig
 from gyre.proxy.replay import REPLAY_ENDPOINT
 from gyre.services.rollout import RolloutService
+from gyre.traj.record import FINISHED, Status
 from gyre.traj.store import iter_executions, shard_paths
 
 _ATTEMPT = re.compile(r"^(?P<base>.+)-a(?P<n>\d+)$")
@@ -121,7 +122,7 @@ def previous_executions(shard_dir: Path, replays: dict | None = None) -> dict[st
         if base not in seen or n >= seen[base][1]:
             seen[base] = (rec.status, n)
             if replays is not None:
-                if rec.status == "stopped" and rec.tree.calls:
+                if rec.status == Status.STOPPED and rec.tree.calls:
                     replays[base] = rec.tree
                 else:
                     replays.pop(base, None)
@@ -282,7 +283,7 @@ def print_summary(s: RolloutSummary, cfg: GyreConfig) -> None:
             ("official score: passed tests", f"{_mean(s.official_passed):.1f} per execution"),
             ("reward mean / std", f"{_mean(s.rewards):.3f} / {spread:.3f}  (scored executions only)"),
             ("reward by source", ", ".join(f"{k} {_mean(v):.3f} (n={len(v)})" for k, v in sorted(s.by_source.items())) or "-"),
-            ("timeouts", s.executions.get("timeout", 0)),
+            ("timeouts", s.executions.get(Status.TIMEOUT, 0)),
             ("unscorable", f"{s.unscorable}" + "".join(f"\n  {n} x {why}" for why, n in sorted(s.unscorable_reasons.items()))),
             ("skipped (resume)", s.skipped_resume),
             ("resumed by replay", f"{s.resumed} ({s.replayed_calls} calls replayed, {s.diverged} diverged)"),

@@ -20,6 +20,7 @@ from typing import Callable
 
 from gyre.events import ExecutionDropped
 from gyre.fsio import atomic_write_json, atomic_write_text
+from gyre.traj.record import Status
 from gyre.traj.store import iter_executions
 
 EXECUTION_ID = re.compile(r"^q(?P<group>\d+)-(?P<task>.+)-g(?P<member>\d+)$")  # as the head names them
@@ -168,6 +169,6 @@ class Ledger:
         out: dict[tuple[str, int], list] = {}
         for rec in iter_executions(self.shard_dir):
             m = EXECUTION_ID.match(rec.execution_id)
-            if m and rec.status == "stopped" and rec.tree.calls and rec.execution_id not in done:
+            if m and rec.status == Status.STOPPED and rec.tree.calls and rec.execution_id not in done:
                 out.setdefault((rec.task, int(m["member"])), []).append((rec.execution_id, rec.tree))
         return out
