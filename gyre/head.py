@@ -189,11 +189,13 @@ class Head:
     # ==== the run ===============================================================================
     async def run(self) -> dict:
         from gyre.engine.router import Router
-        from gyre.engine.tiny_model import ensure_tiny_model, load_tokenizer, model_identity
         from gyre.harness.evaluator import EvaluatorPool
         from gyre.harness.execute import check_scorable, load_tasks
-        from gyre.harness.sandbox import Environments, SandboxConfig
         from gyre.harness.runner import HarnessPool, private_dir
+        from gyre.harness.sandbox import Environments, SandboxConfig
+        from gyre.model.identity import model_identity
+        from gyre.model.tiny import ensure_tiny_model
+        from gyre.model.tokenizer import load_tokenizer
         from gyre.proxy.server import Proxy, create_app, proxy_options, start_site
         from gyre.sched import policy_from_config
         from gyre.traj.select import SelectionSpec

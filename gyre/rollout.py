@@ -154,12 +154,14 @@ class Rollout:
 
     async def run(self, resume: bool = False) -> RolloutSummary:
         from gyre.engine.launch import start_cell_engine
+        from gyre.engine.reaper import ProcessList, reap
         from gyre.engine.router import Router
-        from gyre.engine.tiny_model import ensure_tiny_model, load_tokenizer, model_identity
         from gyre.harness.evaluator import EvaluatorPool
         from gyre.harness.runner import HarnessPool, private_dir
         from gyre.harness.sandbox import Environments, SandboxConfig
-        from gyre.engine.reaper import ProcessList, reap
+        from gyre.model.identity import model_identity
+        from gyre.model.tiny import ensure_tiny_model
+        from gyre.model.tokenizer import load_tokenizer
         from gyre.proxy.server import Proxy, create_app, proxy_options, start_site
         from gyre.traj.store import ShardWriter, compact, shard_identity, shard_paths
 

@@ -70,10 +70,18 @@ def test_train_modules_have_no_import_cycles():
     assert "gyre.train.trainer" not in g["gyre.train.megatron_trainer"]
 
 
+# What gyre.model may use besides itself: the atomic writer (a weights manifest is written
+# durably; gyre.fsio imports nothing of Gyre), and the configuration in `gyre make-model` only.
+MODEL_USES = {"gyre.fsio", "gyre.fsio.atomic_write_json"}
+MODEL_CLI_USES = {"gyre.config", "gyre.config.default_tiny_dir", "gyre.config.load_config"}
+
+
 def test_model_knows_nobody_who_serves_or_trains():
-    """gyre.model (families, weights, templates, parsers) imports only itself."""
+    """gyre.model (families, weights, templates, parsers, identity, tokenizer, the tiny model)
+    imports only itself, the atomic writer and (its command line only) the configuration."""
     for f in sorted((PKG / "model").rglob("*.py")):
-        bad = sorted(i for i in imports_of(f) if not i.startswith("gyre.model"))
+        allowed = MODEL_USES | (MODEL_CLI_USES if f.name == "cli.py" else set())
+        bad = sorted(i for i in imports_of(f) if not i.startswith("gyre.model") and i not in allowed)
         assert not bad, f"{f.name} imports {bad}"
 
 
@@ -90,7 +98,7 @@ MUST_NOT = {
     "proxy": DRIVERS | {"sched", "train", "harness"},
     "engine": DRIVERS | {"traj", "train", "sched", "harness", "proxy"},
     "harness": DRIVERS | {"engine", "train", "sched", "proxy"},
-    "train": DRIVERS | {"harness", "proxy", "sched"},
+    "train": DRIVERS | {"harness", "proxy", "sched", "engine"},
 }
 # Arrows against the table that exist today, each to be removed when its cause goes
 # (tests/test_layering.py fails once an exception no longer occurs, so this list only shrinks).

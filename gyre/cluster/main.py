@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_cell(args: argparse.Namespace) -> int:
     from gyre.config import default_tiny_dir
-    from gyre.engine.tiny_model import ensure_tiny_model
+    from gyre.model.tiny import ensure_tiny_model
     from gyre.sched import cell_agent
 
     cfg = load_config(args.config, args.overrides)

@@ -6,5 +6,4 @@ Modules (imported on use, so ``gyre --help`` stays fast):
 * ``router``: :class:`Router`, per-execution affinity over elastic endpoints, retries.
 * ``server``, ``runtime``, ``qwen``, ``sampling``, ``prefix_cache``: the embedded engine
   (``gyre engine``, entry point ``cli``); ``launch`` starts one for tests and benchmarks.
-* ``tiny_model``, ``build_tokenizer``: the offline tiny Qwen2 model and ChatML tokenizer.
 """

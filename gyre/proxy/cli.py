@@ -27,7 +27,8 @@ async def serve(args: argparse.Namespace) -> None:
     from tokenizers import Tokenizer
 
     from gyre.engine.router import Router
-    from gyre.engine.tiny_model import ensure_tiny_model, model_identity
+    from gyre.model.identity import model_identity
+    from gyre.model.tiny import ensure_tiny_model
     from gyre.proxy.server import Proxy, create_app, proxy_options, start_site
 
     cfg = load_config(args.config, args.overrides)

@@ -184,7 +184,7 @@ def step_plan(records: list, steps: int, groups_per_step: int) -> list[list]:
 
 def resolve_model(cfg) -> Path:
     from gyre.config import default_tiny_dir
-    from gyre.engine.tiny_model import ensure_tiny_model
+    from gyre.model.tiny import ensure_tiny_model
 
     if cfg.model.path:
         path = Path(cfg.model.path)
@@ -200,7 +200,7 @@ def resolve_model(cfg) -> Path:
 def export_engine_dir(trainer, model_dir: Path, dest: Path, version: int) -> dict:
     """Weights in the engine's layout plus the source's tokenizer files and a new identity,
     all in one atomic directory replacement; returns the new identity."""
-    from gyre.engine.tiny_model import write_identity
+    from gyre.model.identity import write_identity
     from gyre.train.export import atomic_dir
 
     with atomic_dir(dest) as tmp:
@@ -237,7 +237,7 @@ def train(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from gyre.config import load_config
-    from gyre.engine.tiny_model import model_identity
+    from gyre.model.identity import model_identity
     from gyre.traj.materialize import materialize, prepare_step
     from gyre.traj.select import SelectionSpec
 
