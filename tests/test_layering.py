@@ -90,13 +90,13 @@ def test_model_knows_nobody_who_serves_or_trains():
 DRIVERS = {"head", "sim", "cluster", "rollout"}
 MUST_NOT = {
     "events": {"*"},                                   # pure: nothing of Gyre at all
-    "report": DRIVERS | {"sched", "engine", "train", "harness", "proxy", "cell"},
+    "report": DRIVERS | {"sched", "engine", "train", "harness", "proxy"},
     "sched": DRIVERS | {"engine", "train", "harness", "proxy", "report", "cell"},
-    "sim": {"head", "cluster", "rollout", "engine", "train", "harness", "proxy", "cell"},
-    "traj": DRIVERS | {"train", "engine", "proxy", "sched", "harness", "cell"},
-    "proxy": DRIVERS | {"sched", "train", "harness", "cell"},
+    "sim": {"head", "cluster", "rollout", "engine", "train", "harness", "proxy"},
+    "traj": DRIVERS | {"train", "engine", "proxy", "sched", "harness"},
+    "proxy": DRIVERS | {"sched", "train", "harness"},
     "engine": DRIVERS | {"traj", "train", "sched", "harness", "proxy", "cell"},
-    "harness": DRIVERS | {"engine", "train", "sched", "proxy", "cell"},
+    "harness": DRIVERS | {"engine", "train", "sched", "proxy"},
     "train": DRIVERS | {"harness", "proxy", "sched", "engine", "cell"},
     "cell": DRIVERS | {"harness", "proxy", "traj", "report"},  # placement comes from cluster, injected
 }
@@ -137,6 +137,12 @@ def test_the_module_table_holds():
     assert not bad, "imports against docs/architecture.md's module table: " + ", ".join(f"{m} -> {p}" for m, p in bad)
     stale = sorted(k for k in KNOWN if k not in found)
     assert not stale, f"known exceptions that no longer occur (remove them from KNOWN): {stale}"
+
+
+def test_only_drivers_start_the_cell_agent():
+    """gyre.cell is a process that drivers start (cluster/main.py); nothing below them imports it."""
+    bad = sorted(m for m, p in arrows() if p == "cell" and _package(m) not in DRIVERS | {"cell"})
+    assert not bad, f"modules below the drivers import gyre.cell: {bad}"
 
 
 def test_report_imports_no_driver_and_events_do_no_io():
