@@ -20,11 +20,14 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import aiohttp
 
-from gyre.engine.launch import start_engine
-from gyre.engine.router import Router
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from a checkout
+
+from gyre.engine.launch import start_engine  # noqa: E402
+from gyre.engine.router import Router  # noqa: E402
 
 
 def _free_port() -> int:
