@@ -215,7 +215,7 @@ def measured_rates(report: dict, run_dir: Path, rows: list[dict]) -> dict:
 def kv_tokens() -> int:
     from gyre.config import default_tiny_dir, load_config
     from gyre.engine.qwen import read_spec
-    from gyre.engine.tiny_model import ensure_tiny_model
+    from gyre.model.tiny import ensure_tiny_model
 
     s = read_spec(Path(ensure_tiny_model(default_tiny_dir(load_config(None, [])))))
     return prefix_cache_tokens(PREFIX_CACHE_MB, s.layers, s.kv_heads, s.head_dim)

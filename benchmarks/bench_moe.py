@@ -37,7 +37,7 @@ import torch  # noqa: E402
 from gyre.batch import expanded_batch  # noqa: E402
 from gyre.config import TrainConfig  # noqa: E402
 from gyre.engine.qwen import CausalLM  # noqa: E402
-from gyre.model import split_fused_experts  # noqa: E402
+from gyre.model.spec import split_fused_experts  # noqa: E402
 from gyre.train.qwen2 import Qwen2LM  # noqa: E402
 from gyre.train.toy import random_model, tiny_config  # noqa: E402
 from gyre.train.trainer import EmbeddedTrainer  # noqa: E402

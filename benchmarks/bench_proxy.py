@@ -43,7 +43,8 @@ sys.path.insert(0, str(ROOT))
 
 from gyre.config import default_tiny_dir, load_config  # noqa: E402
 from gyre.engine.launch import start_engine  # noqa: E402
-from gyre.engine.tiny_model import ensure_tiny_model, load_tokenizer  # noqa: E402
+from gyre.model.tiny import ensure_tiny_model  # noqa: E402
+from gyre.model.tokenizer import load_tokenizer
 from gyre.proxy.capture import Renderer  # noqa: E402
 
 CALLS = 4

@@ -78,7 +78,7 @@ def wait_job(job: str, env: dict, bound_s: float = 600) -> None:
 
 def cell_scenario(tmp: Path, env: dict) -> dict:
     """tests/mpi_scripts/cell_head.py on 1 head + 2 cells x 2 nodes: group formation, reduce vs one process."""
-    from gyre.engine.tiny_model import ensure_tiny_model
+    from gyre.model.tiny import ensure_tiny_model
 
     run = tmp / "cells"
     run.mkdir(mode=0o700)
@@ -122,7 +122,8 @@ def weight_sync(tmp: Path, ranks: int = 2) -> dict:
     from gyre.config import load_config
     from gyre.engine.launch import start_cell_engine
     from gyre.engine.sglang_api import SGLangAdmin
-    from gyre.engine.tiny_model import ensure_tiny_model, write_identity
+    from gyre.model.identity import write_identity
+    from gyre.model.tiny import ensure_tiny_model
     from gyre.train.worker import TrainerProcess
 
     tiny = ensure_tiny_model(tmp / "tiny")

@@ -36,17 +36,18 @@ from pathlib import Path
 
 import torch
 
+from gyre.advantage import advantages
+from gyre.batch import expanded_batch
 from gyre.config import default_tiny_dir, load_config
 from gyre.engine.runtime import Engine, Finished
 from gyre.engine.sampling import SamplingParams
-from gyre.engine.tiny_model import ensure_tiny_model, load_tokenizer
 from gyre.harness.answer_agent import first_messages
 from gyre.harness.builtin_learnable import scoring
 from gyre.harness.tasks import load_suite
+from gyre.model.tiny import ensure_tiny_model
+from gyre.model.tokenizer import load_tokenizer
 from gyre.proxy.capture import ExecutionSession, Renderer, prepare_call
 from gyre.proxy.chat import parse_messages, parse_output
-from gyre.advantage import advantages
-from gyre.batch import expanded_batch
 from gyre.train.backends import make_trainer
 from gyre.traj.record import ExecutionRecord
 

@@ -25,7 +25,7 @@ def main(dry_run: bool) -> dict:
     from gyre.batch import expanded_batch
     from gyre.config import TrainConfig
     from gyre.engine.qwen import CausalLM
-    from gyre.model import split_fused_experts
+    from gyre.model.spec import split_fused_experts
     from gyre.train.loss import token_logprobs
     from gyre.train.megatron_trainer import MegatronTrainer
     from gyre.train.qwen2 import Qwen2LM

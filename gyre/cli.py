@@ -15,7 +15,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("gyre.engine.cli", "serve a model over SGLang's RL HTTP subset (embedded engine)"),
     "proxy": ("gyre.proxy.cli", "run the token-in/token-out OpenAI-compatible proxy"),
-    "make-model": ("gyre.engine.tiny_model", "build the embedded tiny Qwen-style model offline"),
+    "make-model": ("gyre.model.cli", "build the embedded tiny Qwen-style model offline"),
     "tasks": ("gyre.harness.tasks_cli", "list a suite's tasks, whether each can be scored here and why not"),
     "rollout": ("gyre.offline_rollout", "run G executions per task through the proxy, evaluate them, write shards"),
     "run": ("gyre.cluster.local", "run the online RL job on this machine (head + cells under mpiexec)"),

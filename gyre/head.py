@@ -38,12 +38,13 @@ from typing import Callable
 
 from gyre import faults
 from gyre.config import GyreConfig, default_tiny_dir
-from gyre.engine.tiny_model import ensure_tiny_model, model_identity
 from gyre.events import (CallRecorded, CellRoleChanged, ExecutionEvaluated, ExecutionStarted, GroupDropped, GroupLag,
                          RunEnded, RunStarted, RunStats, StepEnded)
 from gyre.harness.execute import check_scorable, load_tasks
 from gyre.harness.runner import private_dir
 from gyre.harness.sandbox import Environments, SandboxConfig
+from gyre.model.identity import model_identity
+from gyre.model.tiny import ensure_tiny_model
 from gyre.proxy.replay import REPLAY_ENDPOINT
 from gyre.report.metrics import MetricsSink
 from gyre.sched import policy_from_config

@@ -32,10 +32,11 @@ from gyre import faults
 from gyre.config import GyreConfig, default_tiny_dir, load_config
 from gyre.engine.launch import start_cell_engine
 from gyre.engine.reaper import ProcessList, reap
-from gyre.engine.tiny_model import ensure_tiny_model, model_identity
 from gyre.harness.execute import check_scorable, read_tasks, select_tasks
 from gyre.harness.runner import private_dir
 from gyre.harness.sandbox import Environments, SandboxConfig
+from gyre.model.identity import model_identity
+from gyre.model.tiny import ensure_tiny_model
 from gyre.proxy.replay import REPLAY_ENDPOINT
 from gyre.services.rollout import RolloutService
 from gyre.traj.record import FINISHED, Status

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gyre.engine.tiny_model import ensure_tiny_model
+from gyre.model.tiny import ensure_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "mpi_scripts" / "cell_head.py"

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from gyre.config import TrainConfig
 from gyre.batch import MicroBatch, expanded_batch, from_wire, to_wire
+from gyre.config import TrainConfig
 from gyre.train.toy import random_qwen2
 
 
@@ -78,7 +78,7 @@ def test_wire_round_trip_is_exact_and_checked():
 @pytest.mark.slow
 def test_trainer_process_survives_nothing_but_reports_everything(tmp_path):
     """A two-rank cell trainer: requests reach every rank, a rank's death is the trainer's."""
-    from gyre.engine.tiny_model import ensure_tiny_model
+    from gyre.model.tiny import ensure_tiny_model
     from gyre.train.export import load_hf_dir
     from gyre.train.worker import TrainerDied, TrainerError, TrainerProcess
 
@@ -139,7 +139,7 @@ def test_two_cells_of_two_ranks_reduce_to_one_process(tmp_path):
     doing every micro-batch; the group is formed once per membership and then cached."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from gyre.engine.tiny_model import ensure_tiny_model
+    from gyre.model.tiny import ensure_tiny_model
     from gyre.train.export import load_hf_dir
     from gyre.train.groups import serve_store
     from gyre.train.trainer import EmbeddedTrainer

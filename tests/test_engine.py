@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from gyre.engine.client import EngineClient, EngineError, EngineUnreachable
 from gyre.engine.launch import EngineStartError, start_engine
-from gyre.engine.tiny_model import ensure_tiny_model
+from gyre.model.tiny import ensure_tiny_model
 
 PROMPT = [1, 882, 198, 40, 1000, 2000, 17, 2, 198, 1, 77, 198]
 

@@ -14,7 +14,7 @@ from gyre.config import load_config
 from gyre.engine.pace import PACED_REPLICA, Pacer, paced_step_s, prefix_cache_tokens
 from gyre.engine.runtime import Engine
 from gyre.engine.sampling import SamplingParams
-from gyre.engine.tiny_model import ensure_tiny_model
+from gyre.model.tiny import ensure_tiny_model
 
 PROMPT = [1, 882, 198, 40, 1000, 2000, 17, 2, 198, 1, 77, 198]
 

@@ -19,7 +19,7 @@ from gyre.config import ConfigError, load_config
 from gyre.engine.launch import EngineStartError, start_cell_engine
 from gyre.engine.sglang_api import SGLangAdmin, SGLangAPIError
 from gyre.engine.sglang_standin import StandinUsageError, parse_args
-from gyre.engine.tiny_model import ensure_tiny_model
+from gyre.model.tiny import ensure_tiny_model
 
 KEY = "seam-key"
 PROMPT = [1, 882, 198, 40, 1000, 2000, 17, 198]

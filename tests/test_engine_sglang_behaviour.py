@@ -16,9 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from gyre.engine.checksums import MANIFEST, write_checksums
 from gyre.engine.launch import start_engine
-from gyre.engine.tiny_model import ensure_tiny_model, load_tokenizer
+from gyre.model.checksums import MANIFEST, write_checksums
+from gyre.model.tiny import ensure_tiny_model
+from gyre.model.tokenizer import load_tokenizer
 from test_engine import PROMPT, generate, request, stream_generate
 
 

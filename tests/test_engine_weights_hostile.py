@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gyre.engine.launch import start_engine
-from gyre.engine.tiny_model import ensure_tiny_model
+from gyre.model.tiny import ensure_tiny_model
 from test_engine import PROMPT, generate, request
 
 

@@ -12,12 +12,12 @@ import warnings
 from pathlib import Path
 
 from gyre.engine.router import Router
-from gyre.engine.tiny_model import load_tokenizer
 from gyre.harness.evaluator import EvalOptions, EvaluatorPool
 from gyre.harness.execute import FINISHED, run_and_evaluate
 from gyre.harness.runner import HarnessPool
 from gyre.harness.sandbox import Environments, SandboxConfig
 from gyre.harness.tasks import load_suite
+from gyre.model.tokenizer import load_tokenizer
 from gyre.proxy.server import Proxy
 
 ASSETS = Path(__file__).resolve().parents[1] / "gyre" / "assets"

@@ -73,7 +73,7 @@ def test_atomic_dir_keeps_old_state_on_failure(tmp_path):
 
 # renames outside gyre/fsio.py, each with its reason (the code says it in a comment too)
 RENAMES_WITH_A_REASON = {
-    "engine/tiny_model.py",     # a cache directory: the first builder wins, atomic_dir would replace
+    "model/tiny.py",            # a cache directory: the first builder wins, atomic_dir would replace
     "harness/runner.py",        # a task's public files: the first copy wins
     "harness/evaluator.py",     # moves a scratch copy into the scoring directory (nothing durable)
     "train/cli.py",             # moves files within a directory that atomic_dir then publishes

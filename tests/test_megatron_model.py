@@ -149,7 +149,7 @@ def test_cpu_layer_pins_megatron_version(monkeypatch):
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "qwen2_moe"])
 def test_families_match_transformers_and_round_trip(megatron, family):
-    from gyre.model import split_fused_experts
+    from gyre.model.spec import split_fused_experts
     from gyre.train.toy import random_model, tiny_config
 
     hf = random_model(tiny_config(family), seed=11, std=0.2)

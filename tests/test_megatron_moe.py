@@ -59,7 +59,7 @@ def _rank(rank, port, hf_config, hf_state, out):
 
 @pytest.mark.slow
 def test_expert_parallel_two_ranks_equal_one_process():
-    from gyre.model import split_fused_experts
+    from gyre.model.spec import split_fused_experts
     from gyre.train.trainer import EmbeddedTrainer
 
     with socket.socket() as s:
@@ -95,7 +95,7 @@ def test_expert_parallel_two_ranks_equal_one_process():
 def test_aux_loss_is_the_same_term_in_both_trainers():
     """One process: Megatron's load-balancing loss (its router, MoEAuxLossAutoScaler) and the
     embedded trainer's have the same value and move the weights the same way."""
-    from gyre.model import split_fused_experts
+    from gyre.model.spec import split_fused_experts
     from gyre.train.megatron_trainer import MegatronTrainer
     from gyre.train.trainer import EmbeddedTrainer
 

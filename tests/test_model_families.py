@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from gyre.engine.qwen import CausalLM
-from gyre.model import ModelFormatError, read_spec, supported
+from gyre.model import ModelFormatError, supported
+from gyre.model.spec import read_spec
 from gyre.train.qwen2 import Qwen2LM
 from gyre.train.toy import random_model, tiny_config
 
@@ -33,7 +34,7 @@ def _hf_logits(hf, ids, pos, mask):
 
 def _hf_grads(hf) -> dict[str, torch.Tensor]:
     """transformers' gradients under the checkpoint's names (fused experts split)."""
-    from gyre.model import split_fused_experts
+    from gyre.model.spec import split_fused_experts
 
     return split_fused_experts({n: p.grad for n, p in hf.named_parameters()})
 
@@ -99,7 +100,7 @@ def test_unsupported_and_hybrid_families_are_refused(tmp_path):
 
 def test_missing_expert_names_the_tensor():
     hf = random_model(tiny_config("qwen3_moe"), seed=7)
-    from gyre.model import split_fused_experts
+    from gyre.model.spec import split_fused_experts
 
     state = split_fused_experts(hf.state_dict())
     del state["model.layers.1.mlp.experts.2.up_proj.weight"]

@@ -250,7 +250,8 @@ def test_models_lists_roles(stack):
 def test_end_to_end_on_embedded_engine(tmp_path):
     """The real engine subprocess behind the proxy: behaviour log-probs and versions recorded."""
     from gyre.engine.launch import start_engine
-    from gyre.engine.tiny_model import ensure_tiny_model, load_tokenizer
+    from gyre.model.tiny import ensure_tiny_model
+    from gyre.model.tokenizer import load_tokenizer
 
     model = ensure_tiny_model(tmp_path / "tiny")
     lt = LoopThread()

@@ -11,7 +11,7 @@ import pytest
 from gyre.engine.client import EngineClient, EngineError
 from gyre.engine.launch import start_engine
 from gyre.engine.router import Router, RouterError
-from gyre.engine.tiny_model import ensure_tiny_model
+from gyre.model.tiny import ensure_tiny_model
 
 PROMPT = [1, 882, 198, 40, 1000, 2000, 17, 2, 198, 1, 77, 198]
 

@@ -263,7 +263,8 @@ def test_ledger_resume_rolls_back_an_uncommitted_step_and_accounts_for_everythin
 
 def test_rollout_service_records_durably_and_serves_the_proxy(tmp_path):
     from gyre.config import default_tiny_dir
-    from gyre.engine.tiny_model import ensure_tiny_model, model_identity
+    from gyre.model.identity import model_identity
+    from gyre.model.tiny import ensure_tiny_model
     from gyre.harness.sandbox import Environments, SandboxConfig
 
     cfg = GyreConfig()

@@ -24,7 +24,7 @@ NODES = [["node01", "node02"], ["node03", "node04"]]
 
 
 def test_cell_scenario_on_two_cells_of_two_nodes(cluster, tmp_path):
-    from gyre.engine.tiny_model import ensure_tiny_model
+    from gyre.model.tiny import ensure_tiny_model
 
     run = tmp_path / "run"
     run.mkdir(mode=0o700)

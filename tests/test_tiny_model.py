@@ -9,9 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gyre.engine import build_tokenizer
-from gyre.engine.tiny_model import (IDENTITY_FILE, compute_identity, ensure_tiny_model, load_tokenizer,
-                                    model_identity, special_ids)
+from gyre.model import build_tokenizer
+from gyre.model.identity import IDENTITY_FILE, compute_identity, model_identity
+from gyre.model.tiny import ensure_tiny_model
+from gyre.model.tokenizer import load_tokenizer, special_ids
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,7 @@ def test_committed_tokenizer_is_a_fresh_deterministic_build():
     assert first == second
     assert _ids(build_tokenizer.ASSET.read_text(encoding="utf-8")) == _ids(first), (
         "gyre/assets/tokenizer.json no longer matches what build_tokenizer.py builds; every machine uses the "
-        "committed file, so only rebuild it (python -m gyre.engine.build_tokenizer) on purpose")
+        "committed file, so only rebuild it (python -m gyre.model.build_tokenizer) on purpose")
 
 
 def test_identity_identical_when_built_twice(tmp_path, tiny):

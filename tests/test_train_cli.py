@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from gyre.engine.tiny_model import ensure_tiny_model, model_identity
+from gyre.model.identity import model_identity
+from gyre.model.tiny import ensure_tiny_model
 from gyre.train.cli import main as train_main
 from gyre.traj.record import ExecutionRecord
 from gyre.traj.store import ShardWriter, shard_identity

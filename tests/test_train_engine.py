@@ -10,8 +10,8 @@ import asyncio
 import pytest
 import torch
 
-from gyre.config import TrainConfig
 from gyre.batch import expanded_batch
+from gyre.config import TrainConfig
 from gyre.train.backends import make_trainer
 from gyre.train.weights_push import push_from_disk
 
@@ -24,7 +24,7 @@ PROMPTS = [[11, 12, 13, 14, 15], [21, 22, 23]]
 @pytest.fixture(scope="module", params=["qwen2", "qwen3_moe"])
 def engine(tmp_path_factory, request):
     from gyre.engine.launch import InProcessEngine
-    from gyre.engine.tiny_model import ensure_tiny_model
+    from gyre.model.tiny import ensure_tiny_model
 
     model_dir = ensure_tiny_model(tmp_path_factory.mktemp("engine") / "tiny", request.param)
     with InProcessEngine(model_dir, api_key="k") as eng:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gyre.hf_model import ModelFormatError
+from gyre.model import ModelFormatError
 from gyre.train.qwen2 import Qwen2LM
 from gyre.train.toy import random_qwen2, tiny_qwen2_config
 

@@ -22,7 +22,8 @@ from openai import OpenAI
 from gyre.engine.launch import start_engine
 from gyre.engine.router import Router
 from gyre.engine.sglang_api import SGLangAdmin
-from gyre.engine.tiny_model import ensure_tiny_model, load_tokenizer
+from gyre.model.tiny import ensure_tiny_model
+from gyre.model.tokenizer import load_tokenizer
 from gyre.proxy.server import Proxy, create_app, start_site
 from loop_thread import LoopThread
 

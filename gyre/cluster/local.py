@@ -17,6 +17,10 @@ import sys
 from pathlib import Path
 
 from gyre.config import load_config
+from gyre.engine.reaper import reap
+from gyre.harness.execute import load_tasks
+from gyre.harness.runner import private_dir
+from gyre.report.live import gantt, print_report, reward_curve
 
 
 def find_mpiexec() -> str:
@@ -59,18 +63,14 @@ def launch_command(args: argparse.Namespace, cells: int, key: Path, report: Path
 
 
 def run(args: argparse.Namespace) -> int:
-    from gyre.harness.runner import private_dir
-
     if args.strict:
         args.overrides = [*args.overrides, "harness.strict_suite=true"]
     cfg = load_config(args.config, args.overrides)
-    from gyre.harness.execute import load_tasks
     load_tasks(cfg)  # a bad suite is a clear message here, not a traceback from the head rank
     run_dir = private_dir(Path(cfg.run.dir))
     if not args.resume and (run_dir / "state.json").exists():
         raise SystemExit(f"gyre run: {run_dir} holds a run; pass --resume to continue it or choose another run.dir")
     if args.resume:  # engines, trainers and key files a killed job left behind go first
-        from gyre.engine.reaper import reap
         gone = reap(run_dir)
         if gone["processes"] or gone["key_files"]:
             print(f"gyre run: reaped {len(gone['processes'])} processes and {len(gone['key_files'])} key files "
@@ -95,8 +95,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"gyre run: the job ended (exit {rc}) without a report; see the messages above", file=sys.stderr)
         return rc or 1
     report = json.loads(report_path.read_text())
-    from gyre.report.live import gantt, print_report, reward_curve
-
     print_report(report)
     if not args.no_plots:
         print(f"wrote {gantt(report, run_dir / 'gantt.png')} and {reward_curve(report, run_dir / 'reward.png')}")

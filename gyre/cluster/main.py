@@ -9,10 +9,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 
-from gyre.config import load_config
+from gyre.cell.mpi_link import HeadLink
+from gyre.cluster.placement import cell_placement
+from gyre.config import default_tiny_dir, load_config
+from gyre.model.tiny import ensure_tiny_model
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -26,7 +30,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mpi4py import MPI
+    from mpi4py import MPI  # here, not at import: importing mpi4py initialises MPI
 
     args = parse(argv)
     comm = MPI.COMM_WORLD
@@ -39,21 +43,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_cell(args: argparse.Namespace) -> int:
-    from gyre.config import default_tiny_dir
-    from gyre.engine.tiny_model import ensure_tiny_model
-    from gyre.sched import cell_agent
+    from gyre.cell.main import main as cell_main  # on cell ranks only: it loads torch and the trainer
 
     cfg = load_config(args.config, args.overrides)
     model = cfg.model.path or str(ensure_tiny_model(default_tiny_dir(cfg), cfg.model.tiny_family))
     argv = ["--run-dir", cfg.run.dir, "--model", model, "--engine-key-file", args.engine_key_file]
     if args.config:
         argv += ["--config", args.config]
-    return cell_agent.main(argv + list(args.overrides))
+    return cell_main(argv + list(args.overrides), place=cell_placement)
 
 
 def run_head(comm, args: argparse.Namespace) -> int:
-    from gyre.head import Head
-    from gyre.sched.mpi_link import HeadLink
+    from gyre.head import Head  # on rank 0 only: a cell has no use for the head
 
     cfg = load_config(args.config, args.overrides)
     n_cells = comm.Get_size() - 1
@@ -64,7 +65,7 @@ def run_head(comm, args: argparse.Namespace) -> int:
 
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "head.pid").write_text(str(__import__("os").getpid()))  # for operators and fault tests
+    (run_dir / "head.pid").write_text(str(os.getpid()))  # for operators and fault tests
 
     async def go() -> dict:
         loop = asyncio.get_running_loop()

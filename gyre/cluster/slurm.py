@@ -40,8 +40,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gyre.config import GyreConfig, env, load_config
+from gyre.cluster.local import engine_key_file
+from gyre.config import ConfigError, GyreConfig, env, load_config
 from gyre.fsio import atomic_write_text
+from gyre.harness.runner import private_dir
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 TEMPLATE = Path(__file__).resolve().parents[2] / "launchers" / "gyre.sbatch"
@@ -226,9 +228,6 @@ def check_job_python(modules: tuple[str, ...] = JOB_MODULES, python: str | None 
 
 def prepare(config: str | None, overrides: list[str], environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """Check the allocation, write ``slurm.json`` and the engine key; return the batch script's variables."""
-    from gyre.cluster.local import engine_key_file
-    from gyre.harness.runner import private_dir
-
     get = _getter(environ)
     check_job_python()
     alloc = allocation_from_env(environ)
@@ -273,8 +272,6 @@ def _prepare_main(argv: list[str]) -> int:
     p.add_argument("--config")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
-    from gyre.config import ConfigError
-
     try:
         out = prepare(a.config, a.overrides)
     except (SlurmEnvError, ConfigError) as e:
@@ -348,8 +345,6 @@ def render_sbatch(cfg: GyreConfig, args: argparse.Namespace) -> str:
 
 
 def submit_run(args: argparse.Namespace) -> int:
-    from gyre.harness.runner import private_dir
-
     cfg = load_config(args.config, args.overrides)
     run_dir = private_dir(Path(cfg.run.dir).resolve())
     if (run_dir / "state.json").exists() and not args.resume:

@@ -5,6 +5,10 @@ Modules (imported on use, so ``gyre --help`` stays fast):
 * ``client``: :class:`EngineClient` for SGLang's RL HTTP subset (SGLang or the embedded engine).
 * ``router``: :class:`Router`, per-execution affinity over elastic endpoints, retries.
 * ``server``, ``runtime``, ``qwen``, ``sampling``, ``prefix_cache``: the embedded engine
-  (``gyre engine``, entry point ``cli``); ``launch`` starts one for tests and benchmarks.
-* ``tiny_model``, ``build_tokenizer``: the offline tiny Qwen2 model and ChatML tokenizer.
+  (``gyre engine``, entry point ``cli``).
+* ``launch``: the one engine seam (``start_cell_engine``: embedded or SGLang, whose command lines
+  ``sglang_launch`` builds); ``sglang_api``: SGLang's admin routes; ``sglang_standin``: SGLang's
+  launcher without GPUs; ``reaper``: processes a killed run left behind; ``pace``: benchmarks' pace.
+
+Model directories, identity and the tiny model live in gyre.model.
 """

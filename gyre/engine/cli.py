@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
     model = args.model or cfg.model.path
     if not model:
-        from gyre.engine.tiny_model import ensure_tiny_model
+        from gyre.model.tiny import ensure_tiny_model
 
         model = ensure_tiny_model(default_tiny_dir(cfg), cfg.model.tiny_family)
 

@@ -25,7 +25,10 @@ import urllib.request
 from pathlib import Path
 from typing import Sequence
 
-from gyre.engine.server import READY_MARKER
+from gyre.config import ConfigError, EngineBackend
+from gyre.engine.runtime import Engine
+from gyre.engine.server import READY_MARKER, EngineServer
+from gyre.engine.sglang_launch import SGLangSpec, srun_step
 
 
 class EngineStartError(RuntimeError):
@@ -116,9 +119,6 @@ class InProcessEngine:
 
     def __init__(self, model_dir: str | os.PathLike, api_key: str | None = None, host: str = "127.0.0.1",
                  port: int = 0, **engine_kwargs):
-        from gyre.engine.runtime import Engine
-        from gyre.engine.server import EngineServer
-
         self.engine = Engine(model_dir, **engine_kwargs)
         self._loop = asyncio.new_event_loop()
         self._server = EngineServer(self.engine, host, port, api_key)
@@ -288,8 +288,6 @@ def start_cell_engine(cfg, model_dir: str | os.PathLike, *, api_key: str | None,
     the engine does not come up (with the tail of its output) and ``ConfigError`` for settings that
     cannot work (e.g. a tensor-parallel size the node count does not divide).
     """
-    from gyre.config import ConfigError, EngineBackend
-
     e = cfg.engine
     nodes = list(nodes) or ["localhost"]
     wildcard = e.host in ("0.0.0.0", "::", "")
@@ -308,8 +306,6 @@ def start_cell_engine(cfg, model_dir: str | os.PathLike, *, api_key: str | None,
         return handle
     if e.backend != EngineBackend.SGLANG:
         raise ConfigError(f"engine.backend: {e.backend!r} is not allowed; choose embedded or sglang")
-
-    from gyre.engine.sglang_launch import SGLangSpec, srun_step
 
     local = srun is None
     n = len(nodes)
@@ -355,8 +351,6 @@ def serve_cell_engine(cfg, model_dir: str | os.PathLike, *, api_key: str | None,
                       weight_version: str = "0") -> int:
     """``gyre engine`` for a backend other than the in-process embedded one: start it through the
     seam, print the ready marker, and run until SIGINT/SIGTERM or until the engine exits."""
-    from gyre.engine.server import READY_MARKER
-
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:

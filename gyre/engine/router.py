@@ -25,7 +25,7 @@
 * **Load.** :meth:`Router.in_flight` counts the router's running requests per endpoint (what
   a cell agent or the scheduler reads; SGLang's ``/health`` carries no load).
 
-Why not sglang-router (0.3.2 from PyPI, evaluated with ``python -m gyre.engine.eval_sglang_router``:
+Why not sglang-router (0.3.2 from PyPI, evaluated with ``python benchmarks/studies/eval_sglang_router.py``:
 two embedded engines, ``--policy manual`` with the ``x-smg-routing-key`` header, n sequential
 1-token ``/generate`` calls alternating direct and routed, on a shared 2-core machine)::
 

@@ -28,12 +28,13 @@ from typing import Callable
 
 import torch
 
-from gyre.engine.checksums import WeightCheckError, check_finite, require_regular_files, verify_checksums
 from gyre.engine.pace import Pacer
 from gyre.engine.prefix_cache import PrefixCache
 from gyre.engine.qwen import CausalLM, KVCache, ModelFormatError, load_weights, read_spec
 from gyre.engine.sampling import SamplingParams, sample
-from gyre.engine.tiny_model import load_tokenizer, model_identity
+from gyre.model.checksums import WeightCheckError, check_finite, require_regular_files, verify_checksums
+from gyre.model.identity import model_identity
+from gyre.model.tokenizer import load_tokenizer
 
 MEMORY_TAGS = ("kv_cache", "weights")
 RECOMPUTE_IDENTITY_BYTES = 256 << 20

@@ -31,7 +31,7 @@ Routes (all require ``Authorization: Bearer KEY`` when the server has an API key
   finiteness; only regular files are opened), and stays released with a 400 naming the problem.
 * ``POST /update_weights_from_disk`` ``{model_path, weight_version, abort_all_requests}`` ->
   ``{success, message, num_paused_requests}`` (400 with ``success: false`` when refused). Loads
-  while requests run, checks the checksum manifest (:mod:`gyre.engine.checksums`) and that every
+  while requests run, checks the checksum manifest (:mod:`gyre.model.checksums`) and that every
   tensor is finite, then waits for running requests to finish before swapping (queued ones
   wait). Refused weights leave the served ones in place.
 * ``GET|POST /flush_cache`` -> SGLang's plain-text answer (400 while requests run).

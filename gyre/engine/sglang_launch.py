@@ -86,18 +86,3 @@ def srun_step(spec: SGLangSpec, nodes: list[str], srun: list[str], python: str =
     return [*srun, f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1", f"--nodelist={','.join(nodes)}",
             "--kill-on-bad-exit=1", "bash", "-c", script]
 
-
-def start_sglang(spec: SGLangSpec, timeout_s: float = 1800.0, env: dict | None = None):
-    """One node's server on this machine, waited for until ``/health`` answers (kept for old
-    callers; new code uses :func:`gyre.engine.launch.start_cell_engine`)."""
-    from gyre.engine.launch import EngineHandle
-
-    host = "127.0.0.1" if spec.host in ("0.0.0.0", "::", "") else spec.host
-    handle = EngineHandle.spawn([spec.command()], f"http://{host}:{spec.port}", "sglang", ["localhost"],
-                                spec.api_key, env=env)
-    try:
-        handle.wait_healthy(timeout_s)
-    except BaseException:
-        handle.stop(timeout=2)
-        raise
-    return handle

@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import secrets
 import sys
 from pathlib import Path
 
+from tokenizers import Tokenizer
+
 from gyre.config import default_tiny_dir, env, load_config
+from gyre.engine.router import Router
+from gyre.model.identity import model_identity
+from gyre.model.tiny import ensure_tiny_model
+from gyre.proxy.server import Proxy, create_app, proxy_options, start_site
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,12 +31,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    from tokenizers import Tokenizer
-
-    from gyre.engine.router import Router
-    from gyre.engine.tiny_model import ensure_tiny_model, model_identity
-    from gyre.proxy.server import Proxy, create_app, proxy_options, start_site
-
     cfg = load_config(args.config, args.overrides)
     model_dir = Path(args.model or cfg.model.path or ensure_tiny_model(default_tiny_dir(cfg), cfg.model.tiny_family))
     tok_file = model_dir / "tokenizer.json"
@@ -57,8 +58,6 @@ async def serve(args: argparse.Namespace) -> None:
 
 def _context_length(model_dir: Path) -> int | None:
     """max_position_embeddings from config.json; None (ask the engines) when there is none."""
-    import json
-
     try:
         v = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get("max_position_embeddings")
     except (OSError, ValueError):

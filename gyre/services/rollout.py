@@ -13,10 +13,10 @@ from pathlib import Path
 
 from gyre.config import GyreConfig
 from gyre.engine.router import Router
-from gyre.engine.tiny_model import load_tokenizer
 from gyre.harness.evaluator import EvaluatorPool
 from gyre.harness.execute import run_and_evaluate
 from gyre.harness.runner import HarnessPool
+from gyre.model.tokenizer import load_tokenizer
 from gyre.proxy.server import Proxy, create_app, proxy_options, start_site
 from gyre.traj.store import ShardWriter, compact, shard_identity
 

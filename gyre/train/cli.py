@@ -47,8 +47,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gyre.config import ConfigError, default_tiny_dir, load_config, trainer_config
 from gyre.fsio import atomic_dir, atomic_write_text
+from gyre.model.identity import model_identity, write_identity
+from gyre.model.tiny import ensure_tiny_model
 from gyre.traj.record import FINISHED
+from gyre.traj.select import SelectionSpec
+from gyre.train.step_stats import lag0_warning
 
 # files of a transformers model directory that the engine needs besides the weights
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -100,7 +105,7 @@ def _split_overrides(args: argparse.Namespace) -> None:
 
 
 def _shard_files(paths: list[str]) -> list[Path]:
-    from gyre.traj.store import shard_paths
+    from gyre.traj.store import shard_paths  # h5py: loaded when the command runs, not at `--help`
 
     if not paths:
         raise InputError("no shards given: pass --shards FILE.h5 or a directory of shards")
@@ -122,12 +127,12 @@ def _reason(rec) -> str | None:
     return None
 
 
-def load_executions(files: list[Path], model_identity: dict, vocab_size: int, *,
+def load_executions(files: list[Path], identity: dict, vocab_size: int, *,
                     verify: bool = True, skip_bad: bool = False) -> Loaded:
-    from gyre.traj.store import ShardError, read_attrs, read_shard
+    from gyre.traj.store import ShardError, read_attrs, read_shard  # h5py, as above
 
     out = Loaded()
-    want_tok = model_identity.get("tokenizer_hash")
+    want_tok = identity.get("tokenizer_hash")
     other_models: set[str] = set()
     for path in files:
         try:
@@ -136,11 +141,11 @@ def load_executions(files: list[Path], model_identity: dict, vocab_size: int, *,
             if want_tok and tok and str(tok) != want_tok:
                 raise InputError(
                     f"{path}: recorded with tokenizer {str(tok)[:16]}..., but the model "
-                    f"({model_identity.get('name', '?')}) has tokenizer {want_tok[:16]}...: its token "
+                    f"({identity.get('name', '?')}) has tokenizer {want_tok[:16]}...: its token "
                     f"ids mean other text; train the model that served these executions "
                     f"(model.path)")
             model = attrs.get("identity_model")
-            if model and model != model_identity.get("model_hash"):
+            if model and model != identity.get("model_hash"):
                 other_models.add(str(model))
             records = read_shard(path, verify=verify)
         except ShardError as e:
@@ -185,9 +190,6 @@ def step_plan(records: list, steps: int, groups_per_step: int) -> list[list]:
 # --- model and output files ------------------------------------------------------------------
 
 def resolve_model(cfg) -> Path:
-    from gyre.config import default_tiny_dir
-    from gyre.engine.tiny_model import ensure_tiny_model
-
     if cfg.model.path:
         path = Path(cfg.model.path)
         if not path.is_dir():
@@ -202,7 +204,6 @@ def resolve_model(cfg) -> Path:
 def export_engine_dir(trainer, model_dir: Path, dest: Path, version: int) -> dict:
     """Weights in the engine's layout plus the source's tokenizer files and a new identity,
     all in one atomic directory replacement; returns the new identity."""
-    from gyre.engine.tiny_model import write_identity
 
     with atomic_dir(dest) as tmp:
         staged = Path(trainer.export_weights(tmp / "export", version))
@@ -237,10 +238,7 @@ def _row(st: dict) -> list[str]:
 def train(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from gyre.config import load_config
-    from gyre.engine.tiny_model import model_identity
-    from gyre.traj.materialize import materialize, prepare_step
-    from gyre.traj.select import SelectionSpec
+    from gyre.traj.materialize import materialize, prepare_step  # torch: loaded when the command runs
 
     if args.steps < 1:
         raise InputError(f"--steps must be at least 1, got {args.steps}")
@@ -298,12 +296,10 @@ def train(args: argparse.Namespace) -> int:
         raise InputError(f"no step to train: selection.k={spec.k} picks no trajectory with a target "
                          f"token in these executions")
 
-    from gyre.train.backends import make_trainer
+    from gyre.train.backends import make_trainer  # torch (Megatron-Core for its backend)
 
     out_dir = args.out or Path(cfg.run.dir) / "train"
     t0 = time.perf_counter()
-    from gyre.config import trainer_config
-    from gyre.train.step_stats import lag0_warning
 
     trainer = make_trainer(trainer_config(cfg), model_dir, seed=cfg.run.seed)
     console.print(f"trainer: {cfg.train.backend} on {trainer.device}, model {model_dir} "
@@ -352,8 +348,6 @@ def train(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gyre.config import ConfigError
-
     try:
         return train(args)
     except (InputError, ConfigError) as e:

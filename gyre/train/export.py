@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from gyre.engine.checksums import write_checksums  # the manifest the engine verifies on load
 from gyre.fsio import atomic_dir, fsync_path, replace_dir
+from gyre.model.checksums import write_checksums  # the manifest the engine verifies on load
 
 WEIGHTS_FILE = "model.safetensors"
 VERSION_FILE = "gyre_weights.json"

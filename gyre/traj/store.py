@@ -190,7 +190,7 @@ DESCRIPTIONS = {
 
 
 def shard_identity(identity: dict) -> dict:
-    """A model identity (gyre.engine.tiny_model.model_identity) as shard attributes name it:
+    """A model identity (gyre.model.identity.model_identity) as shard attributes name it:
     what the executions of a shard were sampled from."""
     return {"model": identity.get("model_hash", ""), "tokenizer": identity.get("tokenizer_hash", ""),
             "model_name": identity.get("name", "")}

@@ -3,7 +3,7 @@
     mpiexec -n 3 python tests/mpi_scripts/cell_head.py RUN_DIR MODEL_DIR KEY_FILE OUT_JSON
 
 Rank 0 runs the scenario of tests/test_cell_agent.py and writes what it observed to OUT_JSON
-(the test asserts on it); the other ranks run `gyre.sched.cell_agent.main`. The head always
+(the test asserts on it); the other ranks run `gyre.cell.main.main`. The head always
 sends `stop` at the end, even when a check fails, so that every rank exits.
 """
 
@@ -42,7 +42,7 @@ def micro_batch(rows: list[int], num_executions: int):
 
 class Head:
     def __init__(self, comm, key: str, out: dict) -> None:
-        from gyre.sched.mpi_link import HeadLink
+        from gyre.cell.mpi_link import HeadLink
 
         self.key, self.out = key, out
         self.inbox: queue.Queue = queue.Queue()
@@ -254,11 +254,12 @@ def main() -> int:
 
     comm = MPI.COMM_WORLD
     if comm.Get_rank() != 0:
-        from gyre.sched.cell_agent import main as agent_main
+        from gyre.cell.main import main as agent_main
+        from gyre.cluster.placement import cell_placement
 
         on_slurm = ["engine.host=0.0.0.0"] if os.environ.get("SLURM_JOB_ID") else []  # the head is on another node
         return agent_main(["--run-dir", str(run), "--model", str(model), "--engine-key-file", str(key_file),
-                           *TRAIN_OVERRIDES, *on_slurm])
+                           *TRAIN_OVERRIDES, *on_slurm], place=cell_placement)
     return head_main(comm, run, model, key_file, out_path)
 
 

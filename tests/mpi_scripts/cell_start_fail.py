@@ -13,7 +13,7 @@ from pathlib import Path
 
 
 def head(comm, out_path: Path) -> int:
-    from gyre.sched.mpi_link import HeadLink
+    from gyre.cell.mpi_link import HeadLink
     from gyre.sched.protocol import COMMANDS, Reply
 
     inbox: queue.Queue = queue.Queue()
@@ -42,9 +42,11 @@ def main() -> int:
     comm = MPI.COMM_WORLD
     if comm.Get_rank() == 0:
         return head(comm, out_path)
-    from gyre.sched.cell_agent import main as agent_main
+    from gyre.cell.main import main as agent_main
+    from gyre.cluster.placement import cell_placement
 
-    return agent_main(["--run-dir", str(run), "--model", str(model), "--engine-key-file", str(key_file)])
+    return agent_main(["--run-dir", str(run), "--model", str(model), "--engine-key-file", str(key_file)],
+                      place=cell_placement)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ A byte-level BPE (vocabulary 2048) with Qwen's pre-tokenizer regex and Qwen's ch
 ``</tool_response>``, ``<think>``, ``</think>`` are *added, non-special* tokens, so they survive
 decoding like in Qwen's tokenizer. The training corpus is generated here from a seeded RNG, so
 every machine builds the same ids. The result is committed as ``gyre/assets/tokenizer.json``;
-run ``python -m gyre.engine.build_tokenizer [--out FILE] [--check]`` to rebuild or verify it.
+run ``python -m gyre.model.build_tokenizer [--out FILE] [--check]`` to rebuild or verify it.
 
 Because it is a real BPE with merges, decoding generated ids and re-encoding the text often
 gives other ids (e.g. ``'a'`` + ``'b'`` sampled separately re-encodes as ``'ab'``), which is the

@@ -1,7 +1,7 @@
 """Measure sglang-router against direct calls to the embedded engine (the router.py decision).
 
     python -m venv /tmp/sgr-venv && /tmp/sgr-venv/bin/pip install sglang-router==0.3.2
-    python -m gyre.engine.eval_sglang_router --router-python /tmp/sgr-venv/bin/python
+    python benchmarks/studies/eval_sglang_router.py --router-python /tmp/sgr-venv/bin/python
 
 Starts two embedded engines and one sglang-router (``--policy manual``, affinity through the
 ``x-smg-routing-key`` header), then: (1) added latency of one hop, p50/p99 over N sequential
@@ -20,11 +20,14 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import aiohttp
 
-from gyre.engine.launch import start_engine
-from gyre.engine.router import Router
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from a checkout
+
+from gyre.engine.launch import start_engine  # noqa: E402
+from gyre.engine.router import Router  # noqa: E402
 
 
 def _free_port() -> int:

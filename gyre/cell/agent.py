@@ -1,9 +1,8 @@
 """The cell agent: MPI rank r >= 1 (cell r - 1), owner of one cell's engine and trainer.
 
-    mpiexec -n 1+N python -m gyre.sched.cell_agent --run-dir DIR --model DIR [--config FILE]
-        [--engine-key-file FILE] [section.key=value ...]        # ranks >= 1; rank 0 is the head
-
-The agent starts its engine (through the one engine seam, gyre.engine.launch.start_cell_engine)
+Started by ``gyre.cluster.main`` on ranks >= 1 (:mod:`gyre.cell.main` is its process entry),
+with a :class:`~gyre.cell.placement.Placement` that says where the cell's processes run.
+The agent starts its engine (:class:`~gyre.cell.engine.CellEngine`, through the one engine seam)
 and its trainer: ranks of gyre.train.rank over the cell's nodes (an srun step under Slurm, local
 processes otherwise), offloaded since cells start in rollout. It sends Event ``hello``, then obeys
 the head's commands one at a time (typed, gyre.sched.protocol; a dispatch table picks the
@@ -27,75 +26,47 @@ cell whose trainer died loads the leader's checkpoint.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import os
-import signal
 import socket
-import sys
 import time
 import traceback
 from pathlib import Path
 
 from gyre import faults
-from gyre.config import EngineBackend, GyreConfig, env, load_config, trainer_config
+from gyre.cell import mpi_link
+from gyre.cell.command import CommandError, timed
+from gyre.cell.engine import CellEngine
+from gyre.cell.placement import Placement
+from gyre.config import GyreConfig, trainer_config
+from gyre.engine.reaper import ProcessList
 from gyre.fsio import atomic_write_json
-from gyre.sched import mpi_link
 from gyre.sched.protocol import (TAG_STORE, Command, Event, PrepareReduce, PushWeights, Reduce, Reply, Role, Stop,
                                  ToRollout, ToTrain, Train, reply_for)
+from gyre.train.groups import abort_attempt, attempt_key, connect_store, serve_store
 from gyre.train.worker import TrainerDied, TrainerError, TrainerProcess
 
 HEARTBEAT_S = 1.0
 POLL_S = 0.02            # command poll granularity while idle
-ENGINE_CALL_S = 120.0    # bound on one engine admin call (weight loads included)
-DRAIN_S = 30.0           # default bound on a release the engine refuses while requests run
-REDUCE_S = 600.0         # bound on waiting for the other participants of a reduce
 ENGINE_RETRY_S = 5.0     # wait between attempts to restart a failed engine
 STORE_WAIT_S = 300.0     # bound on waiting for cell 0's agent to say where the store is
-MEMORY_TAGS = ["kv_cache", "weights"]
-
-
-class CommandError(RuntimeError):
-    """A command cannot be carried out; the message goes to the head as Reply.error."""
-
-
-@contextlib.contextmanager
-def timed(phases: dict, name: str):
-    t0 = time.perf_counter()
-    try:
-        yield
-    finally:
-        phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
-
-
-def read_key_file(path: str | os.PathLike) -> str:
-    p = Path(path)
-    mode = p.stat().st_mode & 0o777
-    if mode & 0o077:
-        raise PermissionError(f"engine key file {p} is readable by others (mode {mode:o}); chmod 600 it")
-    key = p.read_text(encoding="utf-8").strip()
-    if not key:
-        raise ValueError(f"engine key file {p} is empty")
-    return key
 
 
 class CellAgent:
-    def __init__(self, comm, cfg: GyreConfig, *, run_dir: str | os.PathLike, model_dir: str | os.PathLike,
-                 api_key: str, config_file: str | None = None, overrides: list[str] | None = None) -> None:
+    def __init__(self, comm, cfg: GyreConfig, placement: Placement, *, run_dir: str | os.PathLike,
+                 model_dir: str | os.PathLike, api_key: str, config_file: str | None = None,
+                 overrides: list[str] | None = None) -> None:
         self.comm = comm
         self.cell = mpi_link.rank_cell(comm.Get_rank())
-        self.cfg, self.run_dir, self.model_dir = cfg, Path(run_dir), Path(model_dir)
-        self.api_key = api_key
-        self._engine_args = (["--config", config_file] if config_file else []) + \
-            [a for o in overrides or [] for a in ("--set", o)]
+        self.cfg, self.placement, self.run_dir, self.model_dir = cfg, placement, Path(run_dir), Path(model_dir)
         self.role = Role.ROLLOUT
         self.version = 0                      # newest policy version this cell has heard of
         self.checkpoint: str | None = None    # newest trainer checkpoint this cell has heard of
-        self.engine = None                    # gyre.engine.launch.EngineHandle
-        self.admin = None                     # gyre.engine.sglang_api.SGLangAdmin
-        self.engine_weights = str(self.model_dir)  # what the engine serves (restarts load it)
-        self.engine_version = "0"
+        self.pids = ProcessList(self.run_dir, f"cell{self.cell}")  # reaped by a --resume if this agent dies
+        engine_args = (["--config", config_file] if config_file else []) + \
+            [a for o in overrides or [] for a in ("--set", o)]
+        self.engine = CellEngine(cfg, self.model_dir, api_key=api_key, cell=self.cell, placement=placement,
+                                 pids=self.pids, extra_args=engine_args)
         self._engine_retry_at = 0.0
         self.trainer: TrainerProcess | None = None
         self.trainer_gen = 0
@@ -108,65 +79,28 @@ class CellAgent:
         self._attempts: dict[tuple, int] = {}
         self._last_sent = 0.0
         self._beat_req = None     # the last heartbeat's isend, while the head has not taken it
-        self.slurm = self._slurm_layout()
-        from gyre.engine.reaper import ProcessList
-        self.pids = ProcessList(self.run_dir, f"cell{self.cell}")  # reaped by a --resume if this agent dies
-
-    # --- where the cell's processes run -----------------------------------------------------
-    def _slurm_layout(self) -> dict | None:
-        """Under Slurm: this cell's nodes (run_dir/slurm.json, written by `prepare` for this job)."""
-        job = env("SLURM_JOB_ID")
-        path = self.run_dir / "slurm.json"
-        if not job or not path.exists():
-            return None
-        rec = json.loads(path.read_text())
-        cells = rec.get("cells", [])
-        if self.cell >= len(cells):
-            return None
-        from gyre.cluster.slurm import cell_step_prefix
-
-        return {"nodes": list(cells[self.cell]["nodes"]), "srun": cell_step_prefix()}
-
-    def _advertise(self) -> str:
-        return socket.getfqdn() if (self.slurm or self.cfg.engine.host in ("0.0.0.0", "")) else "127.0.0.1"
-
-    def trainer_ranks(self) -> int:
-        if self.slurm is None:
-            return self.cfg.train.local_ranks
-        import torch
-
-        per_node = self.cfg.sched.gpus_per_node if torch.cuda.is_available() and self.cfg.sched.gpus_per_node else 1
-        return per_node * len(self.slurm["nodes"])
-
-    def _srun(self) -> list[str] | None:
-        if self.slurm is None:
-            return None
-        # a step of its own inside the job, sharing the nodes with the agents' and engines' steps
-        return list(self.slurm["srun"])
 
     # --- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
         self._share_store()
         self.trainer = self._new_trainer()  # loads while the engine starts
-        self._start_engine()
+        self.engine.start()
         self.trainer.wait_ready(on_wait=self._beat)
         self.trainer_hosts = self.trainer.hostnames()
         layout = {"cell": self.cell, "agent_host": socket.gethostname(), "trainer_ranks": self.trainer.ranks,
-                  "trainer_hosts": self.trainer_hosts, "engine_backend": self.engine.backend,
-                  "engine_nodes": list(self.engine.nodes) or [socket.gethostname()],
-                  "nodes": self.slurm["nodes"] if self.slurm else [socket.gethostname()]}
+                  "trainer_hosts": self.trainer_hosts, "engine_backend": self.engine.handle.backend,
+                  "engine_nodes": list(self.engine.handle.nodes) or [socket.gethostname()],
+                  "nodes": list(self.placement.nodes) or [socket.gethostname()]}
         # what runs where, for operators and the dev-cluster tests (the head's files are its own)
         atomic_write_json(self.run_dir / "cells" / f"cell{self.cell}.json", layout)
         self._event("hello", engine_url=self.engine.url, hostname=socket.gethostname(), pid=os.getpid(),
-                    engine_pid=self.engine.proc.pid, trainer_pid=self.trainer.pid, version=self.version, **layout)
+                    engine_pid=self.engine.pid, trainer_pid=self.trainer.pid, version=self.version, **layout)
 
     def _share_store(self) -> None:
         """Cell 0 serves the job's TCPStore and sends its address to the other agents (control)."""
-        from gyre.train.groups import connect_store, serve_store
-
         if self.cell == 0:
             self.store = serve_store()
-            self.store_addr = (self._advertise(), self.store.port)
+            self.store_addr = (self.placement.advertise, self.store.port)
             for rank in range(2, self.comm.Get_size()):
                 mpi_link.send(self.comm, self.store_addr, rank, TAG_STORE)
         else:
@@ -195,12 +129,10 @@ class CellAgent:
 
     def close(self) -> None:
         """End both children (idempotent)."""
-        trainer, engine = self.trainer, self.engine
-        self.trainer = self.engine = self.admin = None
+        trainer, self.trainer = self.trainer, None
         if trainer is not None:
             trainer.close()
-        if engine is not None:
-            engine.stop()
+        self.engine.stop()
         self.pids.close()
 
     # --- dispatch ---------------------------------------------------------------------------
@@ -244,7 +176,7 @@ class CellAgent:
         self._ensure_engine()
         self._ensure_trainer()  # before the role changes: a restarted trainer starts offloaded
         with timed(phases, "drain"):
-            rep.aborted = self._drain_and_release(c.drain_timeout_s, phases)
+            rep.aborted = self.engine.drain_and_release(c.drain_timeout_s, phases, on_wait=self._beat)
         self.role = Role.TRAIN  # from here the engine holds no memory
         with timed(phases, "restore"):
             self.trainer.restore(on_wait=self._beat)
@@ -257,8 +189,8 @@ class CellAgent:
             self._heard(int(c.version), None)
         if self.role is Role.ROLLOUT:
             with timed(phases, "load"):
-                self._load_weights(c.version, c.weights)
-            rep.already, rep.weight_version = True, self.engine_version
+                self.engine.load(c.version, c.weights)
+            rep.already, rep.weight_version = True, self.engine.version
             return
         self._ensure_trainer()
         try:
@@ -272,10 +204,10 @@ class CellAgent:
             self._trainer_died(str(e))
         with timed(phases, "resume"):
             if not self._ensure_engine():  # a restarted engine holds its memory already
-                self._admin("resume_memory_occupation", MEMORY_TAGS)
+                self.engine.resume()
         with timed(phases, "load"):
-            self._load_weights(c.version, c.weights)
-        rep.weight_version, rep.held_mbs = self.engine_version, list(self.held_mbs)
+            self.engine.load(c.version, c.weights)
+        rep.weight_version, rep.held_mbs = self.engine.version, list(self.held_mbs)
 
     def _push_weights(self, c: PushWeights, rep, phases: dict) -> None:
         if self.role is not Role.ROLLOUT:
@@ -283,8 +215,8 @@ class CellAgent:
         self._heard(int(c.version), None)
         self._ensure_engine()
         with timed(phases, "load"):
-            self._load_weights(c.version, c.weights)
-        rep.weight_version = self.engine_version
+            self.engine.load(c.version, c.weights)
+        rep.weight_version = self.engine.version
 
     def _train(self, c: Train, rep, phases: dict) -> None:
         if self.role is not Role.TRAIN:
@@ -312,8 +244,6 @@ class CellAgent:
         rep.mb_ids, rep.lost = list(self.held_mbs), list(self.lost)
 
     def _reduce(self, c: Reduce, rep, phases: dict) -> None:
-        from gyre.train.groups import abort_attempt, attempt_key
-
         members = sorted(int(x) for x in c.participants)
         if self.cell not in members:
             raise CommandError(f"reduce: cell {self.cell} is not among the participants {members}")
@@ -408,12 +338,12 @@ class CellAgent:
     def _new_trainer(self) -> TrainerProcess:
         # in rollout the trainer waits offloaded; in train it must be ready to compute
         self.trainer_gen += 1
-        slurm = self.slurm
+        where = self.placement
         trainer = TrainerProcess(trainer_config(self.cfg), self.model_dir, seed=self.cfg.run.seed,
                                  offloaded=self.role is Role.ROLLOUT, checkpoint=self.checkpoint,
-                                 cell=self.cell, gen=self.trainer_gen, ranks=self.trainer_ranks(),
-                                 store=self.store_addr, advertise=self._advertise(), srun=self._srun(),
-                                 nodes=slurm["nodes"] if slurm else ())
+                                 cell=self.cell, gen=self.trainer_gen, ranks=where.trainer_ranks,
+                                 store=self.store_addr, advertise=where.advertise,
+                                 srun=list(where.srun) if where.in_slurm_step else None, nodes=where.nodes)
         self.pids.add("trainer", [p.pid for p in trainer.procs])
         return trainer
 
@@ -452,92 +382,31 @@ class CellAgent:
             self.checkpoint = str(checkpoint)
 
     # --- engine -----------------------------------------------------------------------------
-    def _start_engine(self) -> None:
-        """Start an engine serving what the last one served, through the one engine seam. It
-        boots from the model directory (exported weights carry no tokenizer), then loads the
-        current weights if they differ."""
-        from gyre.engine.launch import start_cell_engine
-        from gyre.engine.sglang_api import SGLangAdmin
-
-        slurm = self.slurm
-        srun = None
-        port = 0
-        if slurm is not None and self.cfg.engine.backend == EngineBackend.SGLANG:
-            srun = list(slurm["srun"])
-            port = self.cfg.engine.port + self.cell
-        self.engine = start_cell_engine(self.cfg, self.model_dir, api_key=self.api_key,
-                                        nodes=slurm["nodes"] if slurm else (), port=port, srun=srun,
-                                        extra_args=["--weight-version", "0", *self._engine_args])
-        self.pids.add("engine", self.engine.pids, self.engine.key_file)
-        self.admin = SGLangAdmin(self.engine.url, self.api_key, timeout_s=ENGINE_CALL_S)
-        if self.engine_version != "0":
-            self._admin("update_weights_from_disk", self.engine_weights, self.engine_version)
-
-    def _admin(self, call: str, *args, **kw):
-        return getattr(self.admin, call)(*args, **kw)
-
     def _ensure_engine(self) -> bool:
         """Restart the engine if it died; True if it did. Raises if no engine can be had."""
-        if self.engine is not None and self.engine.alive():
+        if self.engine.alive():
             return False
-        old = self.engine
-        code = old.proc.poll() if old is not None else None
-        if old is not None:
-            old.stop(timeout=2)
-        self.engine = self.admin = None
+        old_url, code = self.engine.url, self.engine.exit_code()
+        self.engine.stop(timeout=2)
         try:
-            self._start_engine()
+            self.engine.start()
             if self.role is Role.TRAIN:  # back to where the old one was: no memory held
-                self._admin("release_memory_occupation", MEMORY_TAGS)
+                self.engine.release()
         except Exception as e:
-            if self.engine is not None:  # half started (e.g. the weights failed to load): not usable
-                self.engine.stop(timeout=2)
-                self.engine = None
+            self.engine.stop(timeout=2)  # half started (e.g. the weights failed to load): not usable
             self._engine_retry_at = time.monotonic() + ENGINE_RETRY_S
             self._event("fatal", what="engine", error=f"cannot restart the engine: {e}")
             raise CommandError(f"the engine died and could not be restarted: {e}") from e
-        self._event("engine_restarted", engine_url=self.engine.url, engine_pid=self.engine.proc.pid,
-                    old_url=old.url if old else None, exit_code=code, role=self.role.value,
-                    weight_version=self.engine_version)
+        self._event("engine_restarted", engine_url=self.engine.url, engine_pid=self.engine.pid,
+                    old_url=old_url, exit_code=code, role=self.role.value,
+                    weight_version=self.engine.version)
         return True
-
-    def _drain_and_release(self, timeout_s: float, phases: dict) -> int:
-        """Release the engine's memory with SGLang's documented API only. The head took the cell
-        out of the router and aborted the router's requests there first (it knows the in-flight
-        count; the engine's /health tells nothing); whatever still runs is aborted here, and
-        a release the engine refuses while requests finish is retried within ``timeout_s``."""
-        from gyre.engine.sglang_api import SGLangAPIError
-
-        self._admin("abort_request", abort_all=True)
-        deadline = time.monotonic() + timeout_s
-        tries = 0
-        while True:
-            tries += 1
-            try:
-                with timed(phases, "release"):
-                    self._admin("release_memory_occupation", MEMORY_TAGS)
-                return tries - 1
-            except SGLangAPIError as e:
-                if time.monotonic() > deadline:
-                    raise CommandError(f"the engine refused to release its memory for {timeout_s:.0f} s: {e}") from e
-                self._admin("abort_request", abort_all=True)  # aborted requests end at their next step
-                self._beat()
-                time.sleep(0.01)
-
-    def _load_weights(self, version, weights) -> None:
-        if version is None or str(version) == self.engine_version:
-            return
-        if not weights:
-            raise CommandError(f"the engine serves version {self.engine_version}; version {version} "
-                               "needs its weights directory")
-        self._admin("update_weights_from_disk", str(weights), str(version))
-        self.engine_weights, self.engine_version = str(weights), str(version)
 
     # --- watching and heartbeats ------------------------------------------------------------
     def _watch(self) -> None:
         if self.trainer is not None and not self.trainer.alive():
             self._trainer_died("a trainer process exited")
-        if (self.engine is None or not self.engine.alive()) and time.monotonic() >= self._engine_retry_at:
+        if not self.engine.alive() and time.monotonic() >= self._engine_retry_at:
             with contextlib.suppress(CommandError):  # reported as Event fatal; retried later
                 self._ensure_engine()
 
@@ -547,8 +416,7 @@ class CellAgent:
         if self._beat_req is not None and not self._beat_req.Test():
             return  # the head has not taken the last one (busy, or gone): never block on a beat
         info = dict(role=self.role.value, trainer_step=self.trainer.step if self.trainer else None,
-                    engine_version=self.engine_version, engine_url=self.engine.url if self.engine else None,
-                    engine_pid=self.engine.proc.pid if self.engine else None,
+                    engine_version=self.engine.version, engine_url=self.engine.url, engine_pid=self.engine.pid,
                     trainer_pid=self.trainer.pid if self.trainer else None)
         self._beat_req = mpi_link.isend_event(self.comm, Event(cell=self.cell, kind="heartbeat", info=info))
         self._last_sent = time.monotonic()
@@ -557,67 +425,3 @@ class CellAgent:
         mpi_link.send_event(self.comm, Event(cell=self.cell, kind=kind, info=info))
         self._last_sent = time.monotonic()
 
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--run-dir", required=True, help="the run directory (shared with the head)")
-    p.add_argument("--model", required=True, help="initial model directory (transformers layout)")
-    p.add_argument("--config", default=None, help="Gyre TOML config file")
-    p.add_argument("--engine-key-file", default=None,
-                   help="file (mode 600) holding the job's engine API key; default $GYRE_ENGINE_KEY_FILE")
-    p.add_argument("overrides", nargs="*", help="section.key=value configuration overrides")
-
-
-def serve_failed(comm, error: str) -> int:
-    """A cell that could not start still answers (ok=False) until ``stop``: exiting early would
-    make the MPI launcher end the whole job, head included."""
-    cell = mpi_link.rank_cell(comm.Get_rank())
-    while True:
-        cmd = mpi_link.recv_command(comm, 1.0)
-        if cmd is None:
-            continue
-        stopped = isinstance(cmd, Stop)
-        mpi_link.send_reply(comm, reply_for(cmd, cell, ok=stopped,
-                                            error="" if stopped else f"cell {cell} failed to start: {error}"))
-        if stopped:
-            return 0  # the failure went to the head as Event fatal; the head owns the job's status
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m gyre.sched.cell_agent", description=__doc__.splitlines()[0])
-    add_arguments(p)
-    args = p.parse_args(argv)
-    from mpi4py import MPI  # here, not at import: children that import this module stay MPI-free
-
-    comm = MPI.COMM_WORLD
-    if comm.Get_rank() == 0:
-        print("cell_agent: rank 0 is the head; run the agent on ranks >= 1", file=sys.stderr)
-        return 2
-    # srun/mpiexec end a job with SIGTERM: unwind, so that the engine and trainer go too
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    agent = None
-    try:
-        cfg = load_config(args.config, args.overrides)
-        key_file = args.engine_key_file or env("GYRE_ENGINE_KEY_FILE")
-        if not key_file:
-            raise ValueError("no engine key: give --engine-key-file or set GYRE_ENGINE_KEY_FILE")
-        agent = CellAgent(comm, cfg, run_dir=args.run_dir, model_dir=args.model, api_key=read_key_file(key_file),
-                          config_file=args.config, overrides=args.overrides)
-        agent.start()
-    except Exception as e:  # the head hears why instead of waiting for a hello that never comes
-        error = f"{type(e).__name__}: {e}"
-        print(f"cell_agent {comm.Get_rank() - 1}: cannot start: {error}", file=sys.stderr)
-        if agent is not None:
-            with contextlib.suppress(Exception):
-                agent.close()
-        mpi_link.send_event(comm, Event(cell=comm.Get_rank() - 1, kind="fatal",
-                                        info={"what": "start", "error": error}))
-        return serve_failed(comm, error)
-    try:
-        return agent.run()
-    finally:
-        with contextlib.suppress(Exception):
-            agent.close()
-
-
-if __name__ == "__main__":
-    sys.exit(main())
