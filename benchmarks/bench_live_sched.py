@@ -227,7 +227,7 @@ def cluster_from(rates: dict, decode_factor: float = 1.0):
     overhead x f), e.g. by how much slower than the spec the live calls decoded."""
     from dataclasses import replace
 
-    from gyre.sim.cluster import ClusterModel
+    from gyre.sim.cost_model import ClusterModel
 
     replica = PACED_REPLICA if decode_factor == 1.0 else replace(
         PACED_REPLICA, hbm_tb_s=PACED_REPLICA.hbm_tb_s / decode_factor,
@@ -242,7 +242,7 @@ def simulate_scheme(scheme: str, split: int, cluster, trace: Path):
     """The live run's policy (same config, same hints) on the cluster model and the trace."""
     from gyre.config import load_config
     from gyre.sched import policy_from_config
-    from gyre.sim.engine import SimSpec, simulate
+    from gyre.sim.simulator import SimSpec, simulate
     from gyre.sim.workload import Workload
 
     cfg = load_config(str(CONFIG), [*common(), *scheme_overrides(scheme, split)])

@@ -244,8 +244,8 @@ def live_fractions(report: dict) -> list[dict]:
 def sim_compare(scheme: str, report: dict, rates: dict, trace_csv: Path) -> dict:
     from gyre.config import load_config
     from gyre.sched import policy_from_config
-    from gyre.sim.cluster import ClusterModel
-    from gyre.sim.engine import SimSpec, simulate
+    from gyre.sim.cost_model import ClusterModel
+    from gyre.sim.simulator import SimSpec, simulate
     from gyre.sim.roofline import ReplicaSpec
     from gyre.sim.workload import Workload
 

@@ -23,7 +23,7 @@ from gyre.sched import SCHEMES
 from dataclasses import replace
 
 from gyre.sim.calibration import PRESETS, check_layout, preset
-from gyre.sim.cluster import divisors
+from gyre.sim.cost_model import divisors
 from gyre.sim.scenario import Scenario, best_async
 from gyre.sim.workload import Workload
 

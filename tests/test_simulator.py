@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gyre.sched import Role
-from gyre.sim.engine import SimSpec, simulate
+from gyre.sim.simulator import SimSpec, simulate
 from gyre.sim.scenario import Scenario, hints_for, nl2repo_cluster
 from gyre.sim.workload import Workload
 

@@ -38,7 +38,7 @@ from gyre.sched.core import ZERO_VARIANCE, Coordinator, CoreSpec
 from gyre.sched.policy import Policy
 from gyre.sched.state import CellView, ClusterState, Decision, Role
 from gyre.sim.bound import lower_bound_trained
-from gyre.sim.cluster import ClusterModel
+from gyre.sim.cost_model import ClusterModel
 from gyre.sim.result import BUCKETS, CellStats, SimResult, StepStats
 from gyre.sim.workload import Workload
 
