@@ -227,7 +227,7 @@ def cluster_from(rates: dict, decode_factor: float = 1.0):
     overhead x f), e.g. by how much slower than the spec the live calls decoded."""
     from dataclasses import replace
 
-    from gyre.sim.cluster import ClusterModel
+    from gyre.sim.cost_model import ClusterModel
 
     replica = PACED_REPLICA if decode_factor == 1.0 else replace(
         PACED_REPLICA, hbm_tb_s=PACED_REPLICA.hbm_tb_s / decode_factor,
@@ -242,7 +242,7 @@ def simulate_scheme(scheme: str, split: int, cluster, trace: Path):
     """The live run's policy (same config, same hints) on the cluster model and the trace."""
     from gyre.config import load_config
     from gyre.sched import policy_from_config
-    from gyre.sim.engine import SimSpec, simulate
+    from gyre.sim.simulator import SimSpec, simulate
     from gyre.sim.workload import Workload
 
     cfg = load_config(str(CONFIG), [*common(), *scheme_overrides(scheme, split)])
@@ -288,7 +288,7 @@ def main() -> int:
             sim = simulate_scheme("E", 0, cluster_from(rates["E"]), trace["E"])
             print(json.dumps({"live_s_E": reports["E"]["wall_s"], "sim_s_E": sim.makespan_s,
                               "live_step_end_s": [s["t_end"] for s in reports["E"]["steps"]],
-                              "sim_step_end_s": [s.end_s for s in sim.step_stats], **rates}, indent=1, default=str))
+                              "sim_step_end_s": [s["t_end"] for s in sim.step_stats], **rates}, indent=1, default=str))
             return 0
         # Async's split, searched in the simulator with the E run's rates and executions
         split_s = {k: simulate_scheme("A", k, cluster_from(rates["E"]), trace["E"]).makespan_s
@@ -359,9 +359,9 @@ def main() -> int:
            if not isinstance(v, list)},
         **{f"{n}_{k}": r[k] for n, r in rates.items() for k in ("eval_lags_s", "calls_per_endpoint")},
         **{f"live_switches_{n}": sum(c["switches"] for c in reports[n]["cells"]) for n in names},
-        **{f"sim_switches_{n}": sum(c.to_train + c.to_rollout for c in sims[n].cell_stats) for n in names},
+        **{f"sim_switches_{n}": sum(c["switches"] for c in sims[n].cell_stats) for n in names},
         **{f"live_step_end_s_{n}": [_r(s["t_end"], 2) for s in reports[n]["steps"]] for n in names},
-        **{f"sim_step_end_s_{n}": [_r(s.end_s, 2) for s in sims[n].step_stats] for n in names},
+        **{f"sim_step_end_s_{n}": [_r(s["t_end"], 2) for s in sims[n].step_stats] for n in names},
         **meta,
         "cpu_cores": os.cpu_count(),
         "analysis_wall_s": round(time.perf_counter() - t_all, 1),

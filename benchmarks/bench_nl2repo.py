@@ -164,7 +164,7 @@ def run_row(r, by_split: dict, b: int) -> dict:
             "lag_worst_syncs": lag["worst_syncs"], "dropped": r.dropped_groups,
             "trainer_idle_share": round(r.trainer_idle_share, 3),
             "rollout_idle_share": round(r.rollout_idle_share, 3),
-            "switches": sum(c.to_train + c.to_rollout for c in r.cell_stats)}
+            "switches": sum(c["switches"] for c in r.cell_stats)}
 
 
 # ---- report ------------------------------------------------------------------------------------------

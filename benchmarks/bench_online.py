@@ -5,6 +5,9 @@
 - Switch control path per direction from the E run's switch_phases: ``switch_r2t_ms`` and
   ``switch_t2r_ms`` = median head round trip without the weight-bytes ("load") phase, plus the
   agent-side phase medians (drain, release, restore; stash, offload, resume). Goal < 100 ms.
+- ``head_rss_mb_step5``, ``head_rss_mb_step40``, ``head_rss_growth`` (goal < 10%): the head's RSS
+  over a 40-step toy run (benchmarks/head_memory.py: the head's own handlers with toy executions,
+  each variant in a fresh process; ``head_rss`` holds the details and the records-kept baseline).
 - ``sim_gap``: the simulator, given the rates measured in the E run (execution trace from its
   shards with calls, output tokens, context and tool time; a serving replica fitted to the
   per-token decode time against the calls in flight per rollout cell; training tokens/s, switch
@@ -17,6 +20,7 @@
     python benchmarks/bench_online.py                 # writes benchmarks/results/online.json
     python benchmarks/bench_online.py --keep          # keep the run directories (printed)
     python benchmarks/bench_online.py --reuse DIR     # analyse DIR/{E,A,C} of an earlier --keep run
+    python benchmarks/bench_online.py --rss-only      # refresh only the head_rss_* keys of online.json
 """
 
 from __future__ import annotations
@@ -37,7 +41,18 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from bench_live_sched import kv_tokens, trace_rows, write_trace  # noqa: E402  (one trace builder for both)
 
+import head_memory  # noqa: E402  (the head's RSS over a 40-step toy run: head_rss_mb_step5 / _step40)
+
+from gyre.config import load_config  # noqa: E402
 from gyre.engine.pace import PACED_REPLICA  # noqa: E402
+from gyre.events import BUCKETS, bucket_seconds  # noqa: E402
+from gyre.sched import policy_from_config  # noqa: E402
+from gyre.sim.cost_model import ClusterModel  # noqa: E402
+from gyre.sim.roofline import ReplicaSpec  # noqa: E402
+from gyre.sim.simulator import SimSpec, simulate  # noqa: E402
+from gyre.sim.workload import Workload  # noqa: E402
+from gyre.traj.store import iter_executions  # noqa: E402
+
 OUT = REPO / "benchmarks" / "results" / "online.json"
 CONFIG = REPO / "launchers" / "demo.toml"
 STEPS, GROUP_SIZE, SEED = 3, 8, 0
@@ -47,7 +62,6 @@ SCHEMES = {"E": ["sched.scheme=E"], "A": ["sched.scheme=A", "sched.rollout_cells
            "C": ["sched.scheme=C"]}
 GOAL_MS = 100.0
 R2T_PHASES, T2R_PHASES = ("drain", "release", "restore"), ("stash", "offload", "resume")
-BUCKETS = ("rollout", "train", "switch", "idle")
 
 
 def _med(xs) -> float | None:
@@ -171,8 +185,6 @@ def fit_replica(recs, per_call_load: list[tuple[float, float]]) -> tuple[dict, s
 
 
 def measured_rates(report: dict, run_dir: Path, trace_csv: Path) -> tuple[dict, list[str]]:
-    from gyre.traj.store import iter_executions
-
     notes = []
     recs = list(iter_executions(run_dir / "shards"))
     rows = trace_rows(run_dir)  # groups in id order, with output tokens, context and tool time
@@ -232,23 +244,13 @@ def measured_rates(report: dict, run_dir: Path, trace_csv: Path) -> tuple[dict, 
 
 
 # ---- simulator vs live -------------------------------------------------------------------------
-def live_fractions(report: dict) -> list[dict]:
-    out = []
-    for c in report["cells"]:
-        w = c["wall_s"]
-        out.append({"rollout": c["busy_rollout_s"] / w, "train": c["busy_train_s"] / w,
-                    "switch": c["switching_s"] / w, "idle": c["idle_s"] / w})
-    return out
+def fractions(cells: list[dict]) -> list[dict]:
+    """Each cell's time in the BUCKETS over its wall time: one mapping for live and simulated rows
+    (both are gyre.events.RunStats.cell_time rows)."""
+    return [{b: v / c["wall_s"] for b, v in bucket_seconds(c).items()} for c in cells]
 
 
 def sim_compare(scheme: str, report: dict, rates: dict, trace_csv: Path) -> dict:
-    from gyre.config import load_config
-    from gyre.sched import policy_from_config
-    from gyre.sim.cluster import ClusterModel
-    from gyre.sim.engine import SimSpec, simulate
-    from gyre.sim.roofline import ReplicaSpec
-    from gyre.sim.workload import Workload
-
     cfg = load_config(str(CONFIG), [*COMMON, *SCHEMES[scheme]])
     n = cfg.sched.cells
     rep = {k: v for k, v in rates["replica"].items() if k != "mean_context_tokens"}
@@ -261,8 +263,8 @@ def sim_compare(scheme: str, report: dict, rates: dict, trace_csv: Path) -> dict
                    tick_s=0.1)  # the head decides every 0.1 s
     policy = policy_from_config(cfg)  # the live run's policy, with the live run's hints
     res = simulate(policy, workload, cluster, spec)
-    sim = [{b: c.seconds[b] / res.makespan_s for b in BUCKETS} for c in res.cell_stats]
-    live = live_fractions(report)
+    sim = fractions(res.cell_stats)
+    live = fractions(report["cells"])
     diffs = [abs(s[b] - l[b]) for s, l in zip(sim, live) for b in BUCKETS]
     pooled_sim = {b: statistics.fmean(s[b] for s in sim) for b in BUCKETS}
     pooled_live = {b: statistics.fmean(l[b] for l in live) for b in BUCKETS}
@@ -271,9 +273,9 @@ def sim_compare(scheme: str, report: dict, rates: dict, trace_csv: Path) -> dict
         "sim_gap_pooled": _r(statistics.fmean(abs(pooled_sim[b] - pooled_live[b]) for b in BUCKETS)),
         "sim_makespan_s": _r(res.makespan_s, 2), "live_makespan_s": _r(report["wall_s"], 2),
         "makespan_ratio_sim_over_live": _r(res.makespan_s / report["wall_s"]),
-        "sim_switches": sum(c.to_train + c.to_rollout for c in res.cell_stats),
+        "sim_switches": sum(c["switches"] for c in res.cell_stats),
         "live_switches": sum(c["switches"] for c in report["cells"]),
-        "sim_step_end_s": [_r(s.end_s, 2) for s in res.step_stats],
+        "sim_step_end_s": [_r(s["t_end"], 2) for s in res.step_stats],
         "live_step_end_s": [_r(s["t_end"], 2) for s in report["steps"]],
         "per_cell": [{"cell": i, "sim": {b: _r(s[b]) for b in BUCKETS}, "live": {b: _r(l[b]) for b in BUCKETS}}
                      for i, (s, l) in enumerate(zip(sim, live))],
@@ -322,8 +324,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--keep", action="store_true", help="keep the run directories")
     ap.add_argument("--reuse", help="analyse DIR/{E,A,C} of an earlier --keep run instead of running")
+    ap.add_argument("--rss-only", action="store_true", help="measure only the head's RSS and update those keys")
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
+    if args.rss_only:
+        out = Path(args.out)
+        result = json.loads(out.read_text()) if out.exists() else {}
+        result.update(head_memory.measure())
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        print(json.dumps({k: v for k, v in result.items() if k.startswith("head_rss_")}, indent=1))
+        return 0
     t_all = time.perf_counter()
     base = Path(args.reuse) if args.reuse else Path(tempfile.mkdtemp(prefix="gyre-bench-online-"))
     run_s = {}
@@ -343,6 +353,7 @@ def main() -> int:
         t_sim = time.perf_counter()
         sims = {s: sim_compare(s, reports[s], rates, trace) for s in SCHEMES}
         sim_wall = time.perf_counter() - t_sim
+        rss = head_memory.measure()
     finally:
         if not args.keep and not args.reuse:
             shutil.rmtree(base, ignore_errors=True)
@@ -366,6 +377,7 @@ def main() -> int:
         "sim_gap_C": sims["C"]["sim_gap"],
         "sim_makespan_ratio_A": sims["A"]["makespan_ratio_sim_over_live"],
         "sim_makespan_ratio_C": sims["C"]["makespan_ratio_sim_over_live"],
+        **rss,
         "schemes": schemes,
         "sim": sims["E"],
         "sim_other_schemes": {s: sims[s] for s in ("A", "C")},

@@ -1,9 +1,10 @@
 """The events of a run, and the one place that turns them into statistics.
 
-A driver (the live head today; the simulator next) tells what happened as typed events; `RunStats`
+A driver (the live head and the simulator) tells what happened as typed events; `RunStats`
 folds them into everything a report shows: step rows, lags (group- and token-weighted means and
 the worst, in optimizer steps and in rollout syncs), per-cell time (busy rollout, busy train,
-switching, idle inside a role, failed: they add up to the wall time) and utilisation. The live
+switching, paused for a weight push, idle inside a role, failed: they add up to the wall time) and
+utilisation. The live
 table, `report.json`, `steps.jsonl` and the metrics sink all read these figures, so they are
 computed once and agree.
 
@@ -25,7 +26,7 @@ from typing import Iterable, Union
 # that this module and the report depend on nothing of the scheduler.
 ROLLOUT, TRAIN, TO_TRAIN, TO_ROLLOUT, FAILED = "rollout", "train", "to_train", "to_rollout", "failed"
 ROLES = (ROLLOUT, TRAIN, TO_TRAIN, TO_ROLLOUT, FAILED)
-# The time buckets of a cell; with `failed` they add up to the wall time (the simulator's buckets).
+# The time buckets of a cell; with `failed` they add up to the wall time (`bucket_seconds`).
 BUCKETS = ("rollout", "train", "switch", "idle")
 
 
@@ -56,6 +57,25 @@ class CallRecorded:
     t_end: float
     cell: int | None    # None: an endpoint no cell owns (never counted)
     execution: str = ""
+
+
+@dataclass(frozen=True)
+class CellBusy:
+    """A stretch of busy time of one cell in its role, told at once: what a driver that has no
+    per-cell calls or micro-batches tells (the simulator, whose decode and training are fluid
+    pools); RunStats merges it with CallRecorded / MicroBatchDone time alike."""
+    t_start: float
+    t_end: float
+    cell: int
+    role: str           # ROLLOUT or TRAIN
+
+
+@dataclass(frozen=True)
+class WeightsPushed:
+    """The rollout cells paused while new weights were pushed to them: neither busy nor idle."""
+    t_start: float
+    t_end: float
+    version: int
 
 
 @dataclass(frozen=True)
@@ -130,8 +150,8 @@ class RunEnded:
     stopped: bool = False
 
 
-Event = Union[RunStarted, CellRoleChanged, ExecutionStarted, CallRecorded, ExecutionEvaluated,
-              ExecutionDropped, GroupDropped, MicroBatchDone, StepEnded, RunEnded]
+Event = Union[RunStarted, CellRoleChanged, ExecutionStarted, CallRecorded, CellBusy, ExecutionEvaluated,
+              ExecutionDropped, GroupDropped, MicroBatchDone, WeightsPushed, StepEnded, RunEnded]
 
 
 @dataclass(frozen=True)
@@ -154,6 +174,7 @@ class _CellBook:
         self.since = 0.0
         self.intervals: list[tuple[str, float, float]] = []
         self.switches = 0
+        self.switches_to = {TO_TRAIN: 0, TO_ROLLOUT: 0}
         self.busy: dict[str, list[list[float]]] = {ROLLOUT: [], TRAIN: []}
 
     def change(self, role: str, t: float) -> None:
@@ -163,6 +184,7 @@ class _CellBook:
             self.intervals.append((self.role, self.since, t))
             if role in (TO_TRAIN, TO_ROLLOUT):
                 self.switches += 1
+                self.switches_to[role] += 1
         self.role, self.since = role, t
 
     def work(self, kind: str, a: float, b: float) -> None:
@@ -190,13 +212,38 @@ def _clip(spans: Iterable[tuple[float, float]], lo: float, hi: float) -> list[tu
     return [(max(a, lo), min(b, hi)) for a, b in spans if min(b, hi) > max(a, lo)]
 
 
+def _split(windows: list[tuple[float, float]], cuts: list[list[float]]) -> tuple[list[tuple[float, float]], float]:
+    """The windows less the (sorted, disjoint) cuts, and the seconds cut out of them."""
+    out, cut = [], 0.0
+    for c, d in windows:
+        cur = c
+        for k in range(max(0, bisect.bisect_left(cuts, [c, c]) - 1), len(cuts)):
+            a, b = cuts[k]
+            if a >= d:
+                break
+            lo, hi = max(a, cur), min(b, d)
+            if hi <= lo:
+                continue
+            if lo > cur:
+                out.append((cur, lo))
+            cut += hi - lo
+            cur = hi
+        if d > cur:
+            out.append((cur, d))
+    return out, cut
+
+
 def _inside(busy: list[list[float]], windows: list[tuple[float, float]]) -> tuple[float, list[tuple[float, float]]]:
-    """Busy seconds inside the windows, and the idle gaps inside them."""
+    """Busy seconds inside the windows, and the idle gaps inside them. Busy is sorted and disjoint,
+    so each window starts at its first interval (a long simulated run has many)."""
     total, idle = 0.0, []
     for c, d in windows:
         cur = c
-        for a, b in busy:
-            if b <= c or a >= d:
+        for k in range(max(0, bisect.bisect_left(busy, [c, c]) - 1), len(busy)):
+            a, b = busy[k]
+            if a >= d:
+                break
+            if b <= c:
                 continue
             lo, hi = max(a, c), min(b, d)
             total += hi - lo
@@ -218,9 +265,11 @@ class RunStats:
         self._cells: dict[int, _CellBook] = {i: _CellBook() for i in range(cells)}
         self._rewards: dict[int, list[float]] = {}        # group -> finite rewards, until trained/dropped
         self._mb: dict[int, dict] = {}                     # micro-batch -> last ok trainer stats, until its step ends
+        self._pushes: list[list[float]] = []              # merged weight-push pauses (rollout cells)
         self.status_counts: dict[str, int] = {}
         self.started = 0
         self.dropped_executions = 0
+        self.dropped_reasons: dict[str, int] = {}
         self.groups_dropped = 0
         self.steps: list[dict] = []
         # running sums of the lag of trained groups (flat memory; the same figures as LagStats)
@@ -263,6 +312,15 @@ class RunStats:
         if ev.cell is not None:
             self._cell(ev.cell).work(ROLLOUT, ev.t_start, ev.t_end)
 
+    def _busy(self, ev: CellBusy) -> None:
+        if ev.role not in (ROLLOUT, TRAIN):
+            raise ValueError(f"CellBusy: role {ev.role!r} is not {ROLLOUT!r} or {TRAIN!r}")
+        self._cell(ev.cell).work(ev.role, ev.t_start, ev.t_end)
+
+    def _pushed(self, ev: WeightsPushed) -> None:
+        if ev.t_end > ev.t_start:
+            _insert(self._pushes, ev.t_start, ev.t_end)
+
     def _evaluated(self, ev: ExecutionEvaluated) -> None:
         self.status_counts[ev.status] = self.status_counts.get(ev.status, 0) + 1
         rewards = self._rewards.setdefault(ev.group, [])
@@ -271,6 +329,7 @@ class RunStats:
 
     def _exec_dropped(self, ev: ExecutionDropped) -> None:
         self.dropped_executions += 1
+        self.dropped_reasons[ev.reason] = self.dropped_reasons.get(ev.reason, 0) + 1
 
     def _group_dropped(self, ev: GroupDropped) -> None:
         self.groups_dropped += 1
@@ -332,7 +391,8 @@ class RunStats:
 
     def cell_time(self, cell: int, t1: float | None = None) -> dict:
         """Seconds per role and bucket over [t0, t1]: busy_rollout + busy_train + switching +
-        idle + failed = wall (idle: a settled cell with no work, inside its role's time)."""
+        pushing + idle + failed = wall (idle: a settled cell with no work, inside its role's time;
+        pushing: a rollout cell paused for a weight push, told by WeightsPushed)."""
         t1 = self._end(t1)
         book = self._cell(cell)
         role_s = dict.fromkeys(ROLES, 0.0)
@@ -343,14 +403,21 @@ class RunStats:
                 role_s[role] += b - a
                 if role in windows:
                     windows[role].append((a, b))
-        busy_roll, _ = _inside(book.busy[ROLLOUT], windows[ROLLOUT])
+        serving, pushing = self._serving(windows[ROLLOUT])
+        busy_roll, _ = _inside(book.busy[ROLLOUT], serving)
         busy_train, _ = _inside(book.busy[TRAIN], windows[TRAIN])
         wall = t1 - self.t0
-        idle = max(0.0, role_s[TRAIN] - busy_train) + max(0.0, role_s[ROLLOUT] - busy_roll)
+        idle = max(0.0, role_s[TRAIN] - busy_train) + max(0.0, role_s[ROLLOUT] - busy_roll - pushing)
         return {"cell": cell, "wall_s": wall, "rollout_s": role_s[ROLLOUT], "train_s": role_s[TRAIN],
                 "switching_s": role_s[TO_TRAIN] + role_s[TO_ROLLOUT], "failed_s": role_s[FAILED],
-                "busy_rollout_s": busy_roll, "busy_train_s": busy_train, "idle_s": idle,
-                "switches": book.switches, "utilisation": (busy_roll + busy_train) / wall if wall > 0 else 0.0}
+                "pushing_s": pushing, "busy_rollout_s": busy_roll, "busy_train_s": busy_train, "idle_s": idle,
+                "switches": book.switches, "switches_to_train": book.switches_to[TO_TRAIN],
+                "switches_to_rollout": book.switches_to[TO_ROLLOUT],
+                "utilisation": (busy_roll + busy_train) / wall if wall > 0 else 0.0}
+
+    def _serving(self, rollout: list[tuple[float, float]]) -> tuple[list[tuple[float, float]], float]:
+        """Rollout time less the weight-push pauses, and the seconds paused."""
+        return _split(rollout, self._pushes) if self._pushes else (rollout, 0.0)
 
     def intervals(self, cell: int, t1: float | None = None) -> list[tuple[str, float, float]]:
         """(role, start, end) in absolute time, the last one closed at t1."""
@@ -362,6 +429,8 @@ class RunStats:
         book, out = self._cell(cell), []
         for role in (ROLLOUT, TRAIN):
             windows = _clip(((a, b) for r, a, b in book.spans(t1) if r == role), self.t0, t1)
+            if role == ROLLOUT:
+                windows = self._serving(windows)[0]
             out += _inside(book.busy[role], windows)[1]
         return sorted(out)
 
@@ -374,10 +443,18 @@ class RunStats:
 
 
 _HANDLERS = {RunStarted: RunStats._run_started, CellRoleChanged: RunStats._role,
-             ExecutionStarted: RunStats._exec_started, CallRecorded: RunStats._call,
+             ExecutionStarted: RunStats._exec_started, CallRecorded: RunStats._call, CellBusy: RunStats._busy,
              ExecutionEvaluated: RunStats._evaluated, ExecutionDropped: RunStats._exec_dropped,
              GroupDropped: RunStats._group_dropped, MicroBatchDone: RunStats._mb_done,
+             WeightsPushed: RunStats._pushed,
              StepEnded: RunStats._step, RunEnded: RunStats._run_ended}
+
+
+def bucket_seconds(cell: dict) -> dict[str, float]:
+    """A `cell_time` row in the BUCKETS (a push pause is booked with switching: the cell cannot
+    serve); with `failed_s` they add up to the wall time."""
+    return {"rollout": cell["busy_rollout_s"], "train": cell["busy_train_s"],
+            "switch": cell["switching_s"] + cell.get("pushing_s", 0.0), "idle": cell["idle_s"]}  # (older reports: no pushes)
 
 
 def summarise(events: Iterable[Event], t1: float | None = None) -> dict:

@@ -39,7 +39,7 @@ from typing import Callable
 from gyre import faults
 from gyre.config import GyreConfig, default_tiny_dir
 from gyre.events import (CallRecorded, CellRoleChanged, ExecutionEvaluated, ExecutionStarted, GroupDropped, GroupLag,
-                         RunEnded, RunStarted, RunStats, StepEnded)
+                         RunEnded, RunStarted, RunStats, StepEnded, WeightsPushed)
 from gyre.harness.execute import check_scorable, load_tasks
 from gyre.harness.runner import private_dir
 from gyre.harness.sandbox import Environments, SandboxConfig
@@ -340,6 +340,7 @@ class Head:
                 t = self.clock()
                 await asyncio.gather(*(self.fleet.push(c, res.version) for c in self.fleet.in_role(Role.ROLLOUT)))
                 push_s = self.clock() - t
+                self._emit(WeightsPushed(t, t + push_s, res.version))  # the rollout cells' pause
             self._step_committed(res, red, push_s)
         finally:
             if not ended:

@@ -318,8 +318,8 @@ class RecordingCoordinator(Coordinator):
 
 def simulated_trace(k: int, b: int, steps: int, q: int, g: int, slow_group: int, zero_variance_share: float = 0.0,
                     max_replacements: int = 4):
-    from gyre.sim.cluster import ClusterModel
-    from gyre.sim.engine import Simulator, SimSpec
+    from gyre.sim.cost_model import ClusterModel
+    from gyre.sim.simulator import Simulator, SimSpec
     from gyre.sim.workload import ExecSpec, GroupSpec, Workload
 
     def group(i: int) -> GroupSpec:  # fixed durations; one group far slower than the others

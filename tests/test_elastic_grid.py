@@ -1,7 +1,7 @@
 """The shipped elastic policy against the baselines' best in Gyre's own cluster model.
 
 Over a grid of load (groups per step), training cost, staleness (0 and 2) and cluster size (1, 2
-and 8 cells) on a small physical cluster (gyre.sim.cluster.TOY_REPLICA: decode from bytes and
+and 8 cells) on a small physical cluster (gyre.sim.cost_model.TOY_REPLICA: decode from bytes and
 bandwidth, KV capacity), E must be no slower than Colocate and than Async at its *best* split
 (every split searched) by more than 1%, and with one cell E must be Colocate exactly.
 """
@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 
-from gyre.sim.cluster import TOY_REPLICA, ClusterModel
+from gyre.sim.cost_model import TOY_REPLICA, ClusterModel
 from gyre.sim.scenario import Scenario, compare
 from gyre.sim.workload import LognormalPreset
 

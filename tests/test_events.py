@@ -19,8 +19,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from gyre.events import (CallRecorded, CellRoleChanged, ExecutionEvaluated, ExecutionStarted, GroupLag,
-                         MicroBatchDone, RunEnded, RunStarted, RunStats, StepEnded, summarise)
+from gyre.events import (CallRecorded, CellBusy, CellRoleChanged, ExecutionDropped, ExecutionEvaluated,
+                         ExecutionStarted, GroupLag, MicroBatchDone, RunEnded, RunStarted, RunStats, StepEnded,
+                         WeightsPushed, bucket_seconds, summarise)
 from gyre.sched.cells import Cell, cell_stats
 from gyre.sched.core import Coordinator, CoreSpec
 from gyre.sched.state import Role
@@ -229,3 +230,25 @@ def test_stats_are_flat_per_execution_and_name_a_foreign_event():
         s.apply({"kind": "step"})
     with pytest.raises(ValueError, match="role 'resting'"):
         s.apply(CellRoleChanged(1.0, 0, "resting"))
+
+
+def test_busy_stretches_and_weight_pushes_book_a_cells_time():
+    """CellBusy counts as calls and micro-batches do; a push pauses the rollout cells (neither busy
+    nor idle); the buckets still add up to the wall time; drops are counted per reason."""
+    ev = [RunStarted(0.0, 2), CellRoleChanged(0.0, 0, "rollout"), CellRoleChanged(0.0, 1, "train"),
+          CellBusy(0.0, 4.0, 0, "rollout"), CellBusy(3.0, 6.0, 0, "rollout"),  # merged: 0-6
+          CellBusy(1.0, 5.0, 1, "train"), WeightsPushed(7.0, 9.0, 1), CellBusy(9.0, 10.0, 0, "rollout"),
+          ExecutionDropped(9.0, "e0", 0, "stale"), ExecutionDropped(9.0, "e1", 0, "stale"),
+          CellRoleChanged(10.0, 1, "to_rollout"), CellRoleChanged(11.0, 1, "rollout"), RunEnded(12.0)]
+    s = RunStats().extend(ev)
+    c0, c1 = s.cell_time(0), s.cell_time(1)
+    assert (c0["busy_rollout_s"], c0["pushing_s"], c0["idle_s"]) == (7.0, 2.0, 3.0)
+    assert (c1["busy_train_s"], c1["switching_s"], c1["pushing_s"], c1["idle_s"]) == (4.0, 1.0, 0.0, 7.0)
+    assert c1["switches"] == c1["switches_to_rollout"] == 1 and c1["switches_to_train"] == 0
+    for c in (c0, c1):
+        assert sum(bucket_seconds(c).values()) + c["failed_s"] == c["wall_s"] == 12.0
+    assert bucket_seconds(c0) == {"rollout": 7.0, "train": 0.0, "switch": 2.0, "idle": 3.0}
+    assert s.idle_spans(0) == [(6.0, 7.0), (10.0, 12.0)]  # the push is not idle
+    assert s.dropped_reasons == {"stale": 2}
+    with pytest.raises(ValueError, match="CellBusy"):
+        s.apply(CellBusy(0.0, 1.0, 0, "to_train"))

@@ -11,7 +11,7 @@ import pytest
 
 from gyre.sim import calibration as cal
 from gyre.sim.bound import lower_bound, lower_bound_trained
-from gyre.sim.engine import SimSpec, Simulator
+from gyre.sim.simulator import SimSpec, Simulator
 from gyre.sim.scenario import Scenario, nl2repo_cluster, pin_tool_time, preset_scenario
 from gyre.sim.workload import Workload
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from gyre.config import ConfigError
-from gyre.sim.cluster import ClusterModel
+from gyre.sim.cost_model import ClusterModel
 from gyre.sim.workload import NL2REPO, Workload, read_trace, write_trace
 
 

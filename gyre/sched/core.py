@@ -1,6 +1,6 @@
 """The coordinator core: the lifecycle of groups and steps, one object for both drivers.
 
-The live head (gyre/head.py) and the simulator (gyre/sim/engine.py) observe different worlds
+The live head (gyre/head.py) and the simulator (gyre/sim/simulator.py) observe different worlds
 (processes and HTTP vs. a workload model) but tell this object the same events, in the same
 order, and act on what it answers (ARCHITECTURE.md invariant 3):
 

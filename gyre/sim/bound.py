@@ -24,7 +24,7 @@ Two limits, the larger wins:
 
 from __future__ import annotations
 
-from gyre.sim.cluster import ClusterModel
+from gyre.sim.cost_model import ClusterModel
 from gyre.sim.workload import ExecSpec, GroupSpec, Workload
 
 

@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from gyre.config import ConfigError
-from gyre.sim.cluster import KEEP_SOLO_SPEED, ClusterModel
+from gyre.sim.cost_model import KEEP_SOLO_SPEED, ClusterModel
 from gyre.sim.roofline import ReplicaSpec
 from gyre.sim.workload import DURATION_SCALE_2P4T, NL2REPO, NL2REPO_2P4T, LognormalPreset
 

@@ -13,17 +13,18 @@ evaluate (Async on one cell) is listed with the reason. Runs in-process by defau
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
+import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from gyre.config import ConfigError, Scheme
 from gyre.sched import SCHEMES
-from dataclasses import replace
-
-from gyre.sim.calibration import PRESETS, check_layout, preset
-from gyre.sim.cluster import divisors
+from gyre.sim.calibration import MEM_FRACTION, PRESETS, check_layout, preset
+from gyre.sim.cost_model import divisors
 from gyre.sim.scenario import Scenario, best_async
 from gyre.sim.workload import Workload
 
@@ -123,12 +124,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def with_model_config(p, path):
     """The preset with its model replaced by the one `path` describes (gyre.model.params counts;
     a serving replica: the fewest GPUs, a power of two, whose HBM share holds the weights)."""
-    import dataclasses
-    import math
-
+    # gyre.model imports torch: only `--model-config` pays for it at start-up
     from gyre.model import ModelFormatError
     from gyre.model.params import param_counts
-    from gyre.sim.calibration import MEM_FRACTION
 
     try:
         c = param_counts(path)

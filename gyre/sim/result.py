@@ -4,28 +4,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-BUCKETS = ("rollout", "train", "switch", "idle")
+from gyre.events import BUCKETS, bucket_seconds
 
-
-@dataclass
-class CellStats:
-    cell: int
-    seconds: dict[str, float]            # time in each bucket of BUCKETS; sums to the makespan
-    to_train: int = 0                     # switches rollout -> train
-    to_rollout: int = 0                   # switches train -> rollout
-
-
-@dataclass
-class StepStats:
-    step: int
-    start_s: float                        # previous step's end (0 for the first)
-    end_s: float
-    groups: int
-    staleness_group_mean: float           # mean of s - v over the step's groups
-    staleness_token_mean: float           # the same, weighted by training tokens
-    staleness_max: int
-    lag_syncs_group_mean: float = 0.0     # the same lags in rollout syncs (bursts: < steps)
-    lag_syncs_max: int = 0
+# A simulated run reports in the live run's schema: its step rows and per-cell time are
+# gyre.events.RunStats's, folded from the events the simulator told (docs/events.md).
 
 
 @dataclass
@@ -42,8 +24,8 @@ class SimResult:
     group_size: int
     makespan_s: float
     lower_bound_s: float
-    cell_stats: list[CellStats]
-    step_stats: list[StepStats]
+    cell_stats: list[dict]                # RunStats.cell_time per cell (report.json's `cells`)
+    step_stats: list[dict]                # RunStats step rows (steps.jsonl's rows)
     executions_started: int
     executions_trained: int
     not_admitted: dict[str, int]          # reason -> executions
@@ -57,7 +39,7 @@ class SimResult:
     staleness_rule: str = "window"
     steps_per_sync: int = 1
     preset: str = ""
-    # Lags of trained groups (coordinator core's LagStats): optimizer steps and rollout syncs.
+    # Lags of trained groups (RunStats.lag(), report.json's `lag`): optimizer steps and rollout syncs.
     lag: dict = field(default_factory=dict)
     dropped_groups: int = 0               # groups dropped as stale (and replaced)
     # Regime: share of the makespan where rollout is the critical path (no training work admitted
@@ -77,10 +59,10 @@ class SimResult:
     slack: float | None = 0.0
     async_rollout_cells: int = 0          # scheme A: its rollout pool
     bound_basis: str = ""                 # what the lower bound was computed on
-    # Not serialised: per-execution outcome and the timelines behind the plots.
+    # Not serialised: per-execution outcome and the timelines behind the plots (RunStats.intervals
+    # as (start, end, role), and RunStats.idle_spans when recorded).
     outcomes: dict[int, tuple] = field(default_factory=dict, repr=False)
     roles: list[list[tuple[float, float, str]]] = field(default_factory=list, repr=False)
-    usage: list[tuple[float, int, int, int, int]] = field(default_factory=list, repr=False)
     idle: list[list[tuple[float, float]]] = field(default_factory=list, repr=False)
 
     @property
@@ -92,7 +74,10 @@ class SimResult:
         return self.lower_bound_s / 3600.0
 
     def bucket_total(self, bucket: str) -> float:
-        return sum(c.seconds[bucket] for c in self.cell_stats)
+        """Cell-seconds in one of BUCKETS over all cells."""
+        if bucket not in BUCKETS:
+            raise ValueError(f"bucket {bucket!r} is not one of {BUCKETS}")
+        return sum(bucket_seconds(c)[bucket] for c in self.cell_stats)
 
     def gpu_hours(self, *buckets: str) -> float:
         return sum(self.bucket_total(b) for b in buckets) * self.gpus_per_cell / 3600.0
@@ -103,13 +88,11 @@ class SimResult:
         return (self.bucket_total("rollout") + self.bucket_total("train")) / total if total else 0.0
 
     def to_dict(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if k not in ("outcomes", "roles", "usage", "idle")}
+        d = {k: v for k, v in asdict(self).items() if k not in ("outcomes", "roles", "idle")}
         d.update(hours=round(self.hours, 3), lower_bound_hours=round(self.lower_bound_hours, 3),
                  ratio_to_lower_bound=round(self.makespan_s / self.lower_bound_s, 4) if self.lower_bound_s else None,
                  utilisation=round(self.utilisation, 4),
                  gpu_hours_used=round(self.gpu_hours("rollout", "train"), 1),
                  gpu_hours_wasted=round(self.gpu_hours("switch", "idle"), 1),
-                 switches=sum(c.to_train + c.to_rollout for c in self.cell_stats))
-        for c in d["cell_stats"]:
-            c["seconds"] = {k: round(v, 1) for k, v in c["seconds"].items()}
+                 switches=sum(c["switches"] for c in self.cell_stats))
         return d

@@ -12,7 +12,7 @@ real routing is skewed, which touches fewer). Prefill is compute-bound: 2 x acti
 FLOPs per token plus causal attention, at a stated MFU. The KV cache lives in the HBM left after
 the weights (SGLang's ``--mem-fraction-static`` share of HBM, minus the weights).
 
-This is the decode model of the simulator (``gyre.sim.cluster.ClusterModel``) and of the paced
+This is the decode model of the simulator (``gyre.sim.cost_model.ClusterModel``) and of the paced
 embedded engine (``engine.pace``), so a benchmark's live run and its simulation share one formula.
 Every number of a spec is stated with its source in ``gyre/sim/calibration.py``.
 """

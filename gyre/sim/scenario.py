@@ -9,8 +9,8 @@ from dataclasses import dataclass, replace
 from gyre.config import Scheme
 from gyre.sched import Hints, Policy, make_policy
 from gyre.sim.calibration import KEEP_SOLO_SPEED, P122B, Preset, execs_per_cell, preset
-from gyre.sim.cluster import ClusterModel
-from gyre.sim.engine import SimSpec, simulate
+from gyre.sim.cost_model import ClusterModel
+from gyre.sim.simulator import SimSpec, simulate
 from gyre.sim.result import SimResult
 from gyre.sim.workload import LognormalPreset, Workload
 

@@ -16,6 +16,13 @@ load costs O(1) instead of touching every call. A call's prefill (its new tokens
 context after its prefix was evicted) is compute-bound and delays the call by its FLOP time
 before it joins the decode pool (its replica's compute, which memory-bound decoding leaves idle).
 
+What happened is told as `gyre.events` (the live head's events, on the simulated clock): run
+start and end, role changes, execution start, evaluation and drops, group drops, weight pushes
+and step ends. Decode and training are fluid pools with no per-cell call or micro-batch, so busy
+time is told per stretch (`CellBusy`: a cell busy in its role from one change of the busy set to
+the next) instead of one `CallRecorded` / `MicroBatchDone` each. Step rows, lags and per-cell time
+are `gyre.events.RunStats`'s, as in a live run's report.
+
 Prefix cache: each running execution is homed on one rollout cell (the router's choice); the KV
 of its context stays there between its calls while the cell's capacity (replicas x HBM left after
 weights) allows. When it overflows, the least recently used idle executions lose their prefix
@@ -31,15 +38,19 @@ import math
 import random
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Callable
 
 from gyre.config import ConfigError, StalenessRule
+from gyre.events import (ROLLOUT, TRAIN, CellBusy, CellRoleChanged, Event, ExecutionDropped, ExecutionEvaluated,
+                         ExecutionStarted, GroupDropped, GroupLag, RunEnded, RunStarted, RunStats, StepEnded,
+                         WeightsPushed)
 from gyre.sched.core import ZERO_VARIANCE, Coordinator, CoreSpec
 from gyre.sched.policy import Policy
 from gyre.sched.state import CellView, ClusterState, Decision, Role
 from gyre.sim.bound import lower_bound_trained
-from gyre.sim.cluster import ClusterModel
-from gyre.sim.result import BUCKETS, CellStats, SimResult, StepStats
+from gyre.sim.cost_model import ClusterModel
+from gyre.sim.result import SimResult
 from gyre.sim.workload import Workload
 
 _EPS = 1e-9
@@ -56,7 +67,7 @@ class SimSpec:
     groups_per_step: int = 16
     segments: int = 8          # model-call/environment segments per execution
     tick_s: float = 300.0      # policy re-evaluation period when nothing else happens
-    record: bool = True        # keep role and usage timelines (plots)
+    record: bool = True        # keep the idle spans of each cell (the Gantt chart's shading)
     staleness_rule: str = "window"  # "window" (hard lag bound) or "count" (AReaL's start bound)
     steps_per_sync: int = 1    # optimizer steps per rollout round (weights pushed once per round)
     # zero-variance groups (the core's rule, as live): the workload has no reward model, so the
@@ -109,8 +120,11 @@ class _Group:
 
 
 class Simulator:
-    def __init__(self, policy: Policy, workload: Workload, cluster: ClusterModel, spec: SimSpec) -> None:
+    def __init__(self, policy: Policy, workload: Workload, cluster: ClusterModel, spec: SimSpec,
+                 on_event: Callable[[Event], object] | None = None) -> None:
+        """`on_event` is told every event after RunStats (a metrics sink, a test)."""
         self.p, self.w, self.c, self.s = policy, workload, cluster, spec
+        self.on_event = on_event
         n = cluster.cells
         roles = policy.initial_roles(n)
         if len(roles) != n:
@@ -142,16 +156,13 @@ class Simulator:
         self.awaiting_eval = 0
         self.mb_queue: list = []   # (micro-batch id, tokens left) of the open step, in core order
         self.train_left = 0.0      # tokens of the open step not yet trained (fluid)
-        self.steps: list[StepStats] = []
         self.trained_by_step: list[list[int]] = []
-        self.dropped = 0
+        self.last_step_end = 0.0
         # accounting
         self.n_rollout = sum(1 for r in roles if r is Role.ROLLOUT)
         self.n_train = sum(1 for r in roles if r is Role.TRAIN)
         self.roles_rev = 0
         self._assign_cache: dict = {}
-        self._assign_counts: dict = {}
-        self._acc: dict[tuple[int, ...], float] = {}  # cell-bucket assignment -> seconds
         self.homed: list[dict] = [{} for _ in range(n)]  # per cell: the executions it serves
         self.lru: list[OrderedDict] = [OrderedDict() for _ in range(n)]  # per cell: those holding a prefix
         self.kv_used = [0.0] * n   # tokens of KV held per cell
@@ -168,20 +179,25 @@ class Simulator:
         self.win_spare = 0.0
         self.win_open = True
         self.slacks: list[float] = []
-        self.switches = [[0, 0] for _ in range(n)]
         self.unserved = 0.0
         self.exec_time = 0.0  # wall seconds of ended executions (their observed durations)
         self.execs_ended = 0
-        self.role_log: list[list[tuple[float, float, str]]] = [[] for _ in range(n)]
-        self.role_open = [(0.0, r.value) for r in roles]
-        self.usage: list[tuple[float, int, int, int, int]] = []
-        self.buckets: list[tuple[float, tuple[int, ...]]] = []  # when each cell's bucket changed
         # regime diagnostics
         self.crit_roll = 0.0         # rollout on the critical path
-        self.role_time = [0.0, 0.0]  # cell-seconds in rollout / train role
-        self.role_idle = [0.0, 0.0]  # ... of which idle
         self.load_num = self.load_den = 0.0  # call-weighted load per serving cell
+        # what happened, told once (gyre.events); every figure of a cell's time comes from here
+        self.stats = RunStats(0.0, n)
+        self.busy_a: tuple[int, ...] | None = None  # the bucket of every cell since the last change
+        self.busy_since = [0.0] * n                 # start of a cell's open busy stretch
+        self._emit(RunStarted(0.0, n))
+        for i, r in enumerate(roles):
+            self._emit(CellRoleChanged(0.0, i, r.value))
         self._push(spec.tick_s, _TICK, None)
+
+    def _emit(self, ev: Event) -> None:
+        self.stats.apply(ev)
+        if self.on_event is not None:
+            self.on_event(ev)
 
     # ---- event plumbing -------------------------------------------------------------------
     def _push(self, t: float, kind: int, obj) -> None:
@@ -220,7 +236,6 @@ class Simulator:
                     b = 3
                 out.append(b)
             a = self._assign_cache[key] = tuple(out)
-            self._assign_counts[a] = tuple(out.count(b) for b in range(4))
         return a
 
     def _advance(self, t: float) -> None:
@@ -234,7 +249,8 @@ class Simulator:
         # During the optimizer step trainers are busy; during a weight push rollout cells pause.
         training = (left > _EPS and rate > 0) or optimizing
         a = self._assignment(min(self.in_call, self.n_rollout), pushing, training)
-        self._acc[a] = self._acc.get(a, 0.0) + dt
+        if a is not self.busy_a:
+            self._busy_changed(a)
         if self.running and not self.n_rollout:
             self.unserved += dt
         if self.win_open:
@@ -243,26 +259,28 @@ class Simulator:
         # trainers have nothing admitted to train.
         if (self.running or self.awaiting_eval) and left <= _EPS and not optimizing:
             self.crit_roll += dt
-        self.role_time[0] += self.n_rollout * dt
-        self.role_time[1] += self.n_train * dt
-        if not pushing:
-            self.role_idle[0] += max(0, self.n_rollout - self.in_call) * dt
-        if not training:
-            self.role_idle[1] += self.n_train * dt
         serving = self._serving()
         if self.in_call and serving:
             self.load_num += self.in_call * self.c.batch(self.in_call, serving) * dt
             self.load_den += self.in_call * dt
-        if self.s.record:
-            counts = self._assign_counts[a]
-            if not self.usage or self.usage[-1][1:] != counts:
-                self.usage.append((self.now, *counts))
-            if not self.buckets or self.buckets[-1][1] is not a:
-                self.buckets.append((self.now, a))
         self.vclock += speed * dt
         if left > _EPS and rate > 0:
             self._drain(min(left, rate * dt))
         self.now = t
+
+    def _busy_changed(self, a: tuple[int, ...]) -> None:
+        """The busy set changed at now: a cell's busy stretch (bucket 0: serving calls, 1:
+        training) that ends is told; one that begins is opened."""
+        old, now = self.busy_a, self.now
+        for i, b in enumerate(a):
+            was = old[i] if old is not None else -1
+            if b == was:
+                continue
+            if was == 0 or was == 1:
+                self._emit(CellBusy(self.busy_since[i], now, i, ROLLOUT if was == 0 else TRAIN))
+            if b == 0 or b == 1:
+                self.busy_since[i] = now
+        self.busy_a = a
 
     def _drain(self, tokens: float) -> None:
         """Training streams the open step's micro-batches (one per execution) in queue order; each
@@ -306,6 +324,7 @@ class Simulator:
             g.exec_ids.append(e.id)
             self.running[e.id] = e
             self.core.execution_started(rec.id, e.id, self.now)
+            self._emit(ExecutionStarted(self.now, str(e.id), rec.id))
             self._begin_call(e)  # homes it (nothing cached yet)
 
     def _begin_call(self, e: _Exec) -> None:
@@ -440,8 +459,11 @@ class Simulator:
 
     def _evaluated(self, e: _Exec) -> None:
         self.awaiting_eval -= 1
+        reward = self._reward(e)
         adm = self.core.execution_evaluated(e.id, self.now, version=e.version, tokens=e.spec.train_tokens,
-                                            reward=self._reward(e))
+                                            reward=reward)
+        self._emit(ExecutionEvaluated(self.now, str(e.id), e.group.id, "finished", reward, e.version,
+                                      e.spec.train_tokens, True))
         self._admitted(adm)
 
     def _reward(self, e: _Exec) -> float:
@@ -469,33 +491,38 @@ class Simulator:
             self.win_open = False
         for g in adm.dropped:
             why = ZERO_VARIANCE if g.reason == ZERO_VARIANCE else "stale"
-            self.dropped += why == "stale"  # (zero-variance drops are counted in not_admitted)
+            if why == "stale":  # expired (and replaced); zero-variance drops count per execution
+                self._emit(GroupDropped(self.now, g.id, why))
             for eid in self.groups[g.id].exec_ids:
-                self.outcomes[eid] = ("not_admitted", why)
+                self._drop(eid, g.id, why)
+
+    def _drop(self, eid: int, group: int, why: str) -> None:
+        self.outcomes[eid] = ("not_admitted", why)
+        self._emit(ExecutionDropped(self.now, str(eid), group, why))
 
     # ---- training steps -------------------------------------------------------------------
     def _step_end(self) -> None:
         res = self.core.step_ended(self.now)
         gs = res.groups
-        toks = [g.train_tokens for g in gs]
-        tot = sum(toks) or 1.0
-        self.steps.append(StepStats(
-            step=res.index, start_s=self.steps[-1].end_s if self.steps else 0.0, end_s=self.now,
-            groups=len(gs), staleness_group_mean=sum(g.lag_steps for g in gs) / len(gs),
-            staleness_token_mean=sum(g.lag_steps * t for g, t in zip(gs, toks)) / tot,
-            staleness_max=max(g.lag_steps for g in gs),
-            lag_syncs_group_mean=sum(g.lag_syncs for g in gs) / len(gs),
-            lag_syncs_max=max(g.lag_syncs for g in gs)))
+        push = res.push_due and not self.core.done
+        push_s = self.c.push_s if push else 0.0
+        self._emit(StepEnded(
+            self.last_step_end, self.now, res.index, res.version,
+            tuple(GroupLag(g.id, g.version, g.lag_steps, g.lag_syncs, g.train_tokens) for g in gs),
+            tuple(res.microbatches), tuple(i for i, r in enumerate(self.role) if r is Role.TRAIN),
+            res.push_due, self.c.opt_s, push_s))
+        self.last_step_end = self.now
         self.trained_by_step.append([g.id for g in gs])
         self.win_spare, self.win_open = 0.0, True
         for g in gs:
             for eid in self.groups[g.id].exec_ids:
                 self.outcomes[eid] = ("trained", res.index)
         self._admitted(res.admission)
-        if res.push_due and not self.core.done:
-            if self.c.push_s > 0:  # weight push: rollout cells pause, then serve the new version
-                self.push_until = self.now + self.c.push_s
+        if push:
+            if push_s > 0:  # weight push: rollout cells pause, then serve the new version
+                self.push_until = self.now + push_s
                 self._push(self.push_until, _PUSH, None)
+                self._emit(WeightsPushed(self.now, self.push_until, res.version))
             else:
                 self.core.weights_pushed(self.core.version)
 
@@ -515,17 +542,13 @@ class Simulator:
             self._set_role(i, Role.TO_TRAIN if to_train else Role.TO_ROLLOUT)
             if to_train:
                 self._evict(i)
-            self.switches[i][0 if to_train else 1] += 1
             self._push(self.now + (self.c.to_train_s if to_train else self.c.to_rollout_s), _SWITCH, i)
         if d.start_groups > 0:
             for rec in self.core.start_groups(d.start_groups, self.now):
                 self._start_group(rec)
 
     def _set_role(self, i: int, role: Role) -> None:
-        t0, name = self.role_open[i]
-        if self.now > t0:
-            self.role_log[i].append((t0, self.now, name))
-        self.role_open[i] = (self.now, role.value)
+        self._emit(CellRoleChanged(self.now, i, role.value))
         self.n_rollout += (role is Role.ROLLOUT) - (self.role[i] is Role.ROLLOUT)
         self.n_train += (role is Role.TRAIN) - (self.role[i] is Role.TRAIN)
         self.roles_rev += 1
@@ -607,26 +630,21 @@ class Simulator:
 
     def _result(self, wall: float) -> SimResult:
         end = self.now
-        for i in range(len(self.role)):
-            t0, name = self.role_open[i]
-            if end > t0:
-                self.role_log[i].append((t0, end, name))
-        for e in list(self.running.values()):
-            self.outcomes[e.id] = ("not_admitted", "run_ended")
+        ended = {e.id: e.group.id for e in self.running.values()}
         for rec in self.core.unfinished():
-            for eid in self.groups[rec.id].exec_ids:
-                self.outcomes[eid] = ("not_admitted", "run_ended")
-        reasons: dict[str, int] = {}
-        for o in self.outcomes.values():
-            if o[0] == "not_admitted":
-                reasons[o[1]] = reasons.get(o[1], 0) + 1
-        trained = sum(1 for o in self.outcomes.values() if o[0] == "trained")
-        sec = [dict.fromkeys(BUCKETS, 0.0) for _ in self.role]
-        for a, dt in self._acc.items():
-            for i, b in enumerate(a):
-                sec[i][BUCKETS[b]] += dt
+            ended.update(dict.fromkeys(self.groups[rec.id].exec_ids, rec.id))
+        for eid, gid in ended.items():
+            self._drop(eid, gid, "run_ended")
+        for i, b in enumerate(self.busy_a or ()):  # close the busy stretches still open
+            if (b == 0 or b == 1) and end > self.busy_since[i]:
+                self._emit(CellBusy(self.busy_since[i], end, i, ROLLOUT if b == 0 else TRAIN))
+        self._emit(RunEnded(end))
+        st = self.stats
+        cells = [st.cell_time(i) for i in st.cell_ids()]
+        roll, train = sum(x["rollout_s"] for x in cells), sum(x["train_s"] for x in cells)
+        roll_idle = sum(max(0.0, x["rollout_s"] - x["busy_rollout_s"] - x["pushing_s"]) for x in cells)
+        train_idle = sum(max(0.0, x["train_s"] - x["busy_train_s"]) for x in cells)
         c = self.c
-        lag = self.core.lag_stats()
         exact = self.p.staleness == 0 and self.s.steps_per_sync == 1
         window = self.s.staleness_rule == StalenessRule.WINDOW
         bound = lower_bound_trained(self.w, c, self.trained_by_step, arrival=exact, max_open=(
@@ -635,22 +653,18 @@ class Simulator:
             label=self.p.label, scheme=self.p.scheme, staleness=self.p.staleness, nodes=c.nodes,
             cells=c.cells, cell_size=c.cell_nodes, gpus_per_cell=c.gpus_per_cell, steps=self.s.steps,
             groups_per_step=self.s.groups_per_step, group_size=self.w.group_size, makespan_s=end,
-            lower_bound_s=bound,
-            cell_stats=[CellStats(i, sec[i], *self.switches[i]) for i in range(len(self.role))],
-            step_stats=self.steps, executions_started=self.next_exec, executions_trained=trained,
-            not_admitted=reasons, unserved_s=self.unserved, events=self.n_events,
+            lower_bound_s=bound, cell_stats=cells, step_stats=st.steps, executions_started=self.next_exec,
+            executions_trained=sum(1 for o in self.outcomes.values() if o[0] == "trained"),
+            not_admitted=dict(st.dropped_reasons), unserved_s=self.unserved, events=self.n_events,
             decisions=self.decisions, wall_s=wall,
             mean_rollout_h=self.exec_time / max(1, self.execs_ended) / 3600,
             mean_query_h=_mean([g.slowest for g in self.groups.values() if g.left == 0]) / 3600,
             query_ge_4h_share=_mean([float(g.slowest >= 4 * 3600) for g in self.groups.values() if g.left == 0]),
             staleness_rule=self.s.staleness_rule, steps_per_sync=self.s.steps_per_sync,
-            lag={"group_mean_steps": lag.group_mean_steps, "token_mean_steps": lag.token_mean_steps,
-                 "worst_steps": lag.worst_steps, "group_mean_syncs": lag.group_mean_syncs,
-                 "token_mean_syncs": lag.token_mean_syncs, "worst_syncs": lag.worst_syncs},
-            dropped_groups=self.dropped,
+            lag=asdict(st.lag()), dropped_groups=st.groups_dropped,
             rollout_critical_share=self.crit_roll / end if end else 0.0,
-            trainer_idle_share=self.role_idle[1] / self.role_time[1] if self.role_time[1] else 0.0,
-            rollout_idle_share=self.role_idle[0] / self.role_time[0] if self.role_time[0] else 0.0,
+            trainer_idle_share=train_idle / train if train else 0.0,
+            rollout_idle_share=roll_idle / roll if roll else 0.0,
             mean_batch=self.load_num / self.load_den if self.load_den else 0.0,
             model_wait_share=1.0 - self.tool_time / self.exec_time if self.exec_time else 0.0,
             evictions=self.evictions, reprefills=self.reprefills,
@@ -658,28 +672,15 @@ class Simulator:
             slack=(sum(self.slacks) / len(self.slacks) if self.slacks else 0.0) if exact else None,
             bound_basis=("the groups actually trained: work" + (", open-group concurrency" if window else "")
                          + (", per-step arrival" if exact else "")),
-            outcomes=self.outcomes, roles=self.role_log, usage=self.usage,
-            idle=self._idle_spans(end))
-
-    def _idle_spans(self, end: float) -> list[list[tuple[float, float]]]:
-        """Per cell, the spans it sat idle in its role (for the Gantt chart)."""
-        out: list[list[tuple[float, float]]] = [[] for _ in self.role]
-        pts = self.buckets + [(end, None)]
-        for (t0, a), (t1, _) in zip(pts, pts[1:]):
-            for i, b in enumerate(a):
-                if BUCKETS[b] != "idle" or t1 <= t0:
-                    continue
-                spans = out[i]
-                if spans and spans[-1][1] == t0:
-                    spans[-1] = (spans[-1][0], t1)
-                else:
-                    spans.append((t0, t1))
-        return out
+            outcomes=self.outcomes,
+            roles=[[(a, b, role) for role, a, b in st.intervals(i) if b > a] for i in st.cell_ids()],
+            idle=[st.idle_spans(i) if self.s.record else [] for i in st.cell_ids()])
 
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
 
-def simulate(policy: Policy, workload: Workload, cluster: ClusterModel, spec: SimSpec | None = None) -> SimResult:
-    return Simulator(policy, workload, cluster, spec or SimSpec()).run()
+def simulate(policy: Policy, workload: Workload, cluster: ClusterModel, spec: SimSpec | None = None,
+             on_event: Callable[[Event], object] | None = None) -> SimResult:
+    return Simulator(policy, workload, cluster, spec or SimSpec(), on_event).run()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gyre.config import ConfigError
+from gyre.config import ConfigError, SchedConfig, SimConfig
 from gyre.sim.roofline import ReplicaSpec
 
 # The decode knee: a cell "needs" as many calls as it decodes while each keeps this share of its
@@ -33,11 +33,12 @@ class ClusterModel:
     replica: ReplicaSpec = field(default=TOY_REPLICA)
     # Training tokens per second of one cell of this size, streaming micro-batches (a preset: FLOP
     # arithmetic at a stated MFU).
-    train_tokens_per_s: float = 10_000.0
-    to_train_s: float = 8.52      # paper: rollout -> train switch
-    to_rollout_s: float = 3.46    # paper: train -> rollout switch
-    push_s: float = 60.0          # weight push, once per rollout round; rollout cells pause decoding
-    eval_s: float = 60.0          # evaluating a finished execution's workspace (CPU side)
+    # The defaults are config's ([sched], [sim]: the one source of cost defaults, as the policy's Hints).
+    train_tokens_per_s: float = SimConfig.train_tokens_per_s
+    to_train_s: float = SchedConfig.to_train_s      # paper: rollout -> train switch
+    to_rollout_s: float = SchedConfig.to_rollout_s  # paper: train -> rollout switch
+    push_s: float = SchedConfig.push_s    # weight push, once per rollout round; rollout cells pause decoding
+    eval_s: float = SimConfig.eval_s      # evaluating a finished execution's workspace (CPU side)
     # Optimizer step of every step (trainers busy, rollout unaffected); push_s above is paid once
     # per rollout round (steps_per_sync steps) and pauses decoding.
     opt_s: float = 0.0

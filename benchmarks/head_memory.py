@@ -1,4 +1,5 @@
-"""Head memory over a 40-step toy run: does a finished execution leave the head once its shard is durable?
+"""Head memory over a 40-step toy run (part of benchmarks/bench_online.py, whose online.json gets the
+figures): does a finished execution leave the head once its shard is durable?
 
 A real `gyre run` of 40 steps takes hours on a small shared machine, so this drives the head's own
 handlers (coordinator core, ledger, HDF5 shards, selection and materializer, events and statistics:
@@ -7,9 +8,9 @@ processes are absent (their replies are played). Each execution has a tree of 8 
 RSS (VmRSS of the process, after a garbage collection) is read after step 5 and after step 40;
 each variant runs in a fresh process.
 
-    python benchmarks/bench_head_memory.py      # writes benchmarks/results/online_rss.json
+    python benchmarks/bench_online.py --rss-only   # refreshes these keys of benchmarks/results/online.json
 
-Keys: head_rss_mb_step5, head_rss_mb_step40, head_rss_growth (goal < 0.10), and the same run with
+Keys (`measure()`): head_rss_mb_step5, head_rss_mb_step40, head_rss_growth (goal < 0.10), and the same run with
 the records kept for the whole run as before this change (head_rss_mb_step40_records_kept).
 """
 
@@ -24,8 +25,20 @@ import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
+
 REPO = Path(__file__).resolve().parent.parent
-OUT = REPO / "benchmarks" / "results" / "online_rss.json"
+sys.path.insert(0, str(REPO))
+
+from gyre.config import GyreConfig  # noqa: E402
+from gyre.head import Head  # noqa: E402
+from gyre.sched.core import Coordinator, CoreSpec  # noqa: E402
+from gyre.sched.state import Role  # noqa: E402
+from gyre.traj.record import ExecutionRecord  # noqa: E402
+from gyre.traj.select import SelectionSpec  # noqa: E402
+from gyre.traj.store import ShardWriter, shard_identity  # noqa: E402
+from gyre.traj.tree import Segment, TrajectoryTree  # noqa: E402
+
 STEPS, Q, G, CALLS, TOKENS = 40, 4, 4, 8, 2048
 
 
@@ -38,11 +51,6 @@ def rss_mb() -> float:
 
 
 def toy_record(eid: str, gid: int, member: int, version: int, endpoint: str, t: float):
-    import numpy as np
-
-    from gyre.traj.record import ExecutionRecord
-    from gyre.traj.tree import Segment, TrajectoryTree
-
     rng = np.random.default_rng(hash(eid) % 2**32)
     tree, prompt = TrajectoryTree(), [int(x) for x in rng.integers(10, 500, 64)]
     for k in range(CALLS):  # each call extends the conversation: a chain of ~TOKENS/CALLS new tokens
@@ -105,27 +113,25 @@ def run(keep_records: bool) -> dict:
     return out
 
 
-def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] in ("--freed", "--kept"):
-        print(json.dumps(run(keep_records=sys.argv[1] == "--kept")))
-        return
+def measure() -> dict:
+    """Both variants, each in a fresh process (RSS is the process's), as online.json's keys."""
     res = {}
     for variant in ("--freed", "--kept"):
         p = subprocess.run([sys.executable, __file__, variant], capture_output=True, text=True, check=True)
         res[variant] = json.loads(p.stdout.strip().splitlines()[-1])
     f, k = res["--freed"], res["--kept"]
-    fig = {"steps": STEPS, "executions_per_step": Q * G, "tokens_per_execution": TOKENS + 64,
-           "head_rss_mb_step5": round(f["step5"], 1), "head_rss_mb_step40": round(f["step40"], 1),
-           "head_rss_growth": round(f["step40"] / f["step5"] - 1, 4),
-           "records_in_memory_step40": f["records_step40"],
-           "head_rss_mb_step5_records_kept": round(k["step5"], 1),
-           "head_rss_mb_step40_records_kept": round(k["step40"], 1),
-           "records_in_memory_step40_records_kept": k["records_step40"],
-           "method": "the head's handlers driven in-process with toy executions (no cell agents or harnesses); "
-                     "VmRSS after gc, each variant in a fresh process"}
-    OUT.write_text(json.dumps(fig, indent=1) + "\n")
-    print(json.dumps(fig, indent=1))
+    return {"head_rss_mb_step5": round(f["step5"], 1), "head_rss_mb_step40": round(f["step40"], 1),
+            "head_rss_growth": round(f["step40"] / f["step5"] - 1, 4),
+            "head_rss_goal_growth": 0.10,
+            "head_rss": {"steps": STEPS, "executions_per_step": Q * G, "tokens_per_execution": TOKENS + 64,
+                         "records_in_memory_step40": f["records_step40"],
+                         "head_rss_mb_step5_records_kept": round(k["step5"], 1),
+                         "head_rss_mb_step40_records_kept": round(k["step40"], 1),
+                         "records_in_memory_step40_records_kept": k["records_step40"],
+                         "method": "the head's handlers driven in-process with toy executions (no cell agents or "
+                                   "harnesses; benchmarks/head_memory.py); VmRSS after gc, each variant in a "
+                                   "fresh process; records_kept: the head before records were released"}}
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # one variant, in this fresh process (measure() starts it)
+    print(json.dumps(run(keep_records=sys.argv[1] == "--kept")))

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from gyre.events import BUCKETS, RunStats, bucket_seconds
 from gyre.sched import Role
-from gyre.sim.engine import SimSpec, simulate
+from gyre.sim.simulator import SimSpec, simulate
 from gyre.sim.scenario import Scenario, hints_for, nl2repo_cluster
 from gyre.sim.workload import Workload
 
@@ -29,8 +30,9 @@ def test_conservation_of_gpu_time(runs, case):
     """Per cell and in total: roles + switching + idle = makespan (budget x makespan overall)."""
     r = runs[case]
     for c in r.cell_stats:
-        assert sum(c.seconds.values()) == pytest.approx(r.makespan_s, rel=1e-9)
-    total = sum(sum(c.seconds.values()) for c in r.cell_stats)
+        assert sum(bucket_seconds(c).values()) == pytest.approx(r.makespan_s, rel=1e-9)
+        assert c["wall_s"] == r.makespan_s and c["failed_s"] == 0.0
+    total = sum(sum(bucket_seconds(c).values()) for c in r.cell_stats)
     assert total * r.gpus_per_cell == pytest.approx(r.cells * r.gpus_per_cell * r.makespan_s, rel=1e-9)
     # The Gantt timeline covers the same span with no gaps or overlaps.
     for spans in r.roles:
@@ -50,7 +52,7 @@ def test_every_execution_trained_once_or_reported(runs, case):
     for o in trained:
         per_step[o[1]] = per_step.get(o[1], 0) + 1
     assert per_step == {s: Q * r.group_size for s in range(STEPS)}
-    assert [s.groups for s in r.step_stats] == [Q] * STEPS
+    assert [s["groups"] for s in r.step_stats] == [Q] * STEPS
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -58,9 +60,9 @@ def test_no_policy_breaks_staleness(runs, case):
     r = runs[case]
     k = case[1]
     for s in r.step_stats:
-        assert 0 <= s.staleness_max <= k
-        assert 0 <= s.staleness_group_mean <= s.staleness_max
-        assert 0 <= s.staleness_token_mean <= s.staleness_max
+        assert 0 <= s["staleness_max"] <= k
+        assert 0 <= s["staleness_mean"] <= s["staleness_max"]
+        assert 0 <= s["staleness_token_mean"] <= s["staleness_max"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -78,7 +80,7 @@ def test_elastic_never_leaves_running_executions_unserved(runs, case):
 @pytest.mark.parametrize("case", [c for c in CASES if c[0] == "A"])
 def test_async_never_switches(runs, case):
     r = runs[case]
-    assert all(c.to_train == 0 and c.to_rollout == 0 for c in r.cell_stats)
+    assert all(c["switches"] == 0 for c in r.cell_stats)
     assert all(len(spans) == 1 for spans in r.roles)
     # Only weight pushes: one per rollout round but the last, pausing the rollout half of the cells.
     c = nl2repo_cluster(nodes=16, cell_nodes=4)
@@ -98,14 +100,15 @@ def test_colocate_never_splits(runs, case):
             heading.add(Role(role).heading)
         assert len(heading) == 1, (mid, heading)
     # At most one training phase per step (a phase may train two batches back to back).
-    assert 1 <= r.cell_stats[0].to_train <= r.steps
+    assert 1 <= r.cell_stats[0]["switches_to_train"] <= r.steps
 
 
 def test_switch_counts_match_timeline(runs):
     r = runs[("E", 0)]
     for c, spans in zip(r.cell_stats, r.roles):
-        assert c.to_train == sum(1 for *_, n in spans if n == "to_train")
-        assert c.to_rollout == sum(1 for *_, n in spans if n == "to_rollout")
+        assert c["switches_to_train"] == sum(1 for *_, n in spans if n == "to_train")
+        assert c["switches_to_rollout"] == sum(1 for *_, n in spans if n == "to_rollout")
+        assert c["switches"] == c["switches_to_train"] + c["switches_to_rollout"]
 
 
 def test_deterministic_under_a_seed():
@@ -147,4 +150,21 @@ def test_hints_follow_the_models():
 def test_idle_spans_match_idle_time(runs):
     for r in runs.values():
         for c, spans in zip(r.cell_stats, r.idle):
-            assert sum(b - a for a, b in spans) == pytest.approx(c.seconds["idle"], abs=1e-6)
+            assert sum(b - a for a, b in spans) == pytest.approx(c["idle_s"], abs=1e-6)
+
+
+def test_the_simulator_tells_the_live_heads_events_and_reports_in_their_schema():
+    """Replaying what the simulator told gives its result: step rows, lag and cell time are
+    RunStats's (one report schema for live and simulated runs)."""
+    w = Workload.named("nl2repo", 0)
+    c = nl2repo_cluster(nodes=16, cell_nodes=4)
+    told = []
+    r = simulate(Scenario("E", 1, c).policy(w), w, c, SimSpec(steps=3, groups_per_step=4), on_event=told.append)
+    again = RunStats().extend(told)
+    assert again.steps == r.step_stats and [again.cell_time(i) for i in again.cell_ids()] == r.cell_stats
+    assert r.lag == {"groups": 12, **{k: v for k, v in r.lag.items() if k != "groups"}}
+    assert sum(r.not_admitted.values()) == again.dropped_executions == r.executions_started - r.executions_trained
+    kinds = {type(e).__name__ for e in told}
+    assert {"RunStarted", "CellRoleChanged", "ExecutionStarted", "ExecutionEvaluated", "CellBusy",
+            "StepEnded", "RunEnded"} <= kinds
+    assert set(BUCKETS) == set(bucket_seconds(r.cell_stats[0]))
