@@ -221,10 +221,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", choices=sorted(SIZES), default="full")
     p.add_argument("--only", nargs="*", default=None, help="configuration labels to run (default: all)")
     p.add_argument("--keep", action="store_true", help="keep the run directories")
+    p.add_argument("--seeds", type=int, default=None,
+                   help="seeds per configuration (default: the size's); with --work, a run cut short "
+                        "is analysed over the seeds it finished")
     p.add_argument("--work", type=Path, default=None,
                    help="directory for the run directories, kept; finished jobs found there are reused")
     args = p.parse_args(argv)
     size = SIZES[args.size]
+    if args.seeds is not None:
+        size = (args.seeds, *size[1:])
     todo = {k: v for k, v in configs().items() if args.only is None or k in args.only}
     if args.work is not None:
         args.work.mkdir(parents=True, exist_ok=True)

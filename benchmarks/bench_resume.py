@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gyre.config import load_config  # noqa: E402
-from gyre.rollout import Rollout  # noqa: E402
+from gyre.offline_rollout import Rollout  # noqa: E402
 
 AGENT = ["{python}", "-m", "gyre.harness.reference_agent", "--max-tokens", "48", "--max-turns", "8",
          "--compact-chars", "900", "--subagent-turn", "2", "--subagent-max-turns", "1"]

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the test image builder, the scoring c
 from gyre.config import default_tiny_dir, load_config  # noqa: E402
 from gyre.engine.launch import start_engine  # noqa: E402
 from gyre.engine.tiny_model import ensure_tiny_model  # noqa: E402
-from gyre.rollout import Rollout  # noqa: E402
+from gyre.offline_rollout import Rollout  # noqa: E402
 from gyre.traj.store import iter_executions  # noqa: E402
 
 AGENT = ["{python}", "-m", "gyre.harness.reference_agent", "--max-tokens", "48", "--max-turns", "6",

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import itertools
 import json
 import subprocess
 import sys
@@ -34,10 +33,13 @@ sys.path.insert(0, str(REPO))
 from gyre.config import GyreConfig  # noqa: E402
 from gyre.head import Head  # noqa: E402
 from gyre.sched.core import Coordinator, CoreSpec  # noqa: E402
+from gyre.sched.protocol import ReduceReply, TrainReply  # noqa: E402
 from gyre.sched.state import Role  # noqa: E402
+from gyre.services.fleet import WeightPaths  # noqa: E402
+from gyre.services.rollout import RolloutService  # noqa: E402
+from gyre.services.training import Reduced  # noqa: E402
 from gyre.traj.record import ExecutionRecord  # noqa: E402
 from gyre.traj.select import SelectionSpec  # noqa: E402
-from gyre.traj.store import ShardWriter, shard_identity  # noqa: E402
 from gyre.traj.tree import Segment, TrajectoryTree  # noqa: E402
 
 STEPS, Q, G, CALLS, TOKENS = 40, 4, 4, 8, 2048
@@ -67,26 +69,23 @@ def run(keep_records: bool) -> dict:
     cfg = GyreConfig()
     cfg.run.dir, cfg.run.steps, cfg.run.groups_per_step, cfg.harness.group_size = str(tmp), STEPS, Q, G
     cfg.store.executions_per_shard = 8
+    # the real head, core, ledger, shards and materializer; no cells or harness (the bench plays them)
     head = Head(cfg, None, 2)
-    head.core = Coordinator(CoreSpec(steps=STEPS, groups_per_step=Q, group_size=G))
-    head.model_dir = head.weights_root = head.ckpt_root = tmp
-    head.spec = SelectionSpec.from_config(cfg.selection)
-    head.task_cycle = itertools.cycle([SimpleNamespace(name="task")])
-    head.writer = ShardWriter.from_config(cfg.store, tmp / "shards", shard_identity({"model_hash": "m" * 8,
-                                                                                    "tokenizer_hash": "t" * 8}))
-    head.ledger = open(tmp / "ledger.jsonl", "a", buffering=1)
-    head.steps_file = open(tmp / "steps.jsonl", "a", buffering=1)
+    head.attach(Coordinator(CoreSpec(steps=STEPS, groups_per_step=Q, group_size=G)), [SimpleNamespace(name="task")],
+                WeightPaths(tmp, tmp, tmp), SelectionSpec.from_config(cfg.selection),
+                RolloutService(cfg, None, tmp, {"model_hash": "m" * 8, "tokenizer_hash": "t" * 8}, tmp / "shards"))
+    head.ledger.open()
     head._spawn = lambda coro: coro.close()
     if keep_records:  # the head before this change: every record stays for the whole run
-        head._release = lambda eids: None
+        head.training.release = lambda eids: None
     rollout, trainer = head.cells
     rollout.engine_url, trainer.engine_url = "http://e0", "http://e1"
-    head._set_role(trainer, Role.TRAIN, 0.0)
+    head.fleet.set_role(trainer, Role.TRAIN, 0.0)
 
-    async def train(cell, step, mid):
-        return SimpleNamespace(ok=True, info={"stats": {"loss": 1e-5}})
+    async def train(cell, step, mid, batch):
+        return TrainReply(seq=0, cell=cell.id, stats={"loss": 1e-5})
 
-    head._cmd_train = train
+    head.fleet.train = train
     out, now = {}, 0.0
     for step in range(STEPS):
         for g in head._start_groups(Q, now):
@@ -95,14 +94,14 @@ def run(keep_records: bool) -> dict:
                 head._execution_done(eid, toy_record(eid, g.id, m, head.core.rollout_version, rollout.engine_url, now),
                                      now + 10)
         while (mb := head.core.next_microbatch()) is not None:
-            asyncio.run(head._train(trainer, mb))
+            asyncio.run(head.training.train(trainer, mb))
         now += 20
         head.core.step_ending(now)
         res = head._step_ended(now)
-        head._step_committed(res, [trainer], [SimpleNamespace(ok=True, grad_norm=0.1)], 0.0, 0.0)
+        head._step_committed(res, Reduced([trainer], [ReduceReply(seq=0, cell=trainer.id, grad_norm=0.1)], 0.0), 0.0)
         if step + 1 in (5, STEPS):
             out[f"step{step + 1}"] = rss_mb()
-            out[f"records_step{step + 1}"] = len(head.records)
+            out[f"records_step{step + 1}"] = len(head.training.records)
     assert head.core.done and len(head.stats.steps) == STEPS
     return out
 

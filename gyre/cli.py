@@ -17,7 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "proxy": ("gyre.proxy.cli", "run the token-in/token-out OpenAI-compatible proxy"),
     "make-model": ("gyre.engine.tiny_model", "build the embedded tiny Qwen-style model offline"),
     "tasks": ("gyre.harness.tasks_cli", "list a suite's tasks, whether each can be scored here and why not"),
-    "rollout": ("gyre.rollout", "run G executions per task through the proxy, evaluate them, write shards"),
+    "rollout": ("gyre.offline_rollout", "run G executions per task through the proxy, evaluate them, write shards"),
     "run": ("gyre.cluster.local", "run the online RL job on this machine (head + cells under mpiexec)"),
     "train": ("gyre.train.cli", "policy-gradient steps from evaluated executions in HDF5 shards"),
     "submit": ("gyre.cluster.slurm:submit_", "write and submit the heterogeneous Slurm job (launchers/gyre.sbatch)"),

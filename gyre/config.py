@@ -3,6 +3,10 @@
 Every section is a dataclass; a field's ``metadata`` may carry ``choices``, ``min`` and ``max``.
 Validation names the key, the bad value and what is allowed, so a user on a shared cluster can
 fix a config without reading code. This module is the only place that reads the environment.
+
+Values that pick behaviour (the scheme, the staleness rule, the engine and trainer backends) are
+enums (``StrEnum``: each member is its own string, so files, reports and tests read the same):
+checked once here, compared as members everywhere else.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import os
 import tomllib
 import typing
 from dataclasses import dataclass, field
+from enum import Enum, StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +25,64 @@ class ConfigError(ValueError):
     """A configuration value is missing, of the wrong type, or out of range."""
 
 
+class Scheme(StrEnum):
+    """`sched.scheme`: how cells are split between rollout and training."""
+    E = "E"                  # elastic, demand-sized (gyre/sched/elastic.py)
+    E_PAPER = "E-paper"      # the paper's elastic rule (gyre/sched/elastic_paper.py)
+    A = "A"                  # async pools
+    C = "C"                  # colocate
+
+
+class StalenessRule(StrEnum):
+    """`sched.staleness_rule`: how the lag bound k admits groups."""
+    WINDOW = "window"        # a group lagging more than k syncs is dropped (and replaced)
+    COUNT = "count"          # AReaL's rule: at sync r at most (r+k+1) x groups-per-round started
+
+
+class EngineBackend(StrEnum):
+    EMBEDDED = "embedded"
+    SGLANG = "sglang"
+
+
+class TrainBackend(StrEnum):
+    EMBEDDED = "embedded"
+    MEGATRON = "megatron"
+
+
+def enum_value(key: str, value: Any, kind: type[Enum]) -> Any:
+    """``value`` as a member of ``kind``, or a ConfigError naming the key, the value and the choices."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise ConfigError(f"{key}: {value!r} is not allowed; choose one of "
+                          f"{', '.join(m.value for m in kind)}") from None
+
+
+class _EnumFields:
+    """Fields typed as an Enum hold members however the section was built (a file, an override,
+    or a constructor call in code or tests): a string is converted, a bad one refused."""
+    _SECTION = ""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        kind = _enum_fields(type(self)).get(name)
+        if kind is not None and not isinstance(value, kind):
+            value = enum_value(f"{self._SECTION}.{name}", value, kind)
+        super().__setattr__(name, value)
+
+
+def _enum_fields(cls: type) -> dict[str, type[Enum]]:
+    found = cls.__dict__.get("_enum_kinds")
+    if found is None:
+        hints = typing.get_type_hints(cls)
+        found = {n: t for n, t in hints.items() if isinstance(t, type) and issubclass(t, Enum)}
+        cls._enum_kinds = found
+    return found
+
+
 def _f(default: Any, *, choices: tuple | None = None, min: float | None = None,
        max: float | None = None, help: str = "") -> Any:
+    if isinstance(default, Enum):  # the enum is the list of choices (help and docs show them)
+        choices = tuple(m.value for m in type(default))
     meta = {"choices": choices, "min": min, "max": max, "help": help}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
@@ -63,8 +124,9 @@ class ModelConfig:
 
 
 @dataclass
-class EngineConfig:
-    backend: str = _f("embedded", choices=("embedded", "sglang"))
+class EngineConfig(_EnumFields):
+    _SECTION = "engine"
+    backend: EngineBackend = _f(EngineBackend.EMBEDDED)
     host: str = _f("127.0.0.1")
     port: int = _f(30000, min=0, max=65535)
     endpoints: int = _f(1, min=1, help="engine endpoints started by `gyre rollout` on one machine")
@@ -158,8 +220,9 @@ class SelectionConfig:
 
 
 @dataclass
-class TrainConfig:
-    backend: str = _f("embedded", choices=("embedded", "megatron"))
+class TrainConfig(_EnumFields):
+    _SECTION = "train"
+    backend: TrainBackend = _f(TrainBackend.EMBEDDED)
     lr: float = _f(1e-4, min=0.0)
     micro_batch_tokens: int = _f(4096, min=16)
     layout: str = _f("tree", choices=("tree", "expanded"))
@@ -208,15 +271,14 @@ class TrainConfig:
 
 
 @dataclass
-class SchedConfig:
-    scheme: str = _f("E", choices=("E", "E-paper", "A", "C"),
-                     help="E elastic (demand-sized), E-paper the paper's elastic rule, A async pools, C colocate")
+class SchedConfig(_EnumFields):
+    _SECTION = "sched"
+    scheme: Scheme = _f(Scheme.E, help="E elastic (demand-sized), E-paper the paper's elastic rule, A async pools, C colocate")
     cells: int = _f(2, min=1)
     cell_nodes: int = _f(4, min=1)
     gpus_per_node: int = _f(8, min=0)
     staleness: int = _f(0, min=0, help="max lag k in rollout syncs (= optimizer steps when steps_per_sync = 1)")
-    staleness_rule: str = _f("window", choices=("window", "count"),
-                             help="window: a group lagging more than k syncs is dropped (and replaced); "
+    staleness_rule: StalenessRule = _f(StalenessRule.WINDOW, help="window: a group lagging more than k syncs is dropped (and replaced); "
                                   "count: AReaL's rule, at rollout sync r at most (r+k+1) x groups-per-round started")
     steps_per_sync: int = _f(1, min=1, help="optimizer steps fed by one rollout round; weights pushed once per round")
     rollout_cells_async: int = _f(1, min=0, help="rollout pool size for scheme A")
@@ -346,7 +408,10 @@ class GyreConfig:
 def _coerce(key: str, value: Any, typ: Any) -> Any:
     """Convert a TOML or command-line value to the field's type, or raise naming the key."""
     origin = typing.get_origin(typ) or typ
-    if origin is bool:
+    if isinstance(origin, type) and issubclass(origin, Enum):
+        if isinstance(value, (str, int)) and not isinstance(value, bool):  # as a str field would
+            return enum_value(key, str(value), origin)
+    elif origin is bool:
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):

@@ -1,17 +1,25 @@
 """Durable file writes: the one place that does temp + fsync + rename.
 
-A crash at any instant leaves either the old file or the new one, never a torn mix, and the
-rename itself is made durable by fsyncing the directory. Every state file Gyre's resume logic
-reads (state.json, cells.json, ledgers' checkpoints, weights manifests) goes through here.
+A crash at any instant leaves either the old file (or directory) or the new one, never a torn
+mix, and the rename itself is made durable by fsyncing the directory. Every file Gyre's resume
+logic or a reader trusts (state.json, cells.json, ledgers' checkpoints, shards, exported weights,
+weights manifests) goes through here:
+
+- ``atomic_write_bytes`` / ``_text`` / ``_json``: a whole file from memory;
+- ``atomic_open``: a file written as a stream (a CSV trace);
+- ``atomic_path``: a temporary name for a writer that wants a path (h5py);
+- ``atomic_dir``: a whole directory (weights, checkpoints), replacing the old one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Iterator
 
 
 def fsync_path(path: str | os.PathLike) -> None:
@@ -23,23 +31,57 @@ def fsync_path(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, mode: int = 0o600) -> Path:
-    """Write `data` to `path` atomically and durably; the file is private (0600) by default."""
+def fsync_tree(root: str | os.PathLike) -> None:
+    """fsync every file and directory under ``root``, and ``root``."""
+    root = Path(root)
+    for path in sorted(root.rglob("*")) + [root]:
+        fsync_path(path)
+
+
+def _temp_sibling(path: Path) -> Path:
+    return path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, *, mode: int | None = None,
+                tmp: str | os.PathLike | None = None) -> Iterator[Path]:
+    """Yield a temporary sibling of ``path`` to write (by name); when the block completes it is
+    fsynced (made ``mode`` first if given) and renamed to ``path``, and the directory fsynced;
+    if the block raises, the temporary file is removed and ``path`` is untouched. ``tmp``: the
+    caller's own temporary name (one its readers know to skip)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    tmp = Path(tmp) if tmp is not None else _temp_sibling(path)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        yield tmp
+        if mode is not None:
+            os.chmod(tmp, mode)
+        fsync_path(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     fsync_path(path.parent)
-    return path
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike, how: str = "wb", *, mode: int = 0o600, **open_kw) -> Iterator[IO]:
+    """``open`` for writing a new version of ``path`` as a stream (``how``: "wb" or "w"; text
+    options such as ``newline`` pass on); it replaces ``path`` only once the block completes."""
+    if how not in ("w", "wb"):
+        raise ValueError(f"atomic_open writes a new file: how must be 'w' or 'wb', not {how!r}")
+    with atomic_path(path) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        with os.fdopen(fd, how, **open_kw) as f:
+            yield f
+            f.flush()
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, mode: int = 0o600) -> Path:
+    """Write `data` to `path` atomically and durably; the file is private (0600) by default."""
+    with atomic_open(path, "wb", mode=mode) as f:
+        f.write(data)
+    return Path(path)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str, *, mode: int = 0o600) -> Path:
@@ -48,3 +90,33 @@ def atomic_write_text(path: str | os.PathLike, text: str, *, mode: int = 0o600) 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any, *, mode: int = 0o600, indent: int | None = None) -> Path:
     return atomic_write_bytes(path, json.dumps(obj, indent=indent).encode(), mode=mode)
+
+
+def replace_dir(tmp: str | os.PathLike, final: str | os.PathLike) -> None:
+    """Make the complete directory ``tmp`` durable and put it at ``final`` (rename cannot replace
+    a non-empty directory, so an old one is moved aside first and removed after)."""
+    tmp, final = Path(tmp), Path(final)
+    fsync_tree(tmp)
+    old = None
+    if final.exists():
+        old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_path(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary directory that replaces ``final`` only if the block completes."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temp_sibling(final)
+    tmp.mkdir(mode=0o700)
+    try:
+        yield tmp
+        replace_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

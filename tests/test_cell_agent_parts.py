@@ -96,10 +96,10 @@ def test_trainer_process_survives_nothing_but_reports_everything(tmp_path):
         assert stats["targets"] == _batch().num_targets  # rows split over the ranks, stats merged
         tp.stash(0)
         red = tp.reduce(0, [0], 1)
-        assert red["grad_norm_total"] > 0 and not red["cached"]
-        assert tp.reduce(0, [0], 2)["cached"]  # the same membership: the cached group
+        assert red.grad_norm_total > 0 and not red.cached
+        assert tp.reduce(0, [0], 2).cached  # the same membership: the cached group
         out = tp.apply(0)
-        assert out["step"] == 1 == tp.step and out["grad_norm"] == pytest.approx(red["grad_norm_total"], rel=1e-5)
+        assert out.step == 1 == tp.step and out.grad_norm == pytest.approx(red.grad_norm_total, rel=1e-5)
         tp.save_checkpoint(tmp_path / "ckpt")
         tp.load_checkpoint(tmp_path / "ckpt")
         tp.offload()  # loaded tensors are releasable (Trainer.own_storage)
@@ -162,12 +162,12 @@ def test_two_cells_of_two_ranks_reduce_to_one_process(tmp_path):
                     t.stash(step)
                     ref.forward_backward(mb)
                 red = list(pool.map(lambda t: t.reduce(step, [0, 1], 1), cells))
-                assert red[0]["cached"] == red[1]["cached"] == (step == 1)
+                assert red[0].cached == red[1].cached == (step == 1)
                 if step == 0:
-                    assert all(r["form_ms"] > 0 for r in red)
+                    assert all(r.form_ms > 0 for r in red)
                 out = [t.apply(step) for t in cells]
                 want = ref.optimizer_step()
-                assert out[0]["grad_norm"] == out[1]["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+                assert out[0].grad_norm == out[1].grad_norm == pytest.approx(want["grad_norm"], rel=1e-5)
         cells[0].export_weights(tmp_path / "w", 2)
         got, exp = load_hf_dir(tmp_path / "w")[1], ref.hf_state_dict()
         assert max(float((got[k] - exp[k]).abs().max()) for k in exp) <= 1e-6

@@ -8,6 +8,7 @@ from gyre.sched import make_policy
 from gyre.sched.admission import start_budget
 from gyre.sched.core import Coordinator, CoreError, CoreSpec, GroupState, LagStats
 from gyre.sched.state import CellView, Role
+from replay_head import NOTHING_REDUCED, head_for_replay
 
 S = GroupState
 
@@ -338,34 +339,6 @@ def simulated_trace(k: int, b: int, steps: int, q: int, g: int, slow_group: int,
     return sim.core
 
 
-def head_for_replay(tmp_path, spec: CoreSpec, key):
-    """A real Head with the real core, ledger, shards and materializer; only its I/O edges are
-    absent: no cells (nothing to message) and no harness (the trace says how executions ended)."""
-    import itertools
-    from types import SimpleNamespace
-
-    from gyre.config import GyreConfig
-    from gyre.head import Head
-    from gyre.traj.select import SelectionSpec
-    from gyre.traj.store import ShardWriter, shard_identity
-
-    cfg = GyreConfig()
-    cfg.run.dir, cfg.run.steps, cfg.run.groups_per_step = str(tmp_path), spec.steps, spec.groups_per_step
-    cfg.harness.group_size = spec.group_size
-    cfg.sched.staleness, cfg.sched.steps_per_sync = spec.staleness, spec.steps_per_sync
-    head = Head(cfg, None, 2)
-    head.core = Coordinator(spec, key)
-    head._committed = spec.start_version
-    head.model_dir = head.weights_root = head.ckpt_root = tmp_path
-    head.spec = SelectionSpec.from_config(cfg.selection)
-    head.task_cycle = itertools.cycle([SimpleNamespace(name="task")])
-    head.writer = ShardWriter.from_config(cfg.store, tmp_path / "shards", shard_identity({"model_hash": "m" * 8, "tokenizer_hash": "t" * 8}))
-    head.ledger = open(tmp_path / "ledger.jsonl", "a")
-    head.steps_file = open(tmp_path / "steps.jsonl", "a")
-    head._spawn = lambda coro: coro.close()  # executions are played from the trace
-    return head
-
-
 def record(eid: str, gid: int, member: int, version: int, reward: float | None = None):
     from gyre.traj.record import ExecutionRecord
     from gyre.traj.tree import Segment, TrajectoryTree
@@ -403,9 +376,9 @@ def test_one_trace_through_the_simulator_and_the_head_gives_the_same_steps(tmp_p
             res = head._step_ended(ev[1])
             assert res.push_due == ev[2]
             if not res.push_due or head.core.done:  # (the simulator pushes nothing after the last step)
-                head._step_committed(res, [], [], 0.0, 0.0)
+                head._step_committed(res, NOTHING_REDUCED, 0.0)
         elif kind == "pushed":
-            head._step_committed(res, [], [], 0.0, 0.0)
+            head._step_committed(res, NOTHING_REDUCED, 0.0)
     head.ledger.close()
     assert head.core.done and sim.done
     sim_steps = [[gid for gid in (x.id for x in r.groups)] for r in sim.steps]
@@ -441,7 +414,7 @@ def test_head_requeues_a_lost_micro_batch_once(tmp_path):
     a = core_.next_microbatch()
     core_.microbatch_trained(a)
     c1.step_mbs.add(a)                              # cell 1 trained a ...
-    head._requeue(c1, {a, 99} & c1.step_mbs)        # ... then its trainer died (a lost)
+    head.training.requeue(c1, {a, 99} & c1.step_mbs)        # ... then its trainer died (a lost)
     assert core_.step.queue[-1] == a and a not in c1.step_mbs
     while (mb := core_.next_microbatch()) is not None:  # cell 2 trains everything, a included
         core_.microbatch_trained(mb)
@@ -449,9 +422,9 @@ def test_head_requeues_a_lost_micro_batch_once(tmp_path):
     assert core_.step_ready()
     again = Reply(seq=1, cell=c1.id, ok=True, mb_ids=[], lost=[a])
     held = Reply(seq=2, cell=c2.id, ok=True, mb_ids=sorted(c2.step_mbs), lost=[])
-    assert head._lost_at_prepare(c1, again) == set() and head._lost_at_prepare(c2, held) == set()
+    assert head.training.lost_at_prepare(c1, again) == set() and head.training.lost_at_prepare(c2, held) == set()
     died = Reply(seq=3, cell=c2.id, ok=False, lost=[a, 12345])
-    assert head._lost_at_prepare(c2, died) == {a}    # only what it held counts
+    assert head.training.lost_at_prepare(c2, died) == {a}    # only what it held counts
     head.ledger.close()
 
 
@@ -574,11 +547,10 @@ def test_zero_variance_same_groups_replaced_in_the_simulator_and_the_head(tmp_pa
         elif ev[0] == "step_ended":
             res = head._step_ended(ev[1])
             if not res.push_due or head.core.done:
-                head._step_committed(res, [], [], 0.0, 0.0)
+                head._step_committed(res, NOTHING_REDUCED, 0.0)
         elif ev[0] == "pushed":
-            head._step_committed(res, [], [], 0.0, 0.0)
+            head._step_committed(res, NOTHING_REDUCED, 0.0)
     head.ledger.close()
-    head.steps_file.close()
     assert [[x.id for x in r.groups] for r in head.core.steps] == [[x.id for x in r.groups] for r in sim.steps]
     zv = {gid for gid, x in sim.groups.items() if x.reason == "zero_variance"}
     assert {gid for gid, x in head.core.groups.items() if x.reason == "zero_variance"} == zv

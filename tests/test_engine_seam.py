@@ -164,7 +164,7 @@ def _child_commands(parent: int | None = None) -> list[str]:
 
 @pytest.mark.slow
 def test_gyre_rollout_serves_through_sglang_when_the_backend_says_so(tmp_path):
-    from gyre.rollout import Rollout
+    from gyre.offline_rollout import Rollout
 
     agent = '["{python}", "-m", "gyre.harness.reference_agent", "--max-tokens", "16", "--max-turns", "2"]'
     cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", "engine.endpoints=1", "harness.group_size=1",

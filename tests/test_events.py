@@ -25,32 +25,14 @@ from gyre.events import (CallRecorded, CellBusy, CellRoleChanged, ExecutionDropp
 from gyre.sched.cells import Cell, cell_stats
 from gyre.sched.core import Coordinator, CoreSpec
 from gyre.sched.state import Role
+from gyre.sched.protocol import ReduceReply
+from gyre.services.training import Reduced
+from replay_head import NOTHING_REDUCED, head_for_replay, set_clock
 
 
-def make_head(tmp_path, spec: CoreSpec, per_shard: int = 1):
-    from gyre.config import GyreConfig
-    from gyre.head import Head
-    from gyre.traj.select import SelectionSpec
-    from gyre.traj.store import ShardWriter, shard_identity
-
-    cfg = GyreConfig()
-    cfg.run.dir, cfg.run.steps, cfg.run.groups_per_step = str(tmp_path), spec.steps, spec.groups_per_step
-    cfg.harness.group_size = spec.group_size
-    cfg.sched.staleness, cfg.sched.steps_per_sync = spec.staleness, spec.steps_per_sync
-    cfg.store.executions_per_shard = per_shard
-    head = Head(cfg, None, 2)
-    head.core = Coordinator(spec)
-    head.model_dir = head.weights_root = head.ckpt_root = tmp_path
-    head.spec = SelectionSpec.from_config(cfg.selection)
-    head.task_cycle = itertools.cycle([SimpleNamespace(name="task")])
-    head.writer = ShardWriter.from_config(cfg.store, tmp_path / "shards",
-                                          shard_identity({"model_hash": "m" * 8, "tokenizer_hash": "t" * 8}))
-    head.ledger = open(tmp_path / "ledger.jsonl", "a")
-    head.steps_file = open(tmp_path / "steps.jsonl", "a")
-    head._spawn = lambda coro: coro.close()  # executions are played by the test
-    for c in head.cells:
-        c.engine_url = f"http://engine{c.id}"
-    return head
+def make_head(tmp_path, spec: CoreSpec, per_shard: int = 1, clock=None):
+    return head_for_replay(tmp_path, spec, per_shard=per_shard, engine_urls=True,
+                           **({"clock": clock} if clock else {}))
 
 
 def record(eid: str, gid: int, member: int, version: int, t: float, endpoint: str, status: str = "done",
@@ -69,18 +51,18 @@ def record(eid: str, gid: int, member: int, version: int, t: float, endpoint: st
 
 
 def train_reply(ok: bool = True, loss: float = 0.0):
-    return SimpleNamespace(ok=ok, info={"stats": {"loss": loss, "ratio_mean": 1.0 + loss, "kl_old": abs(loss)},
-                                        "lost": []})
+    from gyre.sched.protocol import TrainReply
+
+    return TrainReply(seq=0, cell=1, ok=ok, stats={"loss": loss, "ratio_mean": 1.0 + loss, "kl_old": abs(loss)})
 
 
 def play(head, steps: int, rng: random.Random, monkeypatch, t0: float = 1000.0):
     """Drive the head's handlers through `steps` on-policy steps; returns what it was told. The
     head's clock is the test's (training a micro-batch takes 2 s of it)."""
-    import gyre.head
     from gyre.events import RunStarted as RS
 
     clock = SimpleNamespace(now=t0)
-    monkeypatch.setattr(gyre.head, "time", SimpleNamespace(time=lambda: clock.now))
+    set_clock(head, lambda: clock.now)
     told = {"records": {}, "losses": {}}
     head.t0 = t0
     head._emit(RS(t0, 2))
@@ -88,9 +70,9 @@ def play(head, steps: int, rng: random.Random, monkeypatch, t0: float = 1000.0):
         head._emit(CellRoleChanged(t0, c.id, c.role.value))
     rollout, trainer = head.cells
     now = t0
-    head._set_role(trainer, Role.TO_TRAIN, now)
+    head.fleet.set_role(trainer, Role.TO_TRAIN, now)
     now += 3.0
-    head._set_role(trainer, Role.TRAIN, now)
+    head.fleet.set_role(trainer, Role.TRAIN, now)
     for _ in range(steps):
         for g in head._start_groups(head.core.spec.groups_per_step, now):
             for m in range(head.core.spec.group_size):
@@ -107,16 +89,16 @@ def play(head, steps: int, rng: random.Random, monkeypatch, t0: float = 1000.0):
             loss = rng.uniform(-1e-4, 1e-4)
             told["losses"][mb] = loss
 
-            async def train(cell, step, mid, _loss=loss):
+            async def train(cell, step, mid, batch, _loss=loss):
                 clock.now += 2.0
                 return train_reply(loss=_loss)
 
-            head._cmd_train = train
-            asyncio.run(head._train(trainer, mb))
+            head.fleet.train = train
+            asyncio.run(head.training.train(trainer, mb))
         now = clock.now + 1.0
         head.core.step_ending(now)
         res = head._step_ended(now)
-        head._step_committed(res, [trainer], [SimpleNamespace(ok=True, grad_norm=0.25)], 1.5, 0.0)
+        head._step_committed(res, Reduced([trainer], [ReduceReply(seq=0, cell=1, grad_norm=0.25)], 1.5), 0.0)
         now += 1.0
     return now, told
 
@@ -148,7 +130,7 @@ def test_step_rows_lag_and_cell_time_from_events_equal_what_the_head_computed(tm
         assert {k: row[k] for k in want} == pytest.approx(want)
         assert row["grad_norm"] == 0.25 and row["participants"] == [1]
     # steps.jsonl carries exactly the rows of the report
-    head.steps_file.close()
+    head.ledger.close()
     assert [json.loads(x) for x in (tmp_path / "steps.jsonl").read_text().splitlines()] == rep["steps"]
     assert rep["lag"] == asdict(head.core.lag_stats())
     # cell time: the old computation read every call back from the shards
@@ -180,18 +162,18 @@ def test_a_record_leaves_memory_once_its_shard_is_durable_and_its_group_material
     # every record is durable as soon as it ends (its own small shard); group 0 was materialized
     # (its micro-batches hold what training needs) and left memory; group 1 still waits
     assert len(list((tmp_path / "shards").glob("*.h5"))) == 4
-    assert set(head.records) == {"q1-task-g0", "q1-task-g1"}
+    assert set(head.training.records) == {"q1-task-g0", "q1-task-g1"}
     while (mb := head.core.next_microbatch()) is not None:
         head.core.microbatch_trained(mb)
     head.core.step_ending(20.0)
     res = head._step_ended(20.0)
-    head._step_committed(res, [], [], 0.0, 0.0)  # step 1 takes group 1: materialized, then freed
+    head._step_committed(res, NOTHING_REDUCED, 0.0)  # step 1 takes group 1: materialized, then freed
     assert head.core.groups[1].state.value == "assigned" and head.core.step.work
-    assert head.records == {}
+    assert head.training.records == {}
     # what the ledger still needs is a small summary, gone with the execution's last line
-    assert set(head.ended) == {"q1-task-g0", "q1-task-g1"}
-    head._close_ledger("run stopped")
-    assert head.ended == {}
+    assert set(head.ledger.ended) == {"q1-task-g0", "q1-task-g1"}
+    head.ledger.close_unfinished(head.core.unfinished(), "run stopped", head.core.step.index)
+    assert head.ledger.ended == {}
     head.ledger.close()
     rows = [json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines()]
     assert sorted(r["execution"] for r in rows) == ["q0-task-g0", "q0-task-g1", "q1-task-g0", "q1-task-g1"]

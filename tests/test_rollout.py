@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from gyre.config import load_config
-from gyre.rollout import FINISHED, Rollout
+from gyre.harness.execute import FINISHED
+from gyre.offline_rollout import Rollout
 from gyre.traj.store import iter_executions
 
 AGENT = ["{python}", "-m", "gyre.harness.reference_agent", "--max-tokens", "32", "--max-turns", "4",

@@ -12,7 +12,7 @@ from gyre.config import ConfigError, load_config
 from gyre.harness.execute import check_scorable
 from gyre.harness.sandbox import Environments, SandboxConfig
 from gyre.harness.tasks import load_suite
-from gyre.rollout import Rollout, RolloutSummary, print_summary
+from gyre.offline_rollout import Rollout, RolloutSummary, print_summary
 
 
 def image_only_suite(root, names):

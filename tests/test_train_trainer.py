@@ -8,7 +8,6 @@ import torch
 
 from gyre.config import TrainConfig
 from gyre.batch import expanded_batch
-from gyre.train.export import atomic_dir
 from gyre.train.toy import random_qwen2
 
 BACKENDS = ["embedded", "megatron"]
@@ -155,18 +154,6 @@ def test_checkpoint_resumes_identically(backend, tmp_path):
     assert_same(params(a), params(b))
     assert after_a["loss"] == after_b["loss"] and after_a["grad_norm"] == after_b["grad_norm"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary left behind
-
-
-def test_atomic_dir_keeps_old_state_on_failure(tmp_path):
-    target = tmp_path / "out"
-    with atomic_dir(target) as d:
-        (d / "f").write_text("old")
-    with pytest.raises(ZeroDivisionError):
-        with atomic_dir(target) as d:
-            (d / "f").write_text("new")
-            1 / 0
-    assert (target / "f").read_text() == "old"
-    assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gyre.config import GyreConfig, env, load_config
+from gyre.fsio import atomic_write_text
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 TEMPLATE = Path(__file__).resolve().parents[2] / "launchers" / "gyre.sbatch"
@@ -251,9 +252,7 @@ def prepare(config: str | None, overrides: list[str], environ: Mapping[str, str]
     record = {"job_id": alloc.job_id, "restart_count": alloc.restart_count, "at": time.time(),
               "head": alloc.head_nodes[0], "cells": [{"cell": i, "nodes": b, "rank_node": b[0]} for i, b in enumerate(blocks)],
               "gpus_per_node": alloc.gpus_per_node, "partitions": alloc.partitions, "resume": resume}
-    tmp = run_dir / "slurm.json.tmp"
-    tmp.write_text(json.dumps(record, indent=1))
-    tmp.replace(run_dir / "slurm.json")
+    atomic_write_text(run_dir / "slurm.json", json.dumps(record, indent=1), mode=0o644)
     gpus = alloc.gpus_per_node if alloc.gpus_per_node is not None else 0
     return {
         "GYRE_RUN_DIR": str(run_dir),

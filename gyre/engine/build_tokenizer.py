@@ -23,6 +23,8 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from gyre.fsio import atomic_write_text
+
 VOCAB_SIZE = 2048
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ADDED_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
@@ -144,9 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.out}: {'up to date' if same else 'DIFFERS from a fresh build'}")
         return 0 if same else 1
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(args.out)
+    atomic_write_text(args.out, text, mode=0o644)
     print(f"wrote {args.out} ({Tokenizer.from_str(text).get_vocab_size()} tokens)")
     return 0
 

@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gyre.config import default_tiny_dir, load_config
+    from gyre.config import EngineBackend, default_tiny_dir, load_config
 
     cfg = load_config(args.config, args.overrides)
     api_key = args.api_key
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
 
     host = args.host if args.host is not None else cfg.engine.host
     port = args.port if args.port is not None else cfg.engine.port
-    if cfg.engine.backend != "embedded":  # SGLang (or its stand-in), started through the one seam
+    if cfg.engine.backend != EngineBackend.EMBEDDED:  # SGLang (or its stand-in), started through the one seam
         from gyre.engine.launch import serve_cell_engine
 
         cfg.engine.host = host

@@ -288,12 +288,12 @@ def start_cell_engine(cfg, model_dir: str | os.PathLike, *, api_key: str | None,
     the engine does not come up (with the tail of its output) and ``ConfigError`` for settings that
     cannot work (e.g. a tensor-parallel size the node count does not divide).
     """
-    from gyre.config import ConfigError
+    from gyre.config import ConfigError, EngineBackend
 
     e = cfg.engine
     nodes = list(nodes) or ["localhost"]
     wildcard = e.host in ("0.0.0.0", "::", "")
-    if e.backend == "embedded":
+    if e.backend == EngineBackend.EMBEDDED:
         settings = [a for k in ("max_running_requests", "max_new_tokens_cap", "max_body_bytes", "pace")
                     for a in ("--set", f"engine.{k}={getattr(e, k)}")]  # the caller's config, not defaults
         proc = start_engine(model_dir, port=port, api_key=api_key, host=e.host,
@@ -306,7 +306,7 @@ def start_cell_engine(cfg, model_dir: str | os.PathLike, *, api_key: str | None,
         if wait:
             handle.wait_healthy(e.startup_timeout_s)
         return handle
-    if e.backend != "sglang":
+    if e.backend != EngineBackend.SGLANG:
         raise ConfigError(f"engine.backend: {e.backend!r} is not allowed; choose embedded or sglang")
 
     from gyre.engine.sglang_launch import SGLangSpec, srun_step

@@ -30,6 +30,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from gyre.engine.build_tokenizer import ADDED_TOKENS, ASSET as TOKENIZER_ASSET, SPECIAL_TOKENS
+from gyre.fsio import atomic_write_text
 
 NAME = "gyre-tiny-qwen"
 IDENTITY_FILE = "gyre_identity.json"
@@ -116,10 +117,7 @@ def compute_identity(model_dir: str | os.PathLike, name: str | None = None) -> d
 def write_identity(model_dir: str | os.PathLike, name: str | None = None) -> dict:
     """Compute and store ``gyre_identity.json`` (weight exporters call this after writing)."""
     ident = compute_identity(model_dir, name)
-    path = Path(model_dir) / IDENTITY_FILE
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(ident, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    atomic_write_text(Path(model_dir) / IDENTITY_FILE, json.dumps(ident, indent=1, sort_keys=True) + "\n", mode=0o644)
     return ident
 
 
@@ -179,7 +177,7 @@ def ensure_tiny_model(out_dir: str | os.PathLike, family: str = "qwen2") -> Path
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         _build(tmp, family)
-        try:
+        try:  # not fsio.atomic_dir: the first builder wins here (a cache, rebuilt if lost)
             tmp.rename(out_dir)
         except OSError:
             # Another process finished first (rename onto a non-empty dir fails): keep theirs.

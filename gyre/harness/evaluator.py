@@ -41,12 +41,13 @@ from gyre.harness.runtimes import Mount
 from gyre.harness.sparse_copy import CopyBudget
 from gyre.harness.sandbox import OUT, WORKSPACE, Environments, Placement, SandboxConfig, run_steps
 from gyre.harness.tasks import Task
+from gyre.traj.record import Status
 
 log = logging.getLogger(__name__)
 
 PACKAGING_FILES = scoring.PACKAGING_FILES
-SOURCES = {"done": "tests", "failed": "tests", "timeout": "tests-after-timeout",
-           "crashed": "tests-after-crash"}
+SOURCES = {Status.DONE: "tests", Status.FAILED: "tests", Status.TIMEOUT: "tests-after-timeout",
+           Status.CRASHED: "tests-after-crash"}
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected|warnings?)\b")
 _SUMMARY_END = re.compile(r"\bin \d+(?:\.\d+)?s\b")
@@ -345,7 +346,7 @@ def evaluate_workspace(task: Task, workspace: str | os.PathLike, status: str = "
             _overlay(cand, repo)
             notes.append("candidate laid over the image's /workspace")
         else:
-            cand.rename(repo)
+            cand.rename(repo)  # a scratch copy moved, nothing durable: no fsio
             _add_shipped_tests(task, repo, notes)
         with open(lp, "a", encoding="utf-8") as f:
             f.writelines(n + "\n" for n in notes)

@@ -9,12 +9,9 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-log = logging.getLogger("gyre.execute")
+from gyre.traj.record import FINISHED, Status
 
-FINISHED = ("done", "failed", "crashed", "timeout")  # statuses that end an execution for good
-# ended by Gyre, not by the harness: never scored, rerun on resume ("lost": the infrastructure
-# failed it before its harness ran, e.g. its workspace path was taken)
-NOT_FINISHED = ("stopped", "lost")
+log = logging.getLogger("gyre.execute")
 
 
 INFRA_PREFIX = "cannot start the harness"  # the runner's error when the sandbox or process could not start
@@ -43,19 +40,19 @@ async def run_and_evaluate(proxy, pool, evaluators, task, execution_id: str, gro
             status, workspace, error = result.status, result.workspace, result.error
             log_dir, start_failure = result.log_dir, result.start_failure
         except RuntimeError as e:  # the pool is stopping: this execution never started
-            status, workspace, error = "stopped", "", str(e)
+            status, workspace, error = Status.STOPPED, "", str(e)
         except Exception as e:  # e.g. a reused id whose workspace is kept: Gyre's failure, not the harness's
-            status, workspace, error = "lost", "", f"{type(e).__name__}: {e}"
-        infra = (start_failure or (status == "failed" and (error or "").startswith(INFRA_PREFIX))) \
+            status, workspace, error = Status.LOST, "", f"{type(e).__name__}: {e}"
+        infra = (start_failure or (status == Status.FAILED and (error or "").startswith(INFRA_PREFIX))) \
             and not proxy.by_id[execution_id].tree.calls
         if infra and getattr(pool, "broken", None):  # the sandbox fails again and again: the run stops
-            status = "lost"
+            status = Status.LOST
             break
         if not infra:
             break
         tries.append(error)
         if len(tries) > infra_retries:
-            status = "lost"
+            status = Status.LOST
             error = f"{error} (tried {len(tries)} times)"
             break
         own = f"{execution_id}.retry{len(tries)}"

@@ -31,8 +31,9 @@ from gyre.harness.sandbox import (LIB, SOCKET, TASK, WORKSPACE, Environments, Pr
                                   host_python, run_steps_async)
 from gyre.harness.runtimes import Mount
 from gyre.harness.tasks import Task
+from gyre.traj.record import Status
 
-STATUSES = ("done", "failed", "crashed", "timeout", "stopped")
+STATUSES = (Status.DONE, Status.FAILED, Status.CRASHED, Status.TIMEOUT, Status.STOPPED)  # a harness ends so
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 _PLACEHOLDER = re.compile(r"\{(prompt|prompt_file|workspace|task_dir|python|execution_id|base_url)\}")
 # Exit statuses a shell reports for a child killed by these signals (128 + N): still a crash.
@@ -138,7 +139,7 @@ def public_task_dir(run_dir: str | os.PathLike, task: Task) -> Path:
         for name in PUBLIC_TASK_FILES:
             if (task.dir / name).is_file():
                 shutil.copyfile(task.dir / name, tmp / name)
-        try:
+        try:  # not fsio.atomic_dir: the first copy wins (the same files; remade if lost)
             os.rename(tmp, dst)
         except OSError:  # another execution of the same task won the race
             shutil.rmtree(tmp, ignore_errors=True)
@@ -155,17 +156,17 @@ def expand_argv(command: Sequence[str], values: Mapping[str, str]) -> list[str]:
 def classify(returncode: int | None, we_signalled: str | None) -> tuple[str, str | None]:
     """(status, signal name) from how the process ended and whether we killed it."""
     if returncode is None:
-        return "failed", None
+        return Status.FAILED, None
     if returncode < 0:
         name = proc.signal_name(-returncode)
-        return (we_signalled, name) if we_signalled else ("crashed", name)
+        return (we_signalled, name) if we_signalled else (Status.CRASHED, name)
     if we_signalled:  # it caught our SIGTERM and exited by itself, or (through a sandbox) 128 + N
         return we_signalled, (proc.signal_name(returncode - 128) if returncode > 128 else None)
     if returncode == 0:
-        return "done", None
+        return Status.DONE, None
     if returncode > 128 and (returncode - 128) in {int(s) for s in _CRASH_SIGNALS}:
-        return "crashed", proc.signal_name(returncode - 128)
-    return "failed", None
+        return Status.CRASHED, proc.signal_name(returncode - 128)
+    return Status.FAILED, None
 
 
 class _Running:
@@ -243,7 +244,7 @@ class HarnessPool:
     def _count_start(self, res: ExecutionResult, logs: Path) -> None:
         """A harness that cannot start in its sandbox is the infrastructure's failure: named as
         such, and a few in a row stop the pool with the sandbox's own message."""
-        if res.status == "failed" and not res.start_failure and res.returncode not in (None, 0):
+        if res.status == Status.FAILED and not res.start_failure and res.returncode not in (None, 0):
             try:
                 with open(logs / "harness.stderr", "rb") as f:
                     m = _START_FAILURE.search(f.read(1 << 16))
@@ -302,7 +303,7 @@ class HarnessPool:
                 sink.start()
         except (OSError, ValueError, RuntimeError) as e:  # not found, argv too long, bad command, runtime set-up
             await self._cleanup(bridge, teardown, launch_env)
-            res = result("failed", error=f"cannot start the harness: {e}")
+            res = result(Status.FAILED, error=f"cannot start the harness: {e}")
             res.start_failure = True
             return res
         try:
@@ -360,16 +361,16 @@ class HarnessPool:
             try:
                 await asyncio.wait_for(asyncio.shield(process.wait()), lim.timeout_s)
             except asyncio.TimeoutError:
-                await run.terminate("timeout", lim.kill_grace_s)
+                await run.terminate(Status.TIMEOUT, lim.kill_grace_s)
             except asyncio.CancelledError:  # the caller gave up on it: leave nothing running
-                await asyncio.shield(run.terminate("stopped", lim.kill_grace_s))
+                await asyncio.shield(run.terminate(Status.STOPPED, lim.kill_grace_s))
                 raise
             rc = await process.wait()
             if watcher is not None:
                 watcher.cancel()
             proc.kill_group(process.pid, signal.SIGKILL)  # what it left running in its group
             status, sig = classify(rc, run.reason)
-            error = f"wall-clock limit of {lim.timeout_s:g}s reached" if status == "timeout" else run.limit_error
+            error = f"wall-clock limit of {lim.timeout_s:g}s reached" if status == Status.TIMEOUT else run.limit_error
             return result(status, rc, sig, error)
         finally:
             if watcher is not None:
@@ -389,7 +390,7 @@ class HarnessPool:
                 clock.walked(time.monotonic() - t0)
             if error is not None and run.process.returncode is None:
                 run.limit_error = error
-                await run.terminate("failed", 0.0)  # no grace: it is using what others need
+                await run.terminate(Status.FAILED, 0.0)  # no grace: it is using what others need
                 proc.kill_group(run.process.pid, signal.SIGKILL)
                 return
             await asyncio.sleep(lim.poll_s)
@@ -400,14 +401,14 @@ class HarnessPool:
         self._stopping = True
         grace = self.limits.kill_grace_s if grace_s is None else grace_s
         runs = list(self._running)
-        await asyncio.gather(*(r.terminate("stopped", grace) for r in runs))
+        await asyncio.gather(*(r.terminate(Status.STOPPED, grace) for r in runs))
         await asyncio.gather(*(r.done.wait() for r in runs))
 
     def kill_all_now(self) -> None:
         """SIGKILL every running execution's group, synchronously (for a signal handler or atexit)."""
         self._stopping = True
         for r in list(self._running):
-            r.reason = r.reason or "stopped"
+            r.reason = r.reason or Status.STOPPED
             proc.kill_group(r.process.pid, signal.SIGKILL)
 
 

@@ -9,6 +9,7 @@ coordinator core (`gyre.sched.core.Coordinator`: lifecycle of groups and steps, 
 
 from __future__ import annotations
 
+from gyre.config import Scheme
 from gyre.sched.admission import admissible, expired, pick, start_budget
 from gyre.sched.core import Coordinator, CoreSpec, GroupState, LagStats
 from gyre.sched.elastic import ElasticPolicy
@@ -18,7 +19,7 @@ from gyre.sched.policy import Hints, Policy
 from gyre.sched.state import (CellView, ClusterState, Decision, ExecView, GroupView, Role,
                               Switch)
 
-SCHEMES = ("E", "E-paper", "A", "C")
+SCHEMES = tuple(s.value for s in Scheme)
 
 
 def policy_from_config(cfg, cell_scale: float = 1.0) -> Policy:
@@ -34,13 +35,13 @@ def policy_from_config(cfg, cell_scale: float = 1.0) -> Policy:
 def make_policy(scheme: str, staleness: int = 0, hints: Hints | None = None,
                 rollout_cells: int = 1) -> Policy:
     """`rollout_cells` is the rollout pool of scheme A; the others ignore it."""
-    if scheme == "E":
+    if scheme == Scheme.E:
         return ElasticPolicy(staleness, hints)
-    if scheme == "E-paper":
+    if scheme == Scheme.E_PAPER:
         return ElasticPaperPolicy(staleness, hints)
-    if scheme == "A":
+    if scheme == Scheme.A:
         return AsyncPolicy(staleness, hints, rollout_cells)
-    if scheme == "C":
+    if scheme == Scheme.C:
         return ColocatePolicy(staleness, hints)
     raise ValueError(f"unknown scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
 

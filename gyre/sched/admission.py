@@ -19,10 +19,11 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
+from gyre.config import StalenessRule
 from gyre.sched.state import ClusterState, GroupView
 
 AdmissionKey = Callable[[GroupView], tuple]
-RULES = ("window", "count")
+RULES = tuple(r.value for r in StalenessRule)
 
 
 def sync_of(version: int, steps_per_sync: int = 1, base: int = 0) -> int:
@@ -35,16 +36,16 @@ def sync_lag(step: int, version: int, steps_per_sync: int = 1, base: int = 0) ->
 
 
 def admissible(step: int, version: int, staleness: int, steps_per_sync: int = 1, base: int = 0,
-               rule: str = "window") -> bool:
+               rule: StalenessRule = StalenessRule.WINDOW) -> bool:
     if version > step:  # never train a version before it exists
         return False
-    return rule == "count" or sync_lag(step, version, steps_per_sync, base) <= staleness
+    return rule == StalenessRule.COUNT or sync_lag(step, version, steps_per_sync, base) <= staleness
 
 
 def expired(step: int, version: int, staleness: int, steps_per_sync: int = 1, base: int = 0,
-            rule: str = "window") -> bool:
+            rule: StalenessRule = StalenessRule.WINDOW) -> bool:
     """True once step has moved past what this version may train in: record as not admitted."""
-    return rule == "window" and sync_lag(step, version, steps_per_sync, base) > staleness
+    return rule == StalenessRule.WINDOW and sync_lag(step, version, steps_per_sync, base) > staleness
 
 
 def window_budget(groups_per_step: int, staleness: int, groups_open: int, steps_per_sync: int = 1,
@@ -83,7 +84,8 @@ def oldest_version_key(g: GroupView) -> tuple:
 
 
 def pick(groups: Iterable[GroupView], step: int, staleness: int, room: int,
-         key: AdmissionKey, steps_per_sync: int = 1, base: int = 0, rule: str = "window") -> list[GroupView]:
+         key: AdmissionKey, steps_per_sync: int = 1, base: int = 0,
+         rule: StalenessRule = StalenessRule.WINDOW) -> list[GroupView]:
     """Up to `room` admissible groups for `step`, in the policy's admission order."""
     ok = [g for g in groups if admissible(step, g.version, staleness, steps_per_sync, base, rule)]
     ok.sort(key=key)

@@ -39,7 +39,7 @@ import traceback
 from pathlib import Path
 
 from gyre import faults
-from gyre.config import GyreConfig, env, load_config, trainer_config
+from gyre.config import EngineBackend, GyreConfig, env, load_config, trainer_config
 from gyre.fsio import atomic_write_json
 from gyre.sched import mpi_link
 from gyre.sched.protocol import (TAG_STORE, Command, Event, PrepareReduce, PushWeights, Reduce, Reply, Role, Stop,
@@ -338,8 +338,8 @@ class CellAgent:
             with timed(phases, "allreduce"):
                 info = self.trainer.reduce(c.step, members, attempt, on_wait=self._beat,
                                            timeout_s=c.timeout_s)
-            rep.group_form_ms, rep.group_cached = info["form_ms"], info["cached"]
-            rep.grad_norm = info["grad_norm_total"]
+            rep.group_form_ms, rep.group_cached = info.form_ms, info.cached
+            rep.grad_norm = info.grad_norm_total
         except TrainerDied as e:
             return fail(str(e), True)
         except TrainerError as e:  # another member died, or did not come
@@ -353,14 +353,14 @@ class CellAgent:
                 with timed(phases, "apply"):
                     stats = self.trainer.apply(c.step, on_wait=self._beat)
                 with timed(phases, "export"):
-                    rep.weights = self.trainer.export_weights(c.weights_dir, stats["step"], on_wait=self._beat)
+                    rep.weights = self.trainer.export_weights(c.weights_dir, stats.step, on_wait=self._beat)
                 with timed(phases, "checkpoint"):
                     rep.checkpoint = self.trainer.save_checkpoint(c.checkpoint_dir, on_wait=self._beat)
             except TrainerDied as e:
                 return fail(str(e), True)
             except TrainerError as e:
                 return fail(str(e), False)
-            rep.grad_norm = stats["grad_norm"]
+            rep.grad_norm = stats.grad_norm
             self.store.set(commit, "1")
         else:
             with timed(phases, "commit_wait"):
@@ -369,7 +369,7 @@ class CellAgent:
             if self.role is Role.TRAIN:
                 try:
                     with timed(phases, "apply"):
-                        rep.grad_norm = self.trainer.apply(c.step, on_wait=self._beat)["grad_norm"]
+                        rep.grad_norm = self.trainer.apply(c.step, on_wait=self._beat).grad_norm
                 except TrainerDied as e:  # the step is committed: the new trainer loads the leader's checkpoint
                     self._trainer_died(str(e), lose=False)
                     self._heard(c.step + 1, c.checkpoint_dir)
@@ -462,7 +462,7 @@ class CellAgent:
         slurm = self.slurm
         srun = None
         port = 0
-        if slurm is not None and self.cfg.engine.backend == "sglang":
+        if slurm is not None and self.cfg.engine.backend == EngineBackend.SGLANG:
             srun = list(slurm["srun"])
             port = self.cfg.engine.port + self.cell
         self.engine = start_cell_engine(self.cfg, self.model_dir, api_key=self.api_key,

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Hashable, Iterable
 
+from gyre.config import StalenessRule
 from gyre.sched.admission import (RULES, AdmissionKey, count_budget, expired, fifo_key, pick,
                                   sync_of, window_budget)
 from gyre.sched.state import CellView, ClusterState, ExecView, GroupView
@@ -73,7 +74,7 @@ class CoreSpec:
     groups_per_step: int          # Q
     group_size: int               # G
     staleness: int = 0            # k, in rollout syncs
-    staleness_rule: str = "window"
+    staleness_rule: StalenessRule = StalenessRule.WINDOW
     steps_per_sync: int = 1       # b: optimizer steps fed by one rollout round
     start_version: int = 0        # version at job start (a resumed job starts past 0)
     first_group: int = 0          # next group id (a resumed job never reuses ids)
@@ -86,6 +87,7 @@ class CoreSpec:
     def __post_init__(self) -> None:
         if self.staleness_rule not in RULES:
             raise ValueError(f"staleness_rule must be one of {RULES}, got {self.staleness_rule!r}")
+        object.__setattr__(self, "staleness_rule", StalenessRule(self.staleness_rule))  # a member from here on
         for name in ("groups_per_step", "group_size", "steps_per_sync"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -272,7 +274,7 @@ class Coordinator:
 
     def start_budget(self) -> int:
         s = self.spec
-        if s.staleness_rule == "count":
+        if s.staleness_rule == StalenessRule.COUNT:
             rule = count_budget(s.groups_per_round, s.staleness, self.rollout_sync,
                                 self.started - self.zero_variance_dropped)
         else:

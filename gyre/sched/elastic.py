@@ -19,6 +19,7 @@ The paper's own rule is kept as scheme "E-paper" (gyre/sched/elastic_paper.py).
 
 from __future__ import annotations
 
+from gyre.config import Scheme
 from gyre.sched.admission import oldest_version_key, start_budget
 from gyre.sched.fixed import ColocatePolicy
 from gyre.sched.policy import Hints, Policy, ceil_div, heading_counts, move
@@ -26,7 +27,7 @@ from gyre.sched.state import ClusterState, Decision, Role
 
 
 class ElasticPolicy(Policy):
-    scheme = "E"
+    scheme = Scheme.E
     admission_key = staticmethod(oldest_version_key)  # the order that drops fewest groups
 
     def __init__(self, staleness: int = 0, hints: Hints | None = None) -> None:

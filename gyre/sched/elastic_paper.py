@@ -12,13 +12,14 @@ of admitted training wait (docs/scheduling.md).
 
 from __future__ import annotations
 
+from gyre.config import Scheme
 from gyre.sched.admission import start_budget
 from gyre.sched.policy import Policy, ceil_div, heading_counts, move
 from gyre.sched.state import ClusterState, Decision, Role
 
 
 class ElasticPaperPolicy(Policy):
-    scheme = "E-paper"
+    scheme = Scheme.E_PAPER
 
     @property
     def label(self) -> str:

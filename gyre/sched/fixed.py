@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gyre.config import Scheme
 from gyre.sched.admission import oldest_version_key, start_budget
 from gyre.sched.policy import Hints, Policy
 from gyre.sched.state import ClusterState, Decision, Role, Switch
@@ -9,7 +10,7 @@ from gyre.sched.state import ClusterState, Decision, Role, Switch
 
 class AsyncPolicy(Policy):
     """A fixed rollout pool and a fixed training pool; nothing ever switches."""
-    scheme = "A"
+    scheme = Scheme.A
     admission_key = staticmethod(oldest_version_key)  # baselines get the order that drops least
 
     def __init__(self, staleness: int = 0, hints: Hints | None = None, rollout_cells: int = 1) -> None:
@@ -29,7 +30,7 @@ class AsyncPolicy(Policy):
 
 class ColocatePolicy(Policy):
     """All cells roll out until a step's batch is complete, then all cells train it."""
-    scheme = "C"
+    scheme = Scheme.C
     admission_key = staticmethod(oldest_version_key)
 
     def decide(self, state: ClusterState, now: float) -> Decision:

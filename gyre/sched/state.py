@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from gyre.config import StalenessRule
+
 
 class Role(str, Enum):
     ROLLOUT = "rollout"        # serves inference
@@ -62,7 +64,7 @@ class ClusterState:
     starts_blocked: bool = False  # the caller has no more work to start (end of the run)
     starts_allowed: int | None = None  # groups the staleness rule lets start now (None: window rule)
     steps_per_sync: int = 1      # optimizer steps per rollout round (weights pushed once per round)
-    staleness_rule: str = "window"  # "window" (hard lag bound) or "count" (AReaL's start bound)
+    staleness_rule: StalenessRule = StalenessRule.WINDOW  # "window" (hard lag bound) or "count" (AReaL's start bound)
     # The open step is full and all of its work is trained: only its optimizer step is left, and
     # that needs a trainer. True with no work at all when every execution of the step had zero
     # advantage (equal rewards): a policy that waits for work before training would wait forever.

@@ -21,7 +21,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from gyre.config import ConfigError
+from gyre.config import ConfigError, Scheme
 from gyre.sched import SCHEMES
 from gyre.sim.calibration import MEM_FRACTION, PRESETS, check_layout, preset
 from gyre.sim.cost_model import divisors
@@ -215,11 +215,11 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
 def run_one(s: Scenario) -> dict:
     """One sweep point as a plain row (module level so submitit can pickle it). Async runs at
     every split and reports its best; a point that cannot run says why."""
-    if s.scheme == "A" and s.cluster.cells < 2:
+    if s.scheme == Scheme.A and s.cluster.cells < 2:
         return {"label": f"A{s.staleness}", "scheme": "A", "staleness": s.staleness, "nodes": s.cluster.nodes,
                 "cells": s.cluster.cells, "cell_size": s.cluster.cell_nodes,
                 "skipped": f"async needs a rollout pool and a training pool; {s.cluster.cells} cell holds one"}
-    if s.scheme == "A":
+    if s.scheme == Scheme.A:
         r, by_split = best_async(s)
     else:
         r, by_split = s.run(), {}
@@ -230,7 +230,7 @@ def run_one(s: Scenario) -> dict:
                               "model_wait_share")} | {
         "label": r.label, "not_admitted": sum(r.not_admitted.values()),
         "gpu_hours": round(r.gpu_hours("rollout", "train", "switch", "idle"), 1),
-        "async_split": r.async_rollout_cells if s.scheme == "A" else None,
+        "async_split": r.async_rollout_cells if s.scheme == Scheme.A else None,
         "async_hours_by_split": {str(k): round(v, 3) for k, v in by_split.items()} or None}
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from gyre.config import Scheme
 from gyre.sched import Hints, Policy, make_policy
 from gyre.sim.calibration import KEEP_SOLO_SPEED, P122B, Preset, execs_per_cell, preset
 from gyre.sim.cost_model import ClusterModel
@@ -64,7 +65,7 @@ class Scenario:
                        steps_per_sync=self.steps_per_sync)
         r = simulate(self.policy(w), w, self.cluster, spec)
         r.preset = self.preset
-        r.async_rollout_cells = (self.async_rollout_cells or max(1, self.cluster.cells // 2)) if self.scheme == "A" else 0
+        r.async_rollout_cells = (self.async_rollout_cells or max(1, self.cluster.cells // 2)) if self.scheme == Scheme.A else 0
         return r
 
     def with_(self, **kw) -> "Scenario":
@@ -97,7 +98,7 @@ def compare(s: Scenario, workload: Workload | None = None, schemes: tuple[str, .
     w = workload or Workload.named(s.workload, s.seed)
     out: dict = {}
     for scheme in schemes:
-        if scheme == "A":
+        if scheme == Scheme.A:
             if s.cluster.cells < 2:
                 out["A_skipped"] = f"async needs >= 2 cells, the cluster has {s.cluster.cells}"
                 continue

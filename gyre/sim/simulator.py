@@ -41,7 +41,7 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from gyre.config import ConfigError
+from gyre.config import ConfigError, StalenessRule
 from gyre.events import (ROLLOUT, TRAIN, CellBusy, CellRoleChanged, Event, ExecutionDropped, ExecutionEvaluated,
                          ExecutionStarted, GroupDropped, GroupLag, RunEnded, RunStarted, RunStats, StepEnded,
                          WeightsPushed)
@@ -80,7 +80,7 @@ class SimSpec:
     def __post_init__(self) -> None:
         if self.steps < 1 or self.groups_per_step < 1 or self.segments < 1 or self.steps_per_sync < 1:
             raise ConfigError("steps, groups_per_step, segments and steps_per_sync must be >= 1")
-        if self.staleness_rule not in ("window", "count"):
+        if self.staleness_rule not in tuple(StalenessRule):
             raise ConfigError(f"staleness_rule must be 'window' or 'count', got {self.staleness_rule!r}")
         if self.tick_s <= 0:
             raise ConfigError(f"tick_s must be positive, got {self.tick_s}")
@@ -646,7 +646,7 @@ class Simulator:
         train_idle = sum(max(0.0, x["train_s"] - x["busy_train_s"]) for x in cells)
         c = self.c
         exact = self.p.staleness == 0 and self.s.steps_per_sync == 1
-        window = self.s.staleness_rule == "window"
+        window = self.s.staleness_rule == StalenessRule.WINDOW
         bound = lower_bound_trained(self.w, c, self.trained_by_step, arrival=exact, max_open=(
             self.s.steps_per_sync * self.s.groups_per_step * (self.p.staleness + 1) if window else 0))
         return SimResult(

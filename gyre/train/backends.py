@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Callable
 
-from gyre.config import TrainConfig
+from gyre.config import TrainBackend, TrainConfig
 from gyre.train.base import Trainer
 
 
@@ -26,9 +26,9 @@ def _megatron(cfg: TrainConfig, model_dir: str | os.PathLike, seed: int) -> Trai
     return MegatronTrainer(cfg, *load_hf_dir(model_dir), seed=seed)
 
 
-BACKENDS: dict[str, Callable[[TrainConfig, str | os.PathLike, int], Trainer]] = {
-    "embedded": _embedded,
-    "megatron": _megatron,
+BACKENDS: dict[TrainBackend, Callable[[TrainConfig, str | os.PathLike, int], Trainer]] = {
+    TrainBackend.EMBEDDED: _embedded,
+    TrainBackend.MEGATRON: _megatron,
 }
 
 

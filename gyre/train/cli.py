@@ -47,7 +47,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-FINISHED = ("done", "failed", "crashed", "timeout")  # as gyre.rollout / gyre.head
+from gyre.fsio import atomic_dir, atomic_write_text
+from gyre.traj.record import FINISHED
+
 # files of a transformers model directory that the engine needs besides the weights
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json")
@@ -201,12 +203,11 @@ def export_engine_dir(trainer, model_dir: Path, dest: Path, version: int) -> dic
     """Weights in the engine's layout plus the source's tokenizer files and a new identity,
     all in one atomic directory replacement; returns the new identity."""
     from gyre.engine.tiny_model import write_identity
-    from gyre.train.export import atomic_dir
 
     with atomic_dir(dest) as tmp:
         staged = Path(trainer.export_weights(tmp / "export", version))
         for f in staged.iterdir():
-            os.replace(f, tmp / f.name)
+            os.replace(f, tmp / f.name)  # within the directory atomic_dir publishes
         staged.rmdir()
         for name in TOKENIZER_FILES:
             if (model_dir / name).exists() and not (tmp / name).exists():
@@ -343,9 +344,7 @@ def train(args: argparse.Namespace) -> int:
         "policy_version_start": v0, "backend": cfg.train.backend, "layout": cfg.train.layout,
         "selection_k": spec.k, "weights": str(out_dir / "weights"), "checkpoint": str(ckpt),
     }
-    tmp = out_dir / "train.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=1, default=str) + "\n")
-    tmp.replace(out_dir / "train.json")
+    atomic_write_text(out_dir / "train.json", json.dumps(summary, indent=1, default=str) + "\n", mode=0o644)
     console.print(f"weights (engine layout, version {trainer.step}): {out_dir / 'weights'}  "
                   f"model_hash {new_ident['model_hash'][:16]}...\ncheckpoint: {ckpt}\n"
                   f"log: {out_dir / 'train.json'}")

@@ -1,12 +1,12 @@
-"""Atomic directory writes, and the transformers/SGLang weight layout the engines load.
+"""The transformers/SGLang weight layout the engines load, written as whole directories.
 
 A reader (an engine loading new weights, a resumed job) sees either the old directory or the
-complete new one: everything is written into a temporary sibling, fsynced, and renamed into place.
+complete new one: everything is written into a temporary sibling, fsynced, and renamed into place
+(gyre.fsio.atomic_dir / replace_dir).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -17,43 +17,10 @@ import torch
 from torch import Tensor
 
 from gyre.engine.checksums import write_checksums  # the manifest the engine verifies on load
-from gyre.fsio import fsync_path
+from gyre.fsio import atomic_dir, fsync_path, replace_dir
 
 WEIGHTS_FILE = "model.safetensors"
 VERSION_FILE = "gyre_weights.json"
-
-
-def _fsync_tree(root: Path) -> None:
-    for path in sorted(root.rglob("*")) + [root]:
-        fsync_path(path)
-
-
-def _replace_dir(tmp: Path, final: Path) -> None:
-    """Make the complete directory `tmp` durable and put it at `final` (rename cannot replace a
-    non-empty directory, so an old one is moved aside first and removed after)."""
-    _fsync_tree(tmp)
-    old = None
-    if final.exists():
-        old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(final, old)
-    os.replace(tmp, final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def atomic_dir(final: str | os.PathLike):
-    """Yield a temporary directory that replaces `final` only if the block completes."""
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(mode=0o700)
-    try:
-        yield tmp
-        _replace_dir(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def write_hf_weights(out_dir: str | os.PathLike, state: dict[str, Tensor], hf_config,
@@ -159,7 +126,7 @@ def export_pieces(state: dict[str, Tensor], hf_config, out_dir: str | os.PathLik
                          "weight_map": {k: piece_name(r, size) for r, ks in enumerate(names) for k in ks}}
                 (tmp / INDEX_FILE).write_text(json.dumps(index, indent=1, sort_keys=True))
             write_checksums(tmp)
-            _replace_dir(tmp, final)
+            replace_dir(tmp, final)
     except BaseException:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -3,7 +3,8 @@
 A cell's trainer is ``size`` of these processes, one per GPU slot (one per node on CPU), spread
 over the cell's nodes (an ``srun`` step under Slurm, local processes under ``gyre run``). They form
 the cell's torch.distributed world (gloo on CPU, NCCL on GPU) with Megatron-Core's parallel state
-inside it. Rank 0 connects back to the cell agent and receives its requests; every request is
+inside it. Rank 0 connects back to the cell agent and receives its requests (typed messages,
+gyre.train.messages, dispatched by type: ``Rank.HANDLERS``); every request is
 broadcast to all ranks, which all carry it out (forward/backward on their rows of the micro-batch,
 offload, restore, reduce, optimizer step, export and checkpoint), and rank 0 answers for the cell.
 
@@ -17,6 +18,7 @@ again; a rank that already applied that step only contributes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import socket
@@ -26,13 +28,15 @@ from multiprocessing.connection import Client
 from typing import Any, Callable
 
 from gyre import faults
+from gyre.config import TrainBackend, TrainConfig, env
+from gyre.train.messages import (Applied, Apply, Close, ExportWeights, ForwardBackward, Hostnames, LoadCheckpoint,
+                                 Offload, Reduce, Reduced, Reply, Request, Restore, SaveCheckpoint, Start, Started,
+                                 Stash, Stashed)
 
 CTRL_TIMEOUT = datetime.timedelta(days=30)   # ranks wait for the agent's next request this long
 
 
 def _env_int(*names: str) -> int | None:
-    from gyre.config import env
-
     for n in names:
         v = env(n)
         if v not in (None, ""):
@@ -73,31 +77,31 @@ def rows_of(mb, rank: int, size: int):
 
 
 class Rank:
-    """What every rank does for each request (all ranks call the same method in the same order)."""
+    """What every rank does for each request (all ranks call the same handler in the same order;
+    ``HANDLERS`` maps each request type to its handler)."""
 
-    def __init__(self, init: dict, *, cell: int, rank: int, size: int, store, incarnation: str) -> None:
+    def __init__(self, init: Start, *, cell: int, rank: int, size: int, store, incarnation: str) -> None:
         import torch
         import torch.distributed as dist
 
-        from gyre.config import TrainConfig
         from gyre.train.groups import CrossCellReducer
         from gyre.train.backends import make_trainer
 
         self.cell, self.rank, self.size, self.store = cell, rank, size, store
-        cfg = TrainConfig(**init["cfg"])
-        if cfg.backend == "megatron":
+        cfg = TrainConfig(**init.cfg)
+        if cfg.backend == TrainBackend.MEGATRON:
             from gyre.train.dist import init_megatron
 
             init_megatron(tensor_parallel=cfg.tensor_parallel, pipeline_parallel=cfg.pipeline_parallel,
-                          expert_parallel=cfg.expert_parallel, seed=init["seed"])
+                          expert_parallel=cfg.expert_parallel, seed=init.seed)
         elif cfg.tensor_parallel * cfg.pipeline_parallel * cfg.expert_parallel != 1:
             raise ValueError("train.tensor_parallel / pipeline_parallel / expert_parallel > 1 need "
                              "train.backend = \"megatron\"")
-        self.trainer = make_trainer(cfg, init["model_dir"], seed=init["seed"])
-        if init["checkpoint"]:
-            self.trainer.load_checkpoint(init["checkpoint"])
+        self.trainer = make_trainer(cfg, init.model_dir, seed=init.seed)
+        if init.checkpoint:
+            self.trainer.load_checkpoint(init.checkpoint)
         self.trainer.own_storage()  # so that offload can release what was loaded
-        if init["offloaded"]:
+        if init.offloaded:
             self.trainer.offload()
         self.dp_group, self.dp_rank, self.dp_size = self._data_parallel()
         self.device = self.trainer.device
@@ -112,7 +116,7 @@ class Rank:
     def _data_parallel(self):
         """The cell's data-parallel group of this rank (Megatron's, or the whole cell)."""
         dist = __import__("torch.distributed", fromlist=["x"])
-        if self.trainer.cfg.backend == "megatron":
+        if self.trainer.cfg.backend == TrainBackend.MEGATRON:
             from megatron.core import parallel_state as ps
 
             return ps.get_data_parallel_group(), ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
@@ -123,12 +127,12 @@ class Rank:
         if step > self.held_step:  # the held gradients of an older (committed) step are done with
             self.held, self.held_step = None, step
 
-    def forward_backward(self, wire: dict, step: int) -> dict | None:
+    def forward_backward(self, m: ForwardBackward) -> dict | None:
         from gyre.batch import from_wire
 
         faults.hit("trainer", "micro_batch")
-        self._new_step(step)
-        mb = rows_of(from_wire(wire), self.dp_rank, self.dp_size)
+        self._new_step(m.step)
+        mb = rows_of(from_wire(m.wire_mb), self.dp_rank, self.dp_size)
         return self.trainer.forward_backward(mb) if mb is not None else None
 
     def _local_grads(self):
@@ -137,22 +141,22 @@ class Rank:
         # the base implementation: this rank's own accumulated gradients, no reduction
         return Trainer.flat_grads(self.trainer)
 
-    def stash(self, step: int) -> dict:
+    def stash(self, m: Stash) -> Stashed:
         """Sum this step's gradients over the cell into ``held``; the trainer is then between steps."""
         faults.hit("trainer", "prepare_reduce")
-        return self._stash(step)
+        return self._stash(m.step)
 
-    def _stash(self, step: int) -> dict:
+    def _stash(self, step: int) -> Stashed:
         self._new_step(step)
         if self._any_work() == 0:  # collective: every rank takes the same branch
-            return {"held": self.held is not None}
+            return Stashed(held=self.held is not None)
         g = self._local_grads().to(self.device)
         if self.dp_size > 1:
             self._dist.all_reduce(g, group=self.dp_group)
         g = g.cpu()
         self.held = g if self.held is None else self.held + g
         self.trainer.clear_gradients()
-        return {"held": True}
+        return Stashed(held=True)
 
     def _any_work(self) -> int:
         """Micro-batch slices done since the last stash on any rank of the cell (collective)."""
@@ -163,13 +167,14 @@ class Rank:
             self._dist.all_reduce(n, group=self.ctrl)
         return int(n.item())
 
-    def reduce(self, step: int, members: list[int], attempt: int) -> dict:
+    def reduce(self, m: Reduce) -> Reduced:
         """Sum the held gradients over the member cells: shard ``dp_rank`` of the vector crosses
         cells among the ranks of the same coordinate, then the cell gathers the shards."""
         import torch
 
         from gyre.train.groups import shard_bounds
 
+        step, members, attempt = m.step, list(m.members), m.attempt
         faults.hit("trainer", "reduce")
         self._stash(step)  # a no-op after prepare_reduce
         n = self.trainer.num_grad_elements()
@@ -193,10 +198,11 @@ class Rank:
             self._dist.all_gather(pieces, total, group=self.dp_group)
             total = torch.cat(pieces)
         self.total, self.total_step = total.cpu(), step
-        return {"form_ms": res.form_ms, "cached": res.cached, "wait_ms": res.wait_ms,
-                "grad_norm_total": float(total.double().norm())}
+        return Reduced(form_ms=res.form_ms, cached=res.cached, wait_ms=res.wait_ms,
+                       grad_norm_total=float(total.double().norm()))
 
-    def apply(self, step: int) -> dict:
+    def apply(self, m: Apply) -> Applied:
+        step = m.step
         faults.hit("trainer", "optimizer_step")
         if self.total is None or self.total_step != step:
             raise RuntimeError(f"apply: no reduced gradients of step {step}")
@@ -205,31 +211,31 @@ class Rank:
         self.trainer.set_flat_grads(self.total.to(self.device))
         out = self.trainer.apply_gradients()
         self.total = None
-        return out
+        return Applied(step=out["step"], grad_norm=out["grad_norm"], stats=out)
 
-    def export_weights(self, out_dir: str, version) -> str:
+    def export_weights(self, m: ExportWeights) -> str:
         from gyre.train.export import export_pieces
 
         faults.hit("trainer", "export")
-        return str(export_pieces(self.trainer.hf_state_dict(), self.trainer.hf_config, out_dir, version,
+        return str(export_pieces(self.trainer.hf_state_dict(), self.trainer.hf_config, m.out_dir, m.version,
                                  rank=self.rank, size=self.size, barrier=self.barrier, broadcast=self.bcast))
 
-    def save_checkpoint(self, path: str) -> str:
+    def save_checkpoint(self, m: SaveCheckpoint) -> str:
         faults.hit("trainer", "checkpoint")
-        return str(self.trainer.save_checkpoint(path))
+        return str(self.trainer.save_checkpoint(m.path))
 
-    def load_checkpoint(self, path: str) -> None:
-        self.trainer.load_checkpoint(path)
+    def load_checkpoint(self, m: LoadCheckpoint) -> None:
+        self.trainer.load_checkpoint(m.path)
         self.trainer.own_storage()
         self.held, self.held_step, self.total = None, -1, None
 
-    def offload(self) -> dict:
+    def offload(self, m: Offload) -> dict:
         return self.trainer.offload()
 
-    def restore(self) -> dict:
+    def restore(self, m: Restore) -> dict:
         return self.trainer.restore()
 
-    def hostname(self) -> str:
+    def hostname(self, m: Hostnames) -> str:
         return socket.gethostname()
 
     # --- collectives of the control path --------------------------------------------------------
@@ -246,27 +252,44 @@ class Rank:
         self._dist.broadcast_object_list(box, src=0, group=self.ctrl)
         return box[0]
 
-    def handlers(self) -> dict[str, Callable]:
-        return {"forward_backward": self.forward_backward, "stash": self.stash, "reduce": self.reduce,
-                "apply": self.apply, "export_weights": self.export_weights,
-                "save_checkpoint": self.save_checkpoint, "load_checkpoint": self.load_checkpoint,
-                "offload": self.offload, "restore": self.restore, "hostname": self.hostname}
+    HANDLERS: dict[type[Request], Callable[[Rank, Any], Any]] = {
+        ForwardBackward: forward_backward, Stash: stash, Reduce: reduce, Apply: apply,
+        ExportWeights: export_weights, SaveCheckpoint: save_checkpoint, LoadCheckpoint: load_checkpoint,
+        Offload: offload, Restore: restore, Hostnames: hostname}
+
+    def handle(self, req: Any) -> Reply:
+        """This rank's answer to one request: the handler's value, or the error's text."""
+        return dispatch(self.HANDLERS, self, req)
 
 
-def combine(method: str, results: list[tuple[str, Any]]) -> tuple[str, Any]:
-    """Rank 0's answer for the cell from every rank's (status, value)."""
-    errors = [f"rank {i}: {v}" for i, (s, v) in enumerate(results) if s == "err"]
+def dispatch(handlers: dict, target: Any, req: Any) -> Reply:
+    """Run the handler of ``req``'s type on ``target``; an unknown type is an error reply."""
+    try:
+        handler = handlers.get(type(req))
+        if handler is None:
+            raise TypeError(f"unknown trainer request {req!r}; known: "
+                            f"{', '.join(sorted(t.__name__ for t in handlers))}")
+        return Reply(value=handler(target, req))
+    except Exception as e:  # noqa: BLE001 - the agent hears why
+        return Reply(error=f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}")
+
+
+def _merge_reduced(values: list[Reduced]) -> Reduced:
+    return dataclasses.replace(values[0], form_ms=max(v.form_ms for v in values), cached=all(v.cached for v in values))
+
+
+# how rank 0 makes the cell's answer from every rank's value; other requests: rank 0's own
+MERGE: dict[type, Callable[[list], Any]] = {ForwardBackward: merge_stats, Hostnames: list, Reduce: _merge_reduced}
+
+
+def combine(req: Request | None, results: list[Reply]) -> Reply:
+    """Rank 0's answer for the cell from every rank's reply (``req`` None: the start)."""
+    errors = [f"rank {i}: {r.error}" for i, r in enumerate(results) if not r.ok]
     if errors:
-        return "err", "; ".join(errors)
-    values = [v for _, v in results]
-    if method == "forward_backward":
-        return "ok", merge_stats(values)
-    if method == "hostname":
-        return "ok", values
-    if method == "reduce":
-        return "ok", {**values[0], "form_ms": max(v["form_ms"] for v in values),
-                      "cached": all(v["cached"] for v in values)}
-    return "ok", values[0]
+        return Reply(error="; ".join(errors))
+    values = [r.value for r in results]
+    merge = MERGE.get(type(req))
+    return Reply(value=merge(values) if merge is not None else values[0])
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -304,45 +327,38 @@ def serve(args: argparse.Namespace) -> int:
     try:
         r = Rank(init, cell=args.cell, rank=rank, size=size, store=store, incarnation=f"{args.cell}.{args.gen}")
         r.ctrl = ctrl
-        status: tuple[str, Any] = ("ok", {"num_grad_elements": r.trainer.num_grad_elements(), "ranks": size})
+        reply = Reply(value=Started(num_grad_elements=r.trainer.num_grad_elements(), ranks=size))
     except Exception as e:  # noqa: BLE001 - the agent hears why
-        r, status = None, ("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+        r, reply = None, Reply(error=f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
     if size > 1:
         gathered = [None] * size if rank == 0 else None
-        dist.gather_object(status, gathered, dst=0, group=ctrl)
-        status = combine("start", gathered) if rank == 0 else status
+        dist.gather_object(reply, gathered, dst=0, group=ctrl)
+        reply = combine(None, gathered) if rank == 0 else reply
     if rank == 0:
-        conn.send((status[0], status[1], r.trainer.step if r else None))
+        conn.send(dataclasses.replace(reply, step=r.trainer.step if r else None))
     if r is None:
         return 1
-    handlers = r.handlers()
     while True:
         if rank == 0:
             try:
                 req = conn.recv()
             except (EOFError, OSError):
-                req = ("close", ())
+                req = Close()
         else:
             req = None
         req = r.bcast(req)
-        method, rargs = req
-        if method == "close":
+        if isinstance(req, Close):
             return 0
-        try:
-            if method not in handlers:
-                raise ValueError(f"unknown trainer request {method!r}")
-            status = ("ok", handlers[method](*rargs))
-        except Exception as e:  # noqa: BLE001
-            status = ("err", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}")
+        reply = r.handle(req)
         if size > 1:
             gathered = [None] * size if rank == 0 else None
-            dist.gather_object(status, gathered, dst=0, group=ctrl)
+            dist.gather_object(reply, gathered, dst=0, group=ctrl)
             if rank == 0:
-                status = combine(method, gathered)
-        elif method in ("forward_backward", "hostname", "reduce"):
-            status = combine(method, [status])
+                reply = combine(req, gathered)
+        elif type(req) in MERGE:
+            reply = combine(req, [reply])
         if rank == 0:
-            conn.send((status[0], status[1], r.trainer.step))
+            conn.send(dataclasses.replace(reply, step=r.trainer.step))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,6 +26,9 @@ from multiprocessing.connection import Listener
 from typing import Any, Callable
 
 from gyre.config import TrainConfig
+from gyre.train.messages import (Applied, Apply, Close, ExportWeights, ForwardBackward, Hostnames, LoadCheckpoint,
+                                 Offload, Reduce, Reduced, Reply, Request, Restore, SaveCheckpoint, Start, Started,
+                                 Stash, Stashed)
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -81,8 +84,8 @@ class TrainerProcess:
             step = [*srun, f"--nodes={len(nodes)}", f"--ntasks={ranks}", f"--ntasks-per-node={ranks // len(nodes)}",
                     f"--nodelist={','.join(nodes)}", "--kill-on-bad-exit=1", "--cpu-bind=none"]
             self.procs = [subprocess.Popen(step + base, env=env, stdin=subprocess.DEVNULL, start_new_session=True)]
-        self._init = {"cfg": dataclasses.asdict(cfg), "model_dir": str(model_dir), "seed": seed,
-                      "offloaded": offloaded, "checkpoint": str(checkpoint) if checkpoint else None}
+        self._init = Start(cfg=dataclasses.asdict(cfg), model_dir=str(model_dir), seed=seed, offloaded=offloaded,
+                           checkpoint=str(checkpoint) if checkpoint else None)
         self._conn = None
         self.step: int | None = None  # the trainer's optimizer step = its policy version
         self.num_grad_elements = 0
@@ -125,44 +128,44 @@ class TrainerProcess:
             raise TrainerDied(f"trainer rank 0 of cell {self.cell} could not connect: {got}")
         self._conn = got
         self._conn.send(self._init)
-        info = self._receive("start", deadline - time.monotonic(), on_wait)
-        self.num_grad_elements = info["num_grad_elements"]
+        info: Started = self._receive(self._init, deadline - time.monotonic(), on_wait)
+        self.num_grad_elements = info.num_grad_elements
         self._ready = True
 
     # --- the cell trainer's requests ------------------------------------------------------------
     def forward_backward(self, wire_mb: dict, step: int = 0, **kw) -> dict:
         """One micro-batch (:func:`gyre.batch.to_wire` form), rows split over the ranks; its stats."""
-        return self._call("forward_backward", wire_mb, step, **kw)
+        return self.request(ForwardBackward(wire_mb, step), **kw)
 
-    def stash(self, step: int, **kw) -> dict:
+    def stash(self, step: int, **kw) -> Stashed:
         """Sum this step's gradients over the cell's ranks into the ranks' held vector."""
-        return self._call("stash", step, **kw)
+        return self.request(Stash(step), **kw)
 
-    def reduce(self, step: int, members: list[int], attempt: int, **kw) -> dict:
+    def reduce(self, step: int, members: list[int], attempt: int, **kw) -> Reduced:
         """Sum the held gradients over the member cells (cross-cell groups)."""
-        return self._call("reduce", step, sorted(members), attempt, **kw)
+        return self.request(Reduce(step, tuple(sorted(members)), attempt), **kw)
 
-    def apply(self, step: int, **kw) -> dict:
-        """The optimizer step with the last reduce's sum; returns step stats (``grad_norm``, ``step``)."""
-        return self._call("apply", step, **kw)
+    def apply(self, step: int, **kw) -> Applied:
+        """The optimizer step with the last reduce's sum (``step`` after it, ``grad_norm``)."""
+        return self.request(Apply(step), **kw)
 
     def offload(self, **kw) -> dict:
-        return self._call("offload", **kw)
+        return self.request(Offload(), **kw)
 
     def restore(self, **kw) -> dict:
-        return self._call("restore", **kw)
+        return self.request(Restore(), **kw)
 
     def save_checkpoint(self, path: str | os.PathLike, **kw) -> str:
-        return self._call("save_checkpoint", str(path), **kw)
+        return self.request(SaveCheckpoint(str(path)), **kw)
 
     def load_checkpoint(self, path: str | os.PathLike, **kw) -> None:
-        return self._call("load_checkpoint", str(path), **kw)
+        return self.request(LoadCheckpoint(str(path)), **kw)
 
     def export_weights(self, out_dir: str | os.PathLike, version: int | str, **kw) -> str:
-        return self._call("export_weights", str(out_dir), version, **kw)
+        return self.request(ExportWeights(str(out_dir), version), **kw)
 
     def hostnames(self, **kw) -> list[str]:
-        return self._call("hostname", **kw)
+        return self.request(Hostnames(), **kw)
 
     # --- lifecycle ------------------------------------------------------------------------------
     def kill(self) -> None:
@@ -188,7 +191,7 @@ class TrainerProcess:
         """Ask the ranks to exit; kill them if they do not within ``timeout_s``."""
         if self._conn is not None and not self._conn.closed and self.alive():
             try:
-                self._conn.send(("close", ()))
+                self._conn.send(Close())
                 for p in self.procs:
                     p.wait(timeout=timeout_s)
             except (OSError, subprocess.TimeoutExpired):
@@ -204,17 +207,21 @@ class TrainerProcess:
             pass
 
     # --- transport ------------------------------------------------------------------------------
-    def _call(self, method: str, *args, timeout_s: float | None = None,
-              on_wait: Callable[[], Any] | None = None) -> Any:
+    def request(self, msg: Request, *, timeout_s: float | None = None,
+                on_wait: Callable[[], Any] | None = None) -> Any:
+        """Send one request to the ranks and return its reply's value (see gyre.train.messages)."""
+        if not isinstance(msg, Request) or isinstance(msg, (Start, Close)):
+            raise TypeError(f"not a trainer request: {msg!r}")
         timeout_s = timeout_s or self.timeout_s
         self.wait_ready(timeout_s, on_wait)
         try:
-            self._conn.send((method, args))
+            self._conn.send(msg)
         except OSError:
-            raise self._died(method) from None
-        return self._receive(method, timeout_s, on_wait)
+            raise self._died(msg.name) from None
+        return self._receive(msg, timeout_s, on_wait)
 
-    def _receive(self, method: str, timeout_s: float, on_wait) -> Any:
+    def _receive(self, msg: Request, timeout_s: float, on_wait) -> Any:
+        method = msg.name
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
@@ -226,7 +233,7 @@ class TrainerProcess:
                                   f"{timeout_s:.0f} s; killed it")
             try:
                 if self._conn.poll(min(left, self.tick_s)):
-                    status, value, step = self._conn.recv()
+                    reply: Reply = self._conn.recv()
                     break
             except (EOFError, OSError):
                 raise self._died(method) from None
@@ -234,13 +241,13 @@ class TrainerProcess:
                 raise self._died(method)
             if on_wait is not None:
                 on_wait()
-        self.step = step
-        if status == "err":
-            if method == "start":
+        self.step = reply.step
+        if not reply.ok:
+            if isinstance(msg, Start):
                 self.kill()
-                raise TrainerDied(f"trainer of cell {self.cell} failed to start: {value}")
-            raise TrainerError(f"trainer {method} failed: {value}")
-        return value
+                raise TrainerDied(f"trainer of cell {self.cell} failed to start: {reply.error}")
+            raise TrainerError(f"trainer {method} failed: {reply.error}")
+        return reply.value
 
     def _died(self, method: str) -> TrainerDied:
         dead = [(i, p.poll()) for i, p in enumerate(self.procs) if p.poll() is not None]

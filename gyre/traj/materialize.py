@@ -128,8 +128,12 @@ def union_preorder(parent: np.ndarray, leaves: Sequence[int]) -> np.ndarray:
 
 
 def prepare_step(records: Sequence[ExecutionRecord], spec: SelectionSpec, *, step_version: int,
-                 estimator: str = "grpo", eps: float = 1e-6) -> StepBatch:
+                 estimator: str = "grpo", eps: float = 1e-6, step_executions: int | None = None) -> StepBatch:
     """Select trajectories and fix advantages, weights and staleness for one training step.
+
+    ``step_executions``: how many executions the whole step trains, when ``records`` are only
+    part of it (the head materializes a step group by group as groups are admitted); by default
+    the kept records are the whole step.
 
     Group baselines use every record given (grouped by (task, group)), including ones that end up
     with no target token; those are returned in ``skipped`` and do not count in the step's
@@ -158,8 +162,9 @@ def prepare_step(records: Sequence[ExecutionRecord], spec: SelectionSpec, *, ste
                             else "selected trajectories hold no target token"))
             continue
         kept.append(sel)
+    n_step = step_executions or len(kept)
     for sel in kept:
-        sel.weight = 1.0 / sel.n_targets / len(kept)
+        sel.weight = 1.0 / sel.n_targets / n_step
     return StepBatch(kept, skipped)
 
 

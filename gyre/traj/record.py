@@ -3,12 +3,29 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from gyre.traj.tree import TrajectoryTree
 
-# status: how the harness ended ("stopped": by Gyre; "lost": Gyre failed it before it ran);
+
+class Status(StrEnum):
+    """How an execution ended (each member is its own string: shards and ledgers hold the word)."""
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    CRASHED = "crashed"
+    TIMEOUT = "timeout"
+    STOPPED = "stopped"      # by Gyre (preemption, the run's end): never scored, rerun on resume
+    LOST = "lost"            # Gyre failed it before its harness ran (e.g. its sandbox did not start)
+
+
+STATUSES = tuple(s.value for s in Status)
+# ended by the harness, for good: these are scored
+FINISHED = (Status.DONE, Status.FAILED, Status.CRASHED, Status.TIMEOUT)
+# ended by Gyre, not by the harness: never scored, rerun on resume
+NOT_FINISHED = (Status.STOPPED, Status.LOST)
+
 # reward_source: how the evaluator scored what it left behind
-STATUSES = ("running", "done", "failed", "crashed", "timeout", "stopped", "lost")
 
 
 @dataclass
@@ -16,7 +33,7 @@ class ExecutionRecord:
     execution_id: str
     task: str
     group: int = 0                 # executions of one query share a group (GRPO baseline)
-    status: str = "running"
+    status: str = Status.RUNNING     # a Status (or its word, as read back from a shard)
     reward: float = float("nan")
     reward_source: str = ""        # tests | tests-after-timeout | tests-after-crash | unscorable | ...
     passed: int = 0

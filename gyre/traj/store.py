@@ -32,7 +32,7 @@ import numpy as np
 
 import gyre
 from gyre import faults
-from gyre.fsio import fsync_path
+from gyre.fsio import atomic_open, atomic_path, fsync_path
 from gyre.traj.record import ExecutionRecord
 from gyre.traj.tree import CallRecord, Node, TrajectoryTree
 
@@ -268,7 +268,7 @@ class ShardWriter:
             digests = {name: pool.submit(digest, arr) for name, arr in data.items()}
             chunks = {name: pool.submit(_deflate_chunks, data[name], self._table_rows(data[name]))
                       for name in TABLES}
-            try:
+            with atomic_path(final, mode=0o600, tmp=tmp):
                 with h5py.File(tmp, "w", locking=self.locking) as f:
                     for name in DATASETS:
                         deflated = None if name in BULK else chunks[name].result()
@@ -278,13 +278,6 @@ class ShardWriter:
                     f.attrs.update(extra_attrs or {})
                     f.attrs.update({f"sha256_{k}": v.result() for k, v in digests.items()})
                     f.flush()
-                os.chmod(tmp, 0o600)
-                fsync_path(tmp)
-                os.replace(tmp, final)
-                fsync_path(self.dir)
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise
         return final
 
     @staticmethod
@@ -555,21 +548,13 @@ def export_trace(paths: str | os.PathLike | Iterable[str | os.PathLike], out_csv
                  on_error: Callable[[ShardError], None] | None = None) -> int:
     """Write a simulator workload trace (TRACE_COLUMNS); ``tokens`` = unique tokens of the
     execution's tree (what tree-layout training processes). Returns the number of rows."""
-    out = Path(out_csv)
-    tmp = out.with_name(out.name + ".tmp")
     n = 0
-    fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600)
-    try:
-        with os.fdopen(fd, "w", newline="") as fh:
-            w = csv.writer(fh)
-            w.writerow(TRACE_COLUMNS)
-            for r in iter_executions(paths, on_error=on_error):
-                tokens = int(sum(len(nd.tokens) for nd in r.tree.nodes))
-                w.writerow([r.execution_id, r.task, r.group, f"{r.t_end - r.t_start:.3f}",
-                            len(r.tree.calls), tokens])
-                n += 1
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_open(out_csv, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(TRACE_COLUMNS)
+        for r in iter_executions(paths, on_error=on_error):
+            tokens = int(sum(len(nd.tokens) for nd in r.tree.nodes))
+            w.writerow([r.execution_id, r.task, r.group, f"{r.t_end - r.t_start:.3f}",
+                        len(r.tree.calls), tokens])
+            n += 1
     return n

@@ -1,7 +1,8 @@
-"""`gyre rollout`: run G executions per task of a suite through the proxy, evaluate, write shards.
+"""`gyre rollout`, the offline rollout command: run G executions per task of a suite through the proxy, evaluate, write shards.
 
-One process plays the head on one machine: it starts M engine endpoints (``engine.backend``),
-the router and the proxy, then runs the harness pool. Each finished execution is ended at the
+One process plays the head on one machine: it starts M engine endpoints (``engine.backend``)
+and the rollout service over them (gyre.services.rollout: router, proxy, harness pool, evaluator
+pool, shard writer, the same object the head uses). Each finished execution is ended at the
 proxy (its key revoked, its tree handed over), scored from its workspace off the critical path,
 and written as its own small shard before it counts as done (a SIGKILL loses at most the
 executions still running); the small shards are compacted at the end. Ctrl-C / SIGTERM stops the
@@ -29,9 +30,16 @@ from pathlib import Path
 
 from gyre import faults
 from gyre.config import GyreConfig, default_tiny_dir, load_config
-from gyre.harness.execute import (FINISHED, check_scorable, read_tasks, run_and_evaluate,  # noqa: F401 (re-exported)
-                                  select_tasks)
+from gyre.engine.launch import start_cell_engine
+from gyre.engine.reaper import ProcessList, reap
+from gyre.engine.tiny_model import ensure_tiny_model, model_identity
+from gyre.harness.execute import check_scorable, read_tasks, select_tasks
+from gyre.harness.runner import private_dir
+from gyre.harness.sandbox import Environments, SandboxConfig
 from gyre.proxy.replay import REPLAY_ENDPOINT
+from gyre.services.rollout import RolloutService
+from gyre.traj.record import FINISHED, Status
+from gyre.traj.store import iter_executions, shard_paths
 
 _ATTEMPT = re.compile(r"^(?P<base>.+)-a(?P<n>\d+)$")
 
@@ -106,8 +114,6 @@ def plan(tasks, group_size: int, previous: dict[str, tuple[str, int]], used: dic
 def previous_executions(shard_dir: Path, replays: dict | None = None) -> dict[str, tuple[str, int]]:
     """Base id -> (status, attempt) of the latest attempt already in shards. ``replays``, if
     given, gets base id -> tree for each whose latest attempt was stopped with calls recorded."""
-    from gyre.traj.store import iter_executions
-
     seen: dict[str, tuple[str, int]] = {}
     if not shard_dir.exists():
         return seen
@@ -116,7 +122,7 @@ def previous_executions(shard_dir: Path, replays: dict | None = None) -> dict[st
         if base not in seen or n >= seen[base][1]:
             seen[base] = (rec.status, n)
             if replays is not None:
-                if rec.status == "stopped" and rec.tree.calls:
+                if rec.status == Status.STOPPED and rec.tree.calls:
                     replays[base] = rec.tree
                 else:
                     replays.pop(base, None)
@@ -153,16 +159,6 @@ class Rollout:
         self._stop.set()
 
     async def run(self, resume: bool = False) -> RolloutSummary:
-        from gyre.engine.launch import start_cell_engine
-        from gyre.engine.router import Router
-        from gyre.engine.tiny_model import ensure_tiny_model, load_tokenizer, model_identity
-        from gyre.harness.evaluator import EvaluatorPool
-        from gyre.harness.runner import HarnessPool, private_dir
-        from gyre.harness.sandbox import Environments, SandboxConfig
-        from gyre.engine.reaper import ProcessList, reap
-        from gyre.proxy.server import Proxy, create_app, proxy_options, start_site
-        from gyre.traj.store import ShardWriter, compact, shard_identity, shard_paths
-
         cfg, t0 = self.cfg, time.monotonic()
         suite = read_tasks(cfg)  # before anything is created: a bad suite is the user's first message
         tasks = select_tasks(suite.tasks, cfg.harness.tasks)
@@ -185,8 +181,7 @@ class Rollout:
         todo, self.summary.skipped_resume = plan(tasks, cfg.harness.group_size, previous, used_attempts(run_dir),
                                                  replays)
         model_dir = Path(cfg.model.path or ensure_tiny_model(default_tiny_dir(cfg), cfg.model.tiny_family))
-        identity = model_identity(model_dir)
-        writer = ShardWriter.from_config(cfg.store, shard_dir, shard_identity(identity))
+        service = RolloutService(cfg, envs, model_dir, model_identity(model_dir), shard_dir)
         engine_key = secrets.token_urlsafe(24)  # the job's secret: engines accept nothing else
         pids = ProcessList(run_dir, "rollout")
 
@@ -197,31 +192,22 @@ class Rollout:
             for i in range(cfg.engine.endpoints):
                 engines.append(stack.enter_context(start_cell_engine(cfg, model_dir, api_key=engine_key)))
                 pids.add(f"engine{i}", engines[-1].pids, engines[-1].key_file)
-            router = Router([e.url for e in engines], api_key=engine_key, timeout_s=cfg.engine.request_timeout_s)
-            proxy = Proxy(router, load_tokenizer(model_dir), identity=identity,
-                          default_max_tokens=cfg.proxy.default_max_tokens, max_tokens_cap=cfg.proxy.max_tokens_cap,
-                          max_executions=cfg.proxy.max_executions, **proxy_options(cfg.proxy, model_dir))
-            runner, port = await start_site(create_app(proxy, admin_key=secrets.token_urlsafe(24),
-                                                       max_body_bytes=cfg.proxy.max_body_bytes),
-                                            cfg.proxy.host, cfg.proxy.port)
-            base_url = f"http://{cfg.proxy.host}:{port}/v1"
-            self.router, self.proxy = router, proxy
+            await service.start([e.url for e in engines], engine_key=engine_key)
+            self.router, self.proxy = service.router, service.proxy
             self.started.set()
-            pool = HarnessPool.from_config(cfg, environments=envs)
-            evaluators = EvaluatorPool.from_config(cfg, envs)
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, self._stop.set)
             bar = self._bar(len(todo))
             try:
-                jobs = [asyncio.create_task(self._one(p, proxy, pool, evaluators, base_url, writer, bar)) for p in todo]
+                jobs = [asyncio.create_task(self._one(p, service, bar)) for p in todo]
                 stopper = asyncio.create_task(self._stop.wait())
                 pending = set(jobs)
-                while pending and not self._stop.is_set() and not pool.broken:
+                while pending and not self._stop.is_set() and not service.broken:
                     _, pending = await asyncio.wait(pending | {stopper}, return_when=asyncio.FIRST_COMPLETED)
                     pending.discard(stopper)
-                if self._stop.is_set() or pool.broken:
-                    await pool.stop_all()
+                if self._stop.is_set() or service.broken:
+                    await service.stop_harnesses()
                 await asyncio.gather(*jobs, return_exceptions=True)
                 stopper.cancel()
             finally:
@@ -229,21 +215,18 @@ class Rollout:
                     loop.remove_signal_handler(sig)
                 if bar is not None:
                     bar.close()
-                evaluators.shutdown(wait=True)
-                await runner.cleanup()
-                await router.close()
-        compact(writer, cfg.store.executions_per_shard)  # the per-execution shards, merged
+                await service.close()
+        service.compact()  # the per-execution shards, merged
         self.summary.shards = [str(q) for q in shard_paths(shard_dir)]
         self.summary.seconds = time.monotonic() - t0
-        self.summary.broken = pool.broken
+        self.summary.broken = service.broken
         return self.summary
 
-    async def _one(self, p: Planned, proxy, pool, evaluators, base_url: str, writer, bar) -> None:
+    async def _one(self, p: Planned, service: RolloutService, bar) -> None:
         # one query = one group of G executions
-        rec = await run_and_evaluate(proxy, pool, evaluators, p.task, p.execution_id, 0, base_url, replay=p.replay,
-                                     infra_retries=self.cfg.harness.infra_retries)
+        rec = await service.execute(p.task, p.execution_id, 0, replay=p.replay)
         faults.hit("rollout", "execution_ended")
-        writer.write([rec])  # durable before it counts: a SIGKILL from here on loses nothing of it
+        service.record([rec])  # durable before it counts: a SIGKILL from here on loses nothing of it
         faults.hit("rollout", "execution_recorded")
         if p.replay is not None:
             self.summary.resumed += 1
@@ -300,7 +283,7 @@ def print_summary(s: RolloutSummary, cfg: GyreConfig) -> None:
             ("official score: passed tests", f"{_mean(s.official_passed):.1f} per execution"),
             ("reward mean / std", f"{_mean(s.rewards):.3f} / {spread:.3f}  (scored executions only)"),
             ("reward by source", ", ".join(f"{k} {_mean(v):.3f} (n={len(v)})" for k, v in sorted(s.by_source.items())) or "-"),
-            ("timeouts", s.executions.get("timeout", 0)),
+            ("timeouts", s.executions.get(Status.TIMEOUT, 0)),
             ("unscorable", f"{s.unscorable}" + "".join(f"\n  {n} x {why}" for why, n in sorted(s.unscorable_reasons.items()))),
             ("skipped (resume)", s.skipped_resume),
             ("resumed by replay", f"{s.resumed} ({s.replayed_calls} calls replayed, {s.diverged} diverged)"),

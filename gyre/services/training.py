@@ -1,0 +1,192 @@
+"""Training dispatch: from ended executions to an applied optimizer step.
+
+It keeps an ended execution's full record (its tree) only until its group is materialized or
+dropped (memory stays flat over a run: the record is already durable in its shard), turns the
+groups the coordinator core assigns to the open step into micro-batches, hands them to idle train
+cells (work goes by progress: whoever is free takes the next), requeues what a dying trainer
+lost, and runs the step's two-phase reduce (prepare: who holds what; reduce: apply everywhere or
+nowhere). Which groups train when is the core's decision, never this module's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import statistics
+from dataclasses import dataclass
+from typing import Callable
+
+from gyre.batch import to_wire
+from gyre.events import MicroBatchDone
+from gyre.sched.cells import Cell
+from gyre.sched.core import Coordinator, GroupRecord
+from gyre.sched.protocol import PrepareReduceReply, ReduceReply
+from gyre.sched.state import Role
+from gyre.traj.materialize import materialize, prepare_step
+from gyre.train.step_stats import merge, summarize
+
+
+@dataclass
+class Reduced:
+    """A step whose reduce every participant applied."""
+    participants: list[Cell]
+    replies: list[ReduceReply]
+    seconds: float
+
+    @property
+    def grad_norm(self) -> float | None:
+        return next((r.grad_norm for r in self.replies if r.grad_norm is not None), None)
+
+
+class TrainingDispatch:
+    def __init__(self, cfg, fleet, *, emit: Callable, clock: Callable[[], float], spawn: Callable,
+                 notice: Callable[[str, dict], None] = lambda kind, info: None):
+        self.cfg, self.fleet, self.emit, self.clock, self.spawn = cfg, fleet, emit, clock, spawn
+        self.notice = notice                            # (kind, info): something the report should list
+        self.core: Coordinator | None = None
+        self.selection = None                           # gyre.traj.select.SelectionSpec, set at start-up
+        self.records: dict[str, object] = {}            # execution id -> ExecutionRecord (durable already)
+        self.batches: dict[int, dict] = {}              # micro-batch id -> wire dict, until its step closes
+        self.admitted: dict[int, list] = {}             # group id -> [(execution id, staleness)]
+        self.mb_ids = itertools.count()
+
+    # ---- records -------------------------------------------------------------------------------
+    def hold(self, rec) -> None:
+        """An ended execution's record (its shard is durable): kept until its group materializes."""
+        self.records[rec.execution_id] = rec
+
+    def release(self, eids) -> None:
+        for eid in eids:
+            self.records.pop(eid, None)
+
+    # ---- materialization -----------------------------------------------------------------------
+    def materialize(self, g: GroupRecord, ledger) -> None:
+        """A group the core assigned to the open step becomes micro-batches; what cannot train gets
+        its ledger line (``ledger``: gyre.services.ledger.Ledger) with the reason."""
+        adv = self.cfg.train.advantage
+        usable = [self.records[eid] for eid, e in g.executions.items() if e.usable]
+        for eid, e in g.executions.items():
+            if not e.usable:
+                ledger.line(eid, g, admitted=False, reason=ledger.why_not(eid))
+        if len(usable) == 1 and adv != "reward":  # no baseline: no signal, zero advantage
+            ledger.line(usable[0].execution_id, g, admitted=False,
+                        reason=f"the only evaluated member of its group of {len(g.executions)}: "
+                               f"a group baseline ({adv}) needs at least 2")
+            return
+        if not usable:
+            return
+        # weights are per step: every execution of the step counts equally, whichever group it is in
+        batch = prepare_step(usable, self.selection, step_version=g.step, estimator=adv,
+                             step_executions=self.cfg.run.groups_per_step * self.cfg.harness.group_size)
+        admitted = self.admitted.setdefault(g.id, [])
+        for sel in batch.executions:
+            admitted.append((sel.record.execution_id, sel.staleness))
+        for eid, reason in batch.skipped:
+            ledger.line(eid, g, admitted=False, reason=reason)
+        if batch.executions:
+            work = {}
+            for mb in materialize(batch.executions, layout=self.cfg.train.layout,
+                                  micro_batch_tokens=self.cfg.train.micro_batch_tokens, temperature=1.0):
+                mid = next(self.mb_ids)
+                self.batches[mid] = to_wire(mb)
+                work[mid] = float(mb.input_ids.numel())
+            self.core.microbatches_added(g.id, work)
+
+    # ---- micro-batches to train cells ----------------------------------------------------------
+    def dispatch(self) -> None:
+        """Every idle train cell takes the next queued micro-batch."""
+        for cell in self.fleet:
+            if cell.role is Role.TRAIN and cell.mb_in_flight is None and not self.fleet.busy(cell):
+                mid = self.core.next_microbatch()
+                if mid is None:
+                    return
+                cell.mb_in_flight = mid
+                self.spawn(self.train(cell, mid))
+
+    async def train(self, cell: Cell, mid: int) -> None:
+        t = self.clock()
+        step = self.core.step.index
+        rep = await self.fleet.train(cell, step, mid, self.batches[mid])
+        cell.mb_in_flight = None
+        now = self.clock()
+        cell.busy_intervals.append((t, now))
+        stats = rep.stats if rep.ok else {}
+        self.emit(MicroBatchDone(t, now, cell.id, mid, step, rep.ok, stats))
+        if rep.ok:
+            self.core.microbatch_trained(mid)
+            cell.step_mbs.add(mid)
+        else:  # its trainer died: this micro-batch and the ones it held go back to the queue
+            self.requeue(cell, (set(rep.lost) & cell.step_mbs) | {mid})
+
+    def requeue(self, cell: Cell, lost: set[int]) -> None:
+        cell.step_mbs.difference_update(lost)
+        self.core.microbatches_lost(sorted(lost))
+
+    @staticmethod
+    def lost_at_prepare(cell: Cell, rep: PrepareReduceReply) -> set[int]:
+        """Micro-batches whose gradients this cell no longer holds. The agent reports every
+        micro-batch it lost in the step, again at each prepare_reduce; one already requeued (and
+        trained again, maybe on another cell) must not be requeued again, or the step never
+        ends and its gradient would count twice. So what it says it *holds* decides."""
+        if rep.ok:
+            return cell.step_mbs - set(rep.mb_ids)
+        return set(rep.lost) & cell.step_mbs
+
+    # ---- the step's reduce ---------------------------------------------------------------------
+    async def reduce(self, index: int) -> Reduced | None | str:
+        """Prepare and reduce step ``index`` over every cell that holds its gradients.
+
+        Returns `Reduced` when every participant applied it; None when it must be tried again
+        (no trainer yet, or gradients were lost and are recomputed: the next tick retries); a
+        message when the reduce failed after some cell may have applied it (replicas may now
+        disagree: the run stops)."""
+        cells = [c for c in self.fleet if c.role is not Role.FAILED and (c.step_mbs or c.role is Role.TRAIN)]
+        if not any(c.role is Role.TRAIN for c in cells):
+            return None  # no trainer to apply the step: wait for the policy to bring one
+        reps = await asyncio.gather(*(self.fleet.prepare_reduce(c, index) for c in cells))
+        lost = False
+        for c, r in zip(cells, reps):
+            gone = self.lost_at_prepare(c, r)
+            if gone or not r.ok:
+                self.requeue(c, gone)
+                lost = True
+        if lost:
+            return None  # lost gradients are recomputed; the next tick finishes the step again
+        leader = min((c for c in cells if c.role is Role.TRAIN), key=lambda c: c.id)
+        t = self.clock()
+        reps = await asyncio.gather(*(self.fleet.reduce(c, index, cells, leader, index + 1) for c in cells))
+        bad = [f"cell {r.cell}: {r.error.splitlines()[0] if r.error else 'failed'}" for r in reps if not r.ok]
+        if bad and all(r.ok or r.retry for r in reps):
+            # no cell applied the step (a trainer died before the commit): hand the lost
+            # micro-batches out again; the next tick reduces again
+            for c, r in zip(cells, reps):
+                self.requeue(c, set(r.lost) & c.step_mbs)
+            self.notice("reduce_retry", {"step": index, "why": bad})
+            return None
+        if bad:
+            return f"step {index}: reduce failed: {'; '.join(bad)}"
+        return Reduced(cells, list(reps), self.clock() - t)
+
+    def step_figures(self, stats: list[dict], replaced: int, groups: int) -> tuple[dict, dict]:
+        """(the step row's extra figures, the merged mismatch summary) of a step's micro-batches:
+        off-policy weights, train/inference mismatch, MoE aux loss, replaced groups."""
+        merged = merge(stats, parallel=False)
+        mismatch = summarize(merged)
+        extra = {
+            # the loss of a GRPO step is ~0 by construction; what moves is the surrogate's scale
+            "loss_per_target": merged["loss"] / merged["targets"] if merged.get("targets") else None,
+            "is_weight_mean": merged.get("is_weight_mean"), "clip_frac": merged.get("clip_frac"),
+            "replaced_zero_variance": replaced,
+            "replaced_share": replaced / (replaced + groups) if groups else 0.0,
+            **mismatch}
+        aux = [x["moe_aux_loss"] for x in stats if x.get("moe_aux_loss") is not None]
+        if aux:  # MoE models: the load-balancing loss, mean over the step's micro-batches
+            extra["moe_aux_loss"] = statistics.fmean(aux)
+        return extra, mismatch
+
+    def step_closed(self, microbatches) -> None:
+        """The step is written down: its payloads go (the next step may already be training)."""
+        for c in self.fleet:
+            c.step_mbs.difference_update(microbatches)
+        for m in microbatches:
+            self.batches.pop(m, None)

@@ -1,0 +1,144 @@
+"""The messages between a cell's agent (gyre.train.worker) and its trainer ranks (gyre.train.rank).
+
+One small dataclass per request, carrying its arguments as fields, and one per reply that a
+caller reads fields of. They travel pickled over the ``multiprocessing.connection`` pipe between
+the agent and rank 0 and over the cell's ``broadcast_object_list`` to the other ranks, so every
+field is a plain picklable value (a micro-batch in its :func:`gyre.batch.to_wire` form). The rank
+side dispatches on the request's type (``Rank.HANDLERS``); ``name`` is what errors and timeouts
+call the request, the same words the pipe used when it carried method names.
+
+Free-form statistics (a micro-batch's merged stats, offload/restore timings) stay dicts: their
+keys are the trainer's and go on unread into replies and logs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+# --- requests (agent -> ranks) -----------------------------------------------------------------
+@dataclass(frozen=True)
+class Request:
+    name: ClassVar[str] = "request"
+
+
+@dataclass(frozen=True)
+class Start(Request):
+    """The first message to rank 0: what every rank builds its trainer from."""
+    name: ClassVar[str] = "start"
+    cfg: dict                    # dataclasses.asdict(TrainConfig)
+    model_dir: str
+    seed: int = 0
+    offloaded: bool = False
+    checkpoint: str | None = None
+
+
+@dataclass(frozen=True)
+class ForwardBackward(Request):
+    """One micro-batch, its rows split over the cell's data-parallel ranks."""
+    name: ClassVar[str] = "forward_backward"
+    wire_mb: dict
+    step: int = 0
+
+
+@dataclass(frozen=True)
+class Stash(Request):
+    """Sum this step's gradients over the cell's ranks into the ranks' held vector."""
+    name: ClassVar[str] = "stash"
+    step: int
+
+
+@dataclass(frozen=True)
+class Reduce(Request):
+    """Sum the held gradients over the member cells (cross-cell groups)."""
+    name: ClassVar[str] = "reduce"
+    step: int
+    members: tuple[int, ...]     # sorted cell ids
+    attempt: int
+
+
+@dataclass(frozen=True)
+class Apply(Request):
+    """The optimizer step with the last reduce's sum."""
+    name: ClassVar[str] = "apply"
+    step: int
+
+
+@dataclass(frozen=True)
+class Offload(Request):
+    name: ClassVar[str] = "offload"
+
+
+@dataclass(frozen=True)
+class Restore(Request):
+    name: ClassVar[str] = "restore"
+
+
+@dataclass(frozen=True)
+class SaveCheckpoint(Request):
+    name: ClassVar[str] = "save_checkpoint"
+    path: str
+
+
+@dataclass(frozen=True)
+class LoadCheckpoint(Request):
+    name: ClassVar[str] = "load_checkpoint"
+    path: str
+
+
+@dataclass(frozen=True)
+class ExportWeights(Request):
+    name: ClassVar[str] = "export_weights"
+    out_dir: str
+    version: int | str
+
+
+@dataclass(frozen=True)
+class Hostnames(Request):
+    name: ClassVar[str] = "hostname"
+
+
+@dataclass(frozen=True)
+class Close(Request):
+    """The ranks exit (also what rank 0 makes of a closed pipe)."""
+    name: ClassVar[str] = "close"
+
+
+# --- replies (ranks -> agent) ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Started:
+    num_grad_elements: int
+    ranks: int
+
+
+@dataclass(frozen=True)
+class Stashed:
+    held: bool                   # the ranks hold gradients of the step
+
+
+@dataclass(frozen=True)
+class Reduced:
+    form_ms: float               # forming the cross-cell group (0 when cached); the cell's slowest rank
+    cached: bool                 # every rank found the membership's group formed already
+    wait_ms: float
+    grad_norm_total: float       # norm of the summed gradients
+
+
+@dataclass(frozen=True)
+class Applied:
+    step: int                    # the trainer's step (= policy version) after the update
+    grad_norm: float
+    stats: dict = field(default_factory=dict)  # the whole step's statistics (gyre.train.base)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One answer on the pipe: a value or an error's text, and the trainer's step after it."""
+    value: Any = None
+    error: str | None = None
+    step: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
