@@ -33,10 +33,13 @@ sys.path.insert(0, str(REPO))
 from gyre.config import GyreConfig  # noqa: E402
 from gyre.head import Head  # noqa: E402
 from gyre.sched.core import Coordinator, CoreSpec  # noqa: E402
+from gyre.sched.protocol import ReduceReply, TrainReply  # noqa: E402
 from gyre.sched.state import Role  # noqa: E402
+from gyre.services.fleet import WeightPaths  # noqa: E402
+from gyre.services.rollout import RolloutService  # noqa: E402
+from gyre.services.training import Reduced  # noqa: E402
 from gyre.traj.record import ExecutionRecord  # noqa: E402
 from gyre.traj.select import SelectionSpec  # noqa: E402
-from gyre.traj.store import ShardWriter, shard_identity  # noqa: E402
 from gyre.traj.tree import Segment, TrajectoryTree  # noqa: E402
 
 STEPS, Q, G, CALLS, TOKENS = 40, 4, 4, 8, 2048
@@ -62,16 +65,6 @@ def toy_record(eid: str, gid: int, member: int, version: int, endpoint: str, t: 
 
 
 def run(keep_records: bool) -> dict:
-    from gyre.config import GyreConfig
-    from gyre.head import Head
-    from gyre.sched.core import Coordinator, CoreSpec
-    from gyre.sched.protocol import ReduceReply, TrainReply
-    from gyre.sched.state import Role
-    from gyre.services.fleet import WeightPaths
-    from gyre.services.rollout import RolloutService
-    from gyre.services.training import Reduced
-    from gyre.traj.select import SelectionSpec
-
     tmp = Path(tempfile.mkdtemp(prefix="gyre-rss-"))
     cfg = GyreConfig()
     cfg.run.dir, cfg.run.steps, cfg.run.groups_per_step, cfg.harness.group_size = str(tmp), STEPS, Q, G
