@@ -11,6 +11,8 @@ import argparse
 import importlib
 import sys
 
+from gyre.config import ConfigError
+
 # name -> (module[:prefix], one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("gyre.engine.cli", "serve a model over SGLang's RL HTTP subset (embedded engine)"),
@@ -43,7 +45,6 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 0 if args.command is None else 2
-    from gyre.config import ConfigError
 
     try:
         return int(args._run(args) or 0)

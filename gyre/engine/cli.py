@@ -19,6 +19,10 @@ import signal
 import sys
 from pathlib import Path
 
+from gyre.config import ConfigError, EngineBackend, default_tiny_dir, load_config
+from gyre.fsio import atomic_write_text
+from gyre.model.tiny import ensure_tiny_model
+
 KEY_FILE_MARKER = "GYRE_ENGINE_KEY_FILE"
 
 
@@ -47,7 +51,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gyre.config import EngineBackend, default_tiny_dir, load_config
 
     cfg = load_config(args.config, args.overrides)
     api_key = args.api_key
@@ -78,7 +81,6 @@ def run(args: argparse.Namespace) -> int:
             return 2
     model = args.model or cfg.model.path
     if not model:
-        from gyre.model.tiny import ensure_tiny_model
 
         model = ensure_tiny_model(default_tiny_dir(cfg), cfg.model.tiny_family)
 
@@ -129,14 +131,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _default_key_file(cfg) -> Path:
-    from gyre.config import default_tiny_dir
 
     return default_tiny_dir(cfg).parent / "engine-keys" / f"engine-{os.getpid()}-{secrets.token_hex(4)}.key"
 
 
 def _write_private(path: Path, text: str) -> None:
     """Create ``path`` readable by its owner only (never briefly world-readable)."""
-    from gyre.fsio import atomic_write_text
 
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     atomic_write_text(path, text + "\n", mode=0o600)
@@ -145,7 +145,6 @@ def _write_private(path: Path, text: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gyre engine", description=__doc__.splitlines()[0])
     add_arguments(p)
-    from gyre.config import ConfigError
 
     try:
         return run(p.parse_args(argv))

@@ -37,9 +37,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gyre.harness import proc, scoring
+from gyre.harness.runner import workspace_path
 from gyre.harness.runtimes import Mount
-from gyre.harness.sparse_copy import CopyBudget
 from gyre.harness.sandbox import OUT, WORKSPACE, Environments, Placement, SandboxConfig, run_steps
+from gyre.harness.sparse_copy import CopyBudget
 from gyre.harness.tasks import Task
 from gyre.traj.record import Status
 
@@ -413,7 +414,6 @@ def own_workspace_error(workspace: str | os.PathLike, root: Path | None, executi
     if not ws.is_absolute():
         return f"workspace {str(workspace)!r} is relative: it would be resolved against the evaluator's directory"
     if root is not None and execution_id is not None:
-        from gyre.harness.runner import workspace_path
 
         want = workspace_path(root.parent, execution_id)
         if os.path.realpath(ws) != os.path.realpath(want):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+from gyre.config import ConfigError
+from gyre.harness.tasks import read_suite
 from gyre.traj.record import FINISHED, Status
 
 log = logging.getLogger("gyre.execute")
@@ -78,7 +80,6 @@ def check_scorable(tasks: list, envs, min_share: float = 0.5) -> dict[str, str]:
     """Say it before running: the tasks that cannot be scored here, name -> reason. A suite with
     no scorable task is refused (a ConfigError naming the reasons: minutes of rollouts would end
     in ``reward nan`` and nothing to train); under `min_share` scorable, a warning."""
-    from gyre.config import ConfigError
 
     unscorable = {}
     for t in tasks:
@@ -103,7 +104,6 @@ def check_scorable(tasks: list, envs, min_share: float = 0.5) -> dict[str, str]:
 def read_tasks(cfg):
     """The configured suite (``harness.suite``, ``strict_suite``, ``image_template``): the Suite
     (its tasks and the broken folders skipped). Errors are ConfigErrors naming task and file."""
-    from gyre.harness.tasks import read_suite
 
     h = cfg.harness
     return read_suite(h.suite, strict=h.strict_suite, image_template=h.image_template)
@@ -121,7 +121,6 @@ def select_tasks(tasks: list, names: list[str]) -> list:
     known = {t.name for t in tasks}
     unknown = [n for n in names if n not in known]
     if unknown:
-        from gyre.config import ConfigError
         raise ConfigError(f"harness.tasks: {unknown} not in the suite; available: {', '.join(sorted(known))}")
     return [t for t in tasks if t.name in names]
 

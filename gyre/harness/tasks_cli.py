@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import argparse
 
+from gyre.config import load_config
+from gyre.harness.sandbox import Environments, SandboxConfig, UnsandboxedWarning
+from gyre.harness.tasks import read_suite
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("suite", nargs="?", help="'builtin', 'learnable', a folder of tasks, or the NL2RepoBench "
@@ -25,9 +29,6 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from gyre.config import load_config
-    from gyre.harness.sandbox import Environments, SandboxConfig, UnsandboxedWarning
-    from gyre.harness.tasks import read_suite
 
     cfg = load_config(args.config, args.overrides)
     h = cfg.harness

@@ -34,13 +34,16 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from gyre.engine.client import EngineError
 from gyre.engine.router import RouterError
+from gyre.model.chat_template import ChatTemplate, conformance
+from gyre.model.parsers import parse
 from gyre.proxy.capture import (ExecutionSession, PreparedCall, Renderer, new_api_key,
                                 prepare_call, record_call, wire_ids)
-from gyre.proxy.chat import (DEFAULT_TOOL_SYSTEM, Message, MessageError, parse_messages, parse_output,
-                             validate_tools)
+from gyre.proxy.chat import (DEFAULT_TOOL_SYSTEM, Message, MessageError, ParsedOutput, ToolCall, canonical_arguments,
+                             parse_messages, parse_output, strip_end_tokens, validate_tools)
 from gyre.proxy.params import CallParams, RequestError, check_depth, forced_prefix, parse_params
 from gyre.proxy.replay import Replay
 from gyre.proxy.streaming import ContentStream, ReasoningStream
+from gyre.proxy.template_capture import prepare_call_template
 from gyre.proxy.token_safety import check_names, template_tokens
 from gyre.traj.record import ExecutionRecord
 from gyre.traj.tree import TrajectoryTree
@@ -122,7 +125,6 @@ def proxy_options(proxy_cfg, model_dir) -> dict:
     template is loaded, and refused with a clear error, here)."""
     if proxy_cfg.chat_template != "model":
         return {}
-    from gyre.model.chat_template import ChatTemplate
 
     template = ChatTemplate.from_dir(model_dir)
     if template is None:
@@ -147,7 +149,6 @@ class Proxy:
         self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
         self.template_conformance: dict | None = None
         if chat_template is not None:
-            from gyre.model.chat_template import conformance
 
             self.template_conformance = conformance(chat_template)
             if not self.template_conformance["append_only"]:
@@ -238,7 +239,6 @@ class Proxy:
         p = parse_params(body, tools, self.default_max_tokens, self.max_tokens_cap)
         if self.template is not None:
             # the model's own template renders tools with or without a system turn, as it does
-            from gyre.proxy.template_capture import prepare_call_template
 
             prepared = prepare_call_template(self.renderer, self.template, sess, messages, tools, self.history)
         else:
@@ -329,8 +329,6 @@ class Proxy:
 
     def _parse_named(self, text: str, tools_on: bool):
         """The configured tool-call and reasoning parsers, as the built-in path's ParsedOutput."""
-        from gyre.model.parsers import parse
-        from gyre.proxy.chat import ParsedOutput, ToolCall, canonical_arguments, strip_end_tokens
 
         out = parse(strip_end_tokens(text), self.tool_parser, self.reasoning_parser, tools_enabled=tools_on)
         calls = [ToolCall(t.name, canonical_arguments(t.arguments, "output")) for t in out.tool_calls]
