@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, ClassVar
 
 from gyre.sched.state import Role  # the one role type, head and agents
@@ -29,7 +30,16 @@ TAG_REPLY = 12
 TAG_EVENT = 13
 TAG_STORE = 14  # agent of cell 0 -> the other agents: where the job's trainer store listens
 
-EVENTS = ("hello", "heartbeat", "engine_restarted", "trainer_restarted", "fatal")
+class EventKind(StrEnum):
+    """What an agent tells the head unasked (a StrEnum: logs and reports keep the same words)."""
+    HELLO = "hello"                          # its engine serves: engine_url, hostname
+    HEARTBEAT = "heartbeat"
+    ENGINE_RESTARTED = "engine_restarted"    # engine_url of the new engine
+    TRAINER_RESTARTED = "trainer_restarted"
+    FATAL = "fatal"                          # the agent cannot go on
+
+
+EVENTS = tuple(EventKind)
 
 _seq = itertools.count(1)
 
@@ -204,10 +214,11 @@ def reply_for(cmd: Command, cell: int, **fields) -> Reply:
 @dataclass
 class Event:
     cell: int
-    kind: str
+    kind: EventKind
     info: dict[str, Any] = field(default_factory=dict)
     t: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.kind not in EVENTS:
+        if self.kind not in EVENTS:  # checked once, where the agent builds it
             raise ValueError(f"unknown event {self.kind!r}; known: {', '.join(EVENTS)}")
+        self.kind = EventKind(self.kind)

@@ -16,8 +16,8 @@ from typing import Callable
 from gyre.events import CellRoleChanged
 from gyre.fsio import atomic_write_json
 from gyre.sched.cells import Cell
-from gyre.sched.protocol import (Command, Event, PrepareReduce, PushWeights, Reduce, Reply, Stop, ToRollout, ToTrain,
-                                 Train, reply_for)
+from gyre.sched.protocol import (Command, Event, EventKind, PrepareReduce, PushWeights, Reduce, Reply, Stop,
+                                 ToRollout, ToTrain, Train, reply_for)
 from gyre.sched.state import Role
 
 
@@ -88,19 +88,19 @@ class CellFleet:
             cell = self.cells[msg.cell]
             cell.last_seen = now
             self.info[cell.id] = {**self.info.get(cell.id, {}), **msg.info}
-            if msg.kind not in ("heartbeat", "hello"):
-                self.events.append({"t": now - self.t0, "cell": cell.id, "kind": msg.kind, "info": msg.info})
-            if msg.kind == "hello":
+            if msg.kind not in (EventKind.HEARTBEAT, EventKind.HELLO):
+                self.events.append({"t": now - self.t0, "cell": cell.id, "kind": msg.kind.value, "info": msg.info})
+            if msg.kind is EventKind.HELLO:
                 cell.engine_url, cell.hostname = msg.info["engine_url"], msg.info.get("hostname", "")
                 cell.since = now
                 if all(c.engine_url for c in self.cells):
                     self._hello.set()
-            elif msg.kind == "engine_restarted":
+            elif msg.kind is EventKind.ENGINE_RESTARTED:
                 old, cell.engine_url = cell.engine_url, msg.info["engine_url"]
                 cell.old_urls.append(old)
                 if self.on_engine_restarted is not None:
                     self.on_engine_restarted(cell, old)
-            elif msg.kind == "fatal":
+            elif msg.kind is EventKind.FATAL:
                 self.fail(cell, f"cell {cell.id}: {msg.info}", now)
 
     async def wait_hello(self, timeout_s: float) -> None:
