@@ -196,8 +196,6 @@ class Head:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
         t1 = self.clock()
-        for c in self.cells:
-            c.close(t1)
         self._emit(RunEnded(t1, stopped))
         self.metrics.close()
         await asyncio.gather(*(self.fleet.stop(c) for c in self.cells))

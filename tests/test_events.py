@@ -3,8 +3,8 @@
 The head is driven through its real handlers (core, ledger, HDF5 shards, materializer; only the
 cell agents and harnesses are absent), and what the events give is checked against what the head
 computed before the events existed: step rows from the core's step results and the records, lag
-from `Coordinator.lag_stats`, per-cell time from `sched.cells.cell_stats` over the calls read back
-from the shards."""
+from `Coordinator.lag_stats`, per-cell time from the old cell book's own logs (`cell_stats`, kept
+here as the oracle) over the calls read back from the shards."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import pytest
 from gyre.events import (CallRecorded, CellBusy, CellRoleChanged, ExecutionDropped, ExecutionEvaluated,
                          ExecutionStarted, GroupLag, MicroBatchDone, RunEnded, RunStarted, RunStats, StepEnded,
                          WeightsPushed, bucket_seconds, summarise)
-from gyre.sched.cells import Cell, cell_stats
+from gyre.sched.cells import Cell
 from gyre.sched.core import Coordinator, CoreSpec
 from gyre.sched.state import Role
 from gyre.sched.protocol import ReduceReply
@@ -30,9 +30,73 @@ from gyre.services.training import Reduced
 from replay_head import NOTHING_REDUCED, head_for_replay, set_clock
 
 
+class LoggedCell(Cell):
+    """The cell book as it was before the events: it logs its own role intervals and training
+    work, the independent record `cell_stats` (the old computation, kept here as the oracle) reads."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.intervals: list[tuple[str, float, float]] = []
+        self.busy_intervals: list[tuple[float, float]] = []
+        self.switches = 0
+
+    def set_role(self, role: Role, now: float) -> None:
+        if role is self.role:
+            return
+        self.intervals.append((self.role.value, self.since, now))
+        if role in (Role.TO_TRAIN, Role.TO_ROLLOUT):
+            self.switches += 1
+        self.role, self.since = role, now
+
+    def close(self, now: float) -> None:
+        self.intervals.append((self.role.value, self.since, now))
+        self.since = now
+
+
+def cell_stats(cell: Cell, t0: float, t1: float, rollout_busy: list[tuple[float, float]]) -> dict:
+    """Seconds in each role, switching, and idle (a settled cell with no work) over [t0, t1]."""
+    role_s = {r.value: 0.0 for r in Role}
+    for role, a, b in cell.intervals:
+        a, b = max(a, t0), min(b, t1)
+        if b > a:
+            role_s[role] += b - a
+    busy_train = _overlap(cell.busy_intervals, [(a, b) for r, a, b in cell.intervals if r == "train"])
+    busy_roll = _overlap(rollout_busy, [(a, b) for r, a, b in cell.intervals if r == "rollout"])
+    switching = role_s["to_train"] + role_s["to_rollout"]
+    wall = t1 - t0
+    idle = max(0.0, role_s["train"] - busy_train) + max(0.0, role_s["rollout"] - busy_roll)
+    return {"cell": cell.id, "hostname": cell.hostname, "wall_s": wall, "rollout_s": role_s["rollout"],
+            "train_s": role_s["train"], "switching_s": switching, "failed_s": role_s["failed"],
+            "busy_rollout_s": busy_roll, "busy_train_s": busy_train, "idle_s": idle,
+            "switches": cell.switches, "utilisation": (busy_roll + busy_train) / wall if wall > 0 else 0.0}
+
+
+def _overlap(work: list[tuple[float, float]], windows: list[tuple[float, float]]) -> float:
+    total = 0.0
+    for a, b in _merge(work):
+        for c, d in windows:
+            lo, hi = max(a, c), min(b, d)
+            if hi > lo:
+                total += hi - lo
+    return total
+
+
+def _merge(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(iv):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
 def make_head(tmp_path, spec: CoreSpec, per_shard: int = 1, clock=None):
-    return head_for_replay(tmp_path, spec, per_shard=per_shard, engine_urls=True,
-                           **({"clock": clock} if clock else {}))
+    head = head_for_replay(tmp_path, spec, per_shard=per_shard, **({"clock": clock} if clock else {}))
+    head.fleet.cells = [LoggedCell(i, i + 1) for i in range(len(head.cells))]
+    for c in head.cells:
+        c.engine_url = f"http://engine{c.id}"
+    return head
 
 
 def record(eid: str, gid: int, member: int, version: int, t: float, endpoint: str, status: str = "done",
@@ -91,6 +155,7 @@ def play(head, steps: int, rng: random.Random, monkeypatch, t0: float = 1000.0):
 
             async def train(cell, step, mid, batch, _loss=loss):
                 clock.now += 2.0
+                cell.busy_intervals.append((clock.now - 2.0, clock.now))  # the oracle's own record
                 return train_reply(loss=_loss)
 
             head.fleet.train = train
@@ -184,7 +249,7 @@ def test_cell_time_adds_up_and_matches_the_cell_book_on_random_histories():
     rng = random.Random(3)
     for _ in range(30):
         t0, now = 100.0, 100.0
-        cell, ev = Cell(0, 1), [RunStarted(100.0, 1), CellRoleChanged(100.0, 0, "rollout")]
+        cell, ev = LoggedCell(0, 1), [RunStarted(100.0, 1), CellRoleChanged(100.0, 0, "rollout")]
         cell.since = t0
         calls, train = [], []
         for _ in range(rng.randint(1, 8)):

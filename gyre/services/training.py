@@ -109,7 +109,6 @@ class TrainingDispatch:
         rep = await self.fleet.train(cell, step, mid, self.batches[mid])
         cell.mb_in_flight = None
         now = self.clock()
-        cell.busy_intervals.append((t, now))
         stats = rep.stats if rep.ok else {}
         self.emit(MicroBatchDone(t, now, cell.id, mid, step, rep.ok, stats))
         if rep.ok:
