@@ -7,7 +7,7 @@
   agent-side phase medians (drain, release, restore; stash, offload, resume). Goal < 100 ms.
 - ``head_rss_mb_step5``, ``head_rss_mb_step40``, ``head_rss_growth`` (goal < 10%): the head's RSS
   over a 40-step toy run (benchmarks/head_memory.py: the head's own handlers with toy executions,
-  each variant in a fresh process; ``head_rss`` holds the details and the records-kept baseline).
+  each variant in a fresh process; the other ``head_rss_*`` keys hold the details and the records-kept baseline).
 - ``sim_gap``: the simulator, given the rates measured in the E run (execution trace from its
   shards with calls, output tokens, context and tool time; a serving replica fitted to the
   per-token decode time against the calls in flight per rollout cell; training tokens/s, switch

@@ -116,14 +116,15 @@ def measure() -> dict:
     return {"head_rss_mb_step5": round(f["step5"], 1), "head_rss_mb_step40": round(f["step40"], 1),
             "head_rss_growth": round(f["step40"] / f["step5"] - 1, 4),
             "head_rss_goal_growth": 0.10,
-            "head_rss": {"steps": STEPS, "executions_per_step": Q * G, "tokens_per_execution": TOKENS + 64,
-                         "records_in_memory_step40": f["records_step40"],
-                         "head_rss_mb_step5_records_kept": round(k["step5"], 1),
-                         "head_rss_mb_step40_records_kept": round(k["step40"], 1),
-                         "records_in_memory_step40_records_kept": k["records_step40"],
-                         "method": "the head's handlers driven in-process with toy executions (no cell agents or "
-                                   "harnesses; benchmarks/head_memory.py); VmRSS after gc, each variant in a "
-                                   "fresh process; records_kept: the head before records were released"}}
+            "head_rss_steps": STEPS, "head_rss_executions_per_step": Q * G,
+            "head_rss_tokens_per_execution": TOKENS + 64,
+            "head_rss_records_in_memory_step40": f["records_step40"],
+            "head_rss_mb_step5_records_kept": round(k["step5"], 1),
+            "head_rss_mb_step40_records_kept": round(k["step40"], 1),
+            "head_rss_records_in_memory_step40_records_kept": k["records_step40"],
+            "head_rss_method": "the head's handlers driven in-process with toy executions (no cell agents or "
+                               "harnesses; benchmarks/head_memory.py); VmRSS after gc, each variant in a fresh "
+                               "process; records_kept: the head before records were released"}
 
 
 if __name__ == "__main__":  # one variant, in this fresh process (measure() starts it)
