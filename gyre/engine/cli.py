@@ -87,19 +87,19 @@ def run(args: argparse.Namespace) -> int:
     host = args.host if args.host is not None else cfg.engine.host
     port = args.port if args.port is not None else cfg.engine.port
     if cfg.engine.backend != EngineBackend.EMBEDDED:  # SGLang (or its stand-in), started through the one seam
-        from gyre.engine.launch import serve_cell_engine
+        from gyre.engine.launch import serve_cell_engine  # the serving stack loads only when it serves
 
         cfg.engine.host = host
         return serve_cell_engine(cfg, model, api_key=api_key, port=port, weight_version=args.weight_version)
 
     import torch
 
-    from gyre.engine.runtime import Engine
-    from gyre.engine.server import serve
+    from gyre.engine.runtime import Engine  # numpy model and aiohttp server: only when serving
+    from gyre.engine.server import serve  # as above
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    from gyre.engine.qwen import ModelFormatError
+    from gyre.engine.qwen import ModelFormatError  # as above
 
     try:
         engine = Engine(model, weight_version=args.weight_version, max_running=cfg.engine.max_running_requests,

@@ -206,10 +206,10 @@ def leader(args, peers: list[socket.socket]) -> int:
     """Node rank 0: load the model, serve SGLang's routes until SIGTERM/SIGINT or a peer leaves."""
     import torch
 
-    from gyre.config import EngineConfig
-    from gyre.engine.qwen import ModelFormatError
-    from gyre.engine.runtime import Engine
-    from gyre.engine.server import serve
+    from gyre.config import EngineConfig  # the stand-in is a separate program: its serving stack loads when it serves
+    from gyre.engine.qwen import ModelFormatError  # as above
+    from gyre.engine.runtime import Engine  # as above
+    from gyre.engine.server import serve  # as above
 
     torch.set_num_threads(1)  # as `gyre engine`: more threads only spin on shared CPUs
     defaults = EngineConfig()

@@ -228,7 +228,7 @@ class Environments:
 
     def masks(self, extra: list[Path]) -> list[str]:
         """Private host folders that lie inside a read-only system mount: hidden under a tmpfs."""
-        import gyre
+        import gyre  # the package folder itself (hidden from harnesses)
         private = [Path(gyre.__file__).resolve().parent, *[p.resolve() for p in extra]]
         mounts, _ = self._host_python_mounts()
         bound = [Path(m.src) for m in mounts] + [Path("/usr")]

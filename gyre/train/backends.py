@@ -14,14 +14,14 @@ from gyre.train.base import Trainer
 
 
 def _embedded(cfg: TrainConfig, model_dir: str | os.PathLike, seed: int) -> Trainer:
-    from gyre.train.trainer import EmbeddedTrainer
+    from gyre.train.trainer import EmbeddedTrainer  # torch: the backend asked for loads, the other never
 
     return EmbeddedTrainer(cfg, model_dir)
 
 
 def _megatron(cfg: TrainConfig, model_dir: str | os.PathLike, seed: int) -> Trainer:
-    from gyre.train.export import load_hf_dir
-    from gyre.train.megatron_trainer import MegatronTrainer
+    from gyre.train.export import load_hf_dir  # as above
+    from gyre.train.megatron_trainer import MegatronTrainer  # Megatron-Core: only for this backend
 
     return MegatronTrainer(cfg, *load_hf_dir(model_dir), seed=seed)
 

@@ -11,6 +11,8 @@ import socket
 import torch
 import torch.distributed as dist
 
+from gyre.config import env
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -25,16 +27,12 @@ def init_distributed(*, rank: int | None = None, world_size: int | None = None,
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if world_size is None and init_method is None:
-        from gyre.config import env
-
         if env("WORLD_SIZE") is None:  # a lone process: its own world of size 1
             rank, world_size = 0, 1
             init_method = f"tcp://127.0.0.1:{_free_port()}"
         else:
             init_method = "env://"
     if backend == "nccl":
-        from gyre.config import env
-
         local_rank = int(env("LOCAL_RANK") or rank or 0)
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     kwargs = {} if init_method == "env://" else {"rank": rank, "world_size": world_size}
@@ -44,7 +42,7 @@ def init_distributed(*, rank: int | None = None, world_size: int | None = None,
 def init_megatron(*, tensor_parallel: int = 1, pipeline_parallel: int = 1, expert_parallel: int = 1,
                   seed: int = 0) -> None:
     """Megatron's parallel state and RNG tracker (and the CPU layer when CUDA is absent)."""
-    from gyre.train import megatron_cpu
+    from gyre.train import megatron_cpu  # Megatron-Core: only when its parallel state is set up
 
     megatron_cpu.install()
     init_distributed()

@@ -30,7 +30,7 @@ class MegatronTrainer(Trainer):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        from gyre.train.megatron_model import build_gpt_model, load_hf_weights
+        from gyre.train.megatron_model import build_gpt_model, load_hf_weights  # Megatron-Core: when this backend runs
 
         self.hf_config = hf_config
         self.dtype = torch_dtype(cfg.dtype)
@@ -129,7 +129,7 @@ class MegatronTrainer(Trainer):
         self._reset_step_stats()
 
     def hf_state_dict(self) -> dict[str, Tensor]:
-        from gyre.train.megatron_model import megatron_to_hf, model_state
+        from gyre.train.megatron_model import megatron_to_hf, model_state  # as above
 
         return megatron_to_hf(model_state(self.model), self.hf_config)  # gathers experts under EP
 
@@ -197,7 +197,7 @@ class MegatronTrainer(Trainer):
 
     # --- checkpoint ---------------------------------------------------------------------------
     def _state(self) -> dict:
-        from gyre.train.megatron_model import model_state
+        from gyre.train.megatron_model import model_state  # as above
 
         return {"model": {k: v.cpu() for k, v in model_state(self.model).items()},
                 "optimizer": self.optimizer.state_dict()}

@@ -46,7 +46,7 @@ def _env_int(*names: str) -> int | None:
 
 def merge_stats(parts: list[dict | None]) -> dict:
     """One micro-batch's stats from its row slices on the ranks (the rule of gyre.train.step_stats)."""
-    from gyre.train.step_stats import merge
+    from gyre.train.step_stats import merge  # the head imports merge_stats: no trainer code at its import
 
     return merge(parts, parallel=True)
 
@@ -55,7 +55,7 @@ def rows_of(mb, rank: int, size: int):
     """The rows ``rank::size`` of a micro-batch, targets re-indexed; None if it has none."""
     import torch
 
-    from gyre.batch import MicroBatch
+    from gyre.batch import MicroBatch  # torch: loaded in the trainer process only
 
     if size == 1:
         return mb
@@ -84,13 +84,13 @@ class Rank:
         import torch
         import torch.distributed as dist
 
-        from gyre.train.groups import CrossCellReducer
-        from gyre.train.backends import make_trainer
+        from gyre.train.groups import CrossCellReducer  # torch: trainer process only
+        from gyre.train.backends import make_trainer  # as above
 
         self.cell, self.rank, self.size, self.store = cell, rank, size, store
         cfg = TrainConfig(**init.cfg)
         if cfg.backend == TrainBackend.MEGATRON:
-            from gyre.train.dist import init_megatron
+            from gyre.train.dist import init_megatron  # as above
 
             init_megatron(tensor_parallel=cfg.tensor_parallel, pipeline_parallel=cfg.pipeline_parallel,
                           expert_parallel=cfg.expert_parallel, seed=init.seed)
@@ -128,7 +128,7 @@ class Rank:
             self.held, self.held_step = None, step
 
     def forward_backward(self, m: ForwardBackward) -> dict | None:
-        from gyre.batch import from_wire
+        from gyre.batch import from_wire  # as above
 
         faults.hit("trainer", "micro_batch")
         self._new_step(m.step)
@@ -136,7 +136,7 @@ class Rank:
         return self.trainer.forward_backward(mb) if mb is not None else None
 
     def _local_grads(self):
-        from gyre.train.trainer import Trainer
+        from gyre.train.trainer import Trainer  # as above
 
         # the base implementation: this rank's own accumulated gradients, no reduction
         return Trainer.flat_grads(self.trainer)
@@ -172,7 +172,7 @@ class Rank:
         cells among the ranks of the same coordinate, then the cell gathers the shards."""
         import torch
 
-        from gyre.train.groups import shard_bounds
+        from gyre.train.groups import shard_bounds  # as above
 
         step, members, attempt = m.step, list(m.members), m.attempt
         faults.hit("trainer", "reduce")
@@ -214,7 +214,7 @@ class Rank:
         return Applied(step=out["step"], grad_norm=out["grad_norm"], stats=out)
 
     def export_weights(self, m: ExportWeights) -> str:
-        from gyre.train.export import export_pieces
+        from gyre.train.export import export_pieces  # as above
 
         faults.hit("trainer", "export")
         return str(export_pieces(self.trainer.hf_state_dict(), self.trainer.hf_config, m.out_dir, m.version,
@@ -296,7 +296,7 @@ def serve(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from gyre.train.groups import connect_store
+    from gyre.train.groups import connect_store  # torch.distributed: trainer process only
 
     rank = args.rank if args.rank is not None else _env_int("SLURM_PROCID")
     size = args.size if args.size is not None else _env_int("SLURM_NTASKS")

@@ -61,7 +61,7 @@ class TrainerProcess:
         self._own_store = None
         self._srun = srun is not None
         if store is None:
-            from gyre.train.groups import serve_store
+            from gyre.train.groups import serve_store  # torch.distributed: only for a multi-rank trainer
 
             self._own_store = serve_store()
             store = ("127.0.0.1", self._own_store.port)

@@ -83,10 +83,10 @@ class Runtime:
 
 
 def get_runtime(name: str) -> Runtime:
-    from gyre.harness.runtimes.apptainer import Apptainer
-    from gyre.harness.runtimes.bwrap import Bwrap
-    from gyre.harness.runtimes.enroot import Enroot
-    from gyre.harness.runtimes.oci import Oci
+    from gyre.harness.runtimes.apptainer import Apptainer  # each runtime imports this module: a cycle at the top
+    from gyre.harness.runtimes.bwrap import Bwrap  # as above
+    from gyre.harness.runtimes.enroot import Enroot  # as above
+    from gyre.harness.runtimes.oci import Oci  # as above
 
     if name == "bwrap":
         return Bwrap()
