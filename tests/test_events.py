@@ -9,7 +9,6 @@ here as the oracle) over the calls read back from the shards."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import math
 import random
@@ -23,7 +22,7 @@ from gyre.events import (CallRecorded, CellBusy, CellRoleChanged, ExecutionDropp
                          ExecutionStarted, GroupLag, MicroBatchDone, RunEnded, RunStarted, RunStats, StepEnded,
                          WeightsPushed, bucket_seconds, summarise)
 from gyre.sched.cells import Cell
-from gyre.sched.core import Coordinator, CoreSpec
+from gyre.sched.core import CoreSpec
 from gyre.sched.state import Role
 from gyre.sched.protocol import ReduceReply
 from gyre.services.training import Reduced
