@@ -213,7 +213,9 @@ def _clip(spans: Iterable[tuple[float, float]], lo: float, hi: float) -> list[tu
 
 
 def _split(windows: list[tuple[float, float]], cuts: list[list[float]]) -> tuple[list[tuple[float, float]], float]:
-    """The windows less the (sorted, disjoint) cuts, and the seconds cut out of them."""
+    """The windows less the (sorted, disjoint) cuts, and the seconds cut out of them: with busy
+    time as the cuts, the idle gaps inside the windows and the busy seconds. Each window starts
+    at its first cut (bisect), so a long simulated run stays linear."""
     out, cut = [], 0.0
     for c, d in windows:
         cur = c
@@ -231,28 +233,6 @@ def _split(windows: list[tuple[float, float]], cuts: list[list[float]]) -> tuple
         if d > cur:
             out.append((cur, d))
     return out, cut
-
-
-def _inside(busy: list[list[float]], windows: list[tuple[float, float]]) -> tuple[float, list[tuple[float, float]]]:
-    """Busy seconds inside the windows, and the idle gaps inside them. Busy is sorted and disjoint,
-    so each window starts at its first interval (a long simulated run has many)."""
-    total, idle = 0.0, []
-    for c, d in windows:
-        cur = c
-        for k in range(max(0, bisect.bisect_left(busy, [c, c]) - 1), len(busy)):
-            a, b = busy[k]
-            if a >= d:
-                break
-            if b <= c:
-                continue
-            lo, hi = max(a, c), min(b, d)
-            total += hi - lo
-            if lo > cur:
-                idle.append((cur, lo))
-            cur = max(cur, hi)
-        if d > cur:
-            idle.append((cur, d))
-    return total, idle
 
 
 class RunStats:
@@ -404,8 +384,8 @@ class RunStats:
                 if role in windows:
                     windows[role].append((a, b))
         serving, pushing = self._serving(windows[ROLLOUT])
-        busy_roll, _ = _inside(book.busy[ROLLOUT], serving)
-        busy_train, _ = _inside(book.busy[TRAIN], windows[TRAIN])
+        _, busy_roll = _split(serving, book.busy[ROLLOUT])
+        _, busy_train = _split(windows[TRAIN], book.busy[TRAIN])
         wall = t1 - self.t0
         idle = max(0.0, role_s[TRAIN] - busy_train) + max(0.0, role_s[ROLLOUT] - busy_roll - pushing)
         return {"cell": cell, "wall_s": wall, "rollout_s": role_s[ROLLOUT], "train_s": role_s[TRAIN],
@@ -431,7 +411,7 @@ class RunStats:
             windows = _clip(((a, b) for r, a, b in book.spans(t1) if r == role), self.t0, t1)
             if role == ROLLOUT:
                 windows = self._serving(windows)[0]
-            out += _inside(book.busy[role], windows)[1]
+            out += _split(windows, book.busy[role])[0]
         return sorted(out)
 
     def _end(self, t1: float | None) -> float:

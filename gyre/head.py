@@ -45,7 +45,7 @@ from gyre.harness.runner import private_dir
 from gyre.harness.sandbox import Environments, SandboxConfig
 from gyre.model.identity import model_identity
 from gyre.model.tiny import ensure_tiny_model
-from gyre.proxy.replay import REPLAY_ENDPOINT
+from gyre.proxy.replay import replayed_calls
 from gyre.report.metrics import MetricsSink
 from gyre.sched import policy_from_config
 from gyre.sched.cells import Cell
@@ -153,7 +153,7 @@ class Head:
         self.attach(core, tasks, paths, SelectionSpec.from_config(cfg.selection), rollout)
         if self.resume:
             self.ledger.resume_marker(version)
-        self._save_state()  # a stop before the first step close still resumes
+        self._write_state()  # a stop before the first step close still resumes
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._stop.set)
@@ -191,7 +191,7 @@ class Head:
             if rollout.broken:
                 print(f"gyre run: stopped: {rollout.broken}", file=sys.stderr, flush=True)
             if stopped:
-                self._save_state()  # the groups started since the last step close are counted: ids never reused
+                self._write_state()  # the groups started since the last step close are counted: ids never reused
             await rollout.close()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
@@ -282,8 +282,7 @@ class Head:
                                          on_ended=lambda _status: self.core.execution_ended(eid, self.clock()))
         self._execution_done(eid, rec, self.clock())
         if replay:  # replay-resume: which stopped execution this one continued, and what it saved
-            self.ledger.resumed(eid, replay[0], len(replay[1].calls),
-                                sum(c.endpoint == REPLAY_ENDPOINT for c in rec.tree.calls))
+            self.ledger.resumed(eid, replay[0], len(replay[1].calls), replayed_calls(rec.tree))
 
     def _execution_done(self, eid: str, rec, now: float) -> None:
         """An execution ended and was scored: its record is on disk (its own small shard, compacted
@@ -298,15 +297,12 @@ class Head:
             self._emit(CallRecorded(call.t_start, call.t_end, url_cell.get(call.endpoint), eid))
         tokens = float(rec.tree.stats().unique_tokens)
         self._emit(ExecutionEvaluated(now, eid, rec.group, rec.status, reward, rec.min_version, tokens, usable))
-        self._record(rec)  # durable before the coordinator hears of it
+        self.rollout.record([rec])  # durable before the coordinator hears of it
         self.training.hold(rec)
         faults.hit("head", "execution_recorded")
         adm = self.core.execution_evaluated(eid, now, version=rec.min_version, tokens=tokens, usable=usable,
                                             reward=reward if usable else None)
         self._on_admission(adm)
-
-    def _record(self, rec) -> None:
-        self.rollout.record([rec])
 
     def _on_admission(self, adm: Admission) -> None:
         """Record dropped groups; materialize the groups the core assigned to the open step."""
@@ -377,15 +373,12 @@ class Head:
         self.ledger.step_row(row)
         self._committed = res.version
         self.training.step_closed(res.microbatches)
-        self._save_state()
-
-    # ==== state =================================================================================
-    def _save_state(self) -> None:
-        # shards are durable as each execution ends: state never points past what is on disk
         self._write_state()
 
+    # ==== state =================================================================================
     def _write_state(self) -> None:
-        # the last *committed* step: a step that ended but is not yet written down (its weights
+        # shards are durable as each execution ends, so state never points past what is on disk;
+        # the version is the last *committed* step: a step that ended but is not yet written down (its weights
         # still being pushed) is redone after a hard stop, never counted as trained unrecorded
         v, paths = self._committed, self.fleet.paths
         self.ledger.write_state(version=v, rollout_version=self.core.rollout_version,

@@ -37,7 +37,7 @@ from gyre.harness.runner import private_dir
 from gyre.harness.sandbox import Environments, SandboxConfig
 from gyre.model.identity import model_identity
 from gyre.model.tiny import ensure_tiny_model
-from gyre.proxy.replay import REPLAY_ENDPOINT
+from gyre.proxy.replay import replayed_calls
 from gyre.services.rollout import RolloutService
 from gyre.traj.record import FINISHED, Status
 from gyre.traj.store import iter_executions, shard_paths
@@ -142,10 +142,6 @@ def used_attempts(run_dir: Path) -> dict[str, int]:
     return out
 
 
-def replayed_calls(rec) -> int:
-    return sum(c.endpoint == REPLAY_ENDPOINT for c in rec.tree.calls)
-
-
 class Rollout:
     def __init__(self, cfg: GyreConfig, *, progress: bool = True):
         self.cfg = cfg
@@ -231,7 +227,7 @@ class Rollout:
         faults.hit("rollout", "execution_recorded")
         if p.replay is not None:
             self.summary.resumed += 1
-            n = replayed_calls(rec)
+            n = replayed_calls(rec.tree)
             self.summary.replayed_calls += n
             self.summary.diverged += n < len(p.replay.calls)
         if rec.status in FINISHED:

@@ -26,6 +26,11 @@ from gyre.traj.tree import TrajectoryTree
 REPLAY_ENDPOINT = "replay"  # the endpoint a replayed call is recorded with: it cost no engine time
 
 
+def replayed_calls(tree) -> int:
+    """Calls of a (resumed) execution's tree answered from its recording."""
+    return sum(c.endpoint == REPLAY_ENDPOINT for c in tree.calls)
+
+
 @dataclass
 class Recorded:
     """One recorded call's answer, shaped as the router's result."""

@@ -150,7 +150,7 @@ class CellFleet:
     def reduce(self, cell: Cell, step: int, participants: list[Cell], leader: Cell, new: int):
         return self.call(cell, Reduce(
             step=step, participants=[c.id for c in participants], leader=leader.id,
-            weights_dir=str(self.paths.weights_root / f"v{new}"), checkpoint_dir=str(self.paths.ckpt_root / f"v{new}")))
+            weights_dir=self.paths.weights(new), checkpoint_dir=self.paths.checkpoint(new)))
 
     def stop(self, cell: Cell):
         return self.call(cell, Stop(), timeout=60)
