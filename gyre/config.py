@@ -229,7 +229,6 @@ class TrainConfig(_EnumFields):
     advantage: str = _f("grpo", choices=("grpo", "rloo", "reward"))
     clip_low: float = _f(0.2, min=0.0)
     clip_high: float = _f(0.28, min=0.0)
-    staleness: int = _f(0, min=0)
     clip: bool = _f(True, help="PPO-style ratio clipping with clip_low/clip_high; false = plain IS ratio")
     staleness_weights: list = _f([], help="loss weight per policy lag [w0, w1, ...]; lags past the "
                                       "list are masked; empty = weight 1 for every admitted lag")
@@ -239,7 +238,7 @@ class TrainConfig(_EnumFields):
                               "at the step start, one extra no-grad forward) times min(pi_old/pi_behaviour, "
                               "is_cap); decoupled = AReaL's decoupled PPO, clip against pi_prox (the same "
                               "forward) times pi_prox/pi_behaviour; auto = decoupled when sched.staleness > 0 "
-                              "or sched.steps_per_sync > 1, else tis")
+                              "or sched.steps_per_sync > 1, else tis (gyre.sched.runspec.RunSpec)")
     is_cap: float = _f(2.0, min=1.0, help="tis: C in min(pi_old / pi_behaviour, C)")
     is_mask: bool = _f(False, help="tis/decoupled: drop (weight 0) tokens whose pi_old / pi_behaviour "
                                    "leaves [is_mask_low, is_mask_high]")
@@ -247,10 +246,6 @@ class TrainConfig(_EnumFields):
     is_mask_high: float = _f(2.0, min=0.0)
     mismatch_warn_k3: float = _f(0.01, min=0.0, help="warn when the k3 KL between trainer and engine "
                                  "log-probs at lag 0 (same weights) exceeds this; 0 = never")
-    burst_order: str = _f("stream", choices=("stream", "shuffle"),
-                          help="with sched.steps_per_sync > 1: stream = a round's groups train in the order "
-                               "they finish (early steps hold short executions); shuffle = wait for the "
-                               "round, then deal its groups to its steps in a seeded random order")
     grad_clip: float = _f(1.0, min=0.0, help="clip the global grad norm to this; 0 = no clipping")
     weight_decay: float = _f(0.0, min=0.0)
     adam_beta1: float = _f(0.9, min=0.0, max=1.0)
@@ -289,23 +284,18 @@ class SchedConfig(_EnumFields):
     min_dwell_s: float = _f(60.0, min=0.0, help="schemes E, E-paper: least time a cell stays in a role")
     calls_per_cell: float = _f(4.0, min=0.001, help="scheme E: calls one rollout cell decodes while each keeps "
                                "~80% of its solo speed (engines per cell x their batch knee)")
+    train_tokens_per_s: float = _f(43800.0, min=0.001, help="schemes E, E-paper: training tokens/s of one 4-node "
+                                   "cell (nl2repo-122b-32n: FLOP arithmetic at 25% MFU, gyre/sim/calibration.py)")
+    eval_s: float = _f(60.0, min=0.0, help="schemes E, E-paper: expected evaluation time of a finished execution")
+    burst_order: str = _f("stream", choices=("stream", "shuffle"),
+                          help="with steps_per_sync > 1: stream = a round's groups train in the order "
+                               "they finish (early steps hold short executions); shuffle = wait for the "
+                               "round, then deal its groups to its steps in a seeded random order")
     skip_zero_variance: bool = _f(True, help="a group whose executions all scored the same reward "
                                   "(no signal for grpo/rloo) is recorded as not admitted, reason zero_variance, "
                                   "and replaced by a new group (dynamic sampling)")
     max_replacements_per_step: int = _f(4, min=0, help="zero-variance groups replaced per step at most; "
                                         "past it they train as they are (the step trains what it has)")
-
-
-@dataclass
-class SimConfig:
-    preset: str = _f("nl2repo", help="workload preset or a trace file path")
-    steps: int = _f(48, min=1)
-    nodes: int = _f(32, min=1)
-    groups_per_step: int = _f(16, min=1, help="queries per training step (G executions each)")
-    seed: int = _f(0, min=0, help="workload seed")
-    train_tokens_per_s: float = _f(43800.0, min=0.001, help="training tokens/s of one 4-node cell "
-                                   "(nl2repo-122b-32n: FLOP arithmetic at 25% MFU, gyre/sim/calibration.py)")
-    eval_s: float = _f(60.0, min=0.0, help="evaluation time of a finished execution")
 
 
 @dataclass
@@ -397,7 +387,6 @@ class GyreConfig:
     selection: SelectionConfig = field(default_factory=SelectionConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sched: SchedConfig = field(default_factory=SchedConfig)
-    sim: SimConfig = field(default_factory=SimConfig)
     harness: HarnessConfig = field(default_factory=HarnessConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
@@ -524,7 +513,7 @@ def resolved_off_policy(cfg: GyreConfig) -> str:
     or bursts of sched.steps_per_sync > 1 steps on one round's weights), else tis."""
     if cfg.train.off_policy != "auto":
         return cfg.train.off_policy
-    lagged = cfg.sched.staleness > 0 or cfg.sched.steps_per_sync > 1 or cfg.train.staleness > 0
+    lagged = cfg.sched.staleness > 0 or cfg.sched.steps_per_sync > 1
     return "decoupled" if lagged else "tis"
 
 

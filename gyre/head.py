@@ -47,9 +47,9 @@ from gyre.model.identity import model_identity
 from gyre.model.tiny import ensure_tiny_model
 from gyre.proxy.replay import replayed_calls
 from gyre.report.metrics import MetricsSink
-from gyre.sched import policy_from_config
 from gyre.sched.cells import Cell
-from gyre.sched.core import Admission, Coordinator, CoreSpec, GroupRecord, StepResult
+from gyre.sched.core import Admission, Coordinator, GroupRecord, StepResult
+from gyre.sched.runspec import RunSpec
 from gyre.sched.state import Role
 from gyre.services.fleet import CellFleet, WeightPaths
 from gyre.services.ledger import Ledger, execution_id
@@ -75,6 +75,7 @@ class Head:
         self.ledger = Ledger(self.run_dir, cfg.shard_dir(), emit=self._emit, clock=clock)
         self.rollout: RolloutService | None = None       # started by run
         self.core: Coordinator | None = None
+        self.spec: RunSpec | None = None                # the run spec the core and the policy come from
         self.policy = None
         self._committed = 0                              # version of the last step written down
         self._stop = asyncio.Event()
@@ -125,11 +126,17 @@ class Head:
         self.rollout = rollout
         self._committed = core.version
 
+    def schedule(self, version: int = 0, first_group: int = 0) -> Coordinator:
+        """The policy and a coordinator core for this run, from its one run spec (the simulator
+        builds its own from the same `RunSpec.from_config`); a resumed run starts at `version`."""
+        self.spec = RunSpec.from_config(self.cfg, start_version=version, first_group=first_group)
+        self.policy = self.spec.policy()
+        return self.spec.coordinator(self.policy)
+
     async def run(self) -> dict:
         cfg = self.cfg
         private_dir(self.run_dir)
         model_dir = Path(cfg.model.path or ensure_tiny_model(default_tiny_dir(cfg), cfg.model.tiny_family))
-        self.policy = policy_from_config(cfg)
         tasks = load_tasks(cfg)  # harness.suite, strict_suite, image_template, tasks
         envs = Environments(SandboxConfig.from_config(cfg.harness))  # one placement per task, shared
         check_scorable(tasks, envs, cfg.harness.min_scorable_share)  # refused before any work
@@ -139,15 +146,7 @@ class Head:
         version, first_group = self.ledger.load_state() if self.resume else (0, 0)
         self.replays = self.ledger.stopped_to_replay() if self.resume and cfg.harness.resume == "replay" else {}
         self.ledger.open()
-        s = cfg.sched
-        core = Coordinator(CoreSpec(
-            steps=cfg.run.steps, groups_per_step=cfg.run.groups_per_step, group_size=cfg.harness.group_size,
-            staleness=s.staleness, staleness_rule=s.staleness_rule, steps_per_sync=s.steps_per_sync,
-            start_version=version, first_group=first_group,
-            # equal rewards carry no signal only for a baseline-relative advantage
-            skip_zero_variance=s.skip_zero_variance and cfg.train.advantage != "reward",
-            max_replacements_per_step=s.max_replacements_per_step, burst_order=cfg.train.burst_order,
-            seed=cfg.run.seed), self.policy.admission_key)
+        core = self.schedule(version, first_group)
         paths = WeightPaths(model_dir, Path(cfg.train.export_dir or self.run_dir / "weights"),
                             Path(cfg.train.checkpoint_dir or self.run_dir / "checkpoints"))
         self.attach(core, tasks, paths, SelectionSpec.from_config(cfg.selection), rollout)

@@ -10,7 +10,6 @@ from types import SimpleNamespace
 
 from gyre.config import GyreConfig
 from gyre.head import Head
-from gyre.sched.core import Coordinator, CoreSpec, fifo_key
 from gyre.services.fleet import WeightPaths
 from gyre.services.rollout import RolloutService
 from gyre.services.training import Reduced
@@ -20,16 +19,25 @@ IDENTITY = {"model_hash": "m" * 8, "tokenizer_hash": "t" * 8}
 NOTHING_REDUCED = Reduced([], [], 0.0)  # a step the test trained itself
 
 
-def head_for_replay(tmp_path: Path, spec: CoreSpec, key=fifo_key, *, per_shard: int | None = None,
-                    clock=time.time, engine_urls: bool = False) -> Head:
+def run_config(tmp_path: Path, steps: int, q: int, g: int, k: int = 0, b: int = 1, *,
+               per_shard: int | None = None, **sched) -> GyreConfig:
+    """The configuration of a small run in `tmp_path`: `steps` steps of `q` groups of `g`, staleness
+    `k`, `b` steps per sync; `sched` sets more [sched] keys."""
     cfg = GyreConfig()
-    cfg.run.dir, cfg.run.steps, cfg.run.groups_per_step = str(tmp_path), spec.steps, spec.groups_per_step
-    cfg.harness.group_size = spec.group_size
-    cfg.sched.staleness, cfg.sched.steps_per_sync = spec.staleness, spec.steps_per_sync
+    cfg.run.dir, cfg.run.steps, cfg.run.groups_per_step = str(tmp_path), steps, q
+    cfg.harness.group_size = g
+    cfg.sched.staleness, cfg.sched.steps_per_sync = k, b
+    for name, value in sched.items():
+        setattr(cfg.sched, name, value)
     if per_shard is not None:
         cfg.store.executions_per_shard = per_shard
+    return cfg
+
+
+def head_for_replay(tmp_path: Path, cfg: GyreConfig, *, clock=time.time, engine_urls: bool = False) -> Head:
+    """The head of `cfg`, its policy and core built as `Head.run` builds them."""
     head = Head(cfg, None, 2, clock=clock)
-    head.attach(Coordinator(spec, key), [SimpleNamespace(name="task")], WeightPaths(tmp_path, tmp_path, tmp_path),
+    head.attach(head.schedule(), [SimpleNamespace(name="task")], WeightPaths(tmp_path, tmp_path, tmp_path),
                 SelectionSpec.from_config(cfg.selection),
                 RolloutService(cfg, None, tmp_path, IDENTITY, tmp_path / "shards"))
     head.ledger.open()

@@ -22,11 +22,10 @@ from gyre.events import (CallRecorded, CellBusy, CellRoleChanged, ExecutionDropp
                          ExecutionStarted, GroupLag, MicroBatchDone, RunEnded, RunStarted, RunStats, StepEnded,
                          WeightsPushed, bucket_seconds, summarise)
 from gyre.sched.cells import Cell
-from gyre.sched.core import CoreSpec
 from gyre.sched.state import Role
 from gyre.sched.protocol import ReduceReply
 from gyre.services.training import Reduced
-from replay_head import NOTHING_REDUCED, head_for_replay, set_clock
+from replay_head import NOTHING_REDUCED, head_for_replay, run_config, set_clock
 
 
 class LoggedCell(Cell):
@@ -90,8 +89,8 @@ def _merge(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in out]
 
 
-def make_head(tmp_path, spec: CoreSpec, per_shard: int = 1, clock=None):
-    head = head_for_replay(tmp_path, spec, per_shard=per_shard, **({"clock": clock} if clock else {}))
+def make_head(tmp_path, cfg, clock=None):
+    head = head_for_replay(tmp_path, cfg, **({"clock": clock} if clock else {}))
     head.fleet.cells = [LoggedCell(i, i + 1) for i in range(len(head.cells))]
     for c in head.cells:
         c.engine_url = f"http://engine{c.id}"
@@ -183,7 +182,7 @@ def old_step_row(res, records, losses, t0) -> dict:
 def test_step_rows_lag_and_cell_time_from_events_equal_what_the_head_computed(tmp_path, monkeypatch):
     from gyre.traj.store import iter_executions
 
-    head = make_head(tmp_path, CoreSpec(steps=4, groups_per_step=2, group_size=3))
+    head = make_head(tmp_path, run_config(tmp_path, steps=4, q=2, g=3, per_shard=1, skip_zero_variance=False))
     t1, told = play(head, 4, random.Random(7), monkeypatch)
     for c in head.cells:
         c.close(t1)
@@ -216,7 +215,7 @@ def test_step_rows_lag_and_cell_time_from_events_equal_what_the_head_computed(tm
 
 def test_a_record_leaves_memory_once_its_shard_is_durable_and_its_group_materialized(tmp_path):
     # k = 1: two groups run for step 0; the second waits in the admission queue until step 1
-    head = make_head(tmp_path, CoreSpec(steps=2, groups_per_step=1, group_size=2, staleness=1), per_shard=100)
+    head = make_head(tmp_path, run_config(tmp_path, steps=2, q=1, g=2, k=1, per_shard=100, skip_zero_variance=False))
     started = head._start_groups(2, 0.0)
     assert [g.id for g in started] == [0, 1]
     for g in started:

@@ -96,8 +96,7 @@ def _sim(scheme, k, rule="window", b=1, steps=6, q=4, seed=0, **over):
     sc = Scenario(scheme, k, c, steps=steps, groups_per_step=q, seed=seed, record=False,
                   staleness_rule=rule, steps_per_sync=b)
     w = Workload.named("nl2repo", seed)
-    sim = Simulator(sc.policy(w), w, c, SimSpec(steps=steps, groups_per_step=q, staleness_rule=rule,
-                                                 steps_per_sync=b))
+    sim = Simulator(sc.spec(w), w, c, SimSpec())
     return sim, sim.run()
 
 

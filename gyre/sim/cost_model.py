@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gyre.config import ConfigError, SchedConfig, SimConfig
+from gyre.config import ConfigError, SchedConfig
 from gyre.sim.roofline import ReplicaSpec
 
 # The decode knee: a cell "needs" as many calls as it decodes while each keeps this share of its
@@ -34,11 +34,11 @@ class ClusterModel:
     # Training tokens per second of one cell of this size, streaming micro-batches (a preset: FLOP
     # arithmetic at a stated MFU).
     # The defaults are config's ([sched], [sim]: the one source of cost defaults, as the policy's Hints).
-    train_tokens_per_s: float = SimConfig.train_tokens_per_s
+    train_tokens_per_s: float = SchedConfig.train_tokens_per_s
     to_train_s: float = SchedConfig.to_train_s      # paper: rollout -> train switch
     to_rollout_s: float = SchedConfig.to_rollout_s  # paper: train -> rollout switch
     push_s: float = SchedConfig.push_s    # weight push, once per rollout round; rollout cells pause decoding
-    eval_s: float = SimConfig.eval_s      # evaluating a finished execution's workspace (CPU side)
+    eval_s: float = SchedConfig.eval_s      # evaluating a finished execution's workspace (CPU side)
     # Optimizer step of every step (trainers busy, rollout unaffected); push_s above is paid once
     # per rollout round (steps_per_sync steps) and pauses decoding.
     opt_s: float = 0.0

@@ -60,10 +60,9 @@ class OffPolicy:
 
     @classmethod
     def from_config(cls, cfg) -> "OffPolicy":
-        """From a TrainConfig; `auto` (a TrainConfig used on its own) follows `train.staleness`."""
-        mode = cfg.off_policy
-        if mode == "auto":
-            mode = "decoupled" if cfg.staleness > 0 else "tis"
+        """From a TrainConfig whose `auto` a run resolved (gyre.config.trainer_config); a TrainConfig
+        used on its own has no schedule: nothing lags, so `auto` is tis."""
+        mode = "tis" if cfg.off_policy == "auto" else cfg.off_policy
         return cls(mode, cfg.is_cap, cfg.is_mask, cfg.is_mask_low, cfg.is_mask_high)
 
 
