@@ -214,7 +214,7 @@ def measured_rates(report: dict, run_dir: Path, rows: list[dict]) -> dict:
 # ---- simulation ----------------------------------------------------------------------------------
 def kv_tokens() -> int:
     from gyre.config import default_tiny_dir, load_config
-    from gyre.engine.qwen import read_spec
+    from gyre.model.spec import read_spec
     from gyre.model.tiny import ensure_tiny_model
 
     s = read_spec(Path(ensure_tiny_model(default_tiny_dir(load_config(None, [])))))

@@ -252,7 +252,7 @@ class RunStats:
         self.dropped_reasons: dict[str, int] = {}
         self.groups_dropped = 0
         self.steps: list[dict] = []
-        # running sums of the lag of trained groups (flat memory; the same figures as LagStats)
+        # running sums of the lag of trained groups (flat memory; the same figures as the groups would give)
         self._n = 0
         self._lag_sum = [0, 0]          # steps, syncs
         self._lag_tok = [0.0, 0.0]

@@ -3,7 +3,7 @@
 The head is driven through its real handlers (core, ledger, HDF5 shards, materializer; only the
 cell agents and harnesses are absent), and what the events give is checked against what the head
 computed before the events existed: step rows from the core's step results and the records, lag
-from `Coordinator.lag_stats`, per-cell time from the old cell book's own logs (`cell_stats`, kept
+from the core's group records (tests/support/lag_oracle.py), per-cell time from the old cell book's own logs (`cell_stats`, kept
 here as the oracle) over the calls read back from the shards."""
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from gyre.sched.state import Role
 from gyre.sched.protocol import ReduceReply
 from gyre.services.training import Reduced
 from replay_head import NOTHING_REDUCED, head_for_replay, run_config, set_clock
+from support.lag_oracle import lag_of
 
 
 class LoggedCell(Cell):
@@ -195,7 +196,7 @@ def test_step_rows_lag_and_cell_time_from_events_equal_what_the_head_computed(tm
     # steps.jsonl carries exactly the rows of the report
     head.ledger.close()
     assert [json.loads(x) for x in (tmp_path / "steps.jsonl").read_text().splitlines()] == rep["steps"]
-    assert rep["lag"] == asdict(head.core.lag_stats())
+    assert rep["lag"] == asdict(lag_of(head.core))
     # cell time: the old computation read every call back from the shards
     by_url: dict[str, list] = {}
     for rec in iter_executions(tmp_path / "shards"):

@@ -3,7 +3,6 @@ file and dataset while the good ones are still read."""
 
 from __future__ import annotations
 
-import csv
 import math
 import os
 import re
@@ -20,7 +19,7 @@ import pytest
 from gyre.cli import main as gyre_main
 from gyre.config import StoreConfig
 from gyre.traj.record import ExecutionRecord
-from gyre.traj.store import (SCHEMA_VERSION, ShardError, ShardWriter, digest, export_trace,
+from gyre.traj.store import (SCHEMA_VERSION, ShardError, ShardWriter, digest, 
                              iter_executions, read_attrs, read_shard, shard_paths)
 from gyre.traj.synthetic import Shape, generate
 from gyre.traj.tree import TrajectoryTree
@@ -289,21 +288,7 @@ ShardWriter({str(d)!r}, identity={IDENTITY!r}).write([generate(Shape(calls=20))]
     assert list(iter_executions(d, on_error=errors.append)) == [] and errors == []
 
 
-# -- trace export, inspect, documented checksum -------------------------------------------------
-def test_export_trace(tmp_path):
-    w, paths = three_shards(tmp_path)
-    paths[1].write_bytes(b"garbage")
-    out = tmp_path / "trace.csv"
-    assert export_trace(w.dir, out) == 4
-    rows = list(csv.DictReader(out.open()))
-    assert list(rows[0]) == ["execution_id", "task", "group", "duration_s", "calls", "tokens"]
-    r0 = read_shard(paths[0])[0]
-    assert rows[0]["execution_id"] == r0.execution_id and int(rows[0]["calls"]) == len(r0.tree.calls)
-    assert int(rows[0]["tokens"]) == r0.tree.stats().unique_tokens
-    assert float(rows[0]["duration_s"]) == pytest.approx(r0.t_end - r0.t_start, abs=1e-3)
-    assert rows[1]["calls"] == "0" and stat.S_IMODE(out.stat().st_mode) == 0o600
-
-
+# -- inspect, documented checksum -------------------------------------------------
 def test_inspect_prints_summary_and_tree(tmp_path, capsys):
     path = writer(tmp_path).write(records(2))
     assert gyre_main(["inspect", str(path), "--execution", "exec-0-1"]) == 0

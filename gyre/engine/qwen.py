@@ -20,11 +20,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gyre.model.families import ModelFormatError
 from gyre.model.moe import route, tokens_per_expert
 from gyre.model.spec import ModelSpec, apply_rope, load_weights, read_spec
-
-__all__ = ["CausalLM", "KVCache", "ModelFormatError", "ModelSpec", "load_weights", "read_spec"]
 
 
 class KVCache:

@@ -105,10 +105,6 @@ def workspace_path(run_dir: str | os.PathLike, execution_id: str) -> Path:
     return Path(run_dir) / "workspaces" / check_execution_id(execution_id)
 
 
-def log_dir_path(run_dir: str | os.PathLike, execution_id: str) -> Path:
-    return Path(run_dir) / "logs" / check_execution_id(execution_id)
-
-
 def prepare_workspace(run_dir: str | os.PathLike, execution_id: str, task: Task) -> tuple[Path, Path]:
     """A fresh private workspace holding the task's start.md, and its log folder."""
     run = private_dir(Path(run_dir))

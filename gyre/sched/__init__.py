@@ -11,7 +11,7 @@ coordinator core (`gyre.sched.core.Coordinator`: lifecycle of groups and steps, 
 from __future__ import annotations
 
 from gyre.sched.admission import admissible, expired, pick, start_budget
-from gyre.sched.core import Coordinator, CoreSpec, GroupState, LagStats
+from gyre.sched.core import Coordinator, CoreSpec, GroupState
 from gyre.sched.elastic import ElasticPolicy
 from gyre.sched.elastic_paper import ElasticPaperPolicy
 from gyre.sched.fixed import AsyncPolicy, ColocatePolicy
@@ -22,5 +22,5 @@ from gyre.sched.state import (CellView, ClusterState, Decision, ExecView, GroupV
 
 __all__ = ["AsyncPolicy", "CellView", "ClusterState", "ColocatePolicy", "Coordinator", "CoreSpec", "Decision",
            "ElasticPaperPolicy",
-           "ElasticPolicy", "ExecView", "GroupState", "GroupView", "Hints", "LagStats", "Policy", "Role", "SCHEMES", "Switch",
+           "ElasticPolicy", "ExecView", "GroupState", "GroupView", "Hints", "Policy", "Role", "SCHEMES", "Switch",
            "admissible", "expired", "make_policy", "pick", "RunSpec", "start_budget"]

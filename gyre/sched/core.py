@@ -202,34 +202,6 @@ class StepResult:
     replaced: int = 0                     # zero-variance groups dropped (and replaced) while it was open
 
 
-@dataclass(frozen=True)
-class LagStats:
-    """Staleness of trained groups: group-weighted mean, token-weighted mean, worst; both units."""
-    groups: int
-    group_mean_steps: float
-    token_mean_steps: float
-    worst_steps: int
-    group_mean_syncs: float
-    token_mean_syncs: float
-    worst_syncs: int
-
-    @staticmethod
-    def of(groups: Iterable[GroupRecord]) -> "LagStats":
-        gs = [g for g in groups if g.lag_steps is not None]
-        if not gs:
-            return LagStats(0, 0.0, 0.0, 0, 0.0, 0.0, 0)
-        tok = sum(g.train_tokens for g in gs)
-
-        def tmean(attr: str) -> float:
-            if tok <= 0:
-                return sum(getattr(g, attr) for g in gs) / len(gs)
-            return sum(getattr(g, attr) * g.train_tokens for g in gs) / tok
-
-        return LagStats(len(gs), sum(g.lag_steps for g in gs) / len(gs), tmean("lag_steps"),
-                        max(g.lag_steps for g in gs), sum(g.lag_syncs for g in gs) / len(gs),
-                        tmean("lag_syncs"), max(g.lag_syncs for g in gs))
-
-
 class Coordinator:
     def __init__(self, spec: CoreSpec, admission_key: AdmissionKey = fifo_key) -> None:
         self.spec = spec
@@ -305,9 +277,6 @@ class Coordinator:
             starts_allowed=0 if self.done else self.start_budget(), steps_per_sync=s.steps_per_sync,
             staleness_rule=s.staleness_rule, step_ready=self.step_ready(),
             calls_in_flight=self.calls_in_flight)
-
-    def lag_stats(self) -> LagStats:
-        return LagStats.of(self.groups_in(GroupState.TRAINED))
 
     # ---- groups and executions ----------------------------------------------------------------
     def start_groups(self, n: int, now: float) -> list[GroupRecord]:

@@ -94,12 +94,6 @@ class ClusterModel:
             return 0.0
         return 1.0 / self.replica.step_s(self.batch(decoding, rollout_cells), context)
 
-    def cell_tokens_per_s(self, decoding: float, rollout_cells: int, context: float) -> float:
-        """Decode throughput of one serving cell (tokens/s) at this load."""
-        if rollout_cells <= 0 or decoding <= 0:
-            return 0.0
-        return decoding / rollout_cells * self.token_rate(decoding, rollout_cells, context)
-
     def calls_per_cell(self, context: float, keep: float = KEEP_SOLO_SPEED) -> float:
         """Calls one rollout cell decodes while each keeps `keep` of its solo decode speed at mean
         context `context` (step_s(1) / step_s(B) >= keep), over the cell's replicas."""

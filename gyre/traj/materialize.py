@@ -168,27 +168,6 @@ def prepare_step(records: Sequence[ExecutionRecord], spec: SelectionSpec, *, ste
     return StepBatch(kept, skipped)
 
 
-def assign_to_groups(executions: Sequence[SelectedExecution], n_groups: int
-                     ) -> list[list[SelectedExecution]]:
-    """Split a step over data-parallel groups, balancing tokens, never splitting an execution.
-
-    Longest-first onto the least-loaded group (ties: lowest group index); each group keeps the
-    step order of its executions.
-    """
-    if n_groups < 1:
-        raise ValueError(f"n_groups must be >= 1, got {n_groups}")
-    load = [0] * n_groups
-    owner: dict[int, int] = {}
-    for e in sorted(executions, key=lambda e: (-e.n_tokens, e.index)):
-        g = min(range(n_groups), key=lambda i: (load[i], i))
-        owner[e.index] = g
-        load[g] += e.n_tokens
-    out: list[list[SelectedExecution]] = [[] for _ in range(n_groups)]
-    for e in executions:
-        out[owner[e.index]].append(e)
-    return out
-
-
 # -- pieces: ancestor-closed node sets that go into a row --------------------------------------
 
 @dataclass
