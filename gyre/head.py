@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Callable
 
 from gyre import faults
-from gyre.config import GyreConfig, default_tiny_dir
+from gyre.config import GyreConfig, ResumeMode, default_tiny_dir
 from gyre.events import (CallRecorded, CellRoleChanged, ExecutionEvaluated, ExecutionStarted, GroupDropped, GroupLag,
                          RunEnded, RunStarted, RunStats, StepEnded, WeightsPushed)
 from gyre.harness.execute import check_scorable, load_tasks
@@ -144,7 +144,7 @@ class Head:
         if self.resume:
             rollout.compact()  # finish one a crash cut short
         version, first_group = self.ledger.load_state() if self.resume else (0, 0)
-        self.replays = self.ledger.stopped_to_replay() if self.resume and cfg.harness.resume == "replay" else {}
+        self.replays = self.ledger.stopped_to_replay() if self.resume and cfg.harness.resume is ResumeMode.REPLAY else {}
         self.ledger.open()
         core = self.schedule(version, first_group)
         paths = WeightPaths(model_dir, Path(cfg.train.export_dir or self.run_dir / "weights"),
@@ -163,7 +163,7 @@ class Head:
         for c in self.cells:  # the role each cell is in at time zero
             self._emit(CellRoleChanged(now, c.id, c.role.value))
         self.metrics = MetricsSink(self.run_dir, cfg.run.loggers, name=cfg.run.name, config=asdict(cfg),
-                                   wandb_mode=cfg.run.wandb_mode)
+                                   wandb_mode=cfg.run.wandb_mode.value)
         roles = self.policy.initial_roles(len(self.cells))
         for cell in self.cells:
             cell.since, cell.last_seen = now, now

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gyre import faults
-from gyre.config import GyreConfig, default_tiny_dir, load_config
+from gyre.config import GyreConfig, ResumeMode, default_tiny_dir, load_config
 from gyre.engine.launch import start_cell_engine
 from gyre.engine.reaper import ProcessList, reap
 from gyre.harness.execute import check_scorable, read_tasks, select_tasks
@@ -173,7 +173,7 @@ class Rollout:
                              f"or choose another run.dir")
         if resume:  # the engines (and key files) a killed run left behind go before anything starts
             self.summary.reaped = reap(run_dir)
-        if cfg.harness.resume != "replay":
+        if cfg.harness.resume is not ResumeMode.REPLAY:
             replays = {}
         todo, self.summary.skipped_resume = plan(tasks, cfg.harness.group_size, previous, used_attempts(run_dir),
                                                  replays)

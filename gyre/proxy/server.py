@@ -32,6 +32,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError
 from aiohttp.web_protocol import RequestPayloadError
 
+from gyre.config import History, ReasoningParser, TemplateSource
 from gyre.engine.client import EngineError
 from gyre.engine.router import RouterError
 from gyre.model.chat_template import ChatTemplate, conformance
@@ -123,7 +124,7 @@ class Call:
 def proxy_options(proxy_cfg, model_dir) -> dict:
     """Proxy keyword arguments for the model directory's chat template from `[proxy]` (the
     template is loaded, and refused with a clear error, here)."""
-    if proxy_cfg.chat_template != "model":
+    if proxy_cfg.chat_template != TemplateSource.MODEL:
         return {}
 
     template = ChatTemplate.from_dir(model_dir)
@@ -154,7 +155,7 @@ class Proxy:
             if not self.template_conformance["append_only"]:
                 log.warning("the model's chat template is not append-only (%s); proxy.history=%s: %s",
                             self.template_conformance["breaks"][0]["why"], history,
-                            "sampled turns are kept as sampled" if history == "exact"
+                            "sampled turns are kept as sampled" if history == History.EXACT
                             else "the tree branches where the template rewrites history")
         self.model_name = model_name
         self.default_max_tokens, self.max_tokens_cap = default_max_tokens, max_tokens_cap
@@ -376,7 +377,7 @@ class Proxy:
         content = ContentStream(c.engine_params.get("stop", []), tools_on)
         if c.forced:
             content.closed = True  # the whole output is a tool call
-        reasoning = ReasoningStream(content) if self.template is not None and self.reasoning_parser != "none" \
+        reasoning = ReasoningStream(content) if self.template is not None and self.reasoning_parser != ReasoningParser.NONE \
             else None
 
         async def send(delta: dict, finish: str | None = None, **extra) -> None:

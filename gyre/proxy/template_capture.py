@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 
+from gyre.config import History
 from gyre.model.chat_template import ChatTemplate
 from gyre.proxy.capture import ExecutionSession, PreparedCall, Renderer, tools_salt
 from gyre.proxy.chat import Message
@@ -123,7 +124,7 @@ def prepare_call_template(r: Renderer, template: ChatTemplate, session: Executio
         matched.append(nid)
         parent = nid
     texts = [r.decode(list(tree.nodes[nid].tokens)) for nid in matched]
-    if history == "template" and matched:
+    if history == History.TEMPLATE and matched:
         # follow the template: keep matched messages only while it renders them as stored
         prompt = template.render(dicts, tools, add_generation_prompt=True)
         acc = ""
@@ -143,7 +144,7 @@ def prepare_call_template(r: Renderer, template: ChatTemplate, session: Executio
     for i, text in zip(range(j, len(messages)), new_texts):
         msg = messages[i]
         out_ids = session.generated.get(keys[i]) if msg.role == "assistant" else None
-        if out_ids is not None and history == "exact":
+        if out_ids is not None and history == History.EXACT:
             toks = _sampled_segment(r, text, template.segments(dicts[:i], tools, start=i)[1] if i else "", out_ids)
             reused += 1
         else:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from gyre.config import GyreConfig, Scheme, resolved_off_policy
+from gyre.config import Advantage, GyreConfig, OffPolicyMode, Scheme, resolved_off_policy
 from gyre.sched.core import Coordinator, CoreSpec
 from gyre.sched.elastic import ElasticPolicy
 from gyre.sched.elastic_paper import ElasticPaperPolicy
@@ -28,7 +28,7 @@ class RunSpec:
     scheme: Scheme = Scheme.E
     hints: Hints = field(default_factory=Hints)
     rollout_cells: int = 1        # scheme A's rollout pool (the other schemes size their own)
-    off_policy: str = "tis"       # the trainers' correction, `auto` already resolved
+    off_policy: OffPolicyMode = OffPolicyMode.TIS  # the trainers' correction, `auto` already resolved
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "scheme", Scheme(self.scheme))
@@ -44,7 +44,7 @@ class RunSpec:
             staleness=s.staleness, staleness_rule=s.staleness_rule, steps_per_sync=s.steps_per_sync,
             start_version=start_version, first_group=first_group,
             # equal rewards carry no signal only for a baseline-relative advantage
-            skip_zero_variance=s.skip_zero_variance and t.advantage != "reward",
+            skip_zero_variance=s.skip_zero_variance and t.advantage is not Advantage.REWARD,
             max_replacements_per_step=s.max_replacements_per_step, burst_order=s.burst_order, seed=cfg.run.seed)
         hints = Hints(to_train_s=s.to_train_s, to_rollout_s=s.to_rollout_s, push_s=s.push_s, eval_s=s.eval_s,
                       execs_per_cell=s.execs_per_cell, min_dwell_s=s.min_dwell_s, calls_per_cell=s.calls_per_cell,

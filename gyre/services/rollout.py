@@ -37,7 +37,8 @@ class RolloutService:
         """Router over ``endpoints``, the proxy serving on ``proxy.host:proxy.port``, the pools."""
         cfg = self.cfg
         kw = {} if wait_for_endpoint_s is None else {"wait_for_endpoint_s": wait_for_endpoint_s}
-        self.router = Router(list(endpoints), api_key=engine_key, timeout_s=cfg.engine.request_timeout_s, **kw)
+        self.router = Router(list(endpoints), api_key=engine_key, timeout_s=cfg.engine.request_timeout_s,
+                             connect_retries=cfg.engine.connect_retries, **kw)
         self.proxy = Proxy(self.router, load_tokenizer(self.model_dir), identity=self.identity,
                            default_max_tokens=cfg.proxy.default_max_tokens, max_tokens_cap=cfg.proxy.max_tokens_cap,
                            max_executions=cfg.proxy.max_executions, **proxy_options(cfg.proxy, self.model_dir))

@@ -33,7 +33,7 @@ class ClusterModel:
     replica: ReplicaSpec = field(default=TOY_REPLICA)
     # Training tokens per second of one cell of this size, streaming micro-batches (a preset: FLOP
     # arithmetic at a stated MFU).
-    # The defaults are config's ([sched], [sim]: the one source of cost defaults, as the policy's Hints).
+    # The defaults are config's ([sched]: the one source of cost defaults, as the policy's Hints).
     train_tokens_per_s: float = SchedConfig.train_tokens_per_s
     to_train_s: float = SchedConfig.to_train_s      # paper: rollout -> train switch
     to_rollout_s: float = SchedConfig.to_rollout_s  # paper: train -> rollout switch

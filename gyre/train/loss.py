@@ -30,6 +30,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from gyre.config import OffPolicyMode
 from gyre.batch import MicroBatch
 from gyre.train.step_stats import LOG_RATIO_BINS, LOG_RATIO_HI, LOG_RATIO_LO
 
@@ -62,7 +63,7 @@ class OffPolicy:
     def from_config(cls, cfg) -> "OffPolicy":
         """From a TrainConfig whose `auto` a run resolved (gyre.config.trainer_config); a TrainConfig
         used on its own has no schedule: nothing lags, so `auto` is tis."""
-        mode = "tis" if cfg.off_policy == "auto" else cfg.off_policy
+        mode = OffPolicyMode.TIS if cfg.off_policy == OffPolicyMode.AUTO else cfg.off_policy
         return cls(mode, cfg.is_cap, cfg.is_mask, cfg.is_mask_low, cfg.is_mask_high)
 
 

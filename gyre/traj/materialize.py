@@ -28,6 +28,7 @@ from typing import Callable, Iterator, Sequence, TypeVar
 import numpy as np
 import torch
 
+from gyre.config import Layout
 from gyre.advantage import ESTIMATORS, advantages as group_advantages
 from gyre.batch import MicroBatch
 from gyre.traj.record import ExecutionRecord
@@ -292,7 +293,7 @@ def plan_micro_batches(executions: Sequence[SelectedExecution], layout: str,
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
     budget = int(micro_batch_tokens)
-    if layout == "tree":
+    if layout == Layout.TREE:
         # one row per micro-batch; each unit is a whole execution or one piece of a large one
         units = [p for e in executions for p in tree_pieces(e, budget)]
         units.sort(key=lambda p: -p.n_tokens)  # stable: ties keep step order

@@ -31,6 +31,7 @@ import numpy as np
 
 import gyre
 from gyre import faults
+from gyre.config import Compression
 from gyre.fsio import atomic_path, fsync_path
 from gyre.traj.record import ExecutionRecord
 from gyre.traj.tree import CallRecord, Node, TrajectoryTree
@@ -215,7 +216,7 @@ class ShardWriter:
 
     def __post_init__(self) -> None:
         self.dir = Path(self.dir)
-        if self.compression not in ("gzip", "lzf", "none"):
+        if self.compression not in tuple(Compression):
             raise ValueError(f"compression {self.compression!r}: choose gzip, lzf or none")
         missing = [k for k in REQUIRED_IDENTITY if not (self.identity or {}).get(k)]
         if missing:
@@ -243,9 +244,9 @@ class ShardWriter:
             return final, tmp
 
     def _bulk_filters(self) -> dict:
-        if self.compression == "gzip":
+        if self.compression == Compression.GZIP:
             return {"compression": "gzip", "compression_opts": self.level, "shuffle": True}
-        if self.compression == "lzf":
+        if self.compression == Compression.LZF:
             return {"compression": "lzf", "shuffle": True}
         return {}
 
