@@ -91,8 +91,9 @@ def run(keep_records: bool) -> dict:
         for g in head._start_groups(Q, now):
             for m in range(G):
                 eid = f"q{g.id}-task-g{m}"
-                head._execution_done(eid, toy_record(eid, g.id, m, head.core.rollout_version, rollout.engine_url, now),
-                                     now + 10)
+                rec = toy_record(eid, g.id, m, head.core.rollout_version, rollout.engine_url, now)
+                head.rollout.settle(rec, lambda r, eid=eid: head._execution_scored(eid, r, now + 10))
+                head._execution_recorded(eid, rec, now + 10)
         while (mb := head.core.next_microbatch()) is not None:
             asyncio.run(head.training.train(trainer, mb))
         now += 20

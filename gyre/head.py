@@ -54,7 +54,7 @@ from gyre.sched.state import Role
 from gyre.services.fleet import CellFleet, WeightPaths
 from gyre.services.ledger import Ledger, execution_id
 from gyre.services.rollout import RolloutService
-from gyre.services.training import Reduced, TrainingDispatch
+from gyre.services.training import StepReduced, TrainingDispatch
 from gyre.train.step_stats import lag0_warning
 from gyre.traj.record import FINISHED, Status
 from gyre.traj.select import SelectionSpec
@@ -140,7 +140,8 @@ class Head:
         tasks = load_tasks(cfg)  # harness.suite, strict_suite, image_template, tasks
         envs = Environments(SandboxConfig.from_config(cfg.harness))  # one placement per task, shared
         check_scorable(tasks, envs, cfg.harness.min_scorable_share)  # refused before any work
-        rollout = RolloutService(cfg, envs, model_dir, model_identity(model_dir), private_dir(cfg.shard_dir()))
+        rollout = RolloutService(cfg, envs, model_dir, model_identity(model_dir), private_dir(cfg.shard_dir()),
+                                 fault_scope="head")
         if self.resume:
             rollout.compact()  # finish one a crash cut short
         version, first_group = self.ledger.load_state() if self.resume else (0, 0)
@@ -256,8 +257,8 @@ class Head:
             self.rollout.add_endpoint(cell.engine_url)
 
     # ==== executions ============================================================================
-    # The sync handlers below (_start_groups, _execution_done, _step_ended, _step_committed) are
-    # the head's whole translation of what happened into core events; the async code around them
+    # The sync handlers below (_start_groups, _execution_scored, _execution_recorded, _step_ended,
+    # _step_committed) are the head's whole translation of what happened into core events; the async code around them
     # is messaging and I/O. tests/test_coordinator_core.py replays a simulator trace through them.
     def _start_groups(self, n: int, now: float) -> list[GroupRecord]:
         started = self.core.start_groups(n, now)
@@ -278,29 +279,30 @@ class Head:
         if replay:
             self.ledger.resuming(eid, replay[0])
         rec = await self.rollout.execute(task, eid, gid, replay=replay[1] if replay else None,
-                                         on_ended=lambda _status: self.core.execution_ended(eid, self.clock()))
-        self._execution_done(eid, rec, self.clock())
+                                         on_ended=lambda _status: self.core.execution_ended(eid, self.clock()),
+                                         on_scored=lambda r: self._execution_scored(eid, r, self.clock()))
+        self._execution_recorded(eid, rec, self.clock())
         if replay:  # replay-resume: which stopped execution this one continued, and what it saved
             self.ledger.resumed(eid, replay[0], len(replay[1].calls), replayed_calls(rec.tree))
 
-    def _execution_done(self, eid: str, rec, now: float) -> None:
-        """An execution ended and was scored: its record is on disk (its own small shard, compacted
-        at the end) before the core hears of it, so a SIGKILL from here on loses none of it."""
-        faults.hit("head", "execution_ended")
-        usable = rec.status in FINISHED and math.isfinite(rec.reward)
-        reward = rec.reward if math.isfinite(rec.reward) else None
+    def _execution_scored(self, eid: str, rec, now: float) -> None:
+        """An execution ended and was scored: written down and told, just before the rollout service
+        makes its record durable (its own small shard, compacted at the end)."""
+        reward, usable = _reward_of(rec)
         self.ledger.execution_ended(eid, reward, "" if usable else rec.reward_source or f"status {rec.status}",
                                     unscorable=rec.reward_source)
         url_cell = {u: c.id for c in self.cells for u in self.fleet.urls_of(c) if u}
         for call in rec.tree.calls:
             self._emit(CallRecorded(call.t_start, call.t_end, url_cell.get(call.endpoint), eid))
-        tokens = float(rec.tree.stats().unique_tokens)
-        self._emit(ExecutionEvaluated(now, eid, rec.group, rec.status, reward, rec.min_version, tokens, usable))
-        self.rollout.record([rec])  # durable before the coordinator hears of it
+        self._emit(ExecutionEvaluated(now, eid, rec.group, rec.status, reward, rec.min_version,
+                                      float(rec.tree.stats().unique_tokens), usable))
+
+    def _execution_recorded(self, eid: str, rec, now: float) -> None:
+        """Its record is on disk: only now does the core hear of it, so a SIGKILL from here on loses none of it."""
+        reward, usable = _reward_of(rec)
         self.training.hold(rec)
-        faults.hit("head", "execution_recorded")
-        adm = self.core.execution_evaluated(eid, now, version=rec.min_version, tokens=tokens, usable=usable,
-                                            reward=reward if usable else None)
+        adm = self.core.execution_evaluated(eid, now, version=rec.min_version, tokens=float(rec.tree.stats().unique_tokens),
+                                            usable=usable, reward=reward if usable else None)
         self._on_admission(adm)
 
     def _on_admission(self, adm: Admission) -> None:
@@ -344,14 +346,14 @@ class Head:
         faults.hit("head", "step_end")
         return self.core.step_ended(now)
 
-    def _step_committed(self, res: StepResult, red: Reduced, push_s: float) -> None:
+    def _step_committed(self, res: StepResult, red: StepReduced, push_s: float) -> None:
         """(Weights pushed if the round ended) the step is written down; the next one fills."""
         if res.push_due:
             self.core.weights_pushed(res.version)
         self._close_step(res, red, push_s)
         self._on_admission(res.admission)
 
-    def _close_step(self, res: StepResult, red: Reduced, push_s: float) -> None:
+    def _close_step(self, res: StepResult, red: StepReduced, push_s: float) -> None:
         """Step rows and ledger lines, then state.json: the commit point of the step."""
         for g in res.groups:  # written only now: admitted means trained in this step
             for eid, stal in self.training.admitted.pop(g.id, []):
@@ -408,3 +410,9 @@ class Head:
                 "intervals": {c.id: st.intervals(c.id, t1) for c in self.cells},
                 "idle": {c.id: st.idle_spans(c.id, t1) for c in self.cells},
                 "metrics": self.metrics.describe() if self.metrics else None}
+
+
+def _reward_of(rec) -> tuple[float | None, bool]:
+    """(reward, whether it can train): a finished execution with a finite reward."""
+    reward = rec.reward if math.isfinite(rec.reward) else None
+    return reward, rec.status in FINISHED and reward is not None

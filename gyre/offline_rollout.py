@@ -28,7 +28,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gyre import faults
 from gyre.config import GyreConfig, ResumeMode, default_tiny_dir, load_config
 from gyre.engine.launch import start_cell_engine
 from gyre.engine.reaper import ProcessList, reap
@@ -221,10 +220,7 @@ class Rollout:
 
     async def _one(self, p: Planned, service: RolloutService, bar) -> None:
         # one query = one group of G executions
-        rec = await service.execute(p.task, p.execution_id, 0, replay=p.replay)
-        faults.hit("rollout", "execution_ended")
-        service.record([rec])  # durable before it counts: a SIGKILL from here on loses nothing of it
-        faults.hit("rollout", "execution_recorded")
+        rec = await service.execute(p.task, p.execution_id, 0, replay=p.replay)  # durable when it returns
         if p.replay is not None:
             self.summary.resumed += 1
             n = replayed_calls(rec.tree)

@@ -12,11 +12,11 @@ from gyre.config import GyreConfig
 from gyre.head import Head
 from gyre.services.fleet import WeightPaths
 from gyre.services.rollout import RolloutService
-from gyre.services.training import Reduced
+from gyre.services.training import StepReduced
 from gyre.traj.select import SelectionSpec
 
 IDENTITY = {"model_hash": "m" * 8, "tokenizer_hash": "t" * 8}
-NOTHING_REDUCED = Reduced([], [], 0.0)  # a step the test trained itself
+NOTHING_REDUCED = StepReduced([], [], 0.0)  # a step the test trained itself
 
 
 def run_config(tmp_path: Path, steps: int, q: int, g: int, k: int = 0, b: int = 1, *,
@@ -46,6 +46,13 @@ def head_for_replay(tmp_path: Path, cfg: GyreConfig, *, clock=time.time, engine_
         for c in head.cells:
             c.engine_url = f"http://engine{c.id}"
     return head
+
+
+def execution_done(head: Head, eid: str, rec, now: float) -> None:
+    """An execution the test played, ended at `now`: settled by the rollout service (written down,
+    then durable) and told to the core, as `Head._execution` does with one the service ran."""
+    head.rollout.settle(rec, lambda r: head._execution_scored(eid, r, now))
+    head._execution_recorded(eid, rec, now)
 
 
 def set_clock(head: Head, clock) -> None:

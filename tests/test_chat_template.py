@@ -166,13 +166,13 @@ def test_proxy_over_http_with_the_model_template_and_parsers(tmp_path):
     """The real proxy (HTTP, the openai client, a scripted engine) configured from [proxy]:
     renders with the directory's template, splits reasoning, parses Qwen3-Coder XML calls."""
     from gyre.config import load_config
-    from gyre.proxy.server import proxy_options
+    from gyre.proxy.server import template_options
     from test_proxy import Stack
 
     (tmp_path / "chat_template.jinja").write_text((TEMPLATES / "qwen3_coder_xml.jinja").read_text())
     cfg = load_config(None, ["proxy.chat_template=model", "proxy.tool_parser=qwen3_coder",
                              "proxy.reasoning_parser=qwen3"])
-    opts = proxy_options(cfg.proxy, tmp_path)
+    opts = template_options(cfg.proxy, tmp_path)
     s = Stack()
     try:
         s.proxy.template, s.proxy.tool_parser, s.proxy.reasoning_parser = (
@@ -192,7 +192,7 @@ def test_proxy_over_http_with_the_model_template_and_parsers(tmp_path):
     finally:
         s.close()
     with pytest.raises(ValueError, match="has no chat template"):
-        proxy_options(cfg.proxy, tmp_path / "none")
+        template_options(cfg.proxy, tmp_path / "none")
 
 
 def test_streamed_reasoning_and_content_equal_the_whole_answer(tmp_path):

@@ -8,7 +8,7 @@ from gyre.sched import make_policy
 from gyre.sched.admission import start_budget
 from gyre.sched.core import Coordinator, CoreError, CoreSpec, GroupState
 from gyre.sched.state import CellView, Role
-from replay_head import NOTHING_REDUCED, head_for_replay, run_config
+from replay_head import NOTHING_REDUCED, execution_done, head_for_replay, run_config
 from support.lag_oracle import LagStats, lag_of
 
 S = GroupState
@@ -373,7 +373,7 @@ def test_one_trace_through_the_simulator_and_the_head_gives_the_same_steps(tmp_p
         elif kind == "evaluated":
             gid, m = eid_of[ev[1]]
             eid = f"q{gid}-task-g{m}"
-            head._execution_done(eid, record(eid, gid, m, ev[3]), ev[2])
+            execution_done(head, eid, record(eid, gid, m, ev[3]), ev[2])
         elif kind == "step_ending":
             while (mb := head.core.next_microbatch()) is not None:  # the trainers' replies
                 head.core.microbatch_trained(mb)
@@ -416,7 +416,7 @@ def test_head_requeues_a_lost_micro_batch_once(tmp_path):
     head._start_groups(1, 0.0)
     for m in range(2):
         eid = f"q0-task-g{m}"
-        head._execution_done(eid, record(eid, 0, m, 0), 1.0)
+        execution_done(head, eid, record(eid, 0, m, 0), 1.0)
     core_ = head.core
     c1, c2 = head.cells[0], head.cells[1]
     a = core_.next_microbatch()
@@ -549,7 +549,7 @@ def test_zero_variance_same_groups_replaced_in_the_simulator_and_the_head(tmp_pa
         elif ev[0] == "evaluated":
             gid, m = eid_of[ev[1]]
             eid = f"q{gid}-task-g{m}"
-            head._execution_done(eid, record(eid, gid, m, ev[3], reward=ev[4]), ev[2])
+            execution_done(head, eid, record(eid, gid, m, ev[3], reward=ev[4]), ev[2])
         elif ev[0] == "step_ending":
             while (mb := head.core.next_microbatch()) is not None:
                 head.core.microbatch_trained(mb)

@@ -25,7 +25,7 @@ from gyre.sched.cells import Cell
 from gyre.sched.state import Role
 from gyre.sched.protocol import ReduceReply
 from gyre.services.training import Reduced
-from replay_head import NOTHING_REDUCED, head_for_replay, run_config, set_clock
+from replay_head import NOTHING_REDUCED, execution_done, head_for_replay, run_config, set_clock
 from support.lag_oracle import lag_of
 
 
@@ -145,7 +145,7 @@ def play(head, steps: int, rng: random.Random, monkeypatch, t0: float = 1000.0):
                              status="failed" if failed else "done",
                              reward=float("nan") if failed and m % 2 else None)
                 told["records"][eid] = rec
-                head._execution_done(eid, rec, now + 12.0 + m)
+                execution_done(head, eid, rec, now + 12.0 + m)
         now += 20.0
         clock.now = now
         while (mb := head.core.next_microbatch()) is not None:
@@ -222,7 +222,7 @@ def test_a_record_leaves_memory_once_its_shard_is_durable_and_its_group_material
     for g in started:
         for m in range(2):
             eid = f"q{g.id}-task-g{m}"
-            head._execution_done(eid, record(eid, g.id, m, 0, 1.0, head.cells[0].engine_url), 10.0 + g.id)
+            execution_done(head, eid, record(eid, g.id, m, 0, 1.0, head.cells[0].engine_url), 10.0 + g.id)
     # every record is durable as soon as it ends (its own small shard); group 0 was materialized
     # (its micro-batches hold what training needs) and left memory; group 1 still waits
     assert len(list((tmp_path / "shards").glob("*.h5"))) == 4

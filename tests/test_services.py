@@ -21,7 +21,7 @@ from gyre.sched.state import Role
 from gyre.services.fleet import CellFleet, WeightPaths
 from gyre.services.ledger import Ledger
 from gyre.services.rollout import RolloutService
-from gyre.services.training import Reduced, TrainingDispatch
+from gyre.services.training import StepReduced, TrainingDispatch
 from gyre.traj.record import ExecutionRecord
 from gyre.traj.store import iter_executions
 from gyre.traj.tree import Segment, TrajectoryTree
@@ -187,7 +187,7 @@ def test_reduce_retries_when_nothing_was_applied_and_stops_when_replicas_may_dis
     assert asyncio.run(td.reduce(0)) == "step 0: reduce failed: cell 1: commit failed"
     mode["reduce"] = "ok"
     red = asyncio.run(td.reduce(0))
-    assert isinstance(red, Reduced) and red.grad_norm == 0.5 and [c.id for c in red.participants] == [0, 1]
+    assert isinstance(red, StepReduced) and red.grad_norm == 0.5 and [c.id for c in red.participants] == [0, 1]
     reduces = [cmd for _, cmd in link.sent if isinstance(cmd, Reduce)]
     assert reduces[-1].leader == 0 and reduces[-1].weights_dir == "/w/v1" and reduces[-1].checkpoint_dir == "/c/v1"
 

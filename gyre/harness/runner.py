@@ -33,6 +33,7 @@ from gyre.harness.runtimes import Mount
 from gyre.harness.tasks import Task
 from gyre.traj.record import Status
 
+INFRA_PREFIX = "cannot start the harness"  # the error of a try whose sandbox or process could not start
 STATUSES = (Status.DONE, Status.FAILED, Status.CRASHED, Status.TIMEOUT, Status.STOPPED)  # a harness ends so
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 _PLACEHOLDER = re.compile(r"\{(prompt|prompt_file|workspace|task_dir|python|execution_id|base_url)\}")
@@ -299,7 +300,7 @@ class HarnessPool:
                 sink.start()
         except (OSError, ValueError, RuntimeError) as e:  # not found, argv too long, bad command, runtime set-up
             await self._cleanup(bridge, teardown, launch_env)
-            res = result(Status.FAILED, error=f"cannot start the harness: {e}")
+            res = result(Status.FAILED, error=f"{INFRA_PREFIX}: {e}")
             res.start_failure = True
             return res
         try:

@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import secrets
 import sys
 from pathlib import Path
-
-from tokenizers import Tokenizer
 
 from gyre.config import default_tiny_dir, env, load_config
 from gyre.engine.router import Router
 from gyre.model.identity import model_identity
 from gyre.model.tiny import ensure_tiny_model
-from gyre.proxy.server import Proxy, create_app, proxy_options, start_site
+from gyre.proxy.server import Proxy, create_app, start_site
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,11 +36,9 @@ async def serve(args: argparse.Namespace) -> None:
               file=sys.stderr)
         raise SystemExit(2)
     admin_key = args.admin_key or env("GYRE_ADMIN_KEY") or secrets.token_urlsafe(24)
-    router = Router(args.engine, api_key=args.engine_api_key or env("GYRE_ENGINE_API_KEY"))
-    proxy = Proxy(router, Tokenizer.from_file(str(tok_file)), identity=model_identity(model_dir),
-                  default_max_tokens=cfg.proxy.default_max_tokens, max_tokens_cap=cfg.proxy.max_tokens_cap,
-                  max_executions=cfg.proxy.max_executions,
-                  context_length=_context_length(model_dir), **proxy_options(cfg.proxy, model_dir))
+    router = Router(args.engine, api_key=args.engine_api_key or env("GYRE_ENGINE_API_KEY"),
+                    timeout_s=cfg.engine.request_timeout_s, connect_retries=cfg.engine.connect_retries)
+    proxy = Proxy.from_config(cfg.proxy, router, model_dir, model_identity(model_dir))
     app = create_app(proxy, admin_key=admin_key, max_body_bytes=cfg.proxy.max_body_bytes)
     runner, port = await start_site(app, args.host or cfg.proxy.host, cfg.proxy.port if args.port is None else args.port)
     if not (args.admin_key or env("GYRE_ADMIN_KEY")):
@@ -54,15 +49,6 @@ async def serve(args: argparse.Namespace) -> None:
     finally:
         await runner.cleanup()
         await router.close()
-
-
-def _context_length(model_dir: Path) -> int | None:
-    """max_position_embeddings from config.json; None (ask the engines) when there is none."""
-    try:
-        v = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get("max_position_embeddings")
-    except (OSError, ValueError):
-        return None
-    return v if isinstance(v, int) and v > 1 else None
 
 
 def run(args: argparse.Namespace) -> int:

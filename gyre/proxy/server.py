@@ -26,6 +26,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -37,6 +38,7 @@ from gyre.engine.client import EngineError
 from gyre.engine.router import RouterError
 from gyre.model.chat_template import ChatTemplate, conformance
 from gyre.model.parsers import parse
+from gyre.model.tokenizer import load_tokenizer
 from gyre.proxy.capture import (ExecutionSession, PreparedCall, Renderer, new_api_key,
                                 prepare_call, record_call, wire_ids)
 from gyre.proxy.chat import (DEFAULT_TOOL_SYSTEM, Message, MessageError, ParsedOutput, ToolCall, canonical_arguments,
@@ -121,7 +123,7 @@ class Call:
         return f"chatcmpl-{self.rid}"
 
 
-def proxy_options(proxy_cfg, model_dir) -> dict:
+def template_options(proxy_cfg, model_dir) -> dict:
     """Proxy keyword arguments for the model directory's chat template from `[proxy]` (the
     template is loaded, and refused with a clear error, here)."""
     if proxy_cfg.chat_template != TemplateSource.MODEL:
@@ -135,8 +137,27 @@ def proxy_options(proxy_cfg, model_dir) -> dict:
             "reasoning_parser": proxy_cfg.reasoning_parser}
 
 
+def context_length(model_dir: Path) -> int | None:
+    """max_position_embeddings from config.json; None (ask the engines) when there is none."""
+    try:
+        v = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8")).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
+    return v if isinstance(v, int) and v > 1 else None
+
+
 class Proxy:
     """Sessions, rendering and capture; `create_app` exposes it over HTTP."""
+
+    @classmethod
+    def from_config(cls, proxy_cfg, router, model_dir, identity: dict) -> "Proxy":
+        """The proxy every driver serves (`gyre rollout`, the head, `gyre proxy`): the model
+        directory's tokenizer, context length and (proxy.chat_template = model) template, and
+        `[proxy]`'s limits."""
+        return cls(router, load_tokenizer(model_dir), identity=identity,
+                   default_max_tokens=proxy_cfg.default_max_tokens, max_tokens_cap=proxy_cfg.max_tokens_cap,
+                   max_executions=proxy_cfg.max_executions, context_length=context_length(model_dir),
+                   **template_options(proxy_cfg, model_dir))
 
     def __init__(self, router, tokenizer, *, model_name: str = "gyre", default_max_tokens: int = 512,
                  max_tokens_cap: int = 4096, identity: dict | None = None, context_length: int | None = None,
@@ -189,6 +210,10 @@ class Proxy:
         self.sessions[key] = sess
         self.by_id[execution_id] = sess
         return key
+
+    def calls_made(self, execution_id: str) -> int:
+        """Calls recorded so far for a registered execution."""
+        return len(self.by_id[execution_id].tree.calls)
 
     def end(self, execution_id: str, status: str = "done") -> ExecutionRecord:
         """Revoke the execution's key and hand back its record (tree included)."""

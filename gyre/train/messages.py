@@ -50,7 +50,7 @@ class Stash(Request):
 
 
 @dataclass(frozen=True)
-class Reduce(Request):
+class ReduceGrads(Request):
     """Sum the held gradients over the member cells (cross-cell groups)."""
     name: ClassVar[str] = "reduce"
     step: int
@@ -118,7 +118,7 @@ class Stashed:
 
 
 @dataclass(frozen=True)
-class Reduced:
+class GradsReduced:
     form_ms: float               # forming the cross-cell group (0 when cached); the cell's slowest rank
     cached: bool                 # every rank found the membership's group formed already
     wait_ms: float
