@@ -24,7 +24,7 @@ from gyre.events import (CallRecorded, CellBusy, CellRoleChanged, ExecutionDropp
 from gyre.sched.cells import Cell
 from gyre.sched.state import Role
 from gyre.sched.protocol import ReduceReply
-from gyre.services.training import Reduced
+from gyre.services.training import StepReduced
 from replay_head import NOTHING_REDUCED, execution_done, head_for_replay, run_config, set_clock
 from support.lag_oracle import lag_of
 
@@ -162,7 +162,7 @@ def play(head, steps: int, rng: random.Random, monkeypatch, t0: float = 1000.0):
         now = clock.now + 1.0
         head.core.step_ending(now)
         res = head._step_ended(now)
-        head._step_committed(res, Reduced([trainer], [ReduceReply(seq=0, cell=1, grad_norm=0.25)], 1.5), 0.0)
+        head._step_committed(res, StepReduced([trainer], [ReduceReply(seq=0, cell=1, grad_norm=0.25)], 1.5), 0.0)
         now += 1.0
     return now, told
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from gyre.config import load_config
-from gyre.harness.execute import FINISHED
+from gyre.traj.record import FINISHED
 from gyre.offline_rollout import Rollout
 from gyre.traj.store import iter_executions
 
