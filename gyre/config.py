@@ -265,7 +265,8 @@ class TrainConfig(_EnumFields):
     staleness_weights: list = _f([], help="loss weight per policy lag [w0, w1, ...]; lags past the "
                                       "list are masked; empty = weight 1 for every admitted lag")
     off_policy: OffPolicyMode = _f(OffPolicyMode.AUTO,
-                         help="correction for stale and mismatched samples (README, 'The loss'): none = PPO "
+                         help="correction for stale and mismatched samples (benchmarks/README.md, 'The loss'): "
+                              "none = PPO "
                               "clip against the behaviour log-probs; tis = clip against pi_old (the trainer "
                               "at the step start, one extra no-grad forward) times min(pi_old/pi_behaviour, "
                               "is_cap); decoupled = AReaL's decoupled PPO, clip against pi_prox (the same "
