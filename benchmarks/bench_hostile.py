@@ -12,7 +12,7 @@
 2. **Limits** (``limits_enforced``): each default limit, exercised by a real process that passes
    it; listed when it stopped (or capped) the harness with an error naming its key.
 3. **Fuzz** (``fuzz_*``): FUZZ seeded mutations of a full request over the schema
-   (tests/request_fuzz.py) against the proxy; ``fuzz_5xx`` must be 0.
+   (tests/support/request_fuzz.py) against the proxy; ``fuzz_5xx`` must be 0.
 
 Writes benchmarks/results/hostile.json. Takes about a minute on 2 busy cores.
 """
@@ -42,9 +42,9 @@ from tokenizers import Tokenizer  # noqa: E402
 from gyre.engine.router import Router  # noqa: E402
 from gyre.proxy.capture import Renderer  # noqa: E402
 from gyre.proxy.server import Proxy, create_app, start_site  # noqa: E402
-from loop_thread import LoopThread  # noqa: E402
-from request_fuzz import cases  # noqa: E402
-from scripted_engine import ScriptedEngine  # noqa: E402
+from support.loop_thread import LoopThread  # noqa: E402
+from support.request_fuzz import cases  # noqa: E402
+from support.scripted_engine import ScriptedEngine  # noqa: E402
 
 TOKENIZER = Tokenizer.from_file(str(ROOT / "gyre" / "assets" / "tokenizer.json"))
 R = Renderer(TOKENIZER)

@@ -61,9 +61,11 @@ from gyre.traj.select import SelectionSpec
 
 
 class Head:
-    def __init__(self, cfg: GyreConfig, link, n_cells: int, *, resume: bool = False,
+    def __init__(self, cfg: GyreConfig, link, n_cells: int, *, resume: bool = False, engine_key: str = "",
                  clock: Callable[[], float] = time.time):
+        """`engine_key`: the job's secret the cells' engines accept (the router sends it)."""
         self.cfg, self.link, self.resume, self.clock = cfg, link, resume, clock
+        self.engine_key = engine_key
         self.run_dir = Path(cfg.run.dir)
         self.t0 = clock()
         self.stats = RunStats(self.t0, n_cells)          # every figure of the report, from the events
@@ -169,7 +171,7 @@ class Head:
         for cell in self.cells:
             cell.since, cell.last_seen = now, now
         await rollout.start([c.engine_url for c, r in zip(self.cells, roles) if r is Role.ROLLOUT],
-                            engine_key=self.link.engine_key, wait_for_endpoint_s=120.0)
+                            engine_key=self.engine_key, wait_for_endpoint_s=120.0)
         # cells boot as rollout; the policy's initial train cells switch once, before any work
         await asyncio.gather(*(self._to_train(c) for c, r in zip(self.cells, roles) if r is Role.TRAIN))
         if core.rollout_version > 0:

@@ -167,7 +167,7 @@ def test_proxy_over_http_with_the_model_template_and_parsers(tmp_path):
     renders with the directory's template, splits reasoning, parses Qwen3-Coder XML calls."""
     from gyre.config import load_config
     from gyre.proxy.server import template_options
-    from test_proxy import Stack
+    from support.proxy_stack import Stack
 
     (tmp_path / "chat_template.jinja").write_text((TEMPLATES / "qwen3_coder_xml.jinja").read_text())
     cfg = load_config(None, ["proxy.chat_template=model", "proxy.tool_parser=qwen3_coder",
@@ -196,7 +196,7 @@ def test_proxy_over_http_with_the_model_template_and_parsers(tmp_path):
 
 
 def test_streamed_reasoning_and_content_equal_the_whole_answer(tmp_path):
-    from test_proxy import Stack
+    from support.proxy_stack import Stack
 
     s = Stack()
     try:

@@ -8,7 +8,7 @@ from gyre.sched import make_policy
 from gyre.sched.admission import start_budget
 from gyre.sched.core import Coordinator, CoreError, CoreSpec, GroupState
 from gyre.sched.state import CellView, Role
-from replay_head import NOTHING_REDUCED, execution_done, head_for_replay, run_config
+from support.replay_head import NOTHING_REDUCED, execution_done, head_for_replay, run_config
 from support.lag_oracle import LagStats, lag_of
 
 S = GroupState

@@ -25,7 +25,7 @@ from gyre.sched.cells import Cell
 from gyre.sched.state import Role
 from gyre.sched.protocol import ReduceReply
 from gyre.services.training import StepReduced
-from replay_head import NOTHING_REDUCED, execution_done, head_for_replay, run_config, set_clock
+from support.replay_head import NOTHING_REDUCED, execution_done, head_for_replay, run_config, set_clock
 from support.lag_oracle import lag_of
 
 

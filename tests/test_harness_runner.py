@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import stat
-import sys
 import time
 from pathlib import Path
 
@@ -14,29 +13,11 @@ import pytest
 
 from gyre.harness.runner import (HarnessPool, Limits, WorkspaceExists, classify, cleanup_workspaces,
                                  expand_argv)
-from gyre.harness.sandbox import Environments, SandboxConfig, UnsandboxedWarning
-from gyre.harness.tasks import load_suite
-
-TASK = {t.name: t for t in load_suite("builtin")}["fizzbuzz"]
-PY = sys.executable
+from support.harness_pool import envs, MODES, pool, PY, run, TASK
 
 
 # The pool's mechanics hold in both modes: bare on the host (harness.sandbox = none) and in the
 # default sandbox (bubblewrap); tests of the host layout itself run bare.
-MODES = ["none", pytest.param("auto", marks=pytest.mark.skipif(shutil.which("bwrap") is None,
-                                                               reason="bubblewrap is not installed"))]
-
-
-def envs(mode: str) -> Environments:
-    if mode != "none":
-        return Environments(SandboxConfig(sandbox=mode))
-    with pytest.warns(UnsandboxedWarning):
-        return Environments(SandboxConfig(sandbox="none"))
-
-
-def pool(tmp_path, command, mode="none", **kw):
-    limits = kw.pop("limits", Limits(timeout_s=30, kill_grace_s=0.5))
-    return HarnessPool(tmp_path / "run", command, limits=limits, environments=envs(mode), **kw)
 
 
 def token() -> str:
@@ -59,10 +40,6 @@ def args_gone(arg: str, within_s: float = 5.0) -> bool:
             return True
         time.sleep(0.05)
     return False
-
-
-def run(p: HarnessPool, eid="e1", task=TASK, **kw):
-    return asyncio.run(p.run_execution(task, eid, api_key="key-" + eid, base_url="http://127.0.0.1:9/v1", **kw))
 
 
 def group_gone(pgid: int, within_s: float = 5.0) -> bool:

@@ -12,8 +12,8 @@ import urllib.request
 import httpx
 import pytest
 
-from request_fuzz import cases
-from test_proxy import R, TOOLS, Stack, post
+from support.request_fuzz import cases
+from support.proxy_stack import R, TOOLS, Stack, post
 
 
 @pytest.fixture
@@ -189,7 +189,7 @@ def test_a_lagging_reader_parses_the_last_cumulative_snapshot_only():
     from aiohttp import web
 
     from gyre.engine.client import EngineClient
-    from test_proxy import start_site
+    from support.proxy_stack import start_site
 
     n = 300
 

@@ -25,7 +25,7 @@ from gyre.services.training import StepReduced, TrainingDispatch
 from gyre.traj.record import ExecutionRecord
 from gyre.traj.store import iter_executions
 from gyre.traj.tree import Segment, TrajectoryTree
-from replay_head import IDENTITY
+from support.replay_head import IDENTITY
 
 
 class Link:

@@ -21,21 +21,10 @@ from gyre.config import StoreConfig
 from gyre.traj.record import ExecutionRecord
 from gyre.traj.store import (SCHEMA_VERSION, ShardError, ShardWriter, digest, 
                              iter_executions, read_attrs, read_shard, shard_paths)
-from gyre.traj.synthetic import Shape, generate
 from gyre.traj.tree import TrajectoryTree
+from support.store_records import IDENTITY, records
 
-IDENTITY = {"tokenizer": "sha256:tok0", "model": "sha256:model0"}
 ROOT_DIR = Path(__file__).resolve().parents[1]
-
-
-def records(n: int = 3, seed: int = 0) -> list[ExecutionRecord]:
-    out = [generate(Shape(calls=24 + 6 * k, subagents=1, subagent_calls=4, compactions=1, retries=1,
-                          versions_every=7, seed=seed + k), execution_id=f"exec-{seed}-{k}",
-                    task=f"täsk/{k}", group=k // 2, t0=1.7e9 + k) for k in range(n)]
-    out[0].status, out[0].reward_source, out[0].workspace = "timeout", "tests-after-timeout", "/ws/é 0"
-    # an execution that ended before its first call, with no reward
-    out.append(ExecutionRecord("exec-empty", "t/empty", 9, "crashed", float("nan"), "unscorable"))
-    return out
 
 
 def writer(tmp_path: Path, **kw) -> ShardWriter:
@@ -354,7 +343,7 @@ def test_a_compaction_cut_short_by_sigkill_shows_every_execution_once(tmp_path):
 
     shards = tmp_path / "shards"
     script = ("import sys; sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[2])\n"
-              "from test_store import records, IDENTITY\n"
+              "from support.store_records import records, IDENTITY\n"
               "from gyre.traj.store import ShardWriter, compact\n"
               "w = ShardWriter(sys.argv[3], identity=IDENTITY)\n"
               "[w.write([r]) for r in records(3, seed=5)]\n"
