@@ -21,8 +21,21 @@ from tokenizers import AddedToken, Tokenizer
 
 TEMPLATES = Path(__file__).parent / "templates"
 TINY_TOKENIZER = Path(__file__).parents[1] / "gyre" / "assets" / "tokenizer.json"
-LLAMA3_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-                 "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
+# a Llama 3 tokenizer has none of ChatML's tokens: the tiny one's are renamed, the rest added
+LLAMA3_RENAMED = {"<|endoftext|>": "<|end_of_text|>", "<|im_start|>": "<|start_header_id|>", "<|im_end|>": "<|eot_id|>"}
+LLAMA3_ADDED = ["<|begin_of_text|>", "<|end_header_id|>", "<|eom_id|>", "<|python_tag|>"]
+
+
+def _llama3_tokenizer() -> Tokenizer:
+    spec = json.loads(TINY_TOKENIZER.read_text())
+    for t in spec["added_tokens"]:
+        t["content"] = LLAMA3_RENAMED.get(t["content"], t["content"])
+    spec["model"]["vocab"] = {LLAMA3_RENAMED.get(k, k): i for k, i in spec["model"]["vocab"].items()}
+    # merges that spelled the old names out of characters would now make tokens the vocabulary lacks
+    spec["model"]["merges"] = [m for m in spec["model"]["merges"] if "".join(m) not in LLAMA3_RENAMED]
+    tok = Tokenizer.from_str(json.dumps(spec))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in LLAMA3_ADDED])
+    return tok
 
 
 @dataclass(frozen=True)
@@ -88,14 +101,15 @@ def model_dir(name: str, dest: Path) -> Path:
     """A model directory for fixture `name` (tokenizer, configs, the template) under `dest`."""
     f = FIXTURES[name]
     dest.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer.from_file(str(TINY_TOKENIZER))
     if f.llama:
-        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in LLAMA3_TOKENS])
-        bos, eos, ends = "<|begin_of_text|>", "<|eot_id|>", ["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"]
+        tok = _llama3_tokenizer()
+        bos, eos, pad, ends = "<|begin_of_text|>", "<|eot_id|>", "<|end_of_text|>", ["<|end_of_text|>", "<|eom_id|>",
+                                                                                     "<|eot_id|>"]
     else:
-        bos, eos, ends = None, "<|im_end|>", ["<|im_end|>", "<|endoftext|>"]
+        tok = Tokenizer.from_file(str(TINY_TOKENIZER))
+        bos, eos, pad, ends = None, "<|im_end|>", "<|endoftext|>", ["<|im_end|>", "<|endoftext|>"]
     tok.save(str(dest / "tokenizer.json"))
-    cfg = {"bos_token": bos, "eos_token": eos, "pad_token": "<|endoftext|>", "model_max_length": 32768}
+    cfg = {"bos_token": bos, "eos_token": eos, "pad_token": pad, "model_max_length": 32768}
     (dest / "tokenizer_config.json").write_text(json.dumps(cfg))
     (dest / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.token_to_id(t) for t in ends]}))
     (dest / "chat_template.jinja").write_text((TEMPLATES / f.template).read_text())
