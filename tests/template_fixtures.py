@@ -161,14 +161,16 @@ class CallResult:
     proxy_ids: list[int] | None  # what the engine got (None: the proxy answered an error)
     reference_ids: list[int]
     error: str | None = None
+    output_ids: list[int] | None = None  # what the engine answered
 
     @property
     def equal(self) -> bool:
         return self.proxy_ids == self.reference_ids
 
 
-def drive(directory: Path, name: str, history: str = "template") -> list[CallResult]:
+def drive(directory: Path, name: str, history: str = "template", echo_reasoning: bool = True) -> list[CallResult]:
     """The fixture's 5 calls through the real proxy (openai client over HTTP, scripted engine).
+    ``echo_reasoning``: the harness sends each reply's ``reasoning_content`` back (many drop it).
     Raises what the proxy raises at start (a template it refuses)."""
     from openai import APIError, OpenAI
 
@@ -217,18 +219,19 @@ def drive(directory: Path, name: str, history: str = "template") -> list[CallRes
                     ids += 1
                 messages.append(m)
             reference = ref.ids(messages)
-            engine.script = [ref.sampled(messages, turn, end)]
+            sampled = ref.sampled(messages, turn, end)
+            engine.script = [sampled]
             n = len(engine.requests)
             try:
                 reply = client.chat.completions.create(model="main", messages=messages, tools=TOOLS)
             except APIError as e:
                 results.append(CallResult(None, reference, f"{type(e).__name__}: {e}"))
                 break
-            results.append(CallResult(list(engine.requests[n]["input_ids"]), reference))
+            results.append(CallResult(list(engine.requests[n]["input_ids"]), reference, output_ids=sampled))
             m = reply.choices[0].message
             echo: dict = {"role": "assistant", "content": m.content}
             reasoning = (m.model_extra or {}).get("reasoning_content")
-            if reasoning:
+            if reasoning and echo_reasoning:
                 echo["reasoning_content"] = reasoning
             if m.tool_calls:
                 echo["tool_calls"] = [{"id": f"call_{ids + i}", "type": "function",

@@ -45,6 +45,26 @@ def test_append_only_templates_equal_transformers_in_exact_mode(dirs, name):
     assert [c.proxy_ids == c.reference_ids for c in calls] == [True] * 5
 
 
+@pytest.mark.parametrize("name", sorted(FIXTURES))
+def test_exact_mode_trains_what_was_sampled(dirs, name):
+    """The default history mode, every template: each call's prompt and sampled output are a prefix
+    of the next call's prompt (templates that drop past reasoning included: the sampled turn stays)."""
+    calls = drive(dirs[name], name, history="exact")
+    assert len(calls) == 5
+    for a, b in zip(calls, calls[1:]):
+        seen = a.proxy_ids + a.output_ids
+        assert b.proxy_ids[: len(seen)] == seen
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_5"])
+def test_template_mode_equals_transformers_when_the_harness_drops_reasoning(dirs, name):
+    """A harness that does not send reasoning_content back: the template renders its turns without
+    it, and the engine still gets exactly transformers' ids (the tree branches where the sampled
+    turn and its rewrite differ: each target keeps the context it was sampled from)."""
+    calls = drive(dirs[name], name, history="template", echo_reasoning=False)
+    assert [c.proxy_ids == c.reference_ids for c in calls] == [True] * 5
+
+
 def _renderer(directory) -> Renderer:
     tok = load_tokenizer(directory)
     return Renderer(tok, end_token_ids(directory, tok.token_to_id))

@@ -140,7 +140,7 @@ def _resume_offset(template: ChatTemplate, dicts: list[dict], j: int, tools, sto
     tail = stored[-32:]
     bound = template.stable_end(dicts[:j], tools) + len(tail)  # within the history, not the new messages
     at = prompt.rfind(tail, 0, bound) if tail else -1
-    return template.snap(prompt, at + len(tail)) if at >= 0 else 0  # 0: the caller falls back to the stable end
+    return at + len(tail) if at >= 0 else 0  # 0: the caller falls back to the stable end
 
 
 def prepare_call_template(r: Renderer, template: ChatTemplate, session: ExecutionSession, messages: list[Message],
