@@ -14,6 +14,7 @@ benchmarks/token_truth_templates.py.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -168,12 +169,10 @@ class CallResult:
         return self.proxy_ids == self.reference_ids
 
 
-def drive(directory: Path, name: str, history: str = "template", echo_reasoning: bool = True) -> list[CallResult]:
-    """The fixture's 5 calls through the real proxy (openai client over HTTP, scripted engine).
-    ``echo_reasoning``: the harness sends each reply's ``reasoning_content`` back (many drop it).
-    Raises what the proxy raises at start (a template it refuses)."""
-    from openai import APIError, OpenAI
-
+@contextmanager
+def serve(directory: Path, overrides: list[str]):
+    """The real proxy over HTTP for `directory` (``[proxy]`` overrides) in front of a scripted
+    engine: yields (proxy, engine, base_url). Raises what the proxy raises at start."""
     from gyre.config import load_config
     from gyre.engine.router import Router
     from gyre.model.tokenizer import load_tokenizer
@@ -181,11 +180,7 @@ def drive(directory: Path, name: str, history: str = "template", echo_reasoning:
     from loop_thread import LoopThread
     from scripted_engine import ScriptedEngine
 
-    f = FIXTURES[name]
-    ref = Reference(directory)
-    end = "<|eot_id|>" if f.llama else "<|im_end|>"
-    cfg = load_config(None, ["proxy.chat_template=model", f"proxy.history={history}",
-                             f"proxy.tool_parser={f.tool_parser}", f"proxy.reasoning_parser={f.reasoning_parser}"])
+    cfg = load_config(None, ["proxy.chat_template=model", *overrides])
     tokenizer = load_tokenizer(directory)
     lt = LoopThread()
     engine = ScriptedEngine(decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
@@ -194,9 +189,9 @@ def drive(directory: Path, name: str, history: str = "template", echo_reasoning:
     async def up():
         state["erunner"], eport = await start_site(engine.app(), "127.0.0.1", 0)
         state["router"] = Router([f"http://127.0.0.1:{eport}"])
-        proxy = Proxy(state["router"], tokenizer, **proxy_options(cfg.proxy, directory))
-        state["proxy"] = proxy
-        state["prunner"], state["port"] = await start_site(create_app(proxy, admin_key="admin"), "127.0.0.1", 0)
+        state["proxy"] = Proxy(state["router"], tokenizer, **proxy_options(cfg.proxy, directory))
+        state["prunner"], state["port"] = await start_site(create_app(state["proxy"], admin_key="admin"),
+                                                           "127.0.0.1", 0)
 
     async def down():
         for k in ("prunner", "erunner"):
@@ -205,11 +200,28 @@ def drive(directory: Path, name: str, history: str = "template", echo_reasoning:
         if "router" in state:
             await state["router"].close()
 
-    results: list[CallResult] = []
     try:
         lt.run(up())
-        key = state["proxy"].register("e1", task="t", group=0)
-        client = OpenAI(base_url=f"http://127.0.0.1:{state['port']}/v1", api_key=key, max_retries=0)
+        yield state["proxy"], engine, f"http://127.0.0.1:{state['port']}/v1"
+    finally:
+        lt.run(down())
+        lt.close()
+
+
+def drive(directory: Path, name: str, history: str = "template", echo_reasoning: bool = True) -> list[CallResult]:
+    """The fixture's 5 calls through the real proxy (openai client over HTTP, scripted engine).
+    ``echo_reasoning``: the harness sends each reply's ``reasoning_content`` back (many drop it).
+    Raises what the proxy raises at start (a template it refuses)."""
+    from openai import APIError, OpenAI
+
+    f = FIXTURES[name]
+    ref = Reference(directory)
+    end = "<|eot_id|>" if f.llama else "<|im_end|>"
+    overrides = [f"proxy.history={history}", f"proxy.tool_parser={f.tool_parser}",
+                 f"proxy.reasoning_parser={f.reasoning_parser}"]
+    results: list[CallResult] = []
+    with serve(directory, overrides) as (proxy, engine, base_url):
+        client = OpenAI(base_url=base_url, api_key=proxy.register("e1", task="t", group=0), max_retries=0)
         messages: list[dict] = []
         ids = 0
         for new, turn in script(f):
@@ -238,7 +250,4 @@ def drive(directory: Path, name: str, history: str = "template", echo_reasoning:
                                        "function": {"name": t.function.name, "arguments": t.function.arguments}}
                                       for i, t in enumerate(m.tool_calls)]
             messages.append(echo)
-    finally:
-        lt.run(down())
-        lt.close()
     return results
