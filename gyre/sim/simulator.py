@@ -415,7 +415,10 @@ class Simulator:
                 cost = self.c.prefill_s(e.ctx_mid)
                 if cost <= 0:
                     continue
-                rate = rate or self._speed() or self.c.token_rate(self.in_call, 1, self.ctx_sum / self.in_call)
+                # no cell serves now (a whole-pool switch) or no call is decoding yet: price the
+                # re-prefill at one replica's rate for the calls in flight (at least this one)
+                n = max(self.in_call, 1)
+                rate = rate or self._speed() or self.c.token_rate(n, 1, self.ctx_sum / n)
                 for j, (v, sq, x) in enumerate(self.calls):
                     if sq == e.call_seq:  # decoding (a call still prefilling pays at its next call)
                         self.calls[j] = (v + cost * rate, sq, x)
