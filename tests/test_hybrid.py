@@ -141,3 +141,60 @@ def test_tree_layout_equals_expanded_layout(family):
     _, good = _loss_and_grads(t, [first])
     _, wrong = _loss_and_grads(t, [bad])
     assert float((wrong - good).abs().max()) > 0.01 * float(good.abs().max())
+
+
+# --- serving ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_engine_matches_transformers_and_resumes_from_stored_states(family, tmp_path):
+    from gyre.engine.hybrid import causal_lm
+    from gyre.engine.prefix_cache import PrefixCache
+    from gyre.model.spec import load_weights, read_spec
+
+    hf = random_model(tiny_config(family), seed=5, std=0.2)
+    hf.save_pretrained(tmp_path / "m")
+    spec = read_spec(tmp_path / "m")
+    engine = causal_lm(spec, load_weights(tmp_path / "m", spec))
+    ids = torch.randint(0, VOCAB, (1, 80), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(input_ids=ids).logits[0], -1)
+    cache = engine.new_cache()
+    first = torch.log_softmax(engine.forward(ids[0, :70].tolist(), cache), -1)
+    assert float((first - ref[69]).abs().max()) < 2e-4
+    other = engine.new_cache()
+    engine.forward(ids[0, :5].tolist(), other)
+    for j in range(70, 78):  # two sequences decode together: each keeps its own state
+        lp = torch.log_softmax(engine.decode([int(ids[0, j]), 7], [cache, other])[0], -1)
+        assert float((lp - ref[j]).abs().max()) < 2e-4, j
+    # the prefix cache: a request extending the cached sequence resumes at its end; one sharing
+    # only part of it resumes from the deepest stored state (the prompt's end) and recomputes
+    prefix = PrefixCache()
+    prefix.insert(ids[0, :78].tolist(), cache)
+    full, n = prefix.lookup(ids[0, :80].tolist())
+    assert n == 78 and full.length == 78
+    lp = torch.log_softmax(engine.forward(ids[0, 78:80].tolist(), full), -1)
+    assert float((lp - ref[79]).abs().max()) < 2e-4
+    partial, n = prefix.lookup(ids[0, :75].tolist() + [1, 2])
+    assert n == 70 and partial.length == 70  # 75 tokens shared; the state exists at 70
+    lp = torch.log_softmax(engine.forward(ids[0, 70:75].tolist(), partial), -1)
+    assert float((lp - ref[74]).abs().max()) < 2e-4
+    # the comparison can fail: resuming at 75 from the state at 78 is wrong
+    wrong = full.copy(78)
+    wrong.length = 75
+    bad = torch.log_softmax(engine.forward([int(ids[0, 75])], wrong), -1)
+    assert float((bad - ref[75]).abs().max()) > 1e-3
+
+
+def test_sglang_launch_uses_the_hybrid_cache_flags(tmp_path):
+    from gyre.engine.launch import _is_hybrid
+    from gyre.engine.sglang_flags import LAUNCH_SERVER_FLAGS
+    from gyre.engine.sglang_launch import SGLangSpec
+
+    random_model(tiny_config("qwen3_5"), seed=0).config.save_pretrained(tmp_path / "h")
+    random_model(tiny_config("qwen3"), seed=0).config.save_pretrained(tmp_path / "d")
+    assert _is_hybrid(tmp_path / "h") and not _is_hybrid(tmp_path / "d") and not _is_hybrid(tmp_path / "none")
+    cmd = SGLangSpec(str(tmp_path / "h"), hybrid=True).command()
+    i = cmd.index("--mamba-radix-cache-strategy")
+    assert cmd[i + 1] == "extra_buffer" and cmd[cmd.index("--mamba-ssm-dtype") + 1] == "float32"
+    assert {a for a in cmd if a.startswith("--")} <= LAUNCH_SERVER_FLAGS  # SGLang 0.5.23's own flags
+    assert "--mamba-ssm-dtype" not in SGLangSpec(str(tmp_path / "d")).command()
