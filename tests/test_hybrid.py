@@ -198,3 +198,37 @@ def test_sglang_launch_uses_the_hybrid_cache_flags(tmp_path):
     assert cmd[i + 1] == "extra_buffer" and cmd[cmd.index("--mamba-ssm-dtype") + 1] == "float32"
     assert {a for a in cmd if a.startswith("--")} <= LAUNCH_SERVER_FLAGS  # SGLang 0.5.23's own flags
     assert "--mamba-ssm-dtype" not in SGLangSpec(str(tmp_path / "d")).command()
+
+
+# --- Megatron-Core --------------------------------------------------------------------------------
+
+@pytest.mark.slow  # Megatron's import alone is ~5 CPU-s
+def test_megatron_gdn_layer_forks_state_like_gyres():
+    """Megatron-Core 0.16.1's GatedDeltaNet through `tree_forward` (its torch fallback kernel with
+    the state in and out) equals Gyre's layer on a tree row: outputs and gradients."""
+    from gyre.train.dist import init_megatron
+
+    init_megatron(seed=0)
+    from gyre.train.megatron_gdn import build_layer, load_from_gyre, tree_forward
+
+    hf = random_model(tiny_config("qwen3_5"), seed=2, std=0.2)
+    ours = HybridLM.from_transformers(hf).model.layers[0].linear_attn
+    layer = build_layer(ours.spec)
+    load_from_gyre(layer, ours)
+    kv, spans, _ = _tree_row()
+    tree = TreeScan.build(kv[None])
+    x = torch.randn(1, 31, 64, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    want = ours(x, tree)
+    got, bias = tree_forward(layer, x.transpose(0, 1), tree)
+    got = got.transpose(0, 1)
+    assert bias is None
+    assert float((got - want)[:, :28].detach().abs().max()) < 1e-5 * float(want.detach().abs().max()) + 1e-5
+    g = torch.randn(want.shape, generator=torch.Generator().manual_seed(4))
+    (want[:, :28] * g[:, :28]).sum().backward()
+    ref_x = x.grad.clone()
+    x.grad = None
+    (got[:, :28] * g[:, :28]).sum().backward()
+    assert torch.allclose(x.grad, ref_x, atol=1e-4)
+    assert torch.allclose(layer.A_log.grad, ours.A_log.grad, atol=1e-4)
+    assert torch.allclose(layer.in_proj.weight.grad[: ours.in_proj_qkv.weight.shape[0]],
+                          ours.in_proj_qkv.weight.grad, atol=1e-4)

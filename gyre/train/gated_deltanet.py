@@ -95,7 +95,7 @@ class TreeScan:
             cols.append(torch.where(prev >= 0, self.pred.gather(1, prev.clamp_min(0)), prev))
         return torch.stack(cols[::-1], dim=-1)
 
-    def conv(self, x: Tensor, weight: Tensor) -> Tensor:
+    def conv(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         """SiLU of the depthwise causal convolution of x ``[B, S, C]`` (weight ``[C, 1, K]``) along
         each token's path."""
         B, S, C = x.shape
@@ -104,17 +104,21 @@ class TreeScan:
         padded = torch.cat([x.new_zeros(B, 1, C), x], dim=1)         # index 0: zero
         idx = (win + 1).view(B, S * K, 1).expand(B, S * K, C)
         taps = padded.gather(1, idx).view(B, S, K, C)
-        return F.silu(torch.einsum("bskc,ck->bsc", taps, weight[:, 0].to(x.dtype)))
+        out = torch.einsum("bskc,ck->bsc", taps, weight[:, 0].to(x.dtype))
+        return F.silu(out if bias is None else out + bias.to(x.dtype))
 
-    def scan(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
+    def scan(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+             kernel=chunk_gated_delta_rule) -> Tensor:
         """The gated delta rule over every call, children from their parents' final states.
-        Shapes as `chunk_gated_delta_rule` with the whole micro-batch; padding outputs are 0."""
+        Shapes as `chunk_gated_delta_rule` with the whole micro-batch; padding outputs are 0.
+        `kernel(q, k, v, g, beta, initial_state) -> (out, final state)`: Gyre's, or another
+        backend's (gyre.train.megatron_gdn)."""
         out = v.new_zeros(v.shape)
         states: dict[tuple[int, int], Tensor] = {}
         for c in self.calls:
             init = states.get((c.row, c.parent)) if c.parent >= 0 else None
             sl = (slice(c.row, c.row + 1), slice(c.start, c.end))
-            o, final = chunk_gated_delta_rule(q[sl], k[sl], v[sl], g[sl], beta[sl], init)
+            o, final = kernel(q[sl], k[sl], v[sl], g[sl], beta[sl], init)
             out = out.index_put((torch.tensor([c.row]), torch.arange(c.start, c.end, device=v.device)), o[0])
             states[(c.row, c.end - 1)] = final
         return out
