@@ -70,10 +70,6 @@ class HybridCache:
     def routed_experts(self, length: int | None = None) -> torch.Tensor | None:
         return self.kv.routed_experts(length)
 
-    def nbytes(self) -> int:
-        states = sum(t.numel() * t.element_size() for t in self.conv + self.ssm)
-        return self.kv.nbytes() + states * (1 + len(self.snapshots))
-
     @property
     def routing(self):  # CausalLM._mlp records MoE routing here
         return self.kv.routing
