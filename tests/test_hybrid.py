@@ -233,3 +233,18 @@ def test_megatron_gdn_layer_forks_state_like_gyres():
     assert torch.allclose(layer.A_log.grad, ours.A_log.grad, atol=1e-4)
     assert torch.allclose(layer.in_proj.weight.grad[: ours.in_proj_qkv.weight.shape[0]],
                           ours.in_proj_qkv.weight.grad, atol=1e-4)
+
+
+@pytest.mark.slow  # transformers builds and saves the model (~20 s on the loaded 2-core machine)
+def test_make_model_builds_a_tiny_hybrid(tmp_path, capsys):
+    from gyre.cli import main
+    from gyre.engine.hybrid import HybridCausalLM, causal_lm
+    from gyre.model.spec import load_weights, read_spec
+
+    assert main(["make-model", "--family", "qwen3_5_moe", "--out", str(tmp_path / "m")]) == 0
+    spec = read_spec(tmp_path / "m")
+    assert (spec.model_type, spec.hybrid, spec.experts, spec.full_layers) == ("qwen3_5_moe", True, 8, [3])
+    assert isinstance(causal_lm(spec, load_weights(tmp_path / "m", spec)), HybridCausalLM)
+    assert main(["make-model", "--family", "qwen3_5_moe", "--out", str(tmp_path / "m")]) == 0  # kept
+    assert main(["make-model", "--family", "qwen3_5", "--out", str(tmp_path / "m")]) == 2
+    assert "holds a qwen3_5_moe model, not qwen3_5" in capsys.readouterr().err
