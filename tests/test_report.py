@@ -91,8 +91,8 @@ def test_metrics_sink_writes_jsonl_and_tensorboard_files_readable_back(tmp_path)
     assert [x["step"] for x in steps] == [0, 1, 2]
     assert [x["train/loss"] for x in steps] == pytest.approx([-3.2e-5, -6.4e-5, -9.6e-5])
     assert [x["rollout/reward_mean"] for x in steps] == [0.0, 0.25, 0.5]
-    assert 0 < steps[-1]["cells/utilisation"] < 1 and "cell1/busy_train_s" in steps[-1]
-    assert lines[-1]["run/lag_groups"] == 3.0  # the run's lag when it ended
+    assert 0 < steps[-1]["cells/utilisation"] < 1 and "cells/cell1/busy_train_s" in steps[-1]
+    assert lines[-1]["sched/run_lag_groups"] == 3.0  # the run's lag when it ended
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
     assert [e.step for e in acc.Scalars("train/loss")] == [0, 1, 2]

@@ -44,6 +44,7 @@ from gyre.cluster.local import engine_key_file
 from gyre.config import ConfigError, GyreConfig, env, load_config
 from gyre.fsio import atomic_write_text
 from gyre.harness.runner import private_dir
+from gyre.report import config_file
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 TEMPLATE = Path(__file__).resolve().parents[2] / "launchers" / "gyre.sbatch"
@@ -241,6 +242,10 @@ def prepare(config: str | None, overrides: list[str], environ: Mapping[str, str]
     if resume and alloc.restart_count == 0 and (get("GYRE_RESUME") or "") not in ("1", "yes", "true"):
         raise SlurmEnvError(f"{run_dir} holds a run (state.json): submit with GYRE_RESUME=1 to continue it, "
                             "or choose another run.dir")
+    resolved = config_file.stored(run_dir) if resume else None
+    if resolved:  # the run's own configuration: nothing to retype on resume or requeue
+        cfg = load_config(resolved, overrides)
+        blocks = cell_blocks(alloc, cfg)
     extra = []
     if cfg.engine.host in LOOPBACK:  # the head must reach each cell's engine across nodes
         extra.append("engine.host=0.0.0.0")
@@ -264,6 +269,7 @@ def prepare(config: str | None, overrides: list[str], environ: Mapping[str, str]
         "GYRE_RESUME_FLAG": "--resume" if resume else "",
         "GYRE_EXTRA_OVERRIDES": " ".join(extra),
         "GYRE_STEPS": str(cfg.run.steps),
+        "GYRE_RESOLVED_CONFIG": str(resolved or ""),
     }
 
 
@@ -284,7 +290,8 @@ def _prepare_main(argv: list[str]) -> int:
 
 # ---- gyre submit ------------------------------------------------------------------------------------
 def submit_add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", required=True, help="TOML configuration file")
+    p.add_argument("--config", help="TOML configuration file (with --resume: the run's stored config.toml "
+                                     "when omitted; run.dir=DIR names the run)")
     p.add_argument("--head-partition", default=None, help="partition of component 0 (the head)")
     p.add_argument("--cell-partition", default=None, help="partition of component 1 (the cells)")
     p.add_argument("--head-cpus", type=int, default=None, help="CPUs of the head task (harnesses, evaluators)")
@@ -346,6 +353,12 @@ def render_sbatch(cfg: GyreConfig, args: argparse.Namespace) -> str:
 
 def submit_run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
+    if args.resume and config_file.stored(Path(cfg.run.dir)):  # the run's own configuration, overrides on top
+        args.config = str(config_file.stored(Path(cfg.run.dir)).resolve())
+        cfg = load_config(args.config, args.overrides)
+    elif not args.config:
+        raise SystemExit("gyre submit: --config FILE is needed (only --resume of a run that stored its "
+                         "config.toml can do without)")
     run_dir = private_dir(Path(cfg.run.dir).resolve())
     if (run_dir / "state.json").exists() and not args.resume:
         raise SystemExit(f"gyre submit: {run_dir} holds a run; pass --resume to continue it or choose another run.dir")
