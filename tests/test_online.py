@@ -106,6 +106,33 @@ def test_elastic_run_switches_both_ways_and_trains(tmp_path):
     rows = check_ledger(tmp_path / "e")
     assert sum(r["admitted"] for r in rows) == 2 * 2 * 4  # steps x groups x G
     assert (tmp_path / "e" / "weights" / "v2" / "model.safetensors").exists()
+    check_watchable(tmp_path / "e", out, steps=2)
+
+
+def check_watchable(run_dir: Path, out: str, steps: int) -> None:
+    """What a user watching the run gets: a line per step with its figures, a clean end said, every
+    figure of steps.jsonl in metrics.jsonl and TensorBoard under a grouped name, the config stored."""
+    from gyre.config import load_config
+    from gyre.report.metrics import row_scalars
+
+    for k in range(1, steps + 1):
+        line = next(x for x in out.splitlines() if x.startswith(f"gyre: step {k}/{steps} "))
+        assert "reward " in line and "tok/s" in line and "ETA" in line and "running" in line, line
+    assert f"gyre: run ended: {steps}/{steps} steps" in out, out[-2000:]
+    rows = [json.loads(x) for x in (run_dir / "steps.jsonl").read_text().splitlines()]
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = set().union(*metrics)
+    for row in rows:
+        want = set(row_scalars(row))
+        assert want <= logged, sorted(want - logged)
+        assert not [k for k in want if k.startswith("other/")], want  # every key has its group
+        assert row["entropy"] > 0 and row["reward_std"] is not None and row["calls_per_execution"] > 0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    assert set(row_scalars(rows[-1])) <= set(acc.Tags()["scalars"])
+    assert load_config(run_dir / "config.toml").run.steps == steps
 
 
 def test_async_finishes_with_cell_stats(tmp_path):

@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -374,8 +376,6 @@ def submit_run(args: argparse.Namespace) -> int:
         raise SystemExit("gyre submit: no sbatch on PATH (run it on a Slurm login node)")
     child_env = None
     if args.resume:
-        import os
-
         child_env = {**os.environ, "GYRE_RESUME": "1"}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=child_env)
     if r.returncode != 0:
@@ -411,9 +411,30 @@ def _json(path: Path) -> dict | None:
         return None
 
 
+RUN_FILES = ("state.json", "steps.jsonl", "config.toml", "slurm.json", "report.json", "cells.json", "ledger.jsonl")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: it exists
+        return True
+    return True
+
+
 def collect_status(run_dir: Path) -> dict:
     """Cells, roles and progress of a run, from the files the run wrote (no live query needed)."""
     slurm = _json(run_dir / "slurm.json") or {}
+    head = _json(run_dir / "head.json") or {}
+    stored = config_file.stored(run_dir)
+    total = None
+    if stored:
+        try:
+            total = load_config(stored).run.steps
+        except ConfigError:
+            pass
     state = _json(run_dir / "state.json") or {}
     report = _json(run_dir / "report.json")
     steps = _jsonl(run_dir / "steps.jsonl")
@@ -438,6 +459,7 @@ def collect_status(run_dir: Path) -> dict:
             row.update({k: c.get(k) for k in ("rollout_s", "train_s", "switching_s", "switches", "utilisation")})
     job = slurm.get("job_id") or ((run_dir / "slurm.job").read_text().strip() if (run_dir / "slurm.job").exists() else "")
     job_state = ""
+    slurm_knows = None  # None: no Slurm to ask; False: asked and it knows nothing of the job
     if job and shutil.which("squeue"):
         try:
             r = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True, timeout=10)
@@ -450,10 +472,20 @@ def collect_status(run_dir: Path) -> dict:
                                text=True, timeout=10)
             states = [line.split()[0] for line in r.stdout.splitlines() if line.strip()] if r.returncode == 0 else []
             job_state = states[-1] if states else ""
+            slurm_knows = bool(states)
         except (OSError, subprocess.TimeoutExpired):
             pass
+    head_alive = None
+    if not job and head.get("pid") and head.get("host") == socket.gethostname():  # gyre run on this machine
+        head_alive = _alive(int(head["pid"]))
+    eta = None
+    if total and steps and not report:
+        span = steps[-1].get("t_end") or 0.0  # seconds since this attempt's start: the pace of a resumed run is rough
+        if span > 0:
+            eta = span / len(steps) * max(total - len(steps), 0)
     return {"run_dir": str(run_dir), "job_id": job, "job_state": job_state or ("ended" if report else ""),
-            "restart_count": slurm.get("restart_count", 0), "head": slurm.get("head", ""),
+            "slurm_knows": slurm_knows, "head_alive": head_alive, "steps_total": total, "eta_s": eta,
+            "restart_count": slurm.get("restart_count", 0), "head": head.get("host") or slurm.get("head", ""),
             "version": state.get("version", 0), "steps_done": len(steps),
             "last_step": steps[-1] if steps else None, "executions_trained": len(admitted),
             "executions_not_admitted": len(not_admitted), "resumes": sum(1 for r in ledger if r.get("resume")),
@@ -463,7 +495,7 @@ def collect_status(run_dir: Path) -> dict:
 
 
 _ENDED_EARLY = ("CANCELLED", "FAILED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
-RESUME_HINT = "resume: GYRE_RESUME=1 sbatch launchers/gyre.sbatch CONFIG (the same run.dir)"
+RESUME_HINT = "resume: gyre submit --resume run.dir=RUN_DIR (the run's config.toml is reused)"
 
 
 def run_state(st: dict) -> str:
@@ -481,7 +513,14 @@ def run_state(st: dict) -> str:
         return "running"
     if job in ("PENDING", "CONFIGURING"):
         return "waiting for its allocation"
-    return "running or not started"
+    if st.get("slurm_knows") is False:
+        return f"ended: Slurm no longer knows job {st['job_id']} (cancelled or killed before the run finished); {RESUME_HINT}"
+    if st.get("head_alive") is False:
+        return ("cancelled or killed: its head process is gone and it wrote no report; resume with "
+                f"gyre run --resume run.dir={st['run_dir']}")
+    if st.get("head_alive"):
+        return "running"
+    return "not started yet, or running where this machine cannot see it (no Slurm job recorded)"
 
 
 def status_run(args: argparse.Namespace) -> int:
@@ -489,16 +528,25 @@ def status_run(args: argparse.Namespace) -> int:
     if not run_dir.is_dir():
         print(f"gyre status: {run_dir} is not a directory", file=sys.stderr)
         return 2
+    if not any((run_dir / f).exists() for f in RUN_FILES):
+        print(f"gyre status: {run_dir} is not a run directory (none of {', '.join(RUN_FILES)}); "
+              f"pass the run's run.dir", file=sys.stderr)
+        return 2
     st = collect_status(run_dir)
     if args.json:
         print(json.dumps(st, indent=1, default=str))
         return 0
     print(f"run {st['run_dir']}  job {st['job_id'] or '-'} {st['job_state'] or ''}  restarts {st['restart_count']}")
     last = st["last_step"] or {}
-    print(f"steps done {st['steps_done']} (policy version {st['version']})"
+    total = st["steps_total"]
+    print(f"steps done {st['steps_done']}" + (f"/{total}" if total else "") + f" (policy version {st['version']})"
           + (f", last reward {last.get('reward_mean'):.3f}" if last.get("reward_mean") is not None else "")
           + f"; executions trained {st['executions_trained']}, not admitted {st['executions_not_admitted']}"
           + (f"; resumed {st['resumes']}x" if st["resumes"] else ""))
+    if st["eta_s"] is not None:
+        from gyre.report.progress import duration
+
+        print(f"ETA {duration(st['eta_s'])} at the pace of the steps so far")
     print(f"head on {st['head'] or '?'}")
     for c in st["cells"]:
         nodes = ",".join(c.get("nodes", []))
@@ -506,7 +554,7 @@ def status_run(args: argparse.Namespace) -> int:
         if c.get("rollout_s") is not None:
             extra += f"  rollout {c['rollout_s']:.1f}s train {c['train_s']:.1f}s switches {c['switches']}"
         print(f"  cell {c['cell']}: rank on {c.get('hostname') or '?'}  nodes {nodes or '?'}{extra}")
-    print(f"state: {run_state(st)}")
+    print(f"state: {run_state(st).replace('RUN_DIR', st['run_dir'])}")
     for e in st["errors"]:
         print(f"  error: {e}")
     return 0
