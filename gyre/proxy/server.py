@@ -26,7 +26,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError
@@ -45,7 +45,7 @@ from gyre.proxy.replay import Replay
 from gyre.proxy.streaming import ContentStream, ReasoningStream
 from gyre.proxy.template_capture import prepare_call_template
 from gyre.proxy.token_safety import check_names, template_tokens
-from gyre.traj.record import ExecutionRecord
+from gyre.traj.record import FINISHED, ExecutionRecord
 from gyre.traj.tree import TrajectoryTree
 
 log = logging.getLogger("gyre.proxy")
@@ -499,7 +499,10 @@ async def _read_json(request: web.Request) -> dict:
     return body
 
 
-def create_app(proxy: Proxy, *, admin_key: str, max_body_bytes: int = 8 << 20) -> web.Application:
+def create_app(proxy: Proxy, *, admin_key: str, max_body_bytes: int = 8 << 20,
+               on_end: Callable[[ExecutionRecord], dict] | None = None) -> web.Application:
+    """`on_end`: what POST /gyre/executions/{eid}/end does with the ended record (a standalone
+    proxy writes it to a shard, off the event loop); None: the route only ends the execution."""
     @web.middleware
     async def errors(request: web.Request, handler):
         try:
@@ -583,6 +586,30 @@ def create_app(proxy: Proxy, *, admin_key: str, max_body_bytes: int = 8 << 20) -
             raise RequestError(404, f"no running execution {request.match_info['eid']!r}", "not_found")
         return web.json_response({"execution_id": sess.record.execution_id, **sess.tree.stats().as_dict()})
 
+    async def end(request: web.Request) -> web.Response:
+        """End an execution (its key is revoked, its calls in flight aborted) and hand its record to
+        `on_end`: the route a standalone proxy's user ends a harness run with."""
+        require_admin(request)
+        eid = request.match_info["eid"]
+        body = await _read_json(request) if request.can_read_body else {}
+        status, reward = body.get("status", "done"), body.get("reward")
+        if status not in FINISHED:
+            raise RequestError(400, f"status: {status!r} is not one of {', '.join(FINISHED)}", param="status")
+        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))):
+            raise RequestError(400, f"reward: expected a number, got {json.dumps(reward)[:40]}", param="reward")
+        unknown = sorted(set(body) - {"status", "reward"})
+        if unknown:
+            raise RequestError(400, f"unknown field(s) {', '.join(unknown)[:200]}; known: status, reward")
+        if eid not in proxy.by_id:
+            raise RequestError(404, f"no running execution {eid!r}", "not_found")
+        rec = proxy.end(eid, status)
+        if reward is not None:
+            rec.reward, rec.reward_source = float(reward), "client"
+        out = {"execution_id": eid, "status": rec.status, **rec.tree.stats().as_dict()}
+        if on_end is not None:
+            out.update(await asyncio.to_thread(on_end, rec))
+        return web.json_response(out)
+
     async def health(request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
 
@@ -598,6 +625,7 @@ def create_app(proxy: Proxy, *, admin_key: str, max_body_bytes: int = 8 << 20) -
     app.router.add_get("/v1/models", models)
     app.router.add_post("/gyre/executions", register)
     app.router.add_get("/gyre/executions/{eid}", stats)
+    app.router.add_post("/gyre/executions/{eid}/end", end)
     app.router.add_get("/gyre/stats", stats_all)
     app.router.add_get("/health", health)
     return app
