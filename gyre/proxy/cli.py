@@ -8,6 +8,7 @@ import json
 import secrets
 import sys
 from pathlib import Path
+from typing import Callable
 
 from tokenizers import Tokenizer
 
@@ -16,6 +17,7 @@ from gyre.engine.router import Router
 from gyre.model.identity import model_identity
 from gyre.model.tiny import ensure_tiny_model
 from gyre.proxy.server import Proxy, create_app, proxy_options, start_site
+from gyre.traj.record import ExecutionRecord
 from gyre.traj.store import ShardWriter, shard_identity
 
 
@@ -48,13 +50,8 @@ async def serve(args: argparse.Namespace) -> None:
                   max_executions=cfg.proxy.max_executions,
                   context_length=_context_length(model_dir), **proxy_options(cfg.proxy, model_dir))
     shard_dir = Path(args.shard_dir or cfg.store.dir or "shards")
-    writer = ShardWriter.from_config(cfg.store, shard_dir, shard_identity(model_identity(model_dir)))
-
-    def write_shard(rec) -> dict:  # in a worker thread: HDF5 never blocks the event loop
-        shard_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # shards are private to the user
-        return {"shard": str(writer.write([rec]).resolve())}
-
-    app = create_app(proxy, admin_key=admin_key, max_body_bytes=cfg.proxy.max_body_bytes, on_end=write_shard)
+    app = create_app(proxy, admin_key=admin_key, max_body_bytes=cfg.proxy.max_body_bytes,
+                     on_end=shard_sink(cfg, shard_dir, model_identity(model_dir)))
     host = args.host or cfg.proxy.host
     runner, port = await start_site(app, host, cfg.proxy.port if args.port is None else args.port)
     if not (args.admin_key or env("GYRE_ADMIN_KEY")):
@@ -72,6 +69,18 @@ async def serve(args: argparse.Namespace) -> None:
     finally:
         await runner.cleanup()
         await router.close()
+
+
+def shard_sink(cfg, shard_dir: Path, identity: dict) -> Callable[[ExecutionRecord], dict]:
+    """What a standalone proxy does with an execution ended through its admin route: one shard of
+    it in `shard_dir` (called in a worker thread: HDF5 never blocks the event loop)."""
+    writer = ShardWriter.from_config(cfg.store, shard_dir, shard_identity(identity))
+
+    def write(rec: ExecutionRecord) -> dict:
+        shard_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # shards are private to the user
+        return {"shard": str(writer.write([rec]).resolve())}
+
+    return write
 
 
 def _context_length(model_dir: Path) -> int | None:
