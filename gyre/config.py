@@ -103,6 +103,8 @@ class RunConfig:
                             "used when installed (see gyre/report/metrics.py)")
     wandb_mode: str = _f("offline", choices=("offline", "online", "disabled"),
                          help="W&B mode; offline runs sync later with `wandb sync`")
+    keep_checkpoints: int = _f(0, min=0, help="trainer checkpoints kept in the run directory, newest first "
+                                             "(the one state.json resumes from is always among them); 0 = all")
     warn_entropy_below: float = _f(0.05, min=0.0, help="health warning when a step's mean token entropy "
                                    "(nats) falls below this: the policy is collapsing (gyre/report/health.py)")
     warn_harness_failure_rate: float = _f(0.5, min=0.0, max=1.0,

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import shutil
 import signal
 import time
 from dataclasses import asdict
@@ -60,6 +61,17 @@ from gyre.services.training import Reduced, TrainingDispatch
 from gyre.train.step_stats import lag0_warning
 from gyre.traj.record import FINISHED, Status
 from gyre.traj.select import SelectionSpec
+
+
+def prune_checkpoints(root: Path, newest: int, keep: int) -> list[Path]:
+    """Delete checkpoint directories `v<N>` older than the `keep` newest versions up to `newest`
+    (run.keep_checkpoints); a version past `newest` (a step being written) is never touched."""
+    gone = []
+    for d in root.glob("v*"):
+        if d.is_dir() and d.name[1:].isdigit() and int(d.name[1:]) <= newest - keep:
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(d)
+    return gone
 
 
 class Head:
@@ -403,6 +415,9 @@ class Head:
         self._committed = res.version
         self.training.step_closed(res.microbatches)
         self._write_state()
+        if self.cfg.run.keep_checkpoints:  # state.json now points at this version: older ones may go
+            self._spawn(asyncio.to_thread(prune_checkpoints, self.fleet.paths.ckpt_root, res.version,
+                                          self.cfg.run.keep_checkpoints))
 
     # ==== state =================================================================================
     def _write_state(self) -> None:

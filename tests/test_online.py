@@ -83,7 +83,7 @@ def test_elastic_run_switches_both_ways_and_trains(tmp_path):
     # leave rollout cells idle, which on this toy's millisecond calls is most of the time: its
     # switching rules are tested on states in tests/test_sched_policies.py, and it runs live in
     # the stale-drop and fault tests here.)
-    rc, out = gyre_run(tmp_path / "e", "sched.scheme=E-paper", "sched.execs_per_cell=4")
+    rc, out = gyre_run(tmp_path / "e", "sched.scheme=E-paper", "sched.execs_per_cell=4", "run.keep_checkpoints=1")
     assert rc == 0, out[-3000:]
     rep = report(tmp_path / "e")
     assert len(rep["steps"]) >= 2 and rep["version"] == 2
@@ -107,6 +107,7 @@ def test_elastic_run_switches_both_ways_and_trains(tmp_path):
     assert sum(r["admitted"] for r in rows) == 2 * 2 * 4  # steps x groups x G
     assert (tmp_path / "e" / "weights" / "v2" / "model.safetensors").exists()
     check_watchable(tmp_path / "e", out, steps=2)
+    assert sorted(p.name for p in (tmp_path / "e" / "checkpoints").iterdir()) == ["v2"]  # run.keep_checkpoints=1
 
 
 def check_watchable(run_dir: Path, out: str, steps: int) -> None:

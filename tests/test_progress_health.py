@@ -154,3 +154,14 @@ def test_resolved_config_round_trips_and_show_marks_what_was_set(tmp_path, capsy
     assert "groups_per_step = 2  # default" in out
     with pytest.raises(SystemExit, match="holds no config.toml"):
         main(["config", "show", "--run", str(tmp_path / "nothing")])
+
+
+def test_checkpoint_retention_keeps_the_newest_and_never_a_step_being_written(tmp_path):
+    from gyre.head import prune_checkpoints
+
+    for v in range(1, 7):
+        (tmp_path / f"v{v}").mkdir()
+    (tmp_path / "v2.tmp").mkdir()  # not a version directory: left alone
+    gone = prune_checkpoints(tmp_path, newest=5, keep=2)
+    assert sorted(p.name for p in gone) == ["v1", "v2", "v3"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v2.tmp", "v4", "v5", "v6"]
