@@ -22,8 +22,6 @@ from dataclasses import replace
 from pathlib import Path
 
 from gyre.config import ConfigError, Scheme
-from gyre.model import ModelFormatError
-from gyre.model.params import param_counts
 from gyre.sched import SCHEMES
 from gyre.sim.calibration import MEM_FRACTION, PRESETS, check_layout, preset
 from gyre.sim.cost_model import divisors
@@ -126,7 +124,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def with_model_config(p, path):
     """The preset with its model replaced by the one `path` describes (gyre.model.params counts;
     a serving replica: the fewest GPUs, a power of two, whose HBM share holds the weights)."""
-    # gyre.model imports torch: only `--model-config` pays for it at start-up
+    # gyre.model imports torch: only `--model-config` pays for it (`gyre plan --help` stays fast)
+    from gyre.model import ModelFormatError
+    from gyre.model.params import param_counts
 
     try:
         c = param_counts(path)
