@@ -187,6 +187,7 @@ def test_sigterm_to_head_then_resume_trains_nothing_twice(tmp_path):
     os.kill(int((run_dir / "head.pid").read_text()), signal.SIGTERM)
     out, _ = proc.communicate(timeout=200)
     assert proc.returncode != 0, out[-2000:]
+    assert "gyre: run cancelled at step" in out and "resume with: gyre run --resume" in out, out[-2000:]
     first = report(run_dir)
     assert first["stopped"] and 1 <= first["version"] < 3
     stopped = {r.execution_id: len(r.tree.calls) for r in iter_shards(run_dir) if r.status == "stopped"}

@@ -70,8 +70,9 @@ def test_gantt_shades_idle_time_inside_a_role(tmp_path):
 
     rep = live_report(events())
     assert sum(b - a for a, b in rep["idle"]["0"]) == pytest.approx(rep["cells"][0]["idle_s"]) == pytest.approx(24.0)
-    assert pale_pixels(rep) > 500
-    assert pale_pixels({**rep, "idle": {}}) == 0
+    legend_only = pale_pixels({**rep, "idle": {}})  # no idle drawn: the legend's "rollout cell idle" swatch
+    assert 0 < legend_only < 400  # the pale blue is explained in the legend
+    assert pale_pixels(rep) > legend_only + 500
 
 
 def test_metrics_sink_writes_jsonl_and_tensorboard_files_readable_back(tmp_path):
