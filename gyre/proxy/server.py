@@ -342,18 +342,22 @@ class Proxy:
         log-prob of the distribution it was drawn from (the one training uses)."""
         stop = set(self.renderer.stop_ids())
         n = len(out_ids) - (1 if out_ids and out_ids[-1] in stop else 0)
+        return {"content": self._logprob_entries(out_ids, res, 0, n), "refusal": None}
 
+    def _logprob_entries(self, out_ids: list[int], res, start: int, stop: int) -> list[dict]:
+        """The `logprobs.content` entries of tokens [start, stop): a streamed chunk carries those
+        of its own tokens (as OpenAI and SGLang stream them), so each is built once."""
         def entry(tid: int, lp: float) -> dict:
             tok = self.renderer.decode([tid])
             return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8", "surrogatepass"))}
 
         content = []
-        for k in range(n):
+        for k in range(start, stop):
             e = entry(out_ids[k], res.logprobs[k])
             tops = res.top_logprobs[k] if k < len(res.top_logprobs) else []
             e["top_logprobs"] = [entry(t, lp) for lp, t in tops]
             content.append(e)
-        return {"content": content, "refusal": None}
+        return content
 
     async def complete(self, c: Call) -> dict:
         """Run one call to the end (non-streamed); returns the OpenAI response."""
@@ -382,7 +386,17 @@ class Proxy:
         reasoning = ReasoningStream(content) if self.template is not None and self.reasoning_parser != "none" \
             else None
 
+        stop_ids = set(self.renderer.stop_ids())
+        lp = {"sent": 0, "snap": None}  # logprobs: tokens already carried by a chunk, the newest snapshot
+
         async def send(delta: dict, finish: str | None = None, **extra) -> None:
+            snap = lp["snap"]
+            ids = snap.output_ids if snap is not None else []
+            upto = len(ids) - (1 if ids and ids[-1] in stop_ids else 0)  # an end token has none (as unstreamed)
+            if p.logprobs and finish is None and upto > lp["sent"]:
+                # this chunk carries the log-probs of the tokens sampled since the last one
+                extra["logprobs"] = {"content": self._logprob_entries(ids, snap, lp["sent"], upto), "refusal": None}
+                lp["sent"] = upto
             chunk = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, **extra}]}
             await out.write(b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n")
 
@@ -391,7 +405,7 @@ class Proxy:
         gen = self._engine(c, args).generate_stream(*args, rid=c.rid, top_logprobs_num=p.top_logprobs)
         try:
             with self._track(c):
-                final = await self._relay(c, gen, content, send, reasoning)
+                final = await self._relay(c, gen, content, send, reasoning, lp)
         except (asyncio.CancelledError, ConnectionError):
             self.abandoned["client_disconnected"] += 1
             raise
@@ -426,19 +440,22 @@ class Proxy:
             await send({"content": rest})
         for i, tc in enumerate(choice["message"].get("tool_calls") or []):
             await send({"tool_calls": [{"index": i, **tc}]})
-        await send({}, choice["finish_reason"], logprobs=choice["logprobs"])
+        rest_lp = choice["logprobs"] and {**choice["logprobs"], "content": choice["logprobs"]["content"][lp["sent"]:]}
+        await send({}, choice["finish_reason"], logprobs=rest_lp)  # the tokens no chunk carried yet
         if p.include_usage:
             await out.write(b"data: " + json.dumps({**base, "choices": [], "usage": resp["usage"]}).encode() + b"\n\n")
         await out.write(b"data: [DONE]\n\n")
 
-    async def _relay(self, c: Call, gen, content: ContentStream, send, reasoning=None):
+    async def _relay(self, c: Call, gen, content: ContentStream, send, reasoning=None, lp: dict | None = None):
         """Pass content (or reasoning) deltas on as snapshots come; returns the final snapshot
-        (None if none came)."""
+        (None if none came). `lp["snap"]`: the newest snapshot, whose log-probs `send` attaches."""
         final = None
         async for snap in gen:  # the router ends after the final snapshot
             if snap.finish_reason is not None:
                 final = snap
                 continue
+            if lp is not None:
+                lp["snap"] = snap
             text = self.renderer.decode_output(c.forced + snap.output_ids)
             if reasoning is not None:
                 delta = {k: v for k, v in reasoning.deltas(text).items() if v}
