@@ -431,6 +431,7 @@ class Proxy:
             await self._stream_error(out, e)
             return
         choice = resp["choices"][0]
+        lp["snap"] = final  # the deltas held back until the end carry their tokens' log-probs too
         if reasoning is not None:
             r_rest = reasoning.rest(choice["message"].get("reasoning_content"))
             if r_rest:
