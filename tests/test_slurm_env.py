@@ -90,7 +90,13 @@ def test_prepare(tmp_path):
     with pytest.raises(SlurmEnvError, match="GYRE_RESUME=1"):
         slurm.prepare(None, [f"run.dir={run}", "sched.cells=2", "sched.cell_nodes=4"], env)
     out = slurm.prepare(None, [f"run.dir={run}", "sched.cells=2", "sched.cell_nodes=4"], {**env, "SLURM_RESTART_COUNT": "1"})
-    assert out["GYRE_RESUME_FLAG"] == "--resume"
+    assert out["GYRE_RESUME_FLAG"] == "--resume" and out["GYRE_RESOLVED_CONFIG"] == ""
+    from gyre.report import config_file  # a run that stored its configuration: a requeue starts from it
+
+    config_file.write(load_config(None, [f"run.dir={run}", "sched.cells=2", "sched.cell_nodes=4", "run.steps=9"]), run)
+    out = slurm.prepare(None, [f"run.dir={run}"], {**env, "SLURM_RESTART_COUNT": "1"})
+    assert out["GYRE_RESOLVED_CONFIG"] == str(run / "config.toml") and out["GYRE_STEPS"] == "9"
+    assert out["GYRE_N_CELLS"] == "2"
 
 
 def test_prepare_cli_fails_with_message(tmp_path):
@@ -218,3 +224,20 @@ def test_status_refuses_a_directory_that_is_not_a_run(tmp_path, capsys):
     (tmp_path / "notes.txt").write_text("hello")
     assert slurm.status_run(p.parse_args([str(tmp_path)])) == 2
     assert "is not a run directory" in capsys.readouterr().err
+
+
+def test_submit_resume_reuses_the_runs_stored_configuration(tmp_path, capsys):
+    from gyre.report import config_file
+
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "state.json").write_text(json.dumps({"version": 1}))
+    config_file.write(load_config(None, [f"run.dir={run}", "sched.cells=3", "sched.cell_nodes=2"]), run)
+    p = argparse.ArgumentParser()
+    slurm.submit_add_arguments(p)
+    assert slurm.submit_run(p.parse_args(["--resume", "--dry-run", f"run.dir={run}"])) == 0  # nothing retyped
+    out = capsys.readouterr().out
+    assert "--nodes=6" in out and f"{run / 'config.toml'} run.dir={run}" in out
+    assert f"#SBATCH --output={run}/gyre-%j.out" in out
+    with pytest.raises(SystemExit, match="--config FILE is needed"):
+        slurm.submit_run(p.parse_args(["--dry-run", f"run.dir={tmp_path / 'fresh'}"]))

@@ -338,7 +338,7 @@ def render_sbatch(cfg: GyreConfig, args: argparse.Namespace) -> str:
              f"#SBATCH --signal=B:USR1@{lead}",
              "#SBATCH --requeue" if not args.no_requeue else "#SBATCH --no-requeue",
              "#SBATCH --open-mode=append",
-             f"#SBATCH --output={Path(cfg.run.dir).resolve()}/slurm-%j.out",
+             f"#SBATCH --output={Path(cfg.run.dir).resolve()}/gyre-%j.out",  # the launcher's name, in the run dir
              f"#SBATCH --partition={head_part} --nodes=1 --ntasks=1 --cpus-per-task={cpus}"]
     lines += [f"#SBATCH {a}" for a in args.sbatch_arg]
     lines += ["#SBATCH hetjob",
@@ -383,7 +383,8 @@ def submit_run(args: argparse.Namespace) -> int:
         return r.returncode
     job = r.stdout.strip().split(";")[0]
     (run_dir / "slurm.job").write_text(job + "\n")
-    print(f"submitted job {job}: {script}; follow it with `gyre status {run_dir}`")
+    print(f"submitted job {job}: {script}; its output: {run_dir}/gyre-{job}.out; "
+          f"follow it with `gyre status {run_dir}`")
     return 0
 
 
