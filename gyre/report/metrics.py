@@ -17,6 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from gyre.events import Event, RunEnded, RunStats, StepEnded
+from gyre.report.health import KINDS
 
 LOGGERS = ("jsonl", "tensorboard", "wandb")
 # Every scalar of a step row (steps.jsonl) under a stable grouped name: rollout/ (what the
@@ -52,8 +53,6 @@ def row_scalars(row: dict) -> dict[str, float]:
     """Every figure of a step row as flat scalars: numbers as they are, booleans 0/1, a list by its
     length (the cells that took part), a dict by its entries (reward per task: rollout/reward_by_task/<task>),
     the health warnings as health/<kind> 1 (0 for the kinds that did not fire)."""
-    from gyre.report.health import KINDS
-
     out: dict[str, float] = {}
     for k, v in row.items():
         if k == "warnings":
