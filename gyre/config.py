@@ -12,6 +12,7 @@ checked once here, compared as members everywhere else.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import tomllib
 import typing
@@ -102,6 +103,13 @@ class RunConfig:
                             "used when installed (see gyre/report/metrics.py)")
     wandb_mode: str = _f("offline", choices=("offline", "online", "disabled"),
                          help="W&B mode; offline runs sync later with `wandb sync`")
+    keep_checkpoints: int = _f(0, min=0, help="trainer checkpoints kept in the run directory, newest first "
+                                             "(the one state.json resumes from is always among them); 0 = all")
+    warn_entropy_below: float = _f(0.05, min=0.0, help="health warning when a step's mean token entropy "
+                                   "(nats) falls below this: the policy is collapsing (gyre/report/health.py)")
+    warn_harness_failure_rate: float = _f(0.5, min=0.0, max=1.0,
+                                          help="health warning when more than this share of a step's "
+                                               "executions ended failed or crashed")
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Validate here, not in __post_init__: load_config sets fields after construction.
@@ -463,7 +471,10 @@ def _apply(obj: Any, data: dict, prefix: str) -> None:
     for name, value in data.items():
         key = f"{prefix}{name}"
         if name not in fields:
-            raise ConfigError(f"{key}: unknown key; known keys here: {', '.join(sorted(fields))}")
+            near = difflib.get_close_matches(name, fields, n=3, cutoff=0.6)
+            hint = (f"did you mean {' or '.join(prefix + n for n in near)}?" if near
+                    else f"known keys here: {', '.join(sorted(fields))}")
+            raise ConfigError(f"{key}: unknown key; {hint}")
         current = getattr(obj, name)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):

@@ -30,7 +30,6 @@ from pathlib import Path
 
 from gyre import faults
 from gyre.config import GyreConfig, default_tiny_dir, load_config
-from gyre.engine.launch import start_cell_engine
 from gyre.engine.reaper import ProcessList, reap
 from gyre.harness.execute import check_scorable, read_tasks, select_tasks
 from gyre.harness.runner import private_dir
@@ -181,6 +180,8 @@ class Rollout:
         service = RolloutService(cfg, envs, model_dir, model_identity(model_dir), shard_dir)
         engine_key = secrets.token_urlsafe(24)  # the job's secret: engines accept nothing else
         pids = ProcessList(run_dir, "rollout")
+
+        from gyre.engine.launch import start_cell_engine  # loads torch: here, so `gyre rollout --help` is fast
 
         with contextlib.ExitStack() as stack:
             # engine.backend picks embedded engines or SGLang servers (one per endpoint, on this machine)

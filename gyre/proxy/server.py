@@ -26,7 +26,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError
@@ -46,7 +46,7 @@ from gyre.proxy.replay import Replay
 from gyre.proxy.streaming import ContentStream, ReasoningStream
 from gyre.proxy.template_capture import check_template, prepare_call_template
 from gyre.proxy.token_safety import check_names, template_tokens
-from gyre.traj.record import ExecutionRecord
+from gyre.traj.record import FINISHED, ExecutionRecord
 from gyre.traj.tree import TrajectoryTree
 
 log = logging.getLogger("gyre.proxy")
@@ -342,18 +342,22 @@ class Proxy:
         log-prob of the distribution it was drawn from (the one training uses)."""
         stop = set(self.renderer.stop_ids())
         n = len(out_ids) - (1 if out_ids and out_ids[-1] in stop else 0)
+        return {"content": self._logprob_entries(out_ids, res, 0, n), "refusal": None}
 
+    def _logprob_entries(self, out_ids: list[int], res, start: int, stop: int) -> list[dict]:
+        """The `logprobs.content` entries of tokens [start, stop): a streamed chunk carries those
+        of its own tokens (as OpenAI and SGLang stream them), so each is built once."""
         def entry(tid: int, lp: float) -> dict:
             tok = self.renderer.decode([tid])
             return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8", "surrogatepass"))}
 
         content = []
-        for k in range(n):
+        for k in range(start, stop):
             e = entry(out_ids[k], res.logprobs[k])
             tops = res.top_logprobs[k] if k < len(res.top_logprobs) else []
             e["top_logprobs"] = [entry(t, lp) for lp, t in tops]
             content.append(e)
-        return {"content": content, "refusal": None}
+        return content
 
     async def complete(self, c: Call) -> dict:
         """Run one call to the end (non-streamed); returns the OpenAI response."""
@@ -382,7 +386,17 @@ class Proxy:
         reasoning = ReasoningStream(content) if self.template is not None and self.reasoning_parser != "none" \
             else None
 
+        stop_ids = set(self.renderer.stop_ids())
+        lp = {"sent": 0, "snap": None}  # logprobs: tokens already carried by a chunk, the newest snapshot
+
         async def send(delta: dict, finish: str | None = None, **extra) -> None:
+            snap = lp["snap"]
+            ids = snap.output_ids if snap is not None else []
+            upto = len(ids) - (1 if ids and ids[-1] in stop_ids else 0)  # an end token has none (as unstreamed)
+            if p.logprobs and finish is None and upto > lp["sent"]:
+                # this chunk carries the log-probs of the tokens sampled since the last one
+                extra["logprobs"] = {"content": self._logprob_entries(ids, snap, lp["sent"], upto), "refusal": None}
+                lp["sent"] = upto
             chunk = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, **extra}]}
             await out.write(b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n")
 
@@ -391,7 +405,7 @@ class Proxy:
         gen = self._engine(c, args).generate_stream(*args, rid=c.rid, top_logprobs_num=p.top_logprobs)
         try:
             with self._track(c):
-                final = await self._relay(c, gen, content, send, reasoning)
+                final = await self._relay(c, gen, content, send, reasoning, lp)
         except (asyncio.CancelledError, ConnectionError):
             self.abandoned["client_disconnected"] += 1
             raise
@@ -417,6 +431,7 @@ class Proxy:
             await self._stream_error(out, e)
             return
         choice = resp["choices"][0]
+        lp["snap"] = final  # the deltas held back until the end carry their tokens' log-probs too
         if reasoning is not None:
             r_rest = reasoning.rest(choice["message"].get("reasoning_content"))
             if r_rest:
@@ -426,19 +441,22 @@ class Proxy:
             await send({"content": rest})
         for i, tc in enumerate(choice["message"].get("tool_calls") or []):
             await send({"tool_calls": [{"index": i, **tc}]})
-        await send({}, choice["finish_reason"], logprobs=choice["logprobs"])
+        rest_lp = choice["logprobs"] and {**choice["logprobs"], "content": choice["logprobs"]["content"][lp["sent"]:]}
+        await send({}, choice["finish_reason"], logprobs=rest_lp)  # the tokens no chunk carried yet
         if p.include_usage:
             await out.write(b"data: " + json.dumps({**base, "choices": [], "usage": resp["usage"]}).encode() + b"\n\n")
         await out.write(b"data: [DONE]\n\n")
 
-    async def _relay(self, c: Call, gen, content: ContentStream, send, reasoning=None):
+    async def _relay(self, c: Call, gen, content: ContentStream, send, reasoning=None, lp: dict | None = None):
         """Pass content (or reasoning) deltas on as snapshots come; returns the final snapshot
-        (None if none came)."""
+        (None if none came). `lp["snap"]`: the newest snapshot, whose log-probs `send` attaches."""
         final = None
         async for snap in gen:  # the router ends after the final snapshot
             if snap.finish_reason is not None:
                 final = snap
                 continue
+            if lp is not None:
+                lp["snap"] = snap
             text = self.renderer.decode_output(c.forced + snap.output_ids)
             if reasoning is not None:
                 delta = {k: v for k, v in reasoning.deltas(text).items() if v}
@@ -502,7 +520,10 @@ async def _read_json(request: web.Request) -> dict:
     return body
 
 
-def create_app(proxy: Proxy, *, admin_key: str, max_body_bytes: int = 8 << 20) -> web.Application:
+def create_app(proxy: Proxy, *, admin_key: str, max_body_bytes: int = 8 << 20,
+               on_end: Callable[[ExecutionRecord], dict] | None = None) -> web.Application:
+    """`on_end`: what POST /gyre/executions/{eid}/end does with the ended record (a standalone
+    proxy writes it to a shard, off the event loop); None: the route only ends the execution."""
     @web.middleware
     async def errors(request: web.Request, handler):
         try:
@@ -586,6 +607,30 @@ def create_app(proxy: Proxy, *, admin_key: str, max_body_bytes: int = 8 << 20) -
             raise RequestError(404, f"no running execution {request.match_info['eid']!r}", "not_found")
         return web.json_response({"execution_id": sess.record.execution_id, **sess.tree.stats().as_dict()})
 
+    async def end(request: web.Request) -> web.Response:
+        """End an execution (its key is revoked, its calls in flight aborted) and hand its record to
+        `on_end`: the route a standalone proxy's user ends a harness run with."""
+        require_admin(request)
+        eid = request.match_info["eid"]
+        body = await _read_json(request) if request.can_read_body else {}
+        status, reward = body.get("status", "done"), body.get("reward")
+        if status not in FINISHED:
+            raise RequestError(400, f"status: {status!r} is not one of {', '.join(FINISHED)}", param="status")
+        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))):
+            raise RequestError(400, f"reward: expected a number, got {json.dumps(reward)[:40]}", param="reward")
+        unknown = sorted(set(body) - {"status", "reward"})
+        if unknown:
+            raise RequestError(400, f"unknown field(s) {', '.join(unknown)[:200]}; known: status, reward")
+        if eid not in proxy.by_id:
+            raise RequestError(404, f"no running execution {eid!r}", "not_found")
+        rec = proxy.end(eid, status)
+        if reward is not None:
+            rec.reward, rec.reward_source = float(reward), "client"
+        out = {"execution_id": eid, "status": rec.status, **rec.tree.stats().as_dict()}
+        if on_end is not None:
+            out.update(await asyncio.to_thread(on_end, rec))
+        return web.json_response(out)
+
     async def health(request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
 
@@ -601,6 +646,7 @@ def create_app(proxy: Proxy, *, admin_key: str, max_body_bytes: int = 8 << 20) -
     app.router.add_get("/v1/models", models)
     app.router.add_post("/gyre/executions", register)
     app.router.add_get("/gyre/executions/{eid}", stats)
+    app.router.add_post("/gyre/executions/{eid}/end", end)
     app.router.add_get("/gyre/stats", stats_all)
     app.router.add_get("/health", health)
     return app

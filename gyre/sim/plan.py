@@ -26,8 +26,6 @@ from pathlib import Path
 from tqdm import tqdm
 
 from gyre.config import ConfigError, Scheme
-from gyre.model import ModelFormatError
-from gyre.model.params import param_counts
 from gyre.sched import SCHEMES
 from gyre.sim.calibration import HARDWARE, MEM_FRACTION, PRESETS, check_layout, preset
 from gyre.sim.cost_model import divisors
@@ -136,7 +134,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def with_model_config(p, path):
     """The preset with its model replaced by the one `path` describes (gyre.model.params counts;
     a serving replica: the fewest GPUs, a power of two, whose HBM share holds the weights)."""
-    # gyre.model imports torch: only `--model-config` pays for it at start-up
+    # gyre.model imports torch: only `--model-config` pays for it (`gyre plan --help` stays fast)
+    from gyre.model import ModelFormatError
+    from gyre.model.params import param_counts
 
     try:
         c = param_counts(path)
