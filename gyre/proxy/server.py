@@ -55,12 +55,23 @@ _ROLE_MODELS = ("main", "compactor")
 
 
 def agent_role_of(model: Any, header: str | None) -> str:
-    """Agent role from the X-Gyre-Role header, else from the model name, else `main`."""
+    """Agent role from the X-Gyre-Role header, else from the model name, else `main`. The role
+    is written into shards: one that is not printable Unicode (aiohttp hands a non-UTF-8 header
+    over surrogate-escaped) is refused here, never met by the shard writer."""
     if header:
-        return header.strip()[:128]
+        return _checked_role(header.strip()[:128], f"header {ROLE_HEADER}")
     if isinstance(model, str) and (model in _ROLE_MODELS or model.startswith("subagent:")):
-        return model[:128]
+        return _checked_role(model[:128], "model")
     return "main"
+
+
+def _checked_role(role: str, where: str) -> str:
+    if not role.isprintable():  # surrogates and control characters are not printable
+        raise RequestError(400, f"{where}: the agent role {ascii(role)[:80]} holds a character that is not "
+                                "printable text (a control character or an undecodable byte); send a "
+                                "printable UTF-8 name such as 'main' or 'subagent:search'",
+                           param="model" if where == "model" else None)
+    return role
 
 
 def _error(status: int, message: str, type: str = "invalid_request_error", code: str | None = None,
@@ -463,7 +474,7 @@ class Proxy:
         return {"calls": len(ms), "p50_ms": pick(0.5), "p99_ms": pick(0.99), "mean_ms": sum(ms) / len(ms)}
 
 
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")  # high (d800-dbff) or low (dc00-dfff)
 
 
 async def _read_json(request: web.Request) -> dict:
