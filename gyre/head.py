@@ -53,7 +53,7 @@ from gyre.sched.core import Admission, Coordinator, CoreSpec, GroupRecord, StepR
 from gyre.sched.state import Role
 from gyre.services.fleet import CellFleet, WeightPaths
 from gyre.services.ledger import Ledger, execution_id
-from gyre.services.rollout import RolloutService
+from gyre.services.rollout import RecordError, RolloutService
 from gyre.services.training import Reduced, TrainingDispatch
 from gyre.train.step_stats import lag0_warning
 from gyre.traj.record import FINISHED, Status
@@ -81,6 +81,7 @@ class Head:
         self._tasks: set[asyncio.Task] = set()
         self._cells_written = 0.0
         self.errors: list[str] = []
+        self.failed: str | None = None   # why the run had to stop (a task failed, e.g. a record could not be written)
         self.warnings: list[str] = []     # e.g. train/inference mismatch at lag 0 (once per kind)
         self.events: list[dict] = []      # notices of the head and its services (mismatch, reduce retries)
         self.replays: dict[tuple[str, int], list] = {}  # resume: stopped executions to replay
@@ -107,11 +108,27 @@ class Head:
     def _notice(self, kind: str, info: dict) -> None:
         self.events.append({"t": self.clock() - self.t0, "cell": None, "kind": kind, "info": info})
 
-    def _spawn(self, coro) -> asyncio.Task:
-        t = asyncio.get_running_loop().create_task(coro)
+    def _spawn(self, coro, name: str | None = None) -> asyncio.Task:
+        t = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(t)
-        t.add_done_callback(self._tasks.discard)
+        t.add_done_callback(self._task_done)
         return t
+
+    def _task_done(self, t: asyncio.Task) -> None:
+        """No task's failure goes unseen: it stops the run, which says why (report, stderr, exit code)."""
+        self._tasks.discard(t)
+        if t.cancelled() or t.exception() is None:
+            return
+        e = t.exception()
+        self.fail(f"{t.get_name()}: {type(e).__name__}: {e}")
+
+    def fail(self, why: str) -> None:
+        """Stop the run because of ``why``: what was recorded stays; the command exits non-zero."""
+        if self.failed is None:
+            self.failed = why
+            print(f"gyre run: failed: {why}", file=sys.stderr, flush=True)
+        self.errors.append(why)
+        self._stop.set()
 
     # ==== start-up ==============================================================================
     def attach(self, core: Coordinator, tasks, paths: WeightPaths, selection: SelectionSpec,
@@ -185,8 +202,12 @@ class Head:
         finally:
             await rollout.stop_harnesses()
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
-            rollout.compact()  # the per-execution shards, merged
-            why = f"run stopped: {rollout.broken}" if rollout.broken else "run stopped" if stopped else "run ended"
+            try:
+                rollout.compact()  # the per-execution shards, merged
+            except RecordError as e:
+                self.fail(str(e))
+            broke = self.failed or rollout.broken
+            why = f"run stopped: {broke}" if broke else "run stopped" if stopped else "run ended"
             self.ledger.close_unfinished(core.unfinished(), why, core.step.index)
             if rollout.broken:
                 print(f"gyre run: stopped: {rollout.broken}", file=sys.stderr, flush=True)
@@ -270,7 +291,8 @@ class Head:
                 self.core.execution_started(g.id, eid, now)
                 replays = self.replays.get((task.name, k))
                 self._emit(ExecutionStarted(now, eid, g.id))
-                self._spawn(self._execution(g.id, task, eid, replays.pop(0) if replays else None))
+                self._spawn(self._execution(g.id, task, eid, replays.pop(0) if replays else None),
+                            name=f"execution {eid}")
         if started:  # ids are never reused, even after a hard stop
             self._write_state()
         return started
@@ -288,6 +310,7 @@ class Head:
         """An execution ended and was scored: its record is on disk (its own small shard, compacted
         at the end) before the core hears of it, so a SIGKILL from here on loses none of it."""
         faults.hit("head", "execution_ended")
+        self.rollout.record([rec])  # durable before anything counts it (RecordError: the run stops, saying why)
         usable = rec.status in FINISHED and math.isfinite(rec.reward)
         reward = rec.reward if math.isfinite(rec.reward) else None
         self.ledger.execution_ended(eid, reward, "" if usable else rec.reward_source or f"status {rec.status}",
@@ -297,7 +320,6 @@ class Head:
             self._emit(CallRecorded(call.t_start, call.t_end, url_cell.get(call.endpoint), eid))
         tokens = float(rec.tree.stats().unique_tokens)
         self._emit(ExecutionEvaluated(now, eid, rec.group, rec.status, reward, rec.min_version, tokens, usable))
-        self.rollout.record([rec])  # durable before the coordinator hears of it
         self.training.hold(rec)
         faults.hit("head", "execution_recorded")
         adm = self.core.execution_evaluated(eid, now, version=rec.min_version, tokens=tokens, usable=usable,
@@ -394,7 +416,8 @@ class Head:
         s = self.cfg.sched
         executions = dict(st.status_counts)
         events = sorted(self.fleet.events + self.events, key=lambda e: e["t"])  # the cells' and the head's
-        return {"stopped_reason": self.rollout.broken if self.rollout else None,
+        return {"stopped_reason": self.failed or (self.rollout.broken if self.rollout else None),
+                "failed": self.failed,
                 "unscorable": dict(self.ledger.unscorable),
                 "scheme": s.scheme, "label": f"{s.scheme}{s.staleness}", "staleness": s.staleness,
                 "staleness_rule": s.staleness_rule, "steps_per_sync": s.steps_per_sync,

@@ -38,7 +38,7 @@ from gyre.harness.sandbox import Environments, SandboxConfig
 from gyre.model.identity import model_identity
 from gyre.model.tiny import ensure_tiny_model
 from gyre.proxy.replay import replayed_calls
-from gyre.services.rollout import RolloutService
+from gyre.services.rollout import RecordError, RolloutService
 from gyre.traj.record import FINISHED, Status
 from gyre.traj.store import iter_executions, shard_paths
 
@@ -78,6 +78,7 @@ class RolloutSummary:
     skipped_tasks: int = 0  # broken task folders of the suite, skipped
     sandbox: str = ""       # the host sandbox backend (bwrap | none)
     broken: str | None = None  # why the run stopped early: harnesses could not start in their sandbox
+    failed: list[str] = field(default_factory=list)  # why executions could not be recorded: the run stopped
     unscorable_tasks: dict[str, str] = field(default_factory=dict)  # task -> why it cannot be scored here
     unscorable_reasons: dict[str, int] = field(default_factory=dict)  # executions by reason
     resumed: int = 0        # executions resumed by replay
@@ -200,12 +201,15 @@ class Rollout:
                 jobs = [asyncio.create_task(self._one(p, service, bar)) for p in todo]
                 stopper = asyncio.create_task(self._stop.wait())
                 pending = set(jobs)
-                while pending and not self._stop.is_set() and not service.broken:
-                    _, pending = await asyncio.wait(pending | {stopper}, return_when=asyncio.FIRST_COMPLETED)
+                while pending and not self._stop.is_set() and not service.broken and not self.summary.failed:
+                    done, pending = await asyncio.wait(pending | {stopper}, return_when=asyncio.FIRST_COMPLETED)
                     pending.discard(stopper)
-                if self._stop.is_set() or service.broken:
+                    self._failures(done - {stopper})
+                if self._stop.is_set() or service.broken or self.summary.failed:
                     await service.stop_harnesses()
-                await asyncio.gather(*jobs, return_exceptions=True)
+                if jobs:
+                    await asyncio.wait(jobs)
+                self._failures(jobs)
                 stopper.cancel()
             finally:
                 for sig in (signal.SIGINT, signal.SIGTERM):
@@ -213,11 +217,24 @@ class Rollout:
                 if bar is not None:
                     bar.close()
                 await service.close()
-        service.compact()  # the per-execution shards, merged
+        try:
+            service.compact()  # the per-execution shards, merged
+        except RecordError as e:
+            self.summary.failed.append(str(e))
         self.summary.shards = [str(q) for q in shard_paths(shard_dir)]
         self.summary.seconds = time.monotonic() - t0
         self.summary.broken = service.broken
         return self.summary
+
+    def _failures(self, jobs) -> None:
+        """An execution whose task raised (e.g. its record could not be written) stops the run,
+        which says why and exits non-zero: no execution vanishes from an exit-0 summary."""
+        for job in jobs:
+            e = None if job.cancelled() else job.exception()
+            why = f"{type(e).__name__}: {e}" if e is not None else None
+            if why and why not in self.summary.failed:
+                self.summary.failed.append(why)
+                print(f"gyre rollout: failed: {why}", file=sys.stderr, flush=True)
 
     async def _one(self, p: Planned, service: RolloutService, bar) -> None:
         # one query = one group of G executions
@@ -288,6 +305,8 @@ def print_summary(s: RolloutSummary, cfg: GyreConfig) -> None:
                                 f"{len(s.reaped.get('key_files', []))} key files"),
             ("broken task folders skipped", s.skipped_tasks),
             ("sandbox", s.sandbox), ("shards", len(s.shards)), ("time", f"{s.seconds:.1f} s")]
+    if s.failed:
+        rows.append(("FAILED (not recorded; run again with --resume)", "\n".join(s.failed)))
     for k, v in rows:
         t.add_row(k, str(v))
     Console(stderr=False).print(t)
@@ -312,4 +331,7 @@ def run(args: argparse.Namespace) -> int:
     if summary.broken:
         print(f"gyre rollout: stopped: {summary.broken}", file=sys.stderr)
         return 3
+    if summary.failed:
+        print("gyre rollout: failed: " + "; ".join(summary.failed), file=sys.stderr)
+        return 4
     return 130 if ro._stop.is_set() else 0
