@@ -101,3 +101,29 @@ def test_the_head_stops_loudly_when_a_record_cannot_be_written(tmp_path, monkeyp
     rep = head.report(20.0, True)
     assert rep["failed"] == head.failed and head.failed in rep["errors"]
     assert json.dumps(rep, default=str)  # the report itself is writable
+
+
+@pytest.mark.slow
+def test_gyre_rollout_exits_non_zero_naming_the_execution_it_could_not_record(tmp_path, monkeypatch, capsys):
+    """Issue 34: on a full store.dir, 7 of 8 executions were dropped and `gyre rollout` exited 0."""
+    from gyre import offline_rollout
+    from gyre.traj.store import ShardWriter
+    from test_rollout import cfg_for
+
+    real = ShardWriter.write
+
+    def write(self, records, *a, **kw):
+        if any(r.execution_id.endswith("-g1-a0") for r in records):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, records, *a, **kw)
+
+    monkeypatch.setattr(ShardWriter, "write", write)
+    cfg = cfg_for(tmp_path / "run", "engine.endpoints=1", 'harness.tasks=["fizzbuzz"]',
+                  command=["bash", "-c", "echo 'def fizzbuzz(n): pass' > fizzbuzz.py"])
+    monkeypatch.setattr(offline_rollout, "load_config", lambda *a: cfg)
+    args = offline_rollout.argparse.Namespace(config=None, overrides=[], resume=False, no_progress=True,
+                                              strict=False)
+    assert offline_rollout.run(args) == 4
+    err = capsys.readouterr().err
+    assert "fizzbuzz-g1-a0" in err and "store.dir" in err and "gyre rollout: failed" in err
+    assert [r.execution_id for r in iter_executions(tmp_path / "run" / "shards")] == ["fizzbuzz-g0-a0"]
