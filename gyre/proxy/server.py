@@ -40,6 +40,7 @@ from gyre.proxy.capture import (ExecutionSession, PreparedCall, Renderer, new_ap
                                 prepare_call, record_call, wire_ids)
 from gyre.proxy.chat import (DEFAULT_TOOL_SYSTEM, Message, MessageError, ParsedOutput, ToolCall, canonical_arguments,
                              parse_messages, parse_output, strip_end_tokens, validate_tools)
+from gyre.proxy.offload import PrepareWorkers, max_token_chars, text_chars
 from gyre.proxy.params import CallParams, RequestError, check_depth, forced_prefix, parse_params
 from gyre.proxy.replay import Replay
 from gyre.proxy.streaming import ContentStream, ReasoningStream
@@ -84,11 +85,12 @@ def _error(status: int, message: str, type: str = "invalid_request_error", code:
 _CONTEXT_RE = re.compile(r"\((\d+) tokens\) is longer than the model's context length \((\d+) tokens\)")
 
 
-def context_error(tokens: int, limit: int) -> RequestError:
+def context_error(tokens: int, limit: int, at_least: bool = False) -> RequestError:
     """OpenAI's own wording and code, which the openai SDK and litellm map to their
     context-window exceptions (so a harness can compact and go on)."""
     return RequestError(400, f"This model's maximum context length is {limit} tokens. However, your messages "
-                             f"resulted in {tokens} tokens. Please reduce the length of the messages.",
+                             f"resulted in {'at least ' if at_least else ''}{tokens} tokens. Please reduce the "
+                             "length of the messages.",
                         code="context_length_exceeded", param="messages")
 
 
@@ -154,6 +156,8 @@ class Proxy:
                  tool_parser: str = "hermes", reasoning_parser: str = "none"):
         self.router = router
         self.renderer = Renderer(tokenizer)
+        self.workers = PrepareWorkers()
+        self.max_token_chars = max_token_chars(tokenizer)
         self.template_tokens = template_tokens(tokenizer)
         # the model's own chat template (gyre.model.chat_template.ChatTemplate); None = built-in ChatML
         self.template, self.history = chat_template, history
@@ -244,6 +248,17 @@ class Proxy:
         return self.max_input_tokens
 
     async def prepare(self, sess: ExecutionSession, body: dict, role: str) -> Call:
+        """Parse, render and tokenize a request (off the event loop, gyre.proxy.offload), after a
+        cheap bound that refuses a prompt too long for the engine without tokenizing it."""
+        limit = await self._input_limit()
+        if limit is not None:
+            floor = (text_chars(body.get("messages")) + text_chars(body.get("tools"))) // self.max_token_chars
+            if floor > limit:
+                raise context_error(floor, limit + 1, at_least=True)
+        async with self.workers.session(sess.record.execution_id):
+            return await self.workers.run(self._prepare, sess, body, role, limit)
+
+    def _prepare(self, sess: ExecutionSession, body: dict, role: str, limit: int | None) -> Call:
         check_names(body, self.template_tokens)
         messages = parse_messages(body.get("messages"))
         tools = validate_tools(body.get("tools"))
@@ -259,7 +274,6 @@ class Proxy:
         # plain-text encoding: a name can hold no control token (refused above), and never becomes one
         forced = self.renderer.encode_text(forced_prefix(p)) if forced_prefix(p) else []
         n_prompt = prepared.n_input + len(forced)
-        limit = await self._input_limit()
         max_new = p.max_new_tokens
         if limit is not None:
             if n_prompt > limit:  # before calling the engine: the harness must compact
@@ -376,7 +390,8 @@ class Proxy:
         except (EngineError, RouterError) as e:
             raise engine_failure(e) from None
         c.engine_s = res.wire_s
-        return self.finish(c, res)[0]
+        async with self.workers.session(c.sess.record.execution_id):  # no preparation reads the tree meanwhile
+            return self.finish(c, res)[0]
 
     async def stream(self, c: Call, out: web.StreamResponse) -> None:
         """Stream one call: content deltas as tokens come, tool calls and usage at the end."""
@@ -416,7 +431,8 @@ class Proxy:
             await self._stream_error(out, RequestError(503, "model backend ended the stream early", "server_error"))
             return
         try:
-            resp, parsed = self.finish(c, final)
+            async with self.workers.session(c.sess.record.execution_id):
+                resp, parsed = self.finish(c, final)
         except AbortedCall as e:
             await self._stream_error(out, RequestError(503, f"generation aborted, retry: {e}", "server_error",
                                                        "generation_aborted"))

@@ -117,3 +117,5 @@ class RolloutService:
             self._site = None
         if self.router is not None:
             await self.router.close()
+        if self.proxy is not None:
+            self.proxy.workers.close()
