@@ -63,6 +63,9 @@ class Finished:
     routed_experts: "torch.Tensor | None" = None  # [prompt + output - 1, moe layers, top_k] when asked
 
 
+UNSET_PRIORITY = -(2**63)  # SGLang (priority scheduling, higher first) gives a request without one the lowest
+
+
 @dataclass
 class _Request:
     rid: str
@@ -84,6 +87,7 @@ class _Request:
     stop_tail_tokens: int = 0  # how many output tokens to decode when looking for stop strings
     return_routed_experts: bool = False  # SGLang's request flag (MoE models)
     routed: "torch.Tensor | None" = None  # read from the cache when the request finishes
+    priority: int = 0  # SGLang's request priority: higher is admitted first, first come first within
 
 
 class Engine:
@@ -151,7 +155,8 @@ class Engine:
 
     def submit(self, rid: str, input_ids: list[int], params: SamplingParams,
                on_done: Callable[[Finished], None], top_n: int = 0,
-               on_step: Callable[[], None] | None = None, return_routed_experts: bool = False) -> "_Request":
+               on_step: Callable[[], None] | None = None, return_routed_experts: bool = False,
+               priority: int | None = None) -> "_Request":
         """Queue a request; returns its handle (``output``/``logprobs`` grow as tokens come)."""
         if return_routed_experts and not self.spec.moe_layers:
             raise Refused(400, "return_routed_experts needs a Mixture-of-Experts model; this one is dense")
@@ -163,7 +168,8 @@ class Engine:
         gen.manual_seed(params.sampling_seed if params.sampling_seed is not None
                         else int.from_bytes(os.urandom(8), "little") >> 1)
         req = _Request(rid, input_ids, params, on_done, gen, top_n=top_n, on_step=on_step,
-                       return_routed_experts=return_routed_experts)
+                       return_routed_experts=return_routed_experts,
+                       priority=UNSET_PRIORITY if priority is None else priority)
         if params.stop:  # SGLang: decode the last (longest stop string in tokens + 1) tokens
             req.stop_tail_tokens = 1 + max(len(self.tokenizer.encode(s, add_special_tokens=False).ids)
                                            for s in params.stop)
@@ -321,7 +327,9 @@ class Engine:
                     self._pending.clear()
                     break
                 while self._pending and not self._paused and len(self._active) < self.max_running:
-                    r = self._pending.popleft()
+                    # SGLang --enable-priority-scheduling: highest priority first, first come first within
+                    r = max(self._pending, key=lambda q: q.priority)
+                    self._pending.remove(r)
                     r.weight_version = self.weight_version
                     r.cache, r.fed = self._prefix.lookup(r.input_ids)
                     r.cached_tokens = r.fed

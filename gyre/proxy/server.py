@@ -40,6 +40,7 @@ from gyre.proxy.capture import (ExecutionSession, PreparedCall, Renderer, new_ap
                                 prepare_call, record_call, wire_ids)
 from gyre.proxy.chat import (DEFAULT_TOOL_SYSTEM, Message, MessageError, ParsedOutput, ToolCall, canonical_arguments,
                              parse_messages, parse_output, strip_end_tokens, validate_tools)
+from gyre.proxy.fairness import CallGate
 from gyre.proxy.offload import PrepareWorkers, max_token_chars, text_chars
 from gyre.proxy.params import CallParams, RequestError, check_depth, forced_prefix, parse_params
 from gyre.proxy.replay import Replay
@@ -126,7 +127,8 @@ class Call:
     engine_params: dict
     rid: str
     t0: float
-    engine_s: float = 0.0  # time on the wire to the engine and back (not the proxy's own work)
+    engine_s: float = 0.0
+    priority: int | None = None  # the engines admit higher first (gyre.proxy.fairness)  # time on the wire to the engine and back (not the proxy's own work)
 
     @property
     def id(self) -> str:
@@ -152,7 +154,7 @@ class Proxy:
 
     def __init__(self, router, tokenizer, *, model_name: str = "gyre", default_max_tokens: int = 512,
                  max_tokens_cap: int = 4096, identity: dict | None = None, context_length: int | None = None,
-                 max_executions: int = 10_000, chat_template=None, history: str = "exact",
+                 max_executions: int = 10_000, max_calls_in_flight: int = 8, chat_template=None, history: str = "exact",
                  tool_parser: str = "hermes", reasoning_parser: str = "none"):
         self.router = router
         self.renderer = Renderer(tokenizer)
@@ -177,6 +179,7 @@ class Proxy:
         # the longest prompt the engine accepts (SGLang's max_req_input_len); asked once if not given
         self.max_input_tokens: int | None = None if context_length is None else context_length - 1
         self.max_executions = max_executions
+        self.gate = CallGate(max_calls_in_flight)  # per-execution cap and engine priority (gyre.proxy.fairness)
         self.sessions: dict[str, ExecutionSession] = {}  # api key -> session
         # rid -> (execution id, its loop) of every running call: ending an execution aborts them
         self._live: dict[str, tuple[str, asyncio.AbstractEventLoop]] = {}
@@ -383,7 +386,8 @@ class Proxy:
         try:
             args = self._generate_args(c)
             with self._track(c):
-                res = await self._engine(c, args).generate(*args, rid=c.rid, top_logprobs_num=c.params.top_logprobs)
+                res = await self._engine(c, args).generate(*args, rid=c.rid, top_logprobs_num=c.params.top_logprobs,
+                                                           priority=c.priority)
         except asyncio.CancelledError:  # the client went away: the router aborted the engine request
             self.abandoned["client_disconnected"] += 1
             raise
@@ -411,7 +415,8 @@ class Proxy:
 
         await send({"role": "assistant", "content": ""})
         args = self._generate_args(c)
-        gen = self._engine(c, args).generate_stream(*args, rid=c.rid, top_logprobs_num=p.top_logprobs)
+        gen = self._engine(c, args).generate_stream(*args, rid=c.rid, top_logprobs_num=p.top_logprobs,
+                                                    priority=c.priority)
         try:
             with self._track(c):
                 final = await self._relay(c, gen, content, send, reasoning)
@@ -532,7 +537,9 @@ def create_app(proxy: Proxy, *, admin_key: str, max_body_bytes: int = 8 << 20) -
         try:
             return await handler(request)
         except RequestError as e:
-            return _error(e.status, e.message, e.type, e.code, e.param)
+            resp = _error(e.status, e.message, e.type, e.code, e.param)
+            resp.headers.update(getattr(e, "headers", {}))  # e.g. Retry-After on a 429
+            return resp
         except MessageError as e:
             return _error(400, str(e), param="messages")
         except AbortedCall as e:
@@ -557,17 +564,19 @@ def create_app(proxy: Proxy, *, admin_key: str, max_body_bytes: int = 8 << 20) -
         t0 = time.perf_counter()
         sess = proxy.session_for(request.headers.get("Authorization"))
         body = await _read_json(request)
-        call = await proxy.prepare(sess, body, agent_role_of(body.get("model"), request.headers.get(ROLE_HEADER)))
-        if not call.params.stream:
-            resp = await proxy.complete(call)
-            out = web.json_response(resp)
-            proxy.overhead_s.append(time.perf_counter() - t0 - call.engine_s)
+        with proxy.gate.admit(sess.record.execution_id) as priority:  # 429 beyond proxy.max_calls_in_flight
+            call = await proxy.prepare(sess, body, agent_role_of(body.get("model"), request.headers.get(ROLE_HEADER)))
+            call.priority = priority
+            if not call.params.stream:
+                resp = await proxy.complete(call)
+                out = web.json_response(resp)
+                proxy.overhead_s.append(time.perf_counter() - t0 - call.engine_s)
+                return out
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await out.prepare(request)
+            await proxy.stream(call, out)
+            await out.write_eof()
             return out
-        out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await out.prepare(request)
-        await proxy.stream(call, out)
-        await out.write_eof()
-        return out
 
     async def models(request: web.Request) -> web.Response:
         proxy.session_for(request.headers.get("Authorization"))
