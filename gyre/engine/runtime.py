@@ -95,6 +95,7 @@ class Engine:
                  max_new_tokens_cap: int = 4096, prefill_chunk: int = 512,
                  prefix_cache_mb: int = 256, pace: bool = False):
         self.model_dir = Path(model_dir)
+        self._start_dir = self.model_dir.resolve()  # trusted without a manifest (see _trusted)
         self.model: CausalLM | None = CausalLM.from_dir(self.model_dir)
         self.spec = self.model.spec
         try:
@@ -217,7 +218,7 @@ class Engine:
         with self._admin:
             if "weights" in tags and "weights" in self._released:
                 # the files may have changed while released: checked as a weight update is
-                model = self._load_model(self.model_dir, verify=True)
+                model = self._load_model(self.model_dir, verify=True, trusted=self._trusted(self.model_dir))
                 with self._cv:
                     self.model = model
             with self._cv:
@@ -231,7 +232,8 @@ class Engine:
         with self._admin:
             if "weights" in self._released:
                 raise Refused(400, "weights are released; POST /resume_memory_occupation first")
-            model = self._load_model(Path(model_path), verify=True)  # while requests still run on the old weights
+            # while requests still run on the old weights
+            model = self._load_model(Path(model_path), verify=True, trusted=self._trusted(Path(model_path)))
             if model.spec.vocab_size != self.spec.vocab_size:
                 raise Refused(400, f"{model_path}: vocab_size {model.spec.vocab_size} differs from the "
                                    f"served model's {self.spec.vocab_size}")
@@ -274,14 +276,19 @@ class Engine:
             raise Refused(400, f"cannot {what} while {busy} request(s) are running or queued; "
                                "abort them (POST /abort_request) or wait")
 
+    def _trusted(self, path: Path) -> bool:
+        """The checkpoint the engine was started from may lack a manifest (a plain Hugging Face
+        directory); any other must carry one (an export writes it)."""
+        return path.resolve() == self._start_dir
+
     @staticmethod
-    def _load_model(path: Path, verify: bool = False) -> CausalLM:
-        """Load a checkpoint; with ``verify``, first its checksum manifest (when it has one) and
-        always the finiteness of every tensor, so a corrupt export never replaces good weights."""
+    def _load_model(path: Path, verify: bool = False, trusted: bool = False) -> CausalLM:
+        """Load a checkpoint; with ``verify``, first its checksum manifest (required unless
+        ``trusted``) and the finiteness of every tensor, so a corrupt export never replaces good weights."""
         try:
             require_regular_files(path)
             if verify:
-                verify_checksums(path)
+                verify_checksums(path, required=not trusted)
             spec = read_spec(path)
             tensors = load_weights(path, spec)
             if verify:
