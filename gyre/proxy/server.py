@@ -41,7 +41,7 @@ from gyre.proxy.capture import (ExecutionSession, PreparedCall, Renderer, new_ap
 from gyre.proxy.chat import (DEFAULT_TOOL_SYSTEM, Message, MessageError, ParsedOutput, ToolCall, canonical_arguments,
                              parse_messages, parse_output, strip_end_tokens, validate_tools)
 from gyre.proxy.fairness import CallGate
-from gyre.proxy.offload import PrepareWorkers, max_token_chars, text_chars
+from gyre.proxy.offload import INLINE_CHARS, PrepareWorkers, max_token_chars, text_chars
 from gyre.proxy.params import CallParams, RequestError, check_depth, forced_prefix, parse_params
 from gyre.proxy.replay import Replay
 from gyre.proxy.streaming import ContentStream, ReasoningStream
@@ -254,11 +254,12 @@ class Proxy:
         """Parse, render and tokenize a request (off the event loop, gyre.proxy.offload), after a
         cheap bound that refuses a prompt too long for the engine without tokenizing it."""
         limit = await self._input_limit()
-        if limit is not None:
-            floor = (text_chars(body.get("messages")) + text_chars(body.get("tools"))) // self.max_token_chars
-            if floor > limit:
-                raise context_error(floor, limit + 1, at_least=True)
+        chars = text_chars(body.get("messages")) + text_chars(body.get("tools"))
+        if limit is not None and chars // self.max_token_chars > limit:
+            raise context_error(chars // self.max_token_chars, limit + 1, at_least=True)
         async with self.workers.session(sess.record.execution_id):
+            if chars <= INLINE_CHARS:  # a small request costs less than the hand-off (and never queues)
+                return self._prepare(sess, body, role, limit)
             return await self.workers.run(self._prepare, sess, body, role, limit)
 
     def _prepare(self, sess: ExecutionSession, body: dict, role: str, limit: int | None) -> Call:
