@@ -13,8 +13,19 @@
    it; listed when it stopped (or capped) the harness with an error naming its key.
 3. **Fuzz** (``fuzz_*``): FUZZ seeded mutations of a full request over the schema
    (tests/request_fuzz.py) against the proxy; ``fuzz_5xx`` must be 0.
+4. **Flood** (``flood_*``, issue 34): one execution keeps FLOOD calls of ``max_tokens`` 1,024 going at
+   once (each refused one is sent again 50 ms later) while a sibling makes 2-token calls one after
+   the other; ``flood_sibling_p99_ms`` is the sibling's 99th-percentile latency (goal < 500 ms).
+   The stand-in engine serves every call at once (it has no admission queue), so the figure is the
+   proxy's share; the engine's admission by priority is tests/test_fair_serving.py.
+5. **Big body** (``bigbody_*``, issue 34): a 7.5 MB message (under ``proxy.max_body_bytes``) and a
+   400,000-character one (under the characters-per-token bound: tokenized, then refused as too
+   long) sent again and again by one execution while a sibling makes 2-token calls;
+   ``bigbody_refuse_ms`` is the median time to the 7.5 MB message's 400, ``bigbody_sibling_max_ms``
+   the sibling's worst latency (goal < 100 ms).
 
-Writes benchmarks/results/hostile.json. Takes about a minute on 2 busy cores.
+Writes benchmarks/results/hostile.json. ``--only flood,bigbody`` runs those sections and merges
+their keys into the file. Takes about two minutes on 2 busy cores.
 """
 
 from __future__ import annotations
@@ -53,6 +64,9 @@ HOSTILE_TOKENS = 1500
 TOKEN_DELAY_S = 0.002  # 500 tokens/s per stream from the stand-in engine
 VICTIM_CALLS = 60
 FUZZ = 2000
+FLOOD = 200
+SIBLING_CALLS = 60
+BIG_BODY_CHARS = 7_500_000
 
 
 def serve_engine() -> None:
@@ -82,7 +96,7 @@ def serve_engine() -> None:
 class Served:
     """Scripted engine in its own process, router + proxy on a loop thread here."""
 
-    def __init__(self):
+    def __init__(self, max_body: int = 1 << 20):
         self.eproc = subprocess.Popen([sys.executable, __file__, "--engine"], stdout=subprocess.PIPE, text=True)
         eport = int(self.eproc.stdout.readline())
         self.plt = LoopThread()
@@ -90,7 +104,7 @@ class Served:
         async def prox():
             self.router = Router([f"http://127.0.0.1:{eport}"])
             self.proxy = Proxy(self.router, TOKENIZER)
-            return await start_site(create_app(self.proxy, admin_key="admin", max_body_bytes=1 << 20), "127.0.0.1", 0)
+            return await start_site(create_app(self.proxy, admin_key="admin", max_body_bytes=max_body), "127.0.0.1", 0)
 
         self.prunner, pport = self.plt.run(prox())
         self.base = f"http://127.0.0.1:{pport}"
@@ -208,6 +222,84 @@ def fuzz() -> dict:
             "fuzz_statuses": {str(k): v for k, v in sorted(statuses.items())}}
 
 
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def _attack(s: Served, key: str, body_of, n: int, retry_s: float = 0.05):
+    """n loops that each send ``body_of(i)`` again and again until stopped (a refused call 50 ms
+    later); returns (stop, join, statuses, durations of each answer in ms)."""
+    import asyncio as aio
+
+    stop, statuses, ms = threading.Event(), {}, []
+
+    async def loop_one(c, i):
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            try:
+                r = await c.post(s.base + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                                 content=body_of(i))
+                statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+                ms.append((time.perf_counter() - t0) * 1e3)
+                if r.status_code != 200:
+                    await aio.sleep(retry_s)
+            except httpx.HTTPError:
+                statuses["error"] = statuses.get("error", 0) + 1
+
+    async def main():
+        limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as c:
+            await aio.gather(*(loop_one(c, i) for i in range(n)))
+
+    t = threading.Thread(target=lambda: aio.run(main()), daemon=True)
+    t.start()
+    return stop, t, statuses, ms
+
+
+def flood() -> dict:
+    s = Served()
+    try:
+        victim, hostile = s.key("sibling"), s.key("flood")
+        body = json.dumps({"model": "main", "max_tokens": 1024, "messages": [{"role": "user", "content": "go"}]}).encode()
+        stop, t, statuses, _ = _attack(s, hostile, lambda i: body, FLOOD)
+        time.sleep(1.0)  # the flood is under way before the sibling starts (a load phase, not an outcome)
+        lat = victim_latencies(s, victim, SIBLING_CALLS)
+        stop.set()
+        t.join(60)
+    finally:
+        s.close()
+    return {"flood_sibling_p99_ms": _pct(lat, 0.99), "flood_sibling_p50_ms": statistics.median(lat),
+            "flood_hostile_calls": FLOOD, "flood_hostile_statuses": {str(k): v for k, v in sorted(statuses.items())}}
+
+
+def bigbody() -> dict:
+    s = Served(max_body=8 << 20)
+    try:
+        victim, hostile = s.key("sibling"), s.key("bigbody")
+        huge = json.dumps({"model": "main", "messages": [{"role": "user", "content": "x " * (BIG_BODY_CHARS // 2)}]}).encode()
+        big = json.dumps({"model": "main", "messages": [{"role": "user", "content": "the " * 100_000}]}).encode()
+        refuse = []
+        with httpx.Client(timeout=120) as c:
+            for _ in range(5):
+                t0 = time.perf_counter()
+                r = c.post(s.base + "/v1/chat/completions", headers={"Authorization": f"Bearer {hostile}"}, content=huge)
+                refuse.append((time.perf_counter() - t0) * 1e3)
+                assert r.status_code == 400, r.text[:300]
+        victim_latencies(s, victim, 5)  # warm
+        stop, t, statuses, ms = _attack(s, hostile, lambda i: huge if i == 0 else big, 2)
+        time.sleep(0.5)
+        lat = victim_latencies(s, victim, SIBLING_CALLS)
+        stop.set()
+        t.join(120)
+    finally:
+        s.close()
+    return {"bigbody_refuse_ms": statistics.median(refuse), "bigbody_sibling_max_ms": max(lat),
+            "bigbody_sibling_p50_ms": statistics.median(lat), "bigbody_body_bytes": len(huge),
+            "bigbody_hostile_statuses": {str(k): v for k, v in sorted(statuses.items())},
+            "bigbody_hostile_p50_ms": statistics.median(ms) if ms else None}
+
+
 def limits() -> dict:
     import warnings
 
@@ -264,15 +356,25 @@ def limits() -> dict:
     return {"limits_enforced": enforced, "limits_detail": detail, "limits_sandbox": envs.host_backend}
 
 
-def main() -> dict:
-    return {**stop_dos(), **stop_match_cost(), **fuzz(), **limits(), "load_avg_1m": os.getloadavg()[0]}
+SECTIONS = {"stop_dos": stop_dos, "stop_match": stop_match_cost, "fuzz": fuzz, "limits": limits,
+            "flood": flood, "bigbody": bigbody}
+
+
+def main(only: list[str] | None = None) -> dict:
+    res = {}
+    for name in only or SECTIONS:
+        res.update(SECTIONS[name]())
+    return {**res, "load_avg_1m": os.getloadavg()[0]}
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--engine"]:
         serve_engine()
         sys.exit(0)
-    res = main()
+    only = sys.argv[2].split(",") if sys.argv[1:2] == ["--only"] else None
+    res = main(only)
     out = ROOT / "benchmarks" / "results" / "hostile.json"
+    if only and out.exists():  # the other sections' figures stay
+        res = {**json.loads(out.read_text()), **res}
     out.write_text(json.dumps(res, indent=2) + "\n")
     print(json.dumps(res, indent=2))
