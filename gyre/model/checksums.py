@@ -80,7 +80,7 @@ def verify_checksums(model_dir: str | Path, required: bool = True) -> bool:
     d = Path(model_dir)
     path = d / MANIFEST
     if not path.exists():
-        if required:
+        if required and d.is_dir():  # (a missing directory is the loader's error, with its own message)
             raise WeightCheckError(f"{d} has no {MANIFEST}: weights are loaded only as exported, with their "
                                    "checksums (gyre.model.checksums.write_checksums writes them for a "
                                    "directory you trust)")
