@@ -41,6 +41,7 @@ from gyre.proxy.capture import (ExecutionSession, PreparedCall, Renderer, new_ap
 from gyre.proxy.chat import (DEFAULT_TOOL_SYSTEM, Message, MessageError, ParsedOutput, ToolCall, canonical_arguments,
                              parse_messages, parse_output, strip_end_tokens, validate_tools)
 from gyre.proxy.fairness import CallGate
+from gyre.proxy.journal import Journal
 from gyre.proxy.offload import INLINE_CHARS, PrepareWorkers, max_token_chars, text_chars
 from gyre.proxy.params import CallParams, RequestError, check_depth, forced_prefix, parse_params
 from gyre.proxy.replay import Replay
@@ -128,7 +129,8 @@ class Call:
     rid: str
     t0: float
     engine_s: float = 0.0
-    priority: int | None = None  # the engines admit higher first (gyre.proxy.fairness)  # time on the wire to the engine and back (not the proxy's own work)
+    priority: int | None = None  # the engines admit higher first (gyre.proxy.fairness)
+    wire: Any = None  # the input ids as sent (their key journals the call, gyre.proxy.journal)  # time on the wire to the engine and back (not the proxy's own work)
 
     @property
     def id(self) -> str:
@@ -180,6 +182,7 @@ class Proxy:
         self.max_input_tokens: int | None = None if context_length is None else context_length - 1
         self.max_executions = max_executions
         self.gate = CallGate(max_calls_in_flight)  # per-execution cap and engine priority (gyre.proxy.fairness)
+        self.journal: Journal | None = None  # each recorded call, before its answer (gyre.proxy.journal)
         self.sessions: dict[str, ExecutionSession] = {}  # api key -> session
         # rid -> (execution id, its loop) of every running call: ending an execution aborts them
         self._live: dict[str, tuple[str, asyncio.AbstractEventLoop]] = {}
@@ -192,9 +195,10 @@ class Proxy:
 
     # -- execution registry (head side) ---------------------------------------------------
     def register(self, execution_id: str, task: str = "", group: int = 0, api_key: str | None = None,
-                 replay: TrajectoryTree | None = None) -> str:
-        """A key for a new execution; ``replay``: the tree a stopped run of it recorded, whose
-        calls are answered again where the resumed harness asks the same (gyre.proxy.replay)."""
+                 replay: TrajectoryTree | Replay | None = None) -> str:
+        """A key for a new execution; ``replay``: the tree a stopped run of it recorded (or the
+        Replay of a killed run's journal), whose calls are answered again where the resumed
+        harness asks the same (gyre.proxy.replay)."""
         if execution_id in self.by_id:
             raise ValueError(f"execution {execution_id!r} is already registered")
         if len(self.by_id) >= self.max_executions:
@@ -202,7 +206,8 @@ class Proxy:
                                     f"(proxy.max_executions) is {self.max_executions}; end some first")
         key = api_key or new_api_key()
         sess = ExecutionSession(ExecutionRecord(execution_id, task, group, t_start=time.time()), key,
-                                replay=Replay(replay) if replay is not None and replay.calls else None)
+                                replay=replay if isinstance(replay, Replay) and replay.recorded else
+                                Replay(replay) if isinstance(replay, TrajectoryTree) and replay.calls else None)
         self.sessions[key] = sess
         self.by_id[execution_id] = sess
         return key
@@ -332,6 +337,9 @@ class Proxy:
         call = record_call(sess, prepared, reply, out_ids, lps, agent_role=c.role,
                            weight_version=str(res.weight_version), endpoint=res.endpoint,
                            finish_reason=res.finish_reason, t_start=c.t0, replay_ids=c.forced + out_ids)
+        if self.journal is not None and c.wire is not None:  # durable past a SIGKILL before the harness hears
+            self.journal.append(sess.record.execution_id, c.wire, out_ids, lps, res.finish_reason,
+                                str(res.weight_version))
         self.calls_total += 1
         if parsed.tool_calls:
             finish = "tool_calls"
@@ -383,9 +391,9 @@ class Proxy:
 
     async def complete(self, c: Call) -> dict:
         """Run one call to the end (non-streamed); returns the OpenAI response."""
-        args = self._generate_args(c)
         try:
             args = self._generate_args(c)
+            c.wire = args[1]
             with self._track(c):
                 res = await self._engine(c, args).generate(*args, rid=c.rid, top_logprobs_num=c.params.top_logprobs,
                                                            priority=c.priority)
@@ -416,6 +424,7 @@ class Proxy:
 
         await send({"role": "assistant", "content": ""})
         args = self._generate_args(c)
+        c.wire = args[1]
         gen = self._engine(c, args).generate_stream(*args, rid=c.rid, top_logprobs_num=p.top_logprobs,
                                                     priority=c.priority)
         try:

@@ -19,11 +19,17 @@ from gyre.harness.evaluator import EvaluatorPool
 from gyre.harness.execute import run_and_evaluate
 from gyre.harness.runner import HarnessPool
 from gyre.model.tokenizer import load_tokenizer
+from gyre.proxy.journal import Journal
 from gyre.proxy.server import Proxy, create_app, proxy_options, start_site
 from gyre.traj.store import ShardWriter, compact, shard_identity
 
 log = logging.getLogger("gyre.rollout")
 RECORD_TRIES = 3  # a transient write error (e.g. a parallel file system's hiccup) is retried this often
+
+
+def journal_dir(cfg: GyreConfig) -> Path:
+    """Where running executions' calls are journaled (gyre.proxy.journal)."""
+    return Path(cfg.run.dir) / "journal"
 
 
 class RecordError(RuntimeError):
@@ -55,6 +61,7 @@ class RolloutService:
                                                        max_body_bytes=cfg.proxy.max_body_bytes),
                                             cfg.proxy.host, cfg.proxy.port)
         self.base_url = f"http://{cfg.proxy.host}:{port}/v1"
+        self.proxy.journal = Journal(journal_dir(cfg))
         self.pool = HarnessPool.from_config(cfg, self.envs)
         self.evaluators = EvaluatorPool.from_config(cfg, self.envs)
 
@@ -82,6 +89,9 @@ class RolloutService:
         for attempt in range(1, RECORD_TRIES + 1):
             try:
                 self.writer.write(records)
+                if self.proxy is not None and self.proxy.journal is not None:  # in a shard now
+                    for r in records:
+                        self.proxy.journal.discard(r.execution_id)
                 return
             except OSError as e:
                 full = storage_full(e, self.writer.dir, "store.dir")
@@ -120,3 +130,5 @@ class RolloutService:
             await self.router.close()
         if self.proxy is not None:
             self.proxy.workers.close()
+            if self.proxy.journal is not None:
+                self.proxy.journal.close()
