@@ -45,7 +45,7 @@ from gyre.harness.runner import private_dir
 from gyre.harness.sandbox import Environments, SandboxConfig
 from gyre.model.identity import model_identity
 from gyre.model.tiny import ensure_tiny_model
-from gyre.proxy.replay import replayed_calls
+from gyre.proxy.replay import Replay, replayed_calls
 from gyre.report.metrics import MetricsSink
 from gyre.sched import policy_from_config
 from gyre.sched.cells import Cell
@@ -53,7 +53,7 @@ from gyre.sched.core import Admission, Coordinator, CoreSpec, GroupRecord, StepR
 from gyre.sched.state import Role
 from gyre.services.fleet import CellFleet, WeightPaths
 from gyre.services.ledger import Ledger, execution_id
-from gyre.services.rollout import RecordError, RolloutService
+from gyre.services.rollout import RecordError, RolloutService, journal_dir
 from gyre.services.training import Reduced, TrainingDispatch
 from gyre.train.step_stats import lag0_warning
 from gyre.traj.record import FINISHED, Status
@@ -154,7 +154,8 @@ class Head:
         if self.resume:
             rollout.compact()  # finish one a crash cut short
         version, first_group = self.ledger.load_state() if self.resume else (0, 0)
-        self.replays = self.ledger.stopped_to_replay() if self.resume and cfg.harness.resume == "replay" else {}
+        self.replays = (self.ledger.stopped_to_replay(journal_dir(cfg))
+                        if self.resume and cfg.harness.resume == "replay" else {})
         self.ledger.open()
         s = cfg.sched
         core = Coordinator(CoreSpec(
@@ -304,7 +305,11 @@ class Head:
                                          on_ended=lambda _status: self.core.execution_ended(eid, self.clock()))
         self._execution_done(eid, rec, self.clock())
         if replay:  # replay-resume: which stopped execution this one continued, and what it saved
-            self.ledger.resumed(eid, replay[0], len(replay[1].calls), replayed_calls(rec.tree))
+            source = replay[1]
+            recorded = source.recorded if isinstance(source, Replay) else len(source.calls)
+            self.ledger.resumed(eid, replay[0], recorded, replayed_calls(rec.tree))
+            if self.rollout.proxy is not None and self.rollout.proxy.journal is not None:
+                self.rollout.proxy.journal.discard(replay[0])  # a killed run's journal: taken over
 
     def _execution_done(self, eid: str, rec, now: float) -> None:
         """An execution ended and was scored: its record is on disk (its own small shard, compacted
