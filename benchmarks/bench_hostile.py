@@ -23,6 +23,9 @@
    long) sent again and again by one execution while a sibling makes 2-token calls;
    ``bigbody_refuse_ms`` is the median time to the 7.5 MB message's 400, ``bigbody_sibling_max_ms``
    the sibling's worst latency (goal < 100 ms).
+6. **Journal** (``journal_*``, issue 34): the proxy's cost of journaling one call (32K-token input).
+7. **Head kill** (``head_kill_*``, issue 34): ``gyre rollout`` SIGKILLed mid-execution, then
+   ``--resume``: calls lost per execution, and the resume's time over a run from scratch.
 
 Writes benchmarks/results/hostile.json. ``--only flood,bigbody`` runs those sections and merges
 their keys into the file. Takes about two minutes on 2 busy cores.
@@ -67,6 +70,8 @@ FUZZ = 2000
 FLOOD = 200
 SIBLING_CALLS = 60
 BIG_BODY_CHARS = 7_500_000
+JOURNAL_CONTEXT = 32_768
+KILL_AT = 7  # the journaled call at which the head is killed
 
 
 def serve_engine() -> None:
@@ -321,6 +326,65 @@ def bigbody() -> dict:
             "bigbody_hostile_statuses": att["statuses"], "bigbody_hostile_p50_ms": att["p50_ms"]}
 
 
+def journal() -> dict:
+    """``journal_overhead_ms_p50``: what journaling one call costs the proxy (its input key over
+    the wire text, one JSON line, one write; the fsync is batched off the path), for a call of
+    JOURNAL_CONTEXT input and 256 output tokens."""
+    from gyre.proxy.capture import WireIds
+    from gyre.proxy.journal import Journal
+
+    ids = list(range(JOURNAL_CONTEXT))
+    wire = WireIds(json.dumps(ids)[1:-1], len(ids), lambda: ids)
+    out, lps = list(range(256)), [-0.5] * 256
+    ms = []
+    with tempfile.TemporaryDirectory() as tmp:
+        j = Journal(tmp)
+        for k in range(200):
+            t0 = time.perf_counter()
+            j.append(f"e{k % 8}", wire, out, lps, "stop", "3")
+            ms.append((time.perf_counter() - t0) * 1e3)
+        j.close()
+    return {"journal_overhead_ms_p50": statistics.median(ms), "journal_overhead_ms_p99": _pct(ms, 0.99),
+            "journal_context_tokens": JOURNAL_CONTEXT}
+
+
+def head_kill() -> dict:
+    """``gyre rollout`` (the reference agent, 2 executions of fizzbuzz) SIGKILLed when its
+    KILL_AT-th call is journaled (gyre.faults ``proxy:call_journaled``), then ``--resume``:
+    ``head_kill_calls_lost_per_execution`` is the most journaled calls of an execution that were
+    not answered again from its journal (each harness makes one call at a time, so the call in
+    flight at the kill, journaled before its answer, is the most it can lose);
+    ``head_kill_resume_over_restart`` is the resume's wall time over a fresh run's."""
+    from gyre.proxy.journal import read_journal
+    from gyre.proxy.replay import replayed_calls
+    from gyre.traj.store import iter_executions
+
+    agent = ["{python}", "-m", "gyre.harness.reference_agent", "--max-tokens", "32", "--max-turns", "6"]
+    cmd = "[" + ", ".join(f'"{c}"' for c in agent) + "]"
+    with tempfile.TemporaryDirectory() as tmp:
+        def run(name, *extra, fault=None):
+            env = {**os.environ, **({"GYRE_FAULT": fault, "GYRE_FAULT_DIR": f"{tmp}/faults"} if fault else {})}
+            args = [sys.executable, "-m", "gyre.cli", "rollout", "--no-progress", f"run.dir={tmp}/{name}",
+                    "engine.endpoints=1", "harness.group_size=2", "harness.concurrency=2", 'harness.tasks=["fizzbuzz"]',
+                    f"harness.command={cmd}", *extra]
+            t0 = time.perf_counter()
+            p = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+            return p, time.perf_counter() - t0
+
+        _, fresh_s = run("fresh")
+        first, _ = run("killed", fault=f"proxy:call_journaled:{KILL_AT}")
+        assert first.returncode < 0, first.stderr[-2000:]
+        journaled = {f.stem.rsplit("-a", 1)[0]: len(read_journal(f)) for f in Path(f"{tmp}/killed/journal").glob("*.jsonl")}
+        again, resume_s = run("killed", "--resume", fault=f"proxy:call_journaled:{KILL_AT}")
+        assert again.returncode == 0, again.stderr[-2000:]
+        replayed = {r.execution_id.rsplit("-a", 1)[0]: replayed_calls(r.tree)
+                    for r in iter_executions(f"{tmp}/killed/shards")}
+    return {"head_kill_calls_lost_per_execution": max(n - replayed.get(b, 0) for b, n in journaled.items()),
+            "head_kill_journaled_calls": sum(journaled.values()), "head_kill_replayed_calls": sum(replayed.values()),
+            "head_kill_resume_over_restart": resume_s / fresh_s, "head_kill_fresh_s": fresh_s,
+            "head_kill_resume_s": resume_s}
+
+
 def limits() -> dict:
     import warnings
 
@@ -378,7 +442,7 @@ def limits() -> dict:
 
 
 SECTIONS = {"stop_dos": stop_dos, "stop_match": stop_match_cost, "fuzz": fuzz, "limits": limits,
-            "flood": flood, "bigbody": bigbody}
+            "flood": flood, "bigbody": bigbody, "journal": journal, "head_kill": head_kill}
 
 
 def main(only: list[str] | None = None) -> dict:
