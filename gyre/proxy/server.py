@@ -128,9 +128,9 @@ class Call:
     engine_params: dict
     rid: str
     t0: float
-    engine_s: float = 0.0
+    engine_s: float = 0.0  # time on the wire to the engine and back (not the proxy's own work)
     priority: int | None = None  # the engines admit higher first (gyre.proxy.fairness)
-    wire: Any = None  # the input ids as sent (their key journals the call, gyre.proxy.journal)  # time on the wire to the engine and back (not the proxy's own work)
+    wire: Any = None  # the input ids as sent (their key journals the call, gyre.proxy.journal)
 
     @property
     def id(self) -> str:
