@@ -328,8 +328,8 @@ def print_summary(s: RolloutSummary, cfg: GyreConfig) -> None:
             ("timeouts", s.executions.get(Status.TIMEOUT, 0)),
             ("unscorable", f"{s.unscorable}" + "".join(f"\n  {n} x {why}" for why, n in sorted(s.unscorable_reasons.items()))),
             ("skipped (resume)", s.skipped_resume),
-            ("resumed by replay", f"{s.resumed} ({s.resumed_from_journal} from a killed run's journal; "
-                                  f"{s.replayed_calls} calls replayed, {s.diverged} diverged)"),
+            ("resumed by replay", f"{s.resumed} ({s.replayed_calls} calls replayed, {s.diverged} diverged; "
+                                  f"{s.resumed_from_journal} from a killed run's journal)"),
             ("reaped (resume)", f"{len(s.reaped.get('processes', []))} engine processes, "
                                 f"{len(s.reaped.get('key_files', []))} key files"),
             ("broken task folders skipped", s.skipped_tasks),
