@@ -164,6 +164,8 @@ class ProxyConfig:
     default_max_tokens: int = _f(512, min=1)
     max_tokens_cap: int = _f(4096, min=1)
     request_retries: int = _f(3, min=0, help="times a call is retried on another endpoint")
+    max_calls_in_flight: int = _f(8, min=1, help="calls of one execution running at once; beyond, 429 with "
+                                  "Retry-After (a few parallel tool calls; gyre/proxy/fairness.py)")
     max_executions: int = _f(10_000, min=1, help="executions registered at once (POST /gyre/executions "
                                                  "beyond it is a 429)")
     chat_template: str = _f("builtin", choices=("builtin", "model"),

@@ -45,7 +45,7 @@ from gyre.harness.runner import private_dir
 from gyre.harness.sandbox import Environments, SandboxConfig
 from gyre.model.identity import model_identity
 from gyre.model.tiny import ensure_tiny_model
-from gyre.proxy.replay import replayed_calls
+from gyre.proxy.replay import Replay, replayed_calls
 from gyre.report import config_file
 from gyre.report.health import Health, Thresholds
 from gyre.report.metrics import MetricsSink
@@ -56,7 +56,7 @@ from gyre.sched.core import Admission, Coordinator, CoreSpec, GroupRecord, StepR
 from gyre.sched.state import Role
 from gyre.services.fleet import CellFleet, WeightPaths
 from gyre.services.ledger import Ledger, execution_id
-from gyre.services.rollout import RolloutService
+from gyre.services.rollout import RecordError, RolloutService, journal_dir
 from gyre.services.training import Reduced, TrainingDispatch
 from gyre.train.step_stats import lag0_warning
 from gyre.traj.record import FINISHED, Status
@@ -99,6 +99,7 @@ class Head:
         self._tasks: set[asyncio.Task] = set()
         self._cells_written = 0.0
         self.errors: list[str] = []
+        self.failed: str | None = None   # why the run had to stop (a task failed, e.g. a record could not be written)
         self.warnings: list[str] = []     # health warnings (gyre/report/health.py), the first of each kind
         self.events: list[dict] = []      # notices of the head and its services (mismatch, reduce retries)
         self.replays: dict[tuple[str, int], list] = {}  # resume: stopped executions to replay
@@ -145,11 +146,27 @@ class Head:
     def _notice(self, kind: str, info: dict) -> None:
         self.events.append({"t": self.clock() - self.t0, "cell": None, "kind": kind, "info": info})
 
-    def _spawn(self, coro) -> asyncio.Task:
-        t = asyncio.get_running_loop().create_task(coro)
+    def _spawn(self, coro, name: str | None = None) -> asyncio.Task:
+        t = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(t)
-        t.add_done_callback(self._tasks.discard)
+        t.add_done_callback(self._task_done)
         return t
+
+    def _task_done(self, t: asyncio.Task) -> None:
+        """No task's failure goes unseen: it stops the run, which says why (report, stderr, exit code)."""
+        self._tasks.discard(t)
+        if t.cancelled() or t.exception() is None:
+            return
+        e = t.exception()
+        self.fail(f"{t.get_name()}: {type(e).__name__}: {e}")
+
+    def fail(self, why: str) -> None:
+        """Stop the run because of ``why``: what was recorded stays; the command exits non-zero."""
+        if self.failed is None:
+            self.failed = why
+            print(f"gyre run: failed: {why}", file=sys.stderr, flush=True)
+        self.errors.append(why)
+        self._stop.set()
 
     # ==== start-up ==============================================================================
     def attach(self, core: Coordinator, tasks, paths: WeightPaths, selection: SelectionSpec,
@@ -175,7 +192,8 @@ class Head:
         if self.resume:
             rollout.compact()  # finish one a crash cut short
         version, first_group = self.ledger.load_state() if self.resume else (0, 0)
-        self.replays = self.ledger.stopped_to_replay() if self.resume and cfg.harness.resume == "replay" else {}
+        self.replays = (self.ledger.stopped_to_replay(journal_dir(cfg))
+                        if self.resume and cfg.harness.resume == "replay" else {})
         self.ledger.open()
         config_file.write(cfg, self.run_dir)  # what `--resume` and `gyre config show --run` read back
         s = cfg.sched
@@ -229,8 +247,12 @@ class Head:
         finally:
             await rollout.stop_harnesses()
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
-            rollout.compact()  # the per-execution shards, merged
-            why = f"run stopped: {rollout.broken}" if rollout.broken else "run stopped" if stopped else "run ended"
+            try:
+                rollout.compact()  # the per-execution shards, merged
+            except RecordError as e:
+                self.fail(str(e))
+            broke = self.failed or rollout.broken
+            why = f"run stopped: {broke}" if broke else "run stopped" if stopped else "run ended"
             self.ledger.close_unfinished(core.unfinished(), why, core.step.index)
             if stopped:
                 self._write_state()  # the groups started since the last step close are counted: ids never reused
@@ -317,7 +339,8 @@ class Head:
                 self.core.execution_started(g.id, eid, now)
                 replays = self.replays.get((task.name, k))
                 self._emit(ExecutionStarted(now, eid, g.id, task.name))
-                self._spawn(self._execution(g.id, task, eid, replays.pop(0) if replays else None))
+                self._spawn(self._execution(g.id, task, eid, replays.pop(0) if replays else None),
+                            name=f"execution {eid}")
         if started:  # ids are never reused, even after a hard stop
             self._write_state()
         return started
@@ -329,12 +352,17 @@ class Head:
                                          on_ended=lambda _status: self.core.execution_ended(eid, self.clock()))
         self._execution_done(eid, rec, self.clock())
         if replay:  # replay-resume: which stopped execution this one continued, and what it saved
-            self.ledger.resumed(eid, replay[0], len(replay[1].calls), replayed_calls(rec.tree))
+            source = replay[1]
+            recorded = source.recorded if isinstance(source, Replay) else len(source.calls)
+            self.ledger.resumed(eid, replay[0], recorded, replayed_calls(rec.tree))
+            if self.rollout.proxy is not None and self.rollout.proxy.journal is not None:
+                self.rollout.proxy.journal.discard(replay[0])  # a killed run's journal: taken over
 
     def _execution_done(self, eid: str, rec, now: float) -> None:
         """An execution ended and was scored: its record is on disk (its own small shard, compacted
         at the end) before the core hears of it, so a SIGKILL from here on loses none of it."""
         faults.hit("head", "execution_ended")
+        self.rollout.record([rec])  # durable before anything counts it (RecordError: the run stops, saying why)
         usable = rec.status in FINISHED and math.isfinite(rec.reward)
         reward = rec.reward if math.isfinite(rec.reward) else None
         self.ledger.execution_ended(eid, reward, "" if usable else rec.reward_source or f"status {rec.status}",
@@ -344,7 +372,6 @@ class Head:
             self._emit(CallRecorded(call.t_start, call.t_end, url_cell.get(call.endpoint), eid, call.n_input, call.n_output))
         tokens = float(rec.tree.stats().unique_tokens)
         self._emit(ExecutionEvaluated(now, eid, rec.group, rec.status, reward, rec.min_version, tokens, usable))
-        self.rollout.record([rec])  # durable before the coordinator hears of it
         self.training.hold(rec)
         faults.hit("head", "execution_recorded")
         adm = self.core.execution_evaluated(eid, now, version=rec.min_version, tokens=tokens, usable=usable,
@@ -438,7 +465,8 @@ class Head:
         s = self.cfg.sched
         executions = dict(st.status_counts)
         events = sorted(self.fleet.events + self.events, key=lambda e: e["t"])  # the cells' and the head's
-        return {"stopped_reason": self.rollout.broken if self.rollout else None,
+        return {"stopped_reason": self.failed or (self.rollout.broken if self.rollout else None),
+                "failed": self.failed,
                 "unscorable": dict(self.ledger.unscorable),
                 "scheme": s.scheme, "label": f"{s.scheme}{s.staleness}", "staleness": s.staleness,
                 "staleness_rule": s.staleness_rule, "steps_per_sync": s.steps_per_sync,

@@ -90,6 +90,8 @@ def run_head(comm, args: argparse.Namespace) -> int:
     report = asyncio.run(go())
     if args.report:
         Path(args.report).write_text(json.dumps(report, indent=1, default=str))
+    if report.get("failed"):  # a task failed (e.g. a record could not be written): said on stderr already
+        return 1
     return 130 if report.get("stopped") else 0
 
 

@@ -68,7 +68,8 @@ class SGLangSpec:
         self.check()
         cmd = [python, "-m", self.launcher, "--model-path", self.model_path,
                "--host", self.host, "--port", str(self.port), "--tp-size", str(self.tp),
-               "--skip-tokenizer-init", "--enable-memory-saver", "--weight-version", self.weight_version]
+               "--skip-tokenizer-init", "--enable-memory-saver", "--weight-version", self.weight_version,
+               "--enable-priority-scheduling"]  # the proxy's fair share (gyre.proxy.fairness)
         if self.api_key:
             cmd += ["--api-key", self.api_key]
         if self.nnodes > 1:

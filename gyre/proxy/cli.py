@@ -47,7 +47,7 @@ async def serve(args: argparse.Namespace) -> None:
     router = Router(args.engine, api_key=args.engine_api_key or env("GYRE_ENGINE_API_KEY"))
     proxy = Proxy(router, Tokenizer.from_file(str(tok_file)), identity=model_identity(model_dir),
                   default_max_tokens=cfg.proxy.default_max_tokens, max_tokens_cap=cfg.proxy.max_tokens_cap,
-                  max_executions=cfg.proxy.max_executions,
+                  max_executions=cfg.proxy.max_executions, max_calls_in_flight=cfg.proxy.max_calls_in_flight,
                   context_length=_context_length(model_dir), **proxy_options(cfg.proxy, model_dir))
     shard_dir = Path(args.shard_dir or cfg.store.dir or "shards")
     app = create_app(proxy, admin_key=admin_key, max_body_bytes=cfg.proxy.max_body_bytes,

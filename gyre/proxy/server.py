@@ -41,6 +41,9 @@ from gyre.proxy.capture import (ExecutionSession, PreparedCall, Renderer, new_ap
                                 prepare_call, record_call, wire_ids)
 from gyre.proxy.chat import (DEFAULT_TOOL_SYSTEM, Message, MessageError, ParsedOutput, ToolCall, canonical_arguments,
                              parse_messages, parse_output, strip_end_tokens, validate_tools)
+from gyre.proxy.fairness import CallGate
+from gyre.proxy.journal import Journal
+from gyre.proxy.offload import INLINE_CHARS, PrepareWorkers, max_token_chars, text_chars
 from gyre.proxy.params import CallParams, RequestError, check_depth, forced_prefix, parse_params
 from gyre.proxy.replay import Replay
 from gyre.proxy.streaming import ContentStream, ReasoningStream
@@ -56,12 +59,23 @@ _ROLE_MODELS = ("main", "compactor")
 
 
 def agent_role_of(model: Any, header: str | None) -> str:
-    """Agent role from the X-Gyre-Role header, else from the model name, else `main`."""
+    """Agent role from the X-Gyre-Role header, else from the model name, else `main`. The role
+    is written into shards: one that is not printable Unicode (aiohttp hands a non-UTF-8 header
+    over surrogate-escaped) is refused here, never met by the shard writer."""
     if header:
-        return header.strip()[:128]
+        return _checked_role(header.strip()[:128], f"header {ROLE_HEADER}")
     if isinstance(model, str) and (model in _ROLE_MODELS or model.startswith("subagent:")):
-        return model[:128]
+        return _checked_role(model[:128], "model")
     return "main"
+
+
+def _checked_role(role: str, where: str) -> str:
+    if not role.isprintable():  # surrogates and control characters are not printable
+        raise RequestError(400, f"{where}: the agent role {ascii(role)[:80]} holds a character that is not "
+                                "printable text (a control character or an undecodable byte); send a "
+                                "printable UTF-8 name such as 'main' or 'subagent:search'",
+                           param="model" if where == "model" else None)
+    return role
 
 
 def _error(status: int, message: str, type: str = "invalid_request_error", code: str | None = None,
@@ -74,11 +88,12 @@ def _error(status: int, message: str, type: str = "invalid_request_error", code:
 _CONTEXT_RE = re.compile(r"\((\d+) tokens\) is longer than the model's context length \((\d+) tokens\)")
 
 
-def context_error(tokens: int, limit: int) -> RequestError:
+def context_error(tokens: int, limit: int, at_least: bool = False) -> RequestError:
     """OpenAI's own wording and code, which the openai SDK and litellm map to their
     context-window exceptions (so a harness can compact and go on)."""
     return RequestError(400, f"This model's maximum context length is {limit} tokens. However, your messages "
-                             f"resulted in {tokens} tokens. Please reduce the length of the messages.",
+                             f"resulted in {'at least ' if at_least else ''}{tokens} tokens. Please reduce the "
+                             "length of the messages.",
                         code="context_length_exceeded", param="messages")
 
 
@@ -115,6 +130,8 @@ class Call:
     rid: str
     t0: float
     engine_s: float = 0.0  # time on the wire to the engine and back (not the proxy's own work)
+    priority: int | None = None  # the engines admit higher first (gyre.proxy.fairness)
+    wire: Any = None  # the input ids as sent (their key journals the call, gyre.proxy.journal)
 
     @property
     def id(self) -> str:
@@ -141,10 +158,12 @@ class Proxy:
 
     def __init__(self, router, tokenizer, *, model_name: str = "gyre", default_max_tokens: int = 512,
                  max_tokens_cap: int = 4096, identity: dict | None = None, context_length: int | None = None,
-                 max_executions: int = 10_000, chat_template=None, history: str = "exact",
+                 max_executions: int = 10_000, max_calls_in_flight: int = 8, chat_template=None, history: str = "exact",
                  tool_parser: str = "hermes", reasoning_parser: str = "none", end_ids: list[int] | None = None):
         self.router = router
         self.renderer = Renderer(tokenizer, end_ids)
+        self.workers = PrepareWorkers()
+        self.max_token_chars = max_token_chars(tokenizer)
         self.template_tokens = template_tokens(tokenizer)
         # the model's own chat template (gyre.model.chat_template.ChatTemplate); None = built-in ChatML
         self.template, self.history = chat_template, history
@@ -165,6 +184,8 @@ class Proxy:
         # the longest prompt the engine accepts (SGLang's max_req_input_len); asked once if not given
         self.max_input_tokens: int | None = None if context_length is None else context_length - 1
         self.max_executions = max_executions
+        self.gate = CallGate(max_calls_in_flight)  # per-execution cap and engine priority (gyre.proxy.fairness)
+        self.journal: Journal | None = None  # each recorded call, before its answer (gyre.proxy.journal)
         self.sessions: dict[str, ExecutionSession] = {}  # api key -> session
         # rid -> (execution id, its loop) of every running call: ending an execution aborts them
         self._live: dict[str, tuple[str, asyncio.AbstractEventLoop]] = {}
@@ -177,9 +198,10 @@ class Proxy:
 
     # -- execution registry (head side) ---------------------------------------------------
     def register(self, execution_id: str, task: str = "", group: int = 0, api_key: str | None = None,
-                 replay: TrajectoryTree | None = None) -> str:
-        """A key for a new execution; ``replay``: the tree a stopped run of it recorded, whose
-        calls are answered again where the resumed harness asks the same (gyre.proxy.replay)."""
+                 replay: TrajectoryTree | Replay | None = None) -> str:
+        """A key for a new execution; ``replay``: the tree a stopped run of it recorded (or the
+        Replay of a killed run's journal), whose calls are answered again where the resumed
+        harness asks the same (gyre.proxy.replay)."""
         if execution_id in self.by_id:
             raise ValueError(f"execution {execution_id!r} is already registered")
         if len(self.by_id) >= self.max_executions:
@@ -187,7 +209,8 @@ class Proxy:
                                     f"(proxy.max_executions) is {self.max_executions}; end some first")
         key = api_key or new_api_key()
         sess = ExecutionSession(ExecutionRecord(execution_id, task, group, t_start=time.time()), key,
-                                replay=Replay(replay) if replay is not None and replay.calls else None)
+                                replay=replay if isinstance(replay, Replay) and replay.recorded else
+                                Replay(replay) if isinstance(replay, TrajectoryTree) and replay.calls else None)
         self.sessions[key] = sess
         self.by_id[execution_id] = sess
         return key
@@ -236,6 +259,18 @@ class Proxy:
         return self.max_input_tokens
 
     async def prepare(self, sess: ExecutionSession, body: dict, role: str) -> Call:
+        """Parse, render and tokenize a request (off the event loop, gyre.proxy.offload), after a
+        cheap bound that refuses a prompt too long for the engine without tokenizing it."""
+        limit = await self._input_limit()
+        chars = text_chars(body.get("messages")) + text_chars(body.get("tools"))
+        if limit is not None and chars // self.max_token_chars > limit:
+            raise context_error(chars // self.max_token_chars, limit + 1, at_least=True)
+        async with self.workers.session(sess.record.execution_id):
+            if chars <= INLINE_CHARS:  # a small request costs less than the hand-off (and never queues)
+                return self._prepare(sess, body, role, limit)
+            return await self.workers.run(self._prepare, sess, body, role, limit)
+
+    def _prepare(self, sess: ExecutionSession, body: dict, role: str, limit: int | None) -> Call:
         check_names(body, self.template_tokens)
         messages = parse_messages(body.get("messages"))
         tools = validate_tools(body.get("tools"))
@@ -251,7 +286,6 @@ class Proxy:
         # plain-text encoding: a name can hold no control token (refused above), and never becomes one
         forced = self.renderer.encode_text(forced_prefix(p)) if forced_prefix(p) else []
         n_prompt = prepared.n_input + len(forced)
-        limit = await self._input_limit()
         max_new = p.max_new_tokens
         if limit is not None:
             if n_prompt > limit:  # before calling the engine: the harness must compact
@@ -306,6 +340,9 @@ class Proxy:
         call = record_call(sess, prepared, reply, out_ids, lps, agent_role=c.role,
                            weight_version=str(res.weight_version), endpoint=res.endpoint,
                            finish_reason=res.finish_reason, t_start=c.t0, replay_ids=c.forced + out_ids)
+        if self.journal is not None and c.wire is not None:  # durable past a SIGKILL before the harness hears
+            self.journal.append(sess.record.execution_id, c.wire, out_ids, lps, res.finish_reason,
+                                str(res.weight_version))
         self.calls_total += 1
         if parsed.tool_calls:
             finish = "tool_calls"
@@ -361,18 +398,20 @@ class Proxy:
 
     async def complete(self, c: Call) -> dict:
         """Run one call to the end (non-streamed); returns the OpenAI response."""
-        args = self._generate_args(c)
         try:
             args = self._generate_args(c)
+            c.wire = args[1]
             with self._track(c):
-                res = await self._engine(c, args).generate(*args, rid=c.rid, top_logprobs_num=c.params.top_logprobs)
+                res = await self._engine(c, args).generate(*args, rid=c.rid, top_logprobs_num=c.params.top_logprobs,
+                                                           priority=c.priority)
         except asyncio.CancelledError:  # the client went away: the router aborted the engine request
             self.abandoned["client_disconnected"] += 1
             raise
         except (EngineError, RouterError) as e:
             raise engine_failure(e) from None
         c.engine_s = res.wire_s
-        return self.finish(c, res)[0]
+        async with self.workers.session(c.sess.record.execution_id):  # no preparation reads the tree meanwhile
+            return self.finish(c, res)[0]
 
     async def stream(self, c: Call, out: web.StreamResponse) -> None:
         """Stream one call: content deltas as tokens come, tool calls and usage at the end."""
@@ -402,7 +441,9 @@ class Proxy:
 
         await send({"role": "assistant", "content": ""})
         args = self._generate_args(c)
-        gen = self._engine(c, args).generate_stream(*args, rid=c.rid, top_logprobs_num=p.top_logprobs)
+        c.wire = args[1]
+        gen = self._engine(c, args).generate_stream(*args, rid=c.rid, top_logprobs_num=p.top_logprobs,
+                                                    priority=c.priority)
         try:
             with self._track(c):
                 final = await self._relay(c, gen, content, send, reasoning, lp)
@@ -422,7 +463,8 @@ class Proxy:
             await self._stream_error(out, RequestError(503, "model backend ended the stream early", "server_error"))
             return
         try:
-            resp, parsed = self.finish(c, final)
+            async with self.workers.session(c.sess.record.execution_id):
+                resp, parsed = self.finish(c, final)
         except AbortedCall as e:
             await self._stream_error(out, RequestError(503, f"generation aborted, retry: {e}", "server_error",
                                                        "generation_aborted"))
@@ -484,7 +526,7 @@ class Proxy:
         return {"calls": len(ms), "p50_ms": pick(0.5), "p99_ms": pick(0.99), "mean_ms": sum(ms) / len(ms)}
 
 
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")  # high (d800-dbff) or low (dc00-dfff)
 
 
 async def _read_json(request: web.Request) -> dict:
@@ -529,7 +571,9 @@ def create_app(proxy: Proxy, *, admin_key: str, max_body_bytes: int = 8 << 20,
         try:
             return await handler(request)
         except RequestError as e:
-            return _error(e.status, e.message, e.type, e.code, e.param)
+            resp = _error(e.status, e.message, e.type, e.code, e.param)
+            resp.headers.update(getattr(e, "headers", {}))  # e.g. Retry-After on a 429
+            return resp
         except MessageError as e:
             return _error(400, str(e), param="messages")
         except AbortedCall as e:
@@ -554,17 +598,19 @@ def create_app(proxy: Proxy, *, admin_key: str, max_body_bytes: int = 8 << 20,
         t0 = time.perf_counter()
         sess = proxy.session_for(request.headers.get("Authorization"))
         body = await _read_json(request)
-        call = await proxy.prepare(sess, body, agent_role_of(body.get("model"), request.headers.get(ROLE_HEADER)))
-        if not call.params.stream:
-            resp = await proxy.complete(call)
-            out = web.json_response(resp)
-            proxy.overhead_s.append(time.perf_counter() - t0 - call.engine_s)
+        with proxy.gate.admit(sess.record.execution_id) as priority:  # 429 beyond proxy.max_calls_in_flight
+            call = await proxy.prepare(sess, body, agent_role_of(body.get("model"), request.headers.get(ROLE_HEADER)))
+            call.priority = priority
+            if not call.params.stream:
+                resp = await proxy.complete(call)
+                out = web.json_response(resp)
+                proxy.overhead_s.append(time.perf_counter() - t0 - call.engine_s)
+                return out
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await out.prepare(request)
+            await proxy.stream(call, out)
+            await out.write_eof()
             return out
-        out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await out.prepare(request)
-        await proxy.stream(call, out)
-        await out.write_eof()
-        return out
 
     async def models(request: web.Request) -> web.Response:
         proxy.session_for(request.headers.get("Authorization"))
