@@ -1,4 +1,4 @@
-"""`gyre config reference`: the configuration reference, generated from gyre/config.py.
+"""The configuration reference, generated from gyre/config.py (`gyre config reference`).
 
 Every key of every section with its type, default, allowed values or range and help text, as
 Markdown. `docs/configuration.md` is this output (`gyre config reference > docs/configuration.md`);
@@ -7,7 +7,6 @@ tests/test_config_reference.py fails when the committed file and config.py disag
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import typing
 from enum import Enum
@@ -73,13 +72,3 @@ def reference_markdown() -> str:
                        f"| {_cell(_allowed(f, kind))} | {_cell(f.metadata.get('help', ''))} |")
         out.append("")
     return "\n".join(out)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="config_command", metavar="WHAT", required=True)
-    sub.add_parser("reference", help="print the configuration reference (Markdown) generated from gyre/config.py")
-
-
-def run(args: argparse.Namespace) -> int:
-    print(reference_markdown(), end="")
-    return 0

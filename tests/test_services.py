@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 from pathlib import Path
 
 import aiohttp
@@ -22,10 +21,9 @@ from gyre.services.fleet import CellFleet, WeightPaths
 from gyre.services.ledger import Ledger
 from gyre.services.rollout import RolloutService
 from gyre.services.training import StepReduced, TrainingDispatch
-from gyre.traj.record import ExecutionRecord
 from gyre.traj.store import iter_executions
-from gyre.traj.tree import Segment, TrajectoryTree
 from support.replay_head import IDENTITY
+from support.service_records import record
 
 
 class Link:
@@ -225,14 +223,6 @@ def test_ledger_lines_are_each_execution_s_last_word(tmp_path):
     assert led.unscorable == {"no reward": 1}
 
 
-def record(eid, gid, status="done", calls=1):
-    t = TrajectoryTree()
-    for k in range(calls):
-        t.add_call([Segment("task", [5, 6, k], "user")], "a", [3, 4], [20, 30], [-0.5, -1.0], agent_role="main",
-                   policy_version=0)
-    return ExecutionRecord(eid, "t", gid, status, 1.0 if status == "done" else math.nan, "tests", tree=t)
-
-
 def test_ledger_resume_rolls_back_an_uncommitted_step_and_accounts_for_everything(tmp_path):
     cfg = GyreConfig()
     svc = RolloutService(cfg, None, tmp_path, IDENTITY, tmp_path / "shards")
@@ -292,3 +282,31 @@ def test_rollout_service_records_durably_and_serves_the_proxy(tmp_path):
     svc.record([record("q0-t-g1", 0)])
     svc.compact()
     assert sorted(r.execution_id for r in iter_executions(tmp_path / "shards")) == ["q0-t-g0", "q0-t-g1"]
+
+
+def test_a_killed_heads_journals_are_resumed_by_replay_once_and_never_for_a_recorded_execution(tmp_path):
+    """Issue 34: an execution running when the head was SIGKILLed left only its journal; resume
+    replays it (member for member); a journal whose execution reached a shard is not replayed."""
+    from gyre.proxy.journal import Journal
+    from gyre.proxy.replay import Replay
+
+    svc = RolloutService(GyreConfig(), None, tmp_path, IDENTITY, tmp_path / "shards")
+    svc.record([record("q0-t-g0", 0)])
+    journal = Journal(tmp_path / "journal")
+    journal.append("q0-t-g0", [1, 2], [3], [-0.5], "stop", "0")  # killed between its shard and its discard
+    for k in range(3):
+        journal.append("q0-t-g1", [1, 2, k], [7, k], [-0.25, -0.5], "stop", "0")
+    journal.close()
+    with open(tmp_path / "journal" / "q0-t-g1.jsonl", "a") as f:
+        f.write('{"input": "cut sh')  # the line being written when the head died
+    led = Ledger(tmp_path, tmp_path / "shards", emit=lambda e: None)
+    replays = led.stopped_to_replay(tmp_path / "journal")
+    assert list(replays) == [("t", 1)]
+    (source, replay), = replays[("t", 1)]
+    assert source == "q0-t-g1" and isinstance(replay, Replay) and replay.recorded == 3
+    hit = replay.match([1, 2, 1])
+    assert hit.output_ids == [7, 1] and hit.logprobs == [-0.25, -0.5]
+    led.open()
+    led.resuming("q1-t-g1", "q0-t-g1")  # taken: never replayed into a second execution
+    led.close()
+    assert led.stopped_to_replay(tmp_path / "journal") == {}

@@ -9,18 +9,33 @@ execution's whole life (a key at the proxy, its harness, its evaluation, its dur
 
 from __future__ import annotations
 
+import logging
 import secrets
 from pathlib import Path
 from typing import Callable
 
 from gyre import faults
 from gyre.config import GyreConfig
+from gyre.fsio import storage_full
 from gyre.engine.router import Router
 from gyre.harness.evaluator import EvaluatorPool
 from gyre.harness.runner import INFRA_PREFIX, HarnessPool
+from gyre.proxy.journal import Journal
 from gyre.proxy.server import Proxy, create_app, start_site
 from gyre.traj.record import FINISHED, ExecutionRecord, Status
 from gyre.traj.store import ShardWriter, compact, shard_identity
+
+log = logging.getLogger("gyre.rollout")
+RECORD_TRIES = 3  # a transient write error (e.g. a parallel file system's hiccup) is retried this often
+
+
+def journal_dir(cfg: GyreConfig) -> Path:
+    """Where running executions' calls are journaled (gyre.proxy.journal)."""
+    return Path(cfg.run.dir) / "journal"
+
+
+class RecordError(RuntimeError):
+    """An execution could not be made durable: the run must stop and say why."""
 
 
 class RolloutService:
@@ -49,6 +64,7 @@ class RolloutService:
                                                        max_body_bytes=cfg.proxy.max_body_bytes),
                                             cfg.proxy.host, cfg.proxy.port)
         self.base_url = f"http://{cfg.proxy.host}:{port}/v1"
+        self.proxy.journal = Journal(journal_dir(cfg))
         self.pool = HarnessPool.from_config(cfg, self.envs)
         self.evaluators = EvaluatorPool.from_config(cfg, self.envs)
 
@@ -69,8 +85,8 @@ class RolloutService:
         executions that ended by themselves, reward, passed/total and reward source; stopped ones say
         why they were not scored). `on_ended(status)` is called when the harness has ended, before
         the evaluation (the coordinator stops counting it as running rollout work then);
-        `on_scored` as in `settle`. ``replay``: the tree a stopped earlier run of this execution
-        recorded (replay-resume, gyre.proxy.replay).
+        `on_scored` as in `settle`. ``replay``: what a stopped (its tree) or killed (its journal)
+        earlier run of this execution recorded (replay-resume, gyre.proxy.replay).
         """
         key = self.proxy.register(execution_id, task=task.name, group=group, replay=replay)
         status, workspace, error, own, log_dir, start_failure = await self._run_harness(task, execution_id, key)
@@ -83,13 +99,14 @@ class RolloutService:
         return rec
 
     def settle(self, rec: ExecutionRecord, on_scored: Callable[[ExecutionRecord], None] | None = None) -> None:
-        """An ended, scored execution made durable: `on_scored(rec)` first (what the driver writes
-        down of it), then its record on disk; only then may anyone count it. The fault phases
-        `execution_ended` and `execution_recorded` sit before and after (gyre.faults)."""
+        """An ended, scored execution made durable: its record on disk first (RecordError: the run
+        stops, saying why), then `on_scored(rec)` (what the driver writes down of it); only then may
+        anyone count it. The fault phases `execution_ended` and `execution_recorded` sit before and
+        after (gyre.faults)."""
         faults.hit(self.fault_scope, "execution_ended")
+        self.record([rec])
         if on_scored is not None:
             on_scored(rec)
-        self.record([rec])
         faults.hit(self.fault_scope, "execution_recorded")
 
     async def _run_harness(self, task, execution_id: str, key: str):
@@ -135,12 +152,34 @@ class RolloutService:
             rec.reward_source = f"not-evaluated: {rec.status}" + (f" ({error})" if error else "")
 
     def record(self, records) -> None:
-        """Durable when it returns (one small shard, fsynced and renamed): only then may anyone count it."""
-        self.writer.write(list(records))
+        """Durable when it returns (one small shard, fsynced and renamed): only then may anyone count it.
+        A write that fails is retried; a full file system, or a failure that stays, raises RecordError
+        with its reason: the driver stops the run loudly (never a hang, never exit 0 with work missing)."""
+        records = list(records)
+        ids = ", ".join(r.execution_id for r in records)
+        for attempt in range(1, RECORD_TRIES + 1):
+            try:
+                self.writer.write(records)
+                if self.proxy is not None and self.proxy.journal is not None:  # in a shard now
+                    for r in records:
+                        self.proxy.journal.discard(r.execution_id)
+                return
+            except OSError as e:
+                full = storage_full(e, self.writer.dir, "store.dir")
+                if full or attempt == RECORD_TRIES:
+                    raise RecordError(f"cannot record execution {ids}: "
+                                      f"{full or f'{type(e).__name__}: {e} (tried {attempt} times)'}") from e
+                log.warning("writing the shard of %s failed (%s), retrying", ids, e)
+            except Exception as e:  # not the disk: the same records fail the same way again
+                raise RecordError(f"cannot record execution {ids}: {type(e).__name__}: {e}") from e
 
     def compact(self) -> None:
         """Merge the per-execution shards (at the end, and on resume before anything runs)."""
-        compact(self.writer, self.cfg.store.executions_per_shard)
+        try:
+            compact(self.writer, self.cfg.store.executions_per_shard)
+        except OSError as e:  # the small shards stay: a later --resume merges them
+            why = storage_full(e, self.writer.dir, "store.dir") or f"{type(e).__name__}: {e}"
+            raise RecordError(f"cannot merge the shards (each execution's own shard is kept): {why}") from e
 
     @property
     def broken(self) -> str | None:
@@ -160,3 +199,7 @@ class RolloutService:
             self._site = None
         if self.router is not None:
             await self.router.close()
+        if self.proxy is not None:
+            self.proxy.workers.close()
+            if self.proxy.journal is not None:
+                self.proxy.journal.close()

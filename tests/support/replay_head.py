@@ -41,7 +41,7 @@ def head_for_replay(tmp_path: Path, cfg: GyreConfig, *, clock=time.time, engine_
                 SelectionSpec.from_config(cfg.selection),
                 RolloutService(cfg, None, tmp_path, IDENTITY, tmp_path / "shards"))
     head.ledger.open()
-    head._spawn = lambda coro: coro.close()  # executions are played by the test
+    head._spawn = lambda coro, name=None: coro.close()  # executions are played by the test
     if engine_urls:
         for c in head.cells:
             c.engine_url = f"http://engine{c.id}"
