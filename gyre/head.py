@@ -31,6 +31,7 @@ import itertools
 import math
 import shutil
 import signal
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
