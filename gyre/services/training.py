@@ -86,7 +86,7 @@ class TrainingDispatch:
         if batch.executions:
             work = {}
             for mb in materialize(batch.executions, layout=self.cfg.train.layout,
-                                  micro_batch_tokens=self.cfg.train.micro_batch_tokens, temperature=1.0):
+                                  micro_batch_tokens=self.cfg.train.micro_batch_tokens):
                 mid = next(self.mb_ids)
                 self.batches[mid] = to_wire(mb)
                 work[mid] = float(mb.input_ids.numel())

@@ -67,11 +67,18 @@ class OffPolicy:
         return cls(mode, cfg.is_cap, cfg.is_mask, cfg.is_mask_low, cfg.is_mask_high)
 
 
+def sampling_temperature(rows: Tensor, temperature: Tensor) -> Tensor:
+    """Target logits [T, V] divided by each target's sampling temperature [T]: the one place the
+    trainer reproduces the engine's transformation (SGLang reports log_softmax(logits / T),
+    unfiltered by top-k / top-p / min-p; docs/openai.md)."""
+    return rows / temperature.to(rows.device, rows.dtype)[:, None]
+
+
 def token_logprobs(logits: Tensor, mb: MicroBatch) -> Tensor:
-    """log p(target | prefix) at temperature mb.temperature, float32, for each target [T]."""
+    """log p(target | prefix) at each target's sampling temperature, float32, for each target [T]."""
     flat = logits.reshape(-1, logits.shape[-1])
     rows = flat.index_select(0, mb.pred_pos.to(flat.device)).float()  # only the rows we need
-    logp = torch.log_softmax(rows / mb.temperature, dim=-1)
+    logp = torch.log_softmax(sampling_temperature(rows, mb.temperature), dim=-1)
     return logp.gather(1, mb.target_ids.to(flat.device)[:, None]).squeeze(1)
 
 
