@@ -56,6 +56,7 @@ from gyre.services.ledger import Ledger, execution_id
 from gyre.services.rollout import RolloutService
 from gyre.services.training import Reduced, TrainingDispatch
 from gyre.train.step_stats import lag0_warning
+from gyre.traj.audit import audit_warning
 from gyre.traj.record import FINISHED, Status
 from gyre.traj.select import SelectionSpec
 
@@ -357,8 +358,8 @@ class Head:
         for g in res.groups:  # written only now: admitted means trained in this step
             for eid, stal in self.training.admitted.pop(g.id, []):
                 self.ledger.line(eid, g, admitted=True, staleness=stal, step=res.index)
-        extra, mismatch = self.training.step_figures(self.stats.microbatch_stats(res.microbatches),
-                                                     res.replaced, len(res.groups))
+        extra, mismatch, audit = self.training.step_figures(self.stats.microbatch_stats(res.microbatches),
+                                                            res.replaced, len(res.groups), res.microbatches)
         row = self._emit(StepEnded(
             res.started_at or res.ended_at, res.ended_at, res.index, res.version,
             tuple(GroupLag(g.id, g.version, g.lag_steps, g.lag_syncs, g.train_tokens) for g in res.groups),
@@ -370,6 +371,12 @@ class Head:
             if not any(w.startswith("train/inference mismatch") for w in self.warnings):
                 self.warnings.append(warning)
                 print(f"gyre: warning: step {res.index}: {warning}", file=sys.stderr, flush=True)
+        warning = audit_warning(audit)
+        if warning:  # every step says so; the run's warnings list it once
+            self._notice("token_audit", {"step": res.index, "why": warning})
+            if not any(w.startswith("token-identity audit") for w in self.warnings):
+                self.warnings.append(warning)
+            print(f"gyre: warning: step {res.index}: {warning}", file=sys.stderr, flush=True)
         self.ledger.step_row(row)
         self._committed = res.version
         self.training.step_closed(res.microbatches)

@@ -23,6 +23,7 @@ LOGGERS = ("jsonl", "tensorboard", "wandb")
 _STEP_SCALARS = {"reward_mean": "rollout/reward_mean", "reward_n": "rollout/reward_n", "groups": "train/groups",
                  "micro_batches": "train/micro_batches", "loss": "train/loss", "ratio_mean": "train/ratio_mean",
                  "kl_old_max": "train/kl_old_max", "grad_norm": "train/grad_norm",
+                 "clip_frac": "train/clip_frac", "audit_mismatched_tokens": "train/audit_mismatched_tokens",
                  "staleness_mean": "lag/steps_mean", "staleness_max": "lag/steps_max",
                  "staleness_token_mean": "lag/steps_token_mean", "lag_syncs_mean": "lag/syncs_mean",
                  "lag_syncs_max": "lag/syncs_max", "reduce_s": "time/reduce_s", "push_s": "time/push_s",
