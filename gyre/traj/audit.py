@@ -47,16 +47,16 @@ def audit_micro_batch(mb: MicroBatch, keys: np.ndarray, executions: Sequence) ->
     by_index = {e.index: e for e in executions}
     ids = mb.target_ids.numpy()
     old = mb.old_logprobs.numpy()
-    pairs, start = np.unique(keys[:, :2], axis=0, return_index=True)
+    _, start = np.unique(keys[:, :2], axis=0, return_index=True)
     bounds = np.append(np.sort(start), len(keys))
     # targets of one node are contiguous in a micro-batch (one piece carries a node's targets)
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         exe_i, node_id = (int(x) for x in keys[lo, :2])
         e = by_index[exe_i]
         node = e.record.tree.nodes[node_id]
-        offsets = keys[lo:hi, 2]
-        stored_ids = node.tokens[node.target_start + offsets]
-        stored_lp = node.logprobs[offsets]
+        offsets = keys[lo:hi, 2]  # token positions in the node (targets start at target_start)
+        stored_ids = node.tokens[offsets]
+        stored_lp = node.logprobs[offsets - node.target_start]
         bad = (ids[lo:hi] != stored_ids) | (old[lo:hi].view(np.int32) != stored_lp.astype(np.float32).view(np.int32))
         n_bad = int(bad.sum())
         call = e.record.tree.calls[node.call_index] if 0 <= node.call_index < len(e.record.tree.calls) else None

@@ -57,7 +57,7 @@ CALL_COLUMNS = (
     ("execution", "<i4"), ("call", "<i4"), ("leaf", "<i4"), ("agent_role", STR),
     ("n_input", "<i4"), ("n_output", "<i4"), ("weight_version", STR), ("policy_version", "<i4"),
     ("endpoint", STR), ("finish_reason", STR), ("t_start", "<f8"), ("t_end", "<f8"),
-    ("temperature", "<f4"), ("top_p", "<f4"), ("top_k", "<i4"), ("min_p", "<f4"), ("output_digest", "<i8"),
+    ("temperature", "<f8"), ("top_p", "<f8"), ("top_k", "<i4"), ("min_p", "<f8"), ("output_digest", "<i8"),
 )
 # schema 1 shards lack the last five call columns; they read as the engine's defaults (see _records)
 CALL_COLUMNS_V1 = CALL_COLUMNS[:12]
