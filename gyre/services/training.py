@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from gyre.batch import to_wire
+from gyre.config import ConfigError
 from gyre.events import MicroBatchDone
 from gyre.sched.cells import Cell
 from gyre.sched.core import Coordinator, GroupRecord
@@ -42,6 +43,9 @@ class Reduced:
 class TrainingDispatch:
     def __init__(self, cfg, fleet, *, emit: Callable, clock: Callable[[], float], spawn: Callable,
                  notice: Callable[[str, dict], None] = lambda kind, info: None):
+        if cfg.train.minibatches_per_step > 1:  # the cells reduce and apply once per step
+            raise ConfigError(f"train.minibatches_per_step = {cfg.train.minibatches_per_step}: a live run makes "
+                              f"one update per step; PPO-style minibatches run in `gyre train` (set it to 1 here)")
         self.cfg, self.fleet, self.emit, self.clock, self.spawn = cfg, fleet, emit, clock, spawn
         self.notice = notice                            # (kind, info): something the report should list
         self.core: Coordinator | None = None
