@@ -50,7 +50,7 @@ def audit_micro_batch(mb: MicroBatch, keys: np.ndarray, executions: Sequence) ->
     _, start = np.unique(keys[:, :2], axis=0, return_index=True)
     bounds = np.append(np.sort(start), len(keys))
     # targets of one node are contiguous in a micro-batch (one piece carries a node's targets)
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
+    for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
         exe_i, node_id = (int(x) for x in keys[lo, :2])
         e = by_index[exe_i]
         node = e.record.tree.nodes[node_id]
