@@ -52,7 +52,6 @@ class TreeArrays:
     logprobs: np.ndarray      # float32, all target log-probs concatenated
     depth: np.ndarray         # int64 token offset of each node's first token from the root
     version: np.ndarray       # int64 policy version of each node's targets (-1: context / unknown)
-    call: np.ndarray          # int64 the call that created each node
     temperature: np.ndarray   # float32 logit divisor of each node's targets (its call's; 1 if none)
 
     @classmethod
@@ -78,7 +77,6 @@ class TreeArrays:
             logprobs=np.concatenate([np.asarray(x.logprobs, np.float32) for x in nodes] or [empty_f]),
             depth=depth,
             version=np.fromiter((x.policy_version for x in nodes), np.int64, n),
-            call=call,
             temperature=np.where((call >= 0) & (call < len(tree.calls)),
                                  divisor[np.clip(call, 0, len(divisor) - 1)], np.float32(1.0)),
         )
@@ -99,7 +97,7 @@ class SelectedExecution:
     advantage: float
     weight: float             # loss weight of each of its target tokens
     staleness: int            # the execution's oldest lag (admission); tokens carry their own
-    node_lag: np.ndarray | None = None  # int64 per node: step version - the node's policy version
+    node_lag: np.ndarray      # int64 per node: step version - the node's policy version
 
     @property
     def n_tokens(self) -> int:
@@ -407,8 +405,7 @@ def _add_piece(row: _RowParts, p: Piece) -> None:
         target=a.tokens[np.repeat(a.tok_off[p.targets], counts) + k][keep],
         old=a.logprobs[np.repeat(a.lp_off[p.targets] - ts, counts) + k][keep],
         adv=np.full(n, e.advantage, np.float32), weight=np.full(n, e.weight, np.float64),
-        stale=(np.repeat(e.node_lag[p.targets], counts)[keep] if e.node_lag is not None
-               else np.full(n, e.staleness, np.int64)),
+        stale=np.repeat(e.node_lag[p.targets], counts)[keep],
         temp=np.repeat(a.temperature[p.targets], counts)[keep],
         exe=np.full(n, e.index, np.int64),
         node=np.repeat(p.targets, counts)[keep], offset=k[keep],
