@@ -15,7 +15,7 @@ from gyre.config import default_tiny_dir, env, load_config
 from gyre.engine.router import Router
 from gyre.model.identity import model_identity
 from gyre.model.tiny import ensure_tiny_model
-from gyre.proxy.server import Proxy, create_app, proxy_options, start_site
+from gyre.proxy.server import Proxy, create_app, proxy_options, routing_options, start_site
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,7 +43,8 @@ async def serve(args: argparse.Namespace) -> None:
     proxy = Proxy(router, Tokenizer.from_file(str(tok_file)), identity=model_identity(model_dir),
                   default_max_tokens=cfg.proxy.default_max_tokens, max_tokens_cap=cfg.proxy.max_tokens_cap,
                   max_executions=cfg.proxy.max_executions,
-                  context_length=_context_length(model_dir), **proxy_options(cfg.proxy, model_dir))
+                  context_length=_context_length(model_dir), **proxy_options(cfg.proxy, model_dir),
+                  **routing_options(cfg.train, model_dir))
     app = create_app(proxy, admin_key=admin_key, max_body_bytes=cfg.proxy.max_body_bytes)
     runner, port = await start_site(app, args.host or cfg.proxy.host, cfg.proxy.port if args.port is None else args.port)
     if not (args.admin_key or env("GYRE_ADMIN_KEY")):

@@ -17,7 +17,7 @@ from gyre.harness.evaluator import EvaluatorPool
 from gyre.harness.execute import run_and_evaluate
 from gyre.harness.runner import HarnessPool
 from gyre.model.tokenizer import load_tokenizer
-from gyre.proxy.server import Proxy, create_app, proxy_options, start_site
+from gyre.proxy.server import Proxy, create_app, proxy_options, routing_options, start_site
 from gyre.traj.store import ShardWriter, compact, shard_identity
 
 
@@ -40,7 +40,8 @@ class RolloutService:
         self.router = Router(list(endpoints), api_key=engine_key, timeout_s=cfg.engine.request_timeout_s, **kw)
         self.proxy = Proxy(self.router, load_tokenizer(self.model_dir), identity=self.identity,
                            default_max_tokens=cfg.proxy.default_max_tokens, max_tokens_cap=cfg.proxy.max_tokens_cap,
-                           max_executions=cfg.proxy.max_executions, **proxy_options(cfg.proxy, self.model_dir))
+                           max_executions=cfg.proxy.max_executions, **proxy_options(cfg.proxy, self.model_dir),
+                           **routing_options(cfg.train, self.model_dir))
         self._site, port = await start_site(create_app(self.proxy, admin_key=secrets.token_urlsafe(24),
                                                        max_body_bytes=cfg.proxy.max_body_bytes),
                                             cfg.proxy.host, cfg.proxy.port)

@@ -86,7 +86,8 @@ class TrainingDispatch:
         if batch.executions:
             work = {}
             for mb in materialize(batch.executions, layout=self.cfg.train.layout,
-                                  micro_batch_tokens=self.cfg.train.micro_batch_tokens, temperature=1.0):
+                                  micro_batch_tokens=self.cfg.train.micro_batch_tokens, temperature=1.0,
+                                  routing=self.cfg.train.routing_replay):
                 mid = next(self.mb_ids)
                 self.batches[mid] = to_wire(mb)
                 work[mid] = float(mb.input_ids.numel())
