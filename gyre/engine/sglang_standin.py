@@ -49,6 +49,8 @@ HONOURED: dict[str, tuple[str, type | None]] = {
     "--max-running-requests": ("max_running_requests", int),
     "--skip-tokenizer-init": ("skip_tokenizer_init", None),   # the embedded engine is token-in anyway
     "--enable-memory-saver": ("enable_memory_saver", None),   # release/resume are always available
+    # return_routed_experts is always answered (MoE models)
+    "--enable-return-routed-experts": ("enable_return_routed_experts", None),
 }
 # Real SGLang flags that only concern GPU memory, kernels or logging: accepted, without effect.
 ACCEPTED_IGNORED: dict[str, type | None] = {
