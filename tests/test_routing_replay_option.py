@@ -168,3 +168,55 @@ def test_engine_answers_routing_only_when_asked_and_at_the_end_of_a_stream(tmp_p
     assert "routed_experts" in asked.meta_info
     assert all("routed_experts" not in s.meta_info for s in snaps[:-1])
     assert snaps[-1].meta_info["routed_experts"] == asked.meta_info["routed_experts"]
+
+
+@pytest.mark.slow
+def test_proxy_asks_for_routing_and_stores_it_per_node(tmp_path):
+    """The proxy on the tiny Qwen3-MoE behind the embedded engine: each call's routing (plain and
+    streamed) lands per node, equal to the trainer's own routing of the same ids at the same weights."""
+    from openai import OpenAI
+
+    from gyre.engine.launch import InProcessEngine
+    from gyre.engine.router import Router
+    from gyre.model.tiny import ensure_tiny_model
+    from gyre.model.tokenizer import load_tokenizer
+    from gyre.proxy.server import Proxy, create_app, routing_options, start_site
+    from gyre.traj.routing import path_lengths
+    from gyre.train.qwen2 import Qwen2LM
+    from loop_thread import LoopThread
+
+    model = ensure_tiny_model(tmp_path / "moe", "qwen3_moe")
+    opts = routing_options(TrainConfig(routing_replay=True), model)
+    assert opts == {"routing": (2, 2, 8)}
+    lt = LoopThread()
+    with InProcessEngine(model, api_key="k") as eng:
+        async def up():
+            router = Router([eng.url], api_key="k")
+            proxy = Proxy(router, load_tokenizer(model), **opts)
+            runner, port = await start_site(create_app(proxy, admin_key="a"), "127.0.0.1", 0)
+            return router, proxy, runner, port
+        router, proxy, runner, port = lt.run(up())
+        try:
+            client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=proxy.register("x"), max_retries=0)
+            msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+            r = client.chat.completions.create(model="main", messages=msgs, max_tokens=6, temperature=1.0)
+            msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+            list(client.chat.completions.create(model="main", messages=msgs, max_tokens=6, stream=True))
+        finally:
+            lt.run(runner.cleanup())
+            lt.run(router.close())
+            lt.close()
+    tree = proxy.by_id["x"].tree
+    assert len(tree.calls) == 2 and proxy.routing_missing == 0
+    trainer = Qwen2LM.from_dir(model)
+    for call in tree.calls:
+        lengths = path_lengths(tree, call.leaf)
+        assert all((n, call.policy_version) in tree.routing.entries for n, _ in lengths)
+        got = tree.routing.call_rows(lengths, call.policy_version)
+        ids = np.concatenate([tree.call_input_ids(call), tree.call_output_ids(call)])[:-1]
+        with torch.no_grad():
+            trainer(torch.as_tensor(ids, dtype=torch.long)[None])
+        own = torch.stack([layer.mlp.last_experts for layer in trainer.model.layers], dim=1).numpy()
+        assert np.array_equal(got, own)
+    # the second call continued through the first at the same version: its prefix nodes kept one entry
+    assert len(tree.routing.entries) == len(tree.nodes)
