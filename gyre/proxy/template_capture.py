@@ -16,6 +16,12 @@ make two behaviours possible, chosen by ``proxy.history``:
 
 Token safety is kept: the message text inside a segment (content, reasoning) is tokenized as
 plain text, only the template's own text can produce control tokens.
+
+Token boundaries: the template is bound to the tokenizer's added tokens (`bind_template`), so
+segments are cut only at their edges and tokenizing them one by one gives the ids of tokenizing
+the whole prompt. `check_template` proves this at proxy start on probe conversations, by ids, and
+refuses a template it cannot follow exactly. A conversation the template itself refuses (its
+``raise_exception``) is the client's error: a 400 with the template's reason, never a 500.
 """
 
 from __future__ import annotations
@@ -23,12 +29,42 @@ from __future__ import annotations
 import json
 import re
 
-from gyre.model.chat_template import ChatTemplate
+from gyre.model.chat_template import PROBE_TOOLS, PROBES, ChatTemplate, TemplateError, conformance
 from gyre.proxy.capture import ExecutionSession, PreparedCall, Renderer, tools_salt
-from gyre.proxy.chat import Message
+from gyre.proxy.chat import Message, MessageError
 from gyre.traj.tree import ROOT, Segment
 
 HISTORY_MODES = ("exact", "template")
+
+
+class TemplateRefused(ValueError):
+    """The model's chat template cannot be followed by token ids (raised at proxy start)."""
+
+
+def bind_template(r: Renderer, template: ChatTemplate) -> ChatTemplate:
+    """Cut `template`'s segments only at the edges of `r`'s added tokens (special or not)."""
+    template.bind(t.content for t in r.tok.get_added_tokens_decoder().values() if t.content)
+    return template
+
+
+def check_template(r: Renderer, template: ChatTemplate) -> dict:
+    """Bind `template` to `r` and prove on the probe conversations that per-message segments,
+    tokenized one by one, give exactly the ids transformers' ``apply_chat_template`` gives for
+    the whole prompt. Returns the conformance of the first probe the template renders; raises
+    `TemplateRefused` (with the reason) when a probe's ids differ or the template renders none."""
+    bind_template(r, template)
+    results = [conformance(template, probe, PROBE_TOOLS, encode=r.encode) for probe in PROBES]
+    rendered = [c for c in results if not c["refused"]]
+    if not rendered:
+        raise TemplateRefused("the model's chat template renders none of Gyre's probe conversations ("
+                              f"{results[0]['breaks'][0]['why']}); use proxy.chat_template = \"builtin\" "
+                              "or a template that renders multi-turn tool conversations")
+    for c in rendered:
+        if not c["incremental_exact"]:
+            why = next(b["why"] for b in c["breaks"] if b["message"] is None)
+            raise TemplateRefused(f"the model's chat template cannot be followed by token ids: {why}; Gyre would "
+                                  "train on other ids than the engine saw, so it refuses to serve it")
+    return rendered[0]
 
 
 def as_template_message(m: Message) -> dict:
@@ -111,6 +147,16 @@ def prepare_call_template(r: Renderer, template: ChatTemplate, session: Executio
                           tools: list[dict], history: str = "exact") -> PreparedCall:
     if history not in HISTORY_MODES:
         raise ValueError(f"proxy.history {history!r}: choose one of {', '.join(HISTORY_MODES)}")
+    if not template.atoms:  # not bound at start (a direct caller): bind to this tokenizer once
+        bind_template(r, template)
+    try:
+        return _prepare(r, template, session, messages, tools, history)
+    except TemplateError as e:  # the template's own rule (e.g. "No user query found"): the request's fault
+        raise MessageError(f"messages: {e}") from None
+
+
+def _prepare(r: Renderer, template: ChatTemplate, session: ExecutionSession, messages: list[Message],
+             tools: list[dict], history: str) -> PreparedCall:
     tree, salt = session.tree, tools_salt(tools)
     keys = [m.key(salt if i == 0 else "") for i, m in enumerate(messages)]
     dicts = [as_template_message(m) for m in messages]
