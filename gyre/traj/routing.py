@@ -17,6 +17,7 @@ token, calls recorded without routing) are ``MISSING`` and route freely in the t
 from __future__ import annotations
 
 import base64
+from bisect import insort
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -54,13 +55,19 @@ class RoutingTable:
     top_k: int
     n_experts: int
     entries: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    _versions: dict[int, list[int]] = field(default_factory=dict, repr=False)  # node -> sorted versions
 
     @property
     def dtype(self) -> np.dtype:
         return storage_dtype(self.n_experts)
 
+    def put(self, node: int, version: int, rows: np.ndarray) -> None:
+        if (node, version) not in self.entries:
+            insort(self._versions.setdefault(node, []), version)
+        self.entries[(node, version)] = rows
+
     def versions(self, node: int) -> list[int]:
-        return sorted(v for n, v in self.entries if n == node)
+        return list(self._versions.get(node, ()))
 
     def add_path(self, path_lengths: list[tuple[int, int]], version: int, routed: np.ndarray) -> int:
         """Store one call's routing ``routed`` ``[positions, L, k]`` along its path
@@ -80,7 +87,7 @@ class RoutingTable:
             # position until a later call continues through it
             if len(self.entries.get((node, version), ())) >= len(rows):
                 continue
-            self.entries[(node, version)] = rows.astype(self.dtype)
+            self.put(node, version, rows.astype(self.dtype))
             added += 1
         return added
 

@@ -422,7 +422,7 @@ def _routing_tables(path: Path, d: dict[str, np.ndarray], n_exec: int) -> dict[i
     out: dict[int, RoutingTable] = {}
     for e, n, v, s, ln in zip(*(rt[k].tolist() for k in ("execution", "node", "policy_version", "row_start", "rows"))):
         table = out.setdefault(e, RoutingTable(rows.shape[1], rows.shape[2], n_experts))
-        table.entries[(n, v)] = rows[s:s + ln]
+        table.put(n, v, rows[s:s + ln])
     return out
 
 
