@@ -220,3 +220,26 @@ def test_proxy_asks_for_routing_and_stores_it_per_node(tmp_path):
         assert np.array_equal(got, own)
     # the second call continued through the first at the same version: its prefix nodes kept one entry
     assert len(tree.routing.entries) == len(tree.nodes)
+
+
+def test_a_resumed_execution_replays_each_calls_recorded_routing():
+    from gyre.proxy.replay import Replay
+
+    tree, sent = _two_version_tree()
+    replay = Replay(tree)
+    for call, rows in zip(tree.calls, sent):
+        answer = asyncio.run(replay.match(tree.call_input_ids(call)).generate())
+        assert answer.meta_info["routed_experts"] == encode_routed_experts(rows)
+
+
+def test_a_shard_with_half_the_routing_is_refused(tmp_path):
+    import h5py
+
+    from gyre.traj.store import ShardError
+
+    path = ShardWriter(tmp_path, identity=IDENTITY).write([ExecutionRecord("e", "t", reward=1.0,
+                                                                           tree=_two_version_tree()[0])])
+    with h5py.File(path, "a") as f:
+        del f["routed_experts"]
+    with pytest.raises(ShardError, match="routing"):
+        read_shard(path, verify=False)
