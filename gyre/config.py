@@ -119,7 +119,8 @@ class ModelConfig:
     path: str = _f("", help="model directory (transformers layout); empty = the embedded tiny model")
     tiny_dir: str = _f("", help="where the embedded tiny model is built; empty = ~/.cache/gyre/tiny-qwen "
                                 "(tiny-<family> for another family)")
-    tiny_family: str = _f("qwen2", choices=("qwen2", "llama", "qwen3", "qwen3_moe", "qwen2_moe"),
+    tiny_family: str = _f("qwen2", choices=("qwen2", "llama", "qwen3", "qwen3_moe", "qwen2_moe", "qwen3_next",
+                                            "qwen3_5", "qwen3_5_moe"),
                           help="family of the embedded tiny model (`gyre make-model --family`)")
 
 

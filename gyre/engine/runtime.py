@@ -30,6 +30,7 @@ import torch
 
 from gyre.engine.pace import Pacer
 from gyre.engine.prefix_cache import PrefixCache
+from gyre.engine.hybrid import causal_lm
 from gyre.engine.qwen import CausalLM, KVCache, ModelFormatError, load_weights, read_spec
 from gyre.engine.sampling import SamplingParams, sample
 from gyre.model.checksums import WeightCheckError, check_finite, require_regular_files, verify_checksums
@@ -91,7 +92,8 @@ class Engine:
                  max_new_tokens_cap: int = 4096, prefill_chunk: int = 512,
                  prefix_cache_mb: int = 256, pace: bool = False):
         self.model_dir = Path(model_dir)
-        self.model: CausalLM | None = CausalLM.from_dir(self.model_dir)
+        spec = read_spec(self.model_dir)
+        self.model: CausalLM | None = causal_lm(spec, load_weights(self.model_dir, spec))
         self.spec = self.model.spec
         try:
             self.tokenizer = load_tokenizer(self.model_dir)
@@ -104,7 +106,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self._identity: dict | None = None
         s = self.spec
-        kv_bytes_per_token = 2 * s.layers * s.kv_heads * s.head_dim * 4  # float32 keys + values
+        kv_bytes_per_token = 2 * len(s.full_layers) * s.kv_heads * s.head_dim * 4  # float32 keys + values
         self._prefix = PrefixCache(max(1, (prefix_cache_mb << 20) // kv_bytes_per_token))
         # engine.pace (benchmarks only): each decode step lasts the paced replica's roofline time
         # for its batch (gyre/engine/pace.py), so this engine behaves like a loaded GPU replica
@@ -280,7 +282,7 @@ class Engine:
             tensors = load_weights(path, spec)
             if verify:
                 check_finite(tensors)
-            return CausalLM(spec, tensors)
+            return causal_lm(spec, tensors)
         except WeightCheckError as e:
             raise Refused(400, f"refused weights from {path}: {e}; the previous weights stay loaded") from None
         except (ModelFormatError, OSError) as e:

@@ -147,11 +147,13 @@ def with_model_config(p, path):
     replica = 1 << max(0, math.ceil(math.log2(max(need, 1.0))))
     model = dataclasses.replace(
         p.model, name=f"{c['model_type']}:{Path(path).name}", params=float(c["total"]), active=float(c["active"]),
-        attn_layers=c["layers"], attn_dim=c["attn_dim"], replica_gpus=replica, experts=c["experts"],
+        attn_layers=c["attn_layers"], attn_dim=c["attn_dim"], replica_gpus=replica, experts=c["experts"],
         topk=c["top_k"], kv_bytes_per_token=float(c["kv_bytes_per_token"]),
+        state_bytes_per_request=float(c["state_bytes_per_request"]),
         sources={"params": f"{path}: gyre.model.params (total {c['total']:,}, active {c['active']:,})",
                  "replica_gpus": "computed: FP8 weights within 70% of the replica's usable HBM, a power of two",
-                 "kv_bytes_per_token": "computed: layers x K,V x KV heads x head dim x bf16"})
+                 "kv_bytes_per_token": "computed: full-attention layers x K,V x KV heads x head dim x bf16",
+                 "state_bytes_per_request": "computed: Gated DeltaNet layers x (fp32 state + bf16 conv window)"})
     return dataclasses.replace(p, model=model)
 
 
