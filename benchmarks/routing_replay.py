@@ -21,7 +21,10 @@ weights the same micro-batches (``materialize(routing=True)``) go through the tr
   W1 differs from the engine's at W0;
 * ``routing_replay_bytes_per_token``: stored routing bytes per unique tree token (uint8 ids).
 
-Writes benchmarks/results/routing_replay.json. About 20 s on 2 cores.
+The lag-1 clip fraction is large with or without replay: one lr 1e-3 step moves this tiny random
+model far (weights dominate the mismatch there); the bf16 lag-0 pair isolates routing numerics.
+
+Writes benchmarks/results/routing_replay.json. About 30 s on 2 cores (beside other work).
 """
 
 from __future__ import annotations
