@@ -34,6 +34,9 @@ class MicroBatch:
     # Set by materialization for tree and expanded rows; None for an arbitrary dense mask.
     # The tree attention path (gyre.train.tree_attention) works from this instead of S x S.
     kv_end: Tensor | None = None  # [B, S] long
+    # routing replay (train.routing_replay): the experts the engine routed each position to,
+    # [B, S, MoE layers, top_k] int16; -1 where not recorded (the trainer routes those itself)
+    routed_experts: Tensor | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, Tensor):
@@ -70,6 +73,10 @@ class MicroBatch:
             raise ValueError("pred_pos out of range")
         if self.kv_end is not None and tuple(self.kv_end.shape) != (B, S):
             raise ValueError(f"kv_end has shape {tuple(self.kv_end.shape)}, expected {(B, S)}")
+        if self.routed_experts is not None and (self.routed_experts.ndim != 4
+                                                or tuple(self.routed_experts.shape[:2]) != (B, S)):
+            raise ValueError(f"routed_experts has shape {tuple(self.routed_experts.shape)}, expected "
+                             f"({B}, {S}, MoE layers, top_k)")
         if T and float(self.temperature.min()) <= 0:
             raise ValueError(f"temperature must be > 0 at every target, got {float(self.temperature.min())}")
 
@@ -170,7 +177,7 @@ def to_wire(mb: MicroBatch) -> dict:
 
 def from_wire(d: dict) -> MicroBatch:
     """A validated MicroBatch from :func:`to_wire` output; a missing field is a clear error."""
-    optional = ("temperature", "kv_end") + (("attention_mask",) if "kv_end" in d else ())
+    optional = ("temperature", "kv_end", "routed_experts") + (("attention_mask",) if "kv_end" in d else ())
     names = [f.name for f in fields(MicroBatch)]
     missing = [n for n in names if n not in d and n not in optional]
     if missing:

@@ -283,6 +283,10 @@ class TrainConfig(_EnumFields):
                                             "expert count and, times tensor x pipeline, the cell's trainer ranks)")
     moe_aux_loss_coef: float = _f(0.0, min=0.0, help="MoE load-balancing (aux) loss weight, added per micro-batch; "
                                                      "0 = off (its value is still logged by the embedded trainer)")
+    routing_replay: bool = _f(False, help="MoE routing replay (R3): the proxy asks the engine for the experts it "
+                                          "routed every token to (SGLang's return_routed_experts; SGLang cells "
+                                          "start with --enable-return-routed-experts), the tree and shards keep "
+                                          "them, and the trainer's forwards (pi_prox and training) use them")
     local_ranks: int = _f(1, min=1, help="trainer ranks per cell under `gyre run` (one machine); under Slurm a "
                                         "cell has one rank per GPU slot of its nodes (one per node on CPU)")
 

@@ -16,7 +16,7 @@ from gyre.config import default_tiny_dir, env, load_config
 from gyre.engine.router import Router
 from gyre.model.identity import model_identity
 from gyre.model.tiny import ensure_tiny_model
-from gyre.proxy.server import Proxy, create_app, proxy_options, start_site
+from gyre.proxy.server import Proxy, create_app, proxy_options, routing_options, start_site
 from gyre.traj.record import ExecutionRecord
 from gyre.traj.store import ShardWriter, shard_identity
 
@@ -48,7 +48,8 @@ async def serve(args: argparse.Namespace) -> None:
     proxy = Proxy(router, Tokenizer.from_file(str(tok_file)), identity=model_identity(model_dir),
                   default_max_tokens=cfg.proxy.default_max_tokens, max_tokens_cap=cfg.proxy.max_tokens_cap,
                   max_executions=cfg.proxy.max_executions, max_calls_in_flight=cfg.proxy.max_calls_in_flight,
-                  context_length=_context_length(model_dir), **proxy_options(cfg.proxy, model_dir))
+                  context_length=_context_length(model_dir), **proxy_options(cfg.proxy, model_dir),
+                  **routing_options(cfg.train, model_dir))
     shard_dir = Path(args.shard_dir or cfg.store.dir or "shards")
     app = create_app(proxy, admin_key=admin_key, max_body_bytes=cfg.proxy.max_body_bytes,
                      on_end=shard_sink(cfg, shard_dir, model_identity(model_dir)))

@@ -20,7 +20,7 @@ from gyre.harness.execute import run_and_evaluate
 from gyre.harness.runner import HarnessPool
 from gyre.model.tokenizer import load_tokenizer
 from gyre.proxy.journal import Journal
-from gyre.proxy.server import Proxy, create_app, proxy_options, start_site
+from gyre.proxy.server import Proxy, create_app, proxy_options, routing_options, start_site
 from gyre.traj.store import ShardWriter, compact, shard_identity
 
 log = logging.getLogger("gyre.rollout")
@@ -56,7 +56,8 @@ class RolloutService:
         self.proxy = Proxy(self.router, load_tokenizer(self.model_dir), identity=self.identity,
                            default_max_tokens=cfg.proxy.default_max_tokens, max_tokens_cap=cfg.proxy.max_tokens_cap,
                            max_executions=cfg.proxy.max_executions, max_calls_in_flight=cfg.proxy.max_calls_in_flight,
-                           **proxy_options(cfg.proxy, self.model_dir))
+                           **proxy_options(cfg.proxy, self.model_dir),
+                           **routing_options(cfg.train, self.model_dir))
         self._site, port = await start_site(create_app(self.proxy, admin_key=secrets.token_urlsafe(24),
                                                        max_body_bytes=cfg.proxy.max_body_bytes),
                                             cfg.proxy.host, cfg.proxy.port)

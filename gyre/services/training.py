@@ -92,7 +92,8 @@ class TrainingDispatch:
         if batch.executions:
             work = {}
             mat = materialize(batch.executions, layout=self.cfg.train.layout,
-                              micro_batch_tokens=self.cfg.train.micro_batch_tokens)
+                              micro_batch_tokens=self.cfg.train.micro_batch_tokens,
+                              routing=self.cfg.train.routing_replay)
             for i in range(len(mat)):
                 mb, keys = mat.with_keys(i)
                 mid = next(self.mb_ids)

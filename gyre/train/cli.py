@@ -274,7 +274,7 @@ def train(args: argparse.Namespace) -> int:
             batch = prepare_step(recs, spec, step_version=version, estimator=cfg.train.advantage)
             return batch, materialize(batch.executions, layout=cfg.train.layout,
                                       micro_batch_tokens=cfg.train.micro_batch_tokens,
-                                      ) if batch.executions else None
+                                      routing=cfg.train.routing_replay) if batch.executions else None
         except ValueError as e:  # a trajectory longer than the budget, a bad estimator...
             raise InputError(str(e)) from None
 

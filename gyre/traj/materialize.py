@@ -31,6 +31,7 @@ import torch
 from gyre.advantage import ESTIMATORS, advantages as group_advantages
 from gyre.batch import MicroBatch
 from gyre.traj.record import ExecutionRecord
+from gyre.traj.routing import row_routing
 from gyre.traj.select import SelectionSpec, select_leaves
 from gyre.traj.tree import ROOT, TrajectoryTree
 
@@ -413,8 +414,9 @@ def _add_piece(row: _RowParts, p: Piece) -> None:
     row.length += int(lens.sum())
 
 
-def build_micro_batch(plan: MicroBatchPlan) -> tuple[MicroBatch, np.ndarray]:
-    """Tensors for one plan, plus each target's key (execution_index, node id, token offset)."""
+def build_micro_batch(plan: MicroBatchPlan, routing: bool = False) -> tuple[MicroBatch, np.ndarray]:
+    """Tensors for one plan, plus each target's key (execution_index, node id, token offset).
+    ``routing``: carry the recorded routed experts (routing replay) when the rows have them."""
     rows = []
     for pieces in plan.rows:
         row = _RowParts()
@@ -452,9 +454,23 @@ def build_micro_batch(plan: MicroBatchPlan) -> tuple[MicroBatch, np.ndarray]:
         execution_index=torch.from_numpy(cat["exe"].astype(np.int64)),
         temperature=torch.from_numpy(cat["temp"].astype(np.float32)),
         kv_end=end_t,  # the same structure in O(S), for the tree attention path
+        routed_experts=_routed_experts(plan, S) if routing else None,
     )
     keys = np.stack([cat["exe"], cat["node"], cat["offset"]], axis=1).astype(np.int64)
     return mb, keys
+
+
+def _routed_experts(plan: MicroBatchPlan, S: int) -> torch.Tensor | None:
+    """[B, S, L, k] int16 routing of the plan's rows (-1: not recorded, padding), or None."""
+    per_row = [row_routing(pieces) for pieces in plan.rows]
+    ref = next((r for r in per_row if r is not None), None)
+    if ref is None:
+        return None
+    out = np.full((len(per_row), S, *ref.shape[1:]), -1, np.int16)
+    for b, r in enumerate(per_row):
+        if r is not None:
+            out[b, :len(r)] = r
+    return torch.from_numpy(out)
 
 
 # -- the step ----------------------------------------------------------------------------------
@@ -486,22 +502,23 @@ class Materialized:
     layout: str
     plans: list[MicroBatchPlan]
     stats: LayoutStats
+    routing: bool = False  # carry routed experts (train.routing_replay)
 
     def __len__(self) -> int:
         return len(self.plans)
 
     def __getitem__(self, i: int) -> MicroBatch:
-        return build_micro_batch(self.plans[i])[0]
+        return build_micro_batch(self.plans[i], self.routing)[0]
 
     def __iter__(self) -> Iterator[MicroBatch]:
         return (self[i] for i in range(len(self)))
 
     def with_keys(self, i: int) -> tuple[MicroBatch, np.ndarray]:
-        return build_micro_batch(self.plans[i])
+        return build_micro_batch(self.plans[i], self.routing)
 
 
 def materialize(executions: Sequence[SelectedExecution], *, layout: str = "tree",
-                micro_batch_tokens: int = 4096) -> Materialized:
+                micro_batch_tokens: int = 4096, routing: bool = False) -> Materialized:
     """Micro-batches for ``executions`` (a whole step, or one data-parallel group's share)."""
     plans = plan_micro_batches(executions, layout, micro_batch_tokens)
     stats = LayoutStats(
@@ -511,4 +528,4 @@ def materialize(executions: Sequence[SelectedExecution], *, layout: str = "tree"
         target_tokens=sum(e.n_targets for e in executions),
         executions=len(executions), trajectories=sum(len(e.leaves) for e in executions),
     )
-    return Materialized(layout, plans, stats)
+    return Materialized(layout, plans, stats, routing)

@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from gyre.traj.routing import RoutingTable
 
 ROOT = -1  # parent id of a tree's first-level nodes (the forest's virtual root)
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p")  # stored per call
@@ -109,6 +113,8 @@ class TrajectoryTree:
     # parent -> key -> node ids in creation order (one key can have several token realisations,
     # e.g. the same assistant text sampled twice with different ids)
     _children: dict[int, dict[str, list[int]]] = field(default_factory=dict, repr=False)
+    # routed experts per (node, policy version), when the engine was asked (train.routing_replay)
+    routing: "RoutingTable | None" = field(default=None, repr=False)
 
     # -- building -------------------------------------------------------------------------
     def find_child(self, parent: int, key: str) -> int | None:
