@@ -72,6 +72,38 @@ for name in ("embedded", "megatron"):
           f"{out['mismatch_k3_lag0']:.3g} grad_norm {out['grad_norm']:.3g}", flush=True)
     assert st["prox_drift_max"] < 0.05 and out["mismatch_k3_lag0"] < 0.01, (name, st, out)
 PY
+# routing replay as a training option (issue 29 item 5): train.routing_replay on CUDA in bf16, both
+# backends (Megatron: RouterReplay on the grouped-GEMM experts when Transformer Engine is there),
+# micro-batch routing with forced rows and -1 rows (routed freely: Megatron's RECORD pass). The two
+# backends must agree within bf16 noise and replay must change the log-probs. One line per setting.
+timeout -k 10 120 python3 - <<'PY' || status=$?
+import torch
+from gyre.batch import expanded_batch
+from gyre.config import TrainConfig
+from gyre.train.megatron_trainer import MegatronTrainer
+from gyre.train.toy import random_model, tiny_config
+from gyre.train.trainer import EmbeddedTrainer
+
+hf = random_model(tiny_config("qwen3_moe", experts=8, top_k=2), seed=4, std=0.3)
+g = torch.Generator().manual_seed(5)
+seqs = [torch.randint(0, 96, (64,), generator=g).tolist() for _ in range(2)]
+mb = expanded_batch(seqs, [8, 8], old_logprobs=[[-4.0] * 56] * 2, advantages=[1.0, -1.0], execution_index=[0, 1])
+forced = torch.randint(0, 8, (2, 64, 2, 1), generator=g)
+routing = torch.cat([forced, (forced + 1 + torch.randint(0, 6, forced.shape, generator=g)) % 8], dim=-1)
+routing[:, ::3] = -1
+mb.routed_experts = routing.to(torch.int16)
+lp = {}
+for on in (True, False):
+    cfg = TrainConfig(dtype="bfloat16", routing_replay=on, lr=1e-4)
+    lp["megatron", on] = MegatronTrainer(cfg, hf.config, hf.state_dict()).logprobs(mb)
+    lp["embedded", on] = EmbeddedTrainer(cfg, hf).logprobs(mb)
+    diff = float((lp["megatron", on] - lp["embedded", on]).abs().max())
+    print(f"routing_replay_gpu replay={on}: megatron vs embedded max |dlogp| {diff:.3g}", flush=True)
+    assert diff < 0.1, (on, diff)
+changed = float((lp["embedded", True] - lp["embedded", False]).abs().max())
+print(f"routing_replay_gpu: replay vs free max |dlogp| {changed:.3g}", flush=True)
+assert changed > 0.05, changed
+PY
 # MoE (issue 20): Megatron bf16 MoE steps (alltoall dispatcher; grouped GEMM if Transformer Engine
 # is there), engine/trainer log-probs after export, routing replay under bf16 -> moe_gpu.json
 timeout -k 10 120 python3 benchmarks/moe_gpu_check.py || status=$?

@@ -282,8 +282,13 @@ class TrainConfig(_EnumFields):
                               "clip against the behaviour log-probs; tis = clip against pi_old (the trainer "
                               "at the step start, one extra no-grad forward) times min(pi_old/pi_behaviour, "
                               "is_cap); decoupled = AReaL's decoupled PPO, clip against pi_prox (the same "
-                              "forward) times pi_prox/pi_behaviour; auto = decoupled when sched.staleness > 0 "
-                              "or sched.steps_per_sync > 1, else tis (gyre.sched.runspec.RunSpec)")
+                              "forward) times pi_prox/pi_behaviour; auto = decoupled when groups can lag "
+                              "(sched.staleness > 0 or sched.steps_per_sync > 1) and train.minibatches_per_step "
+                              "> 1, else tis (with one update per step the clip against pi_prox never acts: "
+                              "clip_frac 0, benchmarks/bench_token_truth.py)")
+    minibatches_per_step: int = _f(1, min=1, help="PPO-style optimizer updates within a step (AReaL uses 4): the "
+                                   "step's micro-batches in this many parts, one update each, pi_prox from the "
+                                   "step's start; `gyre train` only for now (a live run's cells reduce once per step)")
     is_cap: float = _f(2.0, min=1.0, help="tis: C in min(pi_old / pi_behaviour, C)")
     is_mask: bool = _f(False, help="tis/decoupled: drop (weight 0) tokens whose pi_old / pi_behaviour "
                                    "leaves [is_mask_low, is_mask_high]")
@@ -306,6 +311,10 @@ class TrainConfig(_EnumFields):
                                             "expert count and, times tensor x pipeline, the cell's trainer ranks)")
     moe_aux_loss_coef: float = _f(0.0, min=0.0, help="MoE load-balancing (aux) loss weight, added per micro-batch; "
                                                      "0 = off (its value is still logged by the embedded trainer)")
+    routing_replay: bool = _f(False, help="MoE routing replay (R3): the proxy asks the engine for the experts it "
+                                          "routed every token to (SGLang's return_routed_experts; SGLang cells "
+                                          "start with --enable-return-routed-experts), the tree and shards keep "
+                                          "them, and the trainer's forwards (pi_prox and training) use them")
     local_ranks: int = _f(1, min=1, help="trainer ranks per cell under `gyre run` (one machine); under Slurm a "
                                         "cell has one rank per GPU slot of its nodes (one per node on CPU)")
 
@@ -560,11 +569,14 @@ def _cross_check(cfg: GyreConfig) -> None:
 
 def resolved_off_policy(cfg: GyreConfig) -> OffPolicyMode:
     """`train.off_policy` with `auto` decided: decoupled when groups can lag (sched.staleness > 0,
-    or bursts of sched.steps_per_sync > 1 steps on one round's weights), else tis."""
+    or bursts of sched.steps_per_sync > 1 steps on one round's weights) and a step makes several
+    updates (train.minibatches_per_step > 1), so that its clip against pi_prox can act; else tis.
+    Measured: with one update per step clip_frac is 0 at every step (bench_token_truth.py), and
+    the learning benchmark's staleness-2 runs favour tis (benchmarks/results/learning.json)."""
     if cfg.train.off_policy is not OffPolicyMode.AUTO:
         return cfg.train.off_policy
     lagged = cfg.sched.staleness > 0 or cfg.sched.steps_per_sync > 1
-    return OffPolicyMode.DECOUPLED if lagged else OffPolicyMode.TIS
+    return OffPolicyMode.DECOUPLED if lagged and cfg.train.minibatches_per_step > 1 else OffPolicyMode.TIS
 
 
 def trainer_config(cfg: GyreConfig) -> TrainConfig:

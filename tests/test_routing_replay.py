@@ -104,3 +104,29 @@ def test_megatron_router_replay_equals_the_embedded_replay(moe_dir):
             free = mg(ids, pos, mask)
         assert torch.allclose(got, want, atol=1e-4), (norm, (got - want).abs().max())
         assert (free - got).abs().max() > 1e-2  # the replayed routing is not what it would pick
+
+
+def test_megatron_trainer_replays_micro_batch_routing_as_the_embedded_one():
+    """train.routing_replay on both backends: the same micro-batch routing (forced rows, and -1
+    rows the routers pick themselves) gives the same log-probs; off, the routing is ignored."""
+    from gyre.batch import expanded_batch
+    from gyre.config import TrainConfig
+    from gyre.train.megatron_trainer import MegatronTrainer
+    from gyre.train.trainer import EmbeddedTrainer
+
+    hf = random_model(tiny_config("qwen3_moe", experts=8, top_k=2), seed=4, std=0.3)
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, 96, (10,), generator=g).tolist() for _ in range(2)]
+    mb = expanded_batch(seqs, [3, 3], old_logprobs=[[-4.0] * 7] * 2, advantages=[1.0, -1.0], execution_index=[0, 1])
+    forced = torch.randint(0, 8, (2, 10, 2, 1), generator=g)
+    routing = torch.cat([forced, (forced + 1 + torch.randint(0, 6, forced.shape, generator=g)) % 8], dim=-1)
+    routing[:, ::2] = -1  # not recorded: free routing there
+    mb.routed_experts = routing.to(torch.int16)
+    lp = {}
+    for on in (True, False):
+        cfg = TrainConfig(dtype="float32", routing_replay=on)
+        lp["megatron", on] = MegatronTrainer(cfg, hf.config, hf.state_dict()).logprobs(mb)
+        lp["embedded", on] = EmbeddedTrainer(cfg, hf, device="cpu").logprobs(mb)
+    assert torch.allclose(lp["megatron", True], lp["embedded", True], atol=1e-4)
+    assert torch.allclose(lp["megatron", False], lp["embedded", False], atol=1e-4)
+    assert (lp["embedded", True] - lp["embedded", False]).abs().max() > 1e-2

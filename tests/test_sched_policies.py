@@ -171,7 +171,7 @@ def test_run_spec_policy_and_preset_defaults_agree():
                                  "sched.rollout_cells_async=3"])
     spec = RunSpec.from_config(cfg)
     p = spec.policy()
-    assert p.label == "E2-paper" and p.hints.to_train_s == 10.0 and spec.off_policy == "decoupled"
+    assert p.label == "E2-paper" and p.hints.to_train_s == 10.0 and spec.off_policy == "tis"  # one update a step
     assert spec.replace(scheme="A").policy().rollout_cells == 3
     c = P122B.cluster()
     assert cfg.sched.train_tokens_per_s == pytest.approx(c.train_tokens_per_s, rel=1e-3)

@@ -290,7 +290,8 @@ def start_cell_engine(cfg, model_dir: str | os.PathLike, *, api_key: str | None,
     spec = SGLangSpec(str(model_dir), host=e.host, port=port, api_key=api_key, tp=tp, nnodes=n,
                       dist_init_addr=f"{dist_host}:{dist_init_port}" if n > 1 else "",
                       weight_version=str(weight_version), launcher=e.sglang_launcher,
-                      extra=[str(a) for a in e.sglang_args], hybrid=_is_hybrid(model_dir))
+                      extra=[str(a) for a in e.sglang_args] + _routing_flag(cfg, e.sglang_args),
+                      hybrid=_is_hybrid(model_dir))
     try:
         commands = ([spec.command(node_rank=r) for r in range(n)] if local
                     else [srun_step(spec, nodes, list(srun))])
@@ -336,6 +337,12 @@ def serve_cell_engine(cfg, model_dir: str | os.PathLike, *, api_key: str | None,
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _routing_flag(cfg, args) -> list[str]:
+    """train.routing_replay: SGLang returns routed experts only when started with this flag."""
+    flag = "--enable-return-routed-experts"
+    return [flag] if cfg.train.routing_replay and flag not in map(str, args) else []
 
 
 def _is_hybrid(model_dir) -> bool:

@@ -147,7 +147,8 @@ class Router:
     # ---- requests ----------------------------------------------------------------------------
 
     async def generate(self, affinity_key: str, input_ids: list[int], sampling_params: dict,
-                       rid: str | None = None, top_logprobs_num: int = 0, priority: int | None = None) -> GenerateResult:
+                       rid: str | None = None, top_logprobs_num: int = 0, priority: int | None = None,
+                       return_routed_experts: bool = False) -> GenerateResult:
         """Generate on the key's endpoint; ``result.endpoint`` says which one served it.
         Raises :class:`RouterError` when no endpoint could, :class:`EngineError` for a bad request."""
         rid = rid or uuid.uuid4().hex
@@ -162,7 +163,8 @@ class Router:
             self._inflight.add(flight)
             try:
                 result = await self._client(url).generate(input_ids, sampling_params, rid=rid,
-                                                          top_logprobs_num=top_logprobs_num, priority=priority)
+                                                          top_logprobs_num=top_logprobs_num, priority=priority,
+                                                          return_routed_experts=return_routed_experts)
             except EngineUnreachable as e:
                 failed.add(url)
                 history.append(f"{url}: unreachable ({e.message})")
@@ -188,7 +190,8 @@ class Router:
 
     async def generate_stream(self, affinity_key: str, input_ids: list[int], sampling_params: dict,
                               rid: str | None = None, top_logprobs_num: int = 0,
-                              priority: int | None = None) -> AsyncIterator[GenerateResult]:
+                              priority: int | None = None,
+                              return_routed_experts: bool = False) -> AsyncIterator[GenerateResult]:
         """Cumulative snapshots as tokens come (see the module docstring); the last one has
         ``finish_reason`` set. Same errors as :meth:`generate`."""
         rid = rid or uuid.uuid4().hex
@@ -214,8 +217,10 @@ class Router:
             passed = 0
             last: GenerateResult | None = None
             ids = input_ids if not done_ids else list(input_ids) + done_ids
+            # a continuation's routing covers the whole path again (its input holds done_ids)
             agen = self._client(url).generate_stream(ids, params, rid=sub_rid, top_logprobs_num=top_logprobs_num,
-                                                     priority=priority)
+                                                     priority=priority,
+                                                     return_routed_experts=return_routed_experts)
             try:
                 async for snap in agen:
                     last = snap

@@ -3,14 +3,14 @@
 Routes (all require ``Authorization: Bearer KEY`` when the server has an API key; else 401):
 
 * ``POST /generate`` ``{input_ids: [int], sampling_params: {max_new_tokens, temperature, top_p,
-  top_k, stop, stop_token_ids, no_stop_trim, ignore_eos, skip_special_tokens, sampling_seed},
+  top_k, min_p, stop, stop_token_ids, no_stop_trim, ignore_eos, skip_special_tokens, sampling_seed},
   return_logprob, top_logprobs_num, return_text_in_logprobs, rid, stream, priority}``
   (``priority``: admitted highest first, as SGLang with ``--enable-priority-scheduling``)
   -> ``{output_ids, text, meta_info: {id, finish_reason: {type: stop|length|abort, ...},
   weight_version, prompt_tokens, completion_tokens, cached_tokens, e2e_latency,
   output_token_logprobs: [[logprob, token_id, token_text|null], ...] (when return_logprob),
   routed_experts: base64 of int32 [prompt + output - 1, MoE layers, top_k] (when
-  return_routed_experts, MoE models; non-streamed answers),
+  return_routed_experts, MoE models; in the finished answer only: the last chunk of a stream),
   output_top_logprobs: [[[logprob, token_id, text|null], ...], ...] (when top_logprobs_num)}}``.
   A stop token (from ``stop_token_ids``, or the model's EOS unless ``ignore_eos``) that ends
   generation IS the last element of ``output_ids`` and has its log-prob; ``text`` leaves it out
@@ -315,7 +315,8 @@ async def _stream(request, engine: Engine, handle, done, step: asyncio.Event, op
     lo = sent if incremental else 0
     await send(_payload(engine, res.rid, res.output_ids[lo:], res.logprobs[lo:], res.top_logprobs[lo:],
                         res.finish_reason, res.weight_version, res.prompt_tokens, res.cached_tokens,
-                        len(res.output_ids), text[sent_text:] if incremental else text, opts, res.e2e_latency_s))
+                        len(res.output_ids), text[sent_text:] if incremental else text,
+                        {**opts, "routed": res.routed_experts}, res.e2e_latency_s))
     await out.write(b"data: [DONE]\n\n")
     await out.write_eof()
     return out

@@ -17,12 +17,16 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm_topk_prob
 
     `replay` (``[N, k]`` expert ids, e.g. what the engine routed when it sampled): routing replay
     (R3): those experts are used, weighted by this router's probabilities of them, so the
-    gradient still reaches the router but no token changes experts."""
+    gradient still reaches the router but no token changes experts. A row holding -1 (routing
+    not recorded) routes freely."""
     probs = F.softmax(F.linear(x, gate_weight), dim=-1, dtype=torch.float32)
     if replay is None:
         weights, experts = torch.topk(probs, top_k, dim=-1)
     else:
         experts = replay.to(device=probs.device, dtype=torch.long)
+        missing = (experts < 0).any(-1, keepdim=True)
+        if missing.any():
+            experts = torch.where(missing, torch.topk(probs, top_k, dim=-1).indices, experts)
         weights = probs.gather(-1, experts)
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)

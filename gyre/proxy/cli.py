@@ -43,7 +43,7 @@ async def serve(args: argparse.Namespace) -> None:
     admin_key = args.admin_key or env("GYRE_ADMIN_KEY") or secrets.token_urlsafe(24)
     router = Router(args.engine, api_key=args.engine_api_key or env("GYRE_ENGINE_API_KEY"),
                     timeout_s=cfg.engine.request_timeout_s, connect_retries=cfg.engine.connect_retries)
-    proxy = Proxy.from_config(cfg.proxy, router, model_dir, model_identity(model_dir))
+    proxy = Proxy.from_config(cfg, router, model_dir, model_identity(model_dir))
     shard_dir = Path(args.shard_dir or cfg.store.dir or "shards")
     app = create_app(proxy, admin_key=admin_key, max_body_bytes=cfg.proxy.max_body_bytes,
                      on_end=shard_sink(cfg, shard_dir, model_identity(model_dir)))

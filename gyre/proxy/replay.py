@@ -15,11 +15,12 @@ replayed call down exactly the code path of a live one (recording, parsing, Open
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from gyre.engine.client import GenerateResult
 from gyre.proxy.journal import input_key
+from gyre.traj.routing import encode_routed_experts, path_lengths
 from gyre.traj.tree import TrajectoryTree
 
 REPLAY_ENDPOINT = "replay"  # the endpoint a replayed call is recorded with: it cost no engine time
@@ -37,11 +38,13 @@ class Recorded:
     logprobs: list[float]
     finish_reason: str
     weight_version: str
+    meta_info: dict = field(default_factory=dict)  # the recorded routed experts (routing replay)
 
     def _result(self, n: int, final: bool) -> GenerateResult:
         return GenerateResult(output_ids=self.output_ids[:n], logprobs=self.logprobs[:n],
                               finish_reason=self.finish_reason if final else None,
-                              weight_version=self.weight_version, endpoint=REPLAY_ENDPOINT)
+                              weight_version=self.weight_version, endpoint=REPLAY_ENDPOINT,
+                              meta_info=self.meta_info if final else {})
 
     async def generate(self, *_args, **_kw) -> GenerateResult:
         return self._result(len(self.output_ids), True)
@@ -63,9 +66,12 @@ class Replay:
         self.recorded = 0
         for call in tree.calls if tree is not None else ():
             leaf = tree.nodes[call.leaf]
+            rows = tree.routing.call_rows(path_lengths(tree, call.leaf), call.policy_version) \
+                if tree.routing is not None else None
             self._add(input_key(tree.call_input_ids(call).tolist()), Recorded(
                 [int(t) for t in leaf.tokens[leaf.target_start:]], [float(x) for x in leaf.logprobs],
-                call.finish_reason, call.weight_version))
+                call.finish_reason, call.weight_version,
+                {"routed_experts": encode_routed_experts(rows)} if rows is not None else {}))
         self._start()
 
     @classmethod

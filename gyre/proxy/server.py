@@ -52,6 +52,7 @@ from gyre.proxy.streaming import ContentStream, ReasoningStream
 from gyre.proxy.template_capture import check_template, prepare_call_template
 from gyre.proxy.token_safety import check_names, template_tokens
 from gyre.traj.record import FINISHED, ExecutionRecord
+from gyre.traj.routing import record_call_routing
 from gyre.traj.tree import TrajectoryTree
 
 log = logging.getLogger("gyre.proxy")
@@ -164,24 +165,45 @@ def context_length(model_dir: Path) -> int | None:
     return v if isinstance(v, int) and v > 1 else None
 
 
+def routing_options(train_cfg, model_dir) -> dict:
+    """Proxy keyword arguments for ``train.routing_replay``: the served model's (MoE layers,
+    top_k, experts), refused with a clear error for a dense model."""
+    if not train_cfg.routing_replay:
+        return {}
+    from gyre.model.spec import read_spec
+
+    spec = read_spec(model_dir)
+    if not spec.moe_layers:
+        raise ValueError(f"train.routing_replay = true but {model_dir} is a dense model (no routed experts); "
+                         "set train.routing_replay = false")
+    return {"routing": (len(spec.moe_layers), spec.top_k, spec.experts)}
+
+
 class Proxy:
     """Sessions, rendering and capture; `create_app` exposes it over HTTP."""
 
     @classmethod
-    def from_config(cls, proxy_cfg, router, model_dir, identity: dict) -> "Proxy":
-        """The proxy every driver serves (`gyre rollout`, the head, `gyre proxy`): the model
-        directory's tokenizer, context length and (proxy.chat_template = model) template, and
-        `[proxy]`'s limits."""
+    def from_config(cls, cfg, router, model_dir, identity: dict) -> "Proxy":
+        """The proxy every driver serves (`gyre rollout`, the head, `gyre proxy`) from a GyreConfig:
+        the model directory's tokenizer, context length and (proxy.chat_template = model) template,
+        `[proxy]`'s limits and (train.routing_replay) the experts to record."""
+        proxy_cfg = cfg.proxy
         return cls(router, load_tokenizer(model_dir), identity=identity,
                    default_max_tokens=proxy_cfg.default_max_tokens, max_tokens_cap=proxy_cfg.max_tokens_cap,
                    max_executions=proxy_cfg.max_executions, max_calls_in_flight=proxy_cfg.max_calls_in_flight,
-                   context_length=context_length(model_dir), **template_options(proxy_cfg, model_dir))
+                   context_length=context_length(model_dir), **template_options(proxy_cfg, model_dir),
+                   **routing_options(cfg.train, model_dir))
 
     def __init__(self, router, tokenizer, *, model_name: str = "gyre", default_max_tokens: int = 512,
                  max_tokens_cap: int = 4096, identity: dict | None = None, context_length: int | None = None,
                  max_executions: int = 10_000, max_calls_in_flight: int = 8, chat_template=None, history: str = "exact",
-                 tool_parser: str = "hermes", reasoning_parser: str = "none", end_ids: list[int] | None = None):
+                 tool_parser: str = "hermes", reasoning_parser: str = "none", end_ids: list[int] | None = None,
+                 routing: tuple[int, int, int] | None = None):
         self.router = router
+        # routing replay: (MoE layers, top_k, experts) of the served model; the engine is asked for
+        # the routed experts of every call and they are stored per node (gyre.traj.routing)
+        self.routing = routing
+        self.routing_missing = 0  # calls answered without routed experts although asked
         self.renderer = Renderer(tokenizer, end_ids)
         self.workers = PrepareWorkers()
         self.max_token_chars = max_token_chars(tokenizer)
@@ -364,10 +386,13 @@ class Proxy:
                                     prepared.n_input + len(c.forced), prepared.n_reused, prepared.nodes)
         call = record_call(sess, prepared, reply, out_ids, lps, agent_role=c.role,
                            weight_version=str(res.weight_version), endpoint=res.endpoint,
-                           finish_reason=res.finish_reason, t_start=c.t0, replay_ids=c.forced + out_ids)
+                           finish_reason=res.finish_reason, t_start=c.t0, replay_ids=c.forced + out_ids,
+                           sampling=c.engine_params)
         if self.journal is not None and c.wire is not None:  # durable past a SIGKILL before the harness hears
             self.journal.append(sess.record.execution_id, c.wire, out_ids, lps, res.finish_reason,
                                 str(res.weight_version))
+        if self.routing is not None:
+            self._record_routing(sess, call, res)
         self.calls_total += 1
         if parsed.tool_calls:
             finish = "tool_calls"
@@ -391,6 +416,22 @@ class Proxy:
             "gyre": {"call_index": call.index, "weight_version": call.weight_version, "reused_messages": prepared.n_reused},
         }
         return resp, parsed
+
+    def _record_routing(self, sess: ExecutionSession, call, res) -> None:
+        """The call's routed experts into its tree; a call answered without them (an engine not
+        started with --enable-return-routed-experts) trains with free routing, counted and warned."""
+        b64 = res.meta_info.get("routed_experts")
+        if b64:
+            try:
+                record_call_routing(sess.tree, call, b64, self.routing)
+                return
+            except ValueError as e:
+                log.warning("call %d of %s: routed experts not stored: %s", call.index,
+                            sess.record.execution_id, e)
+        elif not self.routing_missing:
+            log.warning("train.routing_replay: the engine answered without routed experts (SGLang needs "
+                        "--enable-return-routed-experts); such calls train with free routing")
+        self.routing_missing += 1
 
     def _parse_named(self, text: str, tools_on: bool):
         """The configured tool-call and reasoning parsers, as the built-in path's ParsedOutput."""
@@ -428,7 +469,8 @@ class Proxy:
             c.wire = args[1]
             with self._track(c):
                 res = await self._engine(c, args).generate(*args, rid=c.rid, top_logprobs_num=c.params.top_logprobs,
-                                                           priority=c.priority)
+                                                           priority=c.priority,
+                                                           return_routed_experts=self.routing is not None)
         except asyncio.CancelledError:  # the client went away: the router aborted the engine request
             self.abandoned["client_disconnected"] += 1
             raise
@@ -468,7 +510,8 @@ class Proxy:
         args = self._generate_args(c)
         c.wire = args[1]
         gen = self._engine(c, args).generate_stream(*args, rid=c.rid, top_logprobs_num=p.top_logprobs,
-                                                    priority=c.priority)
+                                                    priority=c.priority,
+                                                    return_routed_experts=self.routing is not None)
         try:
             with self._track(c):
                 final = await self._relay(c, gen, content, send, reasoning, lp)

@@ -78,6 +78,28 @@ class QwenGPTModel(GPTModel):
         process and holds every model ever built)."""
         return [m.router_replay for m in self.modules() if getattr(m, "router_replay", None) is not None]
 
+    @torch.no_grad()
+    def _free_routing(self, replays: list, B: int, S: int, *args, **kwargs) -> Tensor:
+        """[B, S, MoE layers, top_k] the routers' own choice (RouterReplay's RECORD action), from
+        an eval-mode forward (no load-balancing loss is added or logged)."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        was_training = self.training
+        self.eval()
+        for rep in replays:
+            rep.set_router_replay_action(RouterReplayAction.RECORD)
+        self.rotary_pos_emb.positions = args[1]
+        try:
+            super().forward(*args, **kwargs)
+            return torch.stack([rep.get_recorded_indices().reshape(S, B, -1).transpose(0, 1)
+                                for rep in replays], dim=2).long()
+        finally:
+            self.train(was_training)
+            self.rotary_pos_emb.positions = None
+            for rep in replays:
+                rep.clear_router_replay_action()
+                rep.clear_indices()
+
     def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor,
                 routed_experts: Tensor | None = None, **kwargs) -> Tensor:
         if attention_mask is None:  # the default causal mask is built with device="cuda"
@@ -92,6 +114,11 @@ class QwenGPTModel(GPTModel):
                 raise ValueError(f"routed_experts has {routed_experts.shape[2]} MoE layers, the model "
                                  f"{len(replays)} (build it with routing_replay=True)")
             B, S = input_ids.shape
+            routed_experts = routed_experts.to(input_ids.device)
+            if (routed_experts < 0).any():  # not recorded there: route those tokens freely
+                free = self._free_routing(replays, B, S, input_ids, position_ids, attention_mask, **kwargs)
+                missing = (routed_experts < 0).any(-1, keepdim=True)
+                routed_experts = torch.where(missing, free, routed_experts.long())
             for slot, rep in enumerate(replays):  # Megatron routes tokens sequence-first: [S, B] flattened
                 rep.set_target_indices(routed_experts[:, :, slot].transpose(0, 1).reshape(S * B, -1)
                                        .to(device=input_ids.device, dtype=torch.long))

@@ -12,9 +12,11 @@ from torch import Tensor
 
 from gyre.config import TrainConfig
 from gyre.batch import MicroBatch
+from gyre.model.megatron_names import as_spec
 from gyre.train.dist import init_megatron
 from gyre.train.offload import HostStash, PhaseTimer
 from gyre.train.base import ATTENTION_PATHS, Trainer, phase_timings, torch_dtype
+from gyre.train.routing_replay import check_model, replayed
 from gyre.train.tree_attention import TreeMask
 
 
@@ -36,7 +38,9 @@ class MegatronTrainer(Trainer):
         self.dtype = torch_dtype(cfg.dtype)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
-        model = build_gpt_model(hf_config, dtype=self.dtype, moe_aux_loss_coef=cfg.moe_aux_loss_coef)
+        check_model(cfg, len(as_spec(hf_config).moe_layers))
+        model = build_gpt_model(hf_config, dtype=self.dtype, moe_aux_loss_coef=cfg.moe_aux_loss_coef,
+                                routing_replay=cfg.routing_replay)
         load_hf_weights(model, {k: v.to(self.dtype) for k, v in hf_state.items()}, hf_config)
         model.to(self.device)
         self.model = model
@@ -83,7 +87,7 @@ class MegatronTrainer(Trainer):
             mask = TreeMask.build(mb.kv_end)  # TreeCoreAttention (megatron_model) follows it
         else:
             mask = mb.attention_mask
-        return self.ddp(mb.input_ids, mb.position_ids, mask)
+        return self.ddp(mb.input_ids, mb.position_ids, mask, routed_experts=replayed(self.cfg, mb))
 
     def _apply_gradients(self) -> float:
         from megatron.core.distributed import finalize_model_grads

@@ -21,6 +21,7 @@ from gyre.train.offload import HostStash, PhaseTimer
 from gyre.model.spec import read_config
 from gyre.train.hybrid import lm_class
 from gyre.train.qwen2 import Qwen2LM
+from gyre.train.routing_replay import check_model, replayed
 from gyre.train.tree_attention import TreeMask
 
 
@@ -47,6 +48,7 @@ class EmbeddedTrainer(Trainer):
             model = lm_class(read_config(model)).from_dir(model)
         elif not isinstance(model, Qwen2LM):  # HybridLM is a Qwen2LM
             model = lm_class(model.config.to_dict()).from_transformers(model)
+        check_model(cfg, len(model.spec.moe_layers))
         self.model = model.to(device=self.device, dtype=torch.float32)
         self.hf_config = model.config  # config.json as a dict: exported as read
         self.compute_dtype = torch_dtype(cfg.dtype)
@@ -72,7 +74,7 @@ class EmbeddedTrainer(Trainer):
             mask = mb.attention_mask  # bool, True = masked: the dense path
         with torch.autocast(self.device.type, dtype=self.compute_dtype,
                             enabled=self.compute_dtype != torch.float32):
-            return self.model(mb.input_ids, mb.position_ids, mask)
+            return self.model(mb.input_ids, mb.position_ids, mask, routed_experts=replayed(self.cfg, mb))
 
     def _apply_gradients(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]

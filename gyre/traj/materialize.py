@@ -32,6 +32,7 @@ from gyre.config import Layout
 from gyre.advantage import ESTIMATORS, advantages as group_advantages
 from gyre.batch import MicroBatch
 from gyre.traj.record import ExecutionRecord
+from gyre.traj.routing import row_routing
 from gyre.traj.select import SelectionSpec, select_leaves
 from gyre.traj.tree import ROOT, TrajectoryTree
 
@@ -52,6 +53,8 @@ class TreeArrays:
     lp_off: np.ndarray        # int64 offset of each node's targets in `logprobs`
     logprobs: np.ndarray      # float32, all target log-probs concatenated
     depth: np.ndarray         # int64 token offset of each node's first token from the root
+    version: np.ndarray       # int64 policy version of each node's targets (-1: context / unknown)
+    temperature: np.ndarray   # float32 logit divisor of each node's targets (its call's; 1 if none)
 
     @classmethod
     def from_tree(cls, tree: TrajectoryTree) -> "TreeArrays":
@@ -66,6 +69,8 @@ class TreeArrays:
             if p != ROOT:
                 depth[i] = depth[p] + length[p]
         empty_i, empty_f = np.zeros(0, np.int32), np.zeros(0, np.float32)
+        call = np.fromiter((x.call_index for x in nodes), np.int64, n)
+        divisor = np.asarray([c.logprob_temperature for c in tree.calls] or [1.0], np.float32)
         return cls(
             parent=parent, length=length, target_start=tstart,
             tok_off=_exclusive_cumsum(length),
@@ -73,6 +78,9 @@ class TreeArrays:
             lp_off=_exclusive_cumsum(length - tstart),
             logprobs=np.concatenate([np.asarray(x.logprobs, np.float32) for x in nodes] or [empty_f]),
             depth=depth,
+            version=np.fromiter((x.policy_version for x in nodes), np.int64, n),
+            temperature=np.where((call >= 0) & (call < len(tree.calls)),
+                                 divisor[np.clip(call, 0, len(divisor) - 1)], np.float32(1.0)),
         )
 
     def is_target(self, nodes: np.ndarray) -> np.ndarray:
@@ -90,7 +98,8 @@ class SelectedExecution:
     nodes: np.ndarray         # union of the selected root-to-leaf paths, pre-order
     advantage: float
     weight: float             # loss weight of each of its target tokens
-    staleness: int
+    staleness: int            # the execution's oldest lag (admission); tokens carry their own
+    node_lag: np.ndarray      # int64 per node: step version - the node's policy version
 
     @property
     def n_tokens(self) -> int:
@@ -156,8 +165,10 @@ def prepare_step(records: Sequence[ExecutionRecord], spec: SelectionSpec, *, ste
         leaves = select_leaves(rec.tree, spec)
         arrays = TreeArrays.from_tree(rec.tree)
         nodes = union_preorder(arrays.parent, leaves)
-        sel = SelectedExecution(len(kept), rec, leaves, arrays, nodes, float(a), 0.0,
-                                step_version - rec.min_version)
+        staleness = step_version - rec.min_version
+        # each token's own lag: a node's policy version, the execution's oldest if not known
+        lag = np.where(arrays.version >= 0, step_version - arrays.version, staleness)
+        sel = SelectedExecution(len(kept), rec, leaves, arrays, nodes, float(a), 0.0, staleness, lag)
         if sel.n_targets == 0:
             skipped.append((rec.execution_id, "no trajectory selected" if not leaves
                             else "selected trajectories hold no target token"))
@@ -375,15 +386,17 @@ def _add_piece(row: _RowParts, p: Piece) -> None:
         target=a.tokens[np.repeat(a.tok_off[p.targets], counts) + k][keep],
         old=a.logprobs[np.repeat(a.lp_off[p.targets] - ts, counts) + k][keep],
         adv=np.full(n, e.advantage, np.float32), weight=np.full(n, e.weight, np.float64),
-        stale=np.full(n, e.staleness, np.int64), exe=np.full(n, e.index, np.int64),
+        stale=np.repeat(e.node_lag[p.targets], counts)[keep],
+        temp=np.repeat(a.temperature[p.targets], counts)[keep],
+        exe=np.full(n, e.index, np.int64),
         node=np.repeat(p.targets, counts)[keep], offset=k[keep],
     ))
     row.length += int(lens.sum())
 
 
-def build_micro_batch(plan: MicroBatchPlan, temperature: float = 1.0
-                      ) -> tuple[MicroBatch, np.ndarray]:
-    """Tensors for one plan, plus each target's key (execution_index, node id, token offset)."""
+def build_micro_batch(plan: MicroBatchPlan, routing: bool = False) -> tuple[MicroBatch, np.ndarray]:
+    """Tensors for one plan, plus each target's key (execution_index, node id, token offset).
+    ``routing``: carry the recorded routed experts (routing replay) when the rows have them."""
     rows = []
     for pieces in plan.rows:
         row = _RowParts()
@@ -407,7 +420,7 @@ def build_micro_batch(plan: MicroBatchPlan, temperature: float = 1.0
     end_t = torch.from_numpy(end)
     allowed = (i[None, :] <= i[:, None])[None] & (i[None, :, None] < end_t[:, None, :])
     cat = {k: np.concatenate([c[k] for c in cols]) if cols else np.zeros(0) for k in
-           ("pred", "target", "old", "adv", "weight", "stale", "exe", "node", "offset")}
+           ("pred", "target", "old", "adv", "weight", "stale", "temp", "exe", "node", "offset")}
     mb = MicroBatch(
         input_ids=torch.from_numpy(ids),
         position_ids=torch.from_numpy(pos),
@@ -419,11 +432,25 @@ def build_micro_batch(plan: MicroBatchPlan, temperature: float = 1.0
         weights=torch.from_numpy(cat["weight"].astype(np.float32)),
         staleness=torch.from_numpy(cat["stale"].astype(np.int64)),
         execution_index=torch.from_numpy(cat["exe"].astype(np.int64)),
-        temperature=temperature,
+        temperature=torch.from_numpy(cat["temp"].astype(np.float32)),
         kv_end=end_t,  # the same structure in O(S), for the tree attention path
+        routed_experts=_routed_experts(plan, S) if routing else None,
     )
     keys = np.stack([cat["exe"], cat["node"], cat["offset"]], axis=1).astype(np.int64)
     return mb, keys
+
+
+def _routed_experts(plan: MicroBatchPlan, S: int) -> torch.Tensor | None:
+    """[B, S, L, k] int16 routing of the plan's rows (-1: not recorded, padding), or None."""
+    per_row = [row_routing(pieces) for pieces in plan.rows]
+    ref = next((r for r in per_row if r is not None), None)
+    if ref is None:
+        return None
+    out = np.full((len(per_row), S, *ref.shape[1:]), -1, np.int16)
+    for b, r in enumerate(per_row):
+        if r is not None:
+            out[b, :len(r)] = r
+    return torch.from_numpy(out)
 
 
 # -- the step ----------------------------------------------------------------------------------
@@ -455,23 +482,23 @@ class Materialized:
     layout: str
     plans: list[MicroBatchPlan]
     stats: LayoutStats
-    temperature: float = 1.0
+    routing: bool = False  # carry routed experts (train.routing_replay)
 
     def __len__(self) -> int:
         return len(self.plans)
 
     def __getitem__(self, i: int) -> MicroBatch:
-        return build_micro_batch(self.plans[i], self.temperature)[0]
+        return build_micro_batch(self.plans[i], self.routing)[0]
 
     def __iter__(self) -> Iterator[MicroBatch]:
         return (self[i] for i in range(len(self)))
 
     def with_keys(self, i: int) -> tuple[MicroBatch, np.ndarray]:
-        return build_micro_batch(self.plans[i], self.temperature)
+        return build_micro_batch(self.plans[i], self.routing)
 
 
 def materialize(executions: Sequence[SelectedExecution], *, layout: str = "tree",
-                micro_batch_tokens: int = 4096, temperature: float = 1.0) -> Materialized:
+                micro_batch_tokens: int = 4096, routing: bool = False) -> Materialized:
     """Micro-batches for ``executions`` (a whole step, or one data-parallel group's share)."""
     plans = plan_micro_batches(executions, layout, micro_batch_tokens)
     stats = LayoutStats(
@@ -481,4 +508,4 @@ def materialize(executions: Sequence[SelectedExecution], *, layout: str = "tree"
         target_tokens=sum(e.n_targets for e in executions),
         executions=len(executions), trajectories=sum(len(e.leaves) for e in executions),
     )
-    return Materialized(layout, plans, stats, temperature)
+    return Materialized(layout, plans, stats, routing)

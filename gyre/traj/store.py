@@ -34,12 +34,14 @@ from gyre import faults
 from gyre.config import Compression
 from gyre.fsio import atomic_path, fsync_path
 from gyre.traj.record import ExecutionRecord
+from gyre.traj.routing import RoutingTable, storage_dtype
 from gyre.traj.tree import CallRecord, Node, TrajectoryTree
 
 log = logging.getLogger(__name__)
 
 SCHEMA = "gyre-trajectory-shard"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: calls carry their sampling parameters and output digest
+READABLE_VERSIONS = (1, SCHEMA_VERSION)
 REQUIRED_IDENTITY = ("tokenizer", "model")
 STR = "str"  # a fixed-width UTF-8 string column; the width is the longest value in the shard
 
@@ -56,7 +58,11 @@ CALL_COLUMNS = (
     ("execution", "<i4"), ("call", "<i4"), ("leaf", "<i4"), ("agent_role", STR),
     ("n_input", "<i4"), ("n_output", "<i4"), ("weight_version", STR), ("policy_version", "<i4"),
     ("endpoint", STR), ("finish_reason", STR), ("t_start", "<f8"), ("t_end", "<f8"),
+    ("temperature", "<f8"), ("top_p", "<f8"), ("top_k", "<i4"), ("min_p", "<f8"), ("output_digest", "<i8"),
 )
+# schema 1 shards lack the last five call columns; they read as the engine's defaults (see _records)
+CALL_COLUMNS_V1 = CALL_COLUMNS[:12]
+CALL_DEFAULTS_V1 = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "output_digest": 0}
 EXECUTION_COLUMNS = (
     ("execution_id", STR), ("task", STR), ("group", "<i8"), ("status", STR),
     ("reward", "<f8"), ("reward_source", STR), ("passed", "<i4"), ("total", "<i4"),
@@ -64,9 +70,16 @@ EXECUTION_COLUMNS = (
     ("workspace", STR), ("node_start", "<i8"), ("node_count", "<i4"),
     ("call_start", "<i8"), ("call_count", "<i4"),
 )
-TABLES = {"nodes": NODE_COLUMNS, "calls": CALL_COLUMNS, "executions": EXECUTION_COLUMNS}
+# optional (routing replay): one row per (node, policy version) entry of a tree's RoutingTable,
+# its expert ids at routed_experts[row_start:row_start + rows]
+ROUTING_COLUMNS = (
+    ("execution", "<i4"), ("node", "<i4"), ("policy_version", "<i4"), ("row_start", "<i8"), ("rows", "<i4"),
+)
+TABLES = {"nodes": NODE_COLUMNS, "calls": CALL_COLUMNS, "executions": EXECUTION_COLUMNS,
+          "routing": ROUTING_COLUMNS}
 BULK = {"tokens": np.dtype("<i4"), "logprobs": np.dtype("<f4")}
 DATASETS = ("tokens", "logprobs", "nodes", "calls", "executions")
+OPTIONAL = ("routing", "routed_experts")  # absent in shards recorded without routing replay
 TABLE_CHUNK_ROWS = 8192
 TABLE_GZIP_LEVEL = 1  # as small as level 9 within 5% on these rows, and 2x faster
 _seq = itertools.count()  # process-wide, so two writers in one process never share a name
@@ -175,8 +188,29 @@ def pack(records: list[ExecutionRecord]) -> dict[str, np.ndarray]:
     return {
         "tokens": np.concatenate(tok_parts, dtype="<i4") if tok_parts else np.zeros(0, "<i4"),
         "logprobs": np.concatenate(lp_parts, dtype="<f4") if lp_parts else np.zeros(0, "<f4"),
-        "nodes": nt, "calls": ct, "executions": et,
+        "nodes": nt, "calls": ct, "executions": et, **_pack_routing(records),
     }
+
+
+def _pack_routing(records: list[ExecutionRecord]) -> dict[str, np.ndarray]:
+    """The optional ``routing`` table and ``routed_experts`` [rows, MoE layers, top_k] of the
+    records' routing tables; {} when none has one. One model per shard: shapes must agree."""
+    tables = [(i, r.tree.routing) for i, r in enumerate(records) if r.tree.routing is not None]
+    if not tables:
+        return {}
+    shape = {(t.moe_layers, t.top_k) for _, t in tables}
+    if len(shape) > 1:
+        raise ValueError(f"executions routed with different MoE shapes {sorted(shape)} in one shard")
+    (layers, top_k), = shape
+    dtype = storage_dtype(max(t.n_experts for _, t in tables))
+    keys = [(i, n, v) for i, t in tables for (n, v) in sorted(t.entries)]
+    parts = [records[i].tree.routing.entries[(n, v)] for i, n, v in keys]
+    lengths = np.fromiter(map(len, parts), np.int64, len(parts))
+    cols = list(zip(*keys)) or [()] * 3
+    table = _table(ROUTING_COLUMNS, {"execution": cols[0], "node": cols[1], "policy_version": cols[2],
+                                     "row_start": np.cumsum(lengths) - lengths, "rows": lengths}, len(keys))
+    rows = np.concatenate(parts).astype(dtype) if parts else np.zeros((0, layers, top_k), dtype)
+    return {"routing": table, "routed_experts": rows}
 
 
 # -- writing --------------------------------------------------------------------------------
@@ -186,6 +220,9 @@ DESCRIPTIONS = {
     "nodes": "one row per tree node; parent and node are per-execution ids (-1 = root)",
     "calls": "one row per model call; leaf is the per-execution id of the node it produced",
     "executions": "one row per execution; node_start/node_count and call_start/call_count index the tables",
+    "routing": "optional: one row per (node, policy version) routed by the engine; routed_experts rows "
+               "row_start..row_start+rows are the node's first positions",
+    "routed_experts": "optional: expert ids [rows, MoE layers, top_k] the engine routed each position to",
 }
 
 
@@ -267,11 +304,11 @@ class ShardWriter:
         with ThreadPoolExecutor(max_workers=2) as pool:
             digests = {name: pool.submit(digest, arr) for name, arr in data.items()}
             chunks = {name: pool.submit(_deflate_chunks, data[name], self._table_rows(data[name]))
-                      for name in TABLES}
+                      for name in TABLES if name in data}
             with atomic_path(final, mode=0o600, tmp=tmp):
                 with h5py.File(tmp, "w", locking=self.locking) as f:
-                    for name in DATASETS:
-                        deflated = None if name in BULK else chunks[name].result()
+                    for name in DATASETS + tuple(n for n in OPTIONAL if n in data):
+                        deflated = None if name in BULK or name == "routed_experts" else chunks[name].result()
                         ds = self._create(f, name, data[name], deflated)
                         ds.attrs["description"] = DESCRIPTIONS[name]
                     f.attrs.update(self._file_attrs(data))
@@ -287,8 +324,9 @@ class ShardWriter:
     def _create(self, f: h5py.File, name: str, arr: np.ndarray, deflated: list[bytes] | None) -> h5py.Dataset:
         # maxshape None: an empty dataset still gets a valid (1-row) chunk
         if deflated is None:
-            return f.create_dataset(name, data=arr, chunks=(max(1, min(len(arr), self.chunk_tokens)),),
-                                    maxshape=(None,), **self._bulk_filters())
+            rows = max(1, min(len(arr), self.chunk_tokens))
+            return f.create_dataset(name, data=arr, chunks=(rows, *arr.shape[1:]),
+                                    maxshape=(None, *arr.shape[1:]), **self._bulk_filters())
         rows = self._table_rows(arr)
         ds = f.create_dataset(name, shape=arr.shape, dtype=arr.dtype, chunks=(rows,), maxshape=(None,),
                               compression="gzip", compression_opts=TABLE_GZIP_LEVEL, shuffle=True)
@@ -324,22 +362,28 @@ def _read_all(path: Path, f: h5py.File, verify: bool) -> dict[str, np.ndarray]:
     ver = _attr(path, f, "schema_version")
     if ver is None:
         raise ShardError(path, "attribute schema_version", "missing: not a Gyre trajectory shard")
-    if int(ver) != SCHEMA_VERSION:
+    if int(ver) not in READABLE_VERSIONS:
         raise ShardError(path, "attribute schema_version",
-                         f"schema version {int(ver)}; this reader understands {SCHEMA_VERSION}")
+                         f"schema version {int(ver)}; this reader understands {', '.join(map(str, READABLE_VERSIONS))}")
+    if int(ver) == 1:
+        log.warning("%s: schema 1 shard: its calls carry no sampling parameters (read as temperature 1, "
+                    "top_p 1, top_k -1, min_p 0: log-probs sampled otherwise are not reproduced in "
+                    "training) and no output digest (the token-identity audit skips them)", path)
     data = {}
-    for name in DATASETS:
+    for name in DATASETS + OPTIONAL:
         try:
             present = name in f
         except Exception as e:
             raise ShardError(path, name, f"unreadable (corrupted?): {e}") from None
         if not present:
+            if name in OPTIONAL:
+                continue
             raise ShardError(path, name, "missing dataset")
         try:
             arr = f[name][()]
         except Exception as e:  # h5py raises OSError, ValueError, RuntimeError... on damage
             raise ShardError(path, name, f"unreadable (corrupted?): {e}") from None
-        _check_layout(path, name, arr)
+        _check_layout(path, name, arr, int(ver))
         if verify:
             want = _attr(path, f, f"sha256_{name}")
             if want is None:
@@ -352,14 +396,19 @@ def _read_all(path: Path, f: h5py.File, verify: bool) -> dict[str, np.ndarray]:
     return data
 
 
-def _check_layout(path: Path, name: str, arr: np.ndarray) -> None:
+def _check_layout(path: Path, name: str, arr: np.ndarray, version: int = SCHEMA_VERSION) -> None:
+    if name == "routed_experts":
+        if arr.ndim != 3 or arr.dtype not in (np.uint8, np.uint16):
+            raise ShardError(path, name, f"expected uint8/uint16 [rows, layers, top_k], found {arr.dtype} "
+                                         f"{arr.shape}")
+        return
     if arr.ndim != 1:
         raise ShardError(path, name, f"expected one dimension, found shape {arr.shape}")
     if name in BULK:
         if arr.dtype != BULK[name]:
             raise ShardError(path, name, f"expected {BULK[name]}, found {arr.dtype}")
         return
-    for col, kind in TABLES[name]:
+    for col, kind in (CALL_COLUMNS_V1 if name == "calls" and version == 1 else TABLES[name]):
         if arr.dtype.names is None or col not in arr.dtype.names:
             raise ShardError(path, name, f"missing column {col!r}")
         got = arr.dtype.fields[col][0]
@@ -368,8 +417,27 @@ def _check_layout(path: Path, name: str, arr: np.ndarray) -> None:
             raise ShardError(path, name, f"column {col!r} is {got}, expected {want}")
 
 
+def _routing_tables(path: Path, d: dict[str, np.ndarray], n_exec: int) -> dict[int, RoutingTable]:
+    """Each execution's RoutingTable from the optional datasets ({} when the shard has none)."""
+    if ("routing" in d) != ("routed_experts" in d):
+        raise ShardError(path, "routing", "routing and routed_experts must come together")
+    if "routing" not in d:
+        return {}
+    rt, rows = d["routing"], d["routed_experts"]
+    ends = rt["row_start"] + rt["rows"]
+    if len(rt) and (rt["row_start"].min() < 0 or ends.max() > len(rows) or rt["execution"].max() >= n_exec):
+        raise ShardError(path, "routing", "row range outside routed_experts, or an unknown execution")
+    n_experts = 256 if rows.dtype == np.uint8 else 65536
+    out: dict[int, RoutingTable] = {}
+    for e, n, v, s, ln in zip(*(rt[k].tolist() for k in ("execution", "node", "policy_version", "row_start", "rows"))):
+        table = out.setdefault(e, RoutingTable(rows.shape[1], rows.shape[2], n_experts))
+        table.put(n, v, rows[s:s + ln])
+    return out
+
+
 def _records(path: Path, d: dict[str, np.ndarray]) -> list[ExecutionRecord]:
     tokens, logprobs, nt, ct, et = (d[k] for k in DATASETS)
+    routing = _routing_tables(path, d, len(et))
     ends = nt["token_start"] + nt["length"]
     if len(nt) and (nt["token_start"].min() < 0 or ends.max() > len(tokens)):
         raise ShardError(path, "nodes", "token range outside the tokens dataset")
@@ -394,15 +462,20 @@ def _records(path: Path, d: dict[str, np.ndarray]) -> list[ExecutionRecord]:
                      col["target_start"], col["logprob_start"], col["message_role"], col["agent_role"],
                      col["policy_version"], col["call_index"])]
         cc = {k: ct[k][c0:c0 + nc].tolist() for k in ct.dtype.names}
-        calls = [CallRecord(i, leaf, ar.decode(), ni, no, wv.decode(), pv, ep.decode(), fr.decode(), t0, t1)
-                 for i, leaf, ar, ni, no, wv, pv, ep, fr, t0, t1 in zip(
+        for k, v in CALL_DEFAULTS_V1.items():
+            cc.setdefault(k, [v] * nc)
+        calls = [CallRecord(i, leaf, ar.decode(), ni, no, wv.decode(), pv, ep.decode(), fr.decode(), t0, t1,
+                            tp, p, k, mp, dg)
+                 for i, leaf, ar, ni, no, wv, pv, ep, fr, t0, t1, tp, p, k, mp, dg in zip(
                      cc["call"], cc["leaf"], cc["agent_role"], cc["n_input"], cc["n_output"],
                      cc["weight_version"], cc["policy_version"], cc["endpoint"], cc["finish_reason"],
-                     cc["t_start"], cc["t_end"])]
+                     cc["t_start"], cc["t_end"], cc["temperature"], cc["top_p"], cc["top_k"],
+                     cc["min_p"], cc["output_digest"])]
         try:
             tree = TrajectoryTree.from_parts(nodes, calls)
         except ValueError as err:
             raise ShardError(path, "nodes", f"execution {ei}: {err}") from None
+        tree.routing = routing.get(ei)
         out.append(ExecutionRecord(
             execution_id=_s(e["execution_id"]), task=_s(e["task"]), group=int(e["group"]),
             status=_s(e["status"]), reward=float(e["reward"]), reward_source=_s(e["reward_source"]),
