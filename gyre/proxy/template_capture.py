@@ -24,7 +24,7 @@ import json
 import re
 
 from gyre.model.chat_template import ChatTemplate
-from gyre.proxy.capture import ExecutionSession, PreparedCall, Renderer, tools_salt
+from gyre.proxy.capture import ExecutionSession, PreparedCall, Renderer, message_keys, tools_salt, walk_start
 from gyre.proxy.chat import Message
 from gyre.traj.tree import ROOT, Segment
 
@@ -107,33 +107,48 @@ def _resume_offset(template: ChatTemplate, dicts: list[dict], j: int, tools, sto
     return at + len(tail) if at >= 0 else 0  # 0: the caller falls back to the stable end
 
 
+def _node_text(r: Renderer, session: ExecutionSession, nid: int) -> str:
+    """A node's decoded text, decoded once per execution (a node's tokens never change)."""
+    text = session.texts.get(nid)
+    if text is None:
+        text = session.texts[nid] = r.decode(session.tree.nodes[nid].tokens.tolist())
+    return text
+
+
 def prepare_call_template(r: Renderer, template: ChatTemplate, session: ExecutionSession, messages: list[Message],
-                          tools: list[dict], history: str = "exact") -> PreparedCall:
+                          tools: list[dict], history: str = "exact", keys: list[str] | None = None,
+                          same: int = 0) -> PreparedCall:
+    """``keys``/``same`` as for `gyre.proxy.capture.prepare_call` (the leading messages of the
+    execution's last walk are taken from it, not walked, converted or decoded again)."""
     if history not in HISTORY_MODES:
         raise ValueError(f"proxy.history {history!r}: choose one of {', '.join(HISTORY_MODES)}")
-    tree, salt = session.tree, tools_salt(tools)
-    keys = [m.key(salt if i == 0 else "") for i, m in enumerate(messages)]
-    dicts = [as_template_message(m) for m in messages]
-    matched: list[int] = []
-    parent = ROOT
-    for key in keys:
+    tree = session.tree
+    keys = keys if keys is not None else message_keys(messages, tools_salt(tools))
+    walked, known = walk_start(session, same)
+    old = walked.dicts if walked is not None and walked.dicts is not None else []
+    dicts = old[:min(same, len(old))] + [as_template_message(m) for m in messages[min(same, len(old)):]]
+    matched: list[int] = walked.nodes[:known] if known else []
+    parent = matched[-1] if known else ROOT
+    for key in keys[known:]:
         nid = tree.find_child(parent, key)
         if nid is None:
             break
         matched.append(nid)
         parent = nid
-    texts = [r.decode(list(tree.nodes[nid].tokens)) for nid in matched]
+    texts = [_node_text(r, session, nid) for nid in matched]
     if history == "template" and matched:
         # follow the template: keep matched messages only while it renders them as stored
         prompt = template.render(dicts, tools, add_generation_prompt=True)
-        acc = ""
+        at = 0
         for i, t in enumerate(texts):
-            if not prompt.startswith(acc + t):
+            if not prompt.startswith(t, at):
                 matched, texts = matched[:i], texts[:i]
                 break
-            acc += t
+            at += len(t)
     j = len(matched)
-    segments = [Segment(keys[i], tree.nodes[nid].tokens, tree.nodes[nid].message_role) for i, nid in enumerate(matched)]
+    known = min(known, j)
+    segments = (walked.segments[:known] if known else []) + [
+        Segment(keys[i], tree.nodes[nid].tokens, tree.nodes[nid].message_role) for i, nid in enumerate(matched[known:], known)]
     nodes: list[int | None] = list(matched)
     cut = _resume_offset(template, dicts, j, tools, "".join(texts)) if j else 0
     if j and cut == 0:
@@ -151,5 +166,6 @@ def prepare_call_template(r: Renderer, template: ChatTemplate, session: Executio
         segments.append(Segment(keys[i], toks, msg.role))
         nodes.append(None)
     prompt_ids = encode_segment(r, gen, [])
-    n_input = sum(len(s.tokens) for s in segments) + len(prompt_ids)
-    return PreparedCall(segments, prompt_ids, n_input, reused, nodes)
+    n_known = walked.ends[known - 1] if known else 0
+    n_input = n_known + sum(len(s.tokens) for s in segments[known:]) + len(prompt_ids)
+    return PreparedCall(segments, prompt_ids, n_input, reused, nodes, walked, known, dicts)
