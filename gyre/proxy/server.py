@@ -152,9 +152,11 @@ class Proxy:
         self.template, self.history = chat_template, history
         self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
         self.template_conformance: dict | None = None
+        self.template_window = False  # render only the new end of the conversation (append-only templates)
         if chat_template is not None:
 
             self.template_conformance = conformance(chat_template)
+            self.template_window = all(self.template_conformance[k] for k in ("append_only", "incremental_exact"))
             if not self.template_conformance["append_only"]:
                 log.warning("the model's chat template is not append-only (%s); proxy.history=%s: %s",
                             self.template_conformance["breaks"][0]["why"], history,
@@ -256,7 +258,7 @@ class Proxy:
         if self.template is not None:
             # the model's own template renders tools with or without a system turn, as it does
             prepared = prepare_call_template(self.renderer, self.template, sess, messages, tools, self.history,
-                                             keys, same)
+                                             keys, same, self.template_window)
         else:
             prepared = prepare_call(self.renderer, sess, messages, tools, keys, same)
         # plain-text encoding: a name can hold no control token (refused above), and never becomes one

@@ -1,0 +1,154 @@
+"""Per-call proxy work follows the call's new messages (issue 28, ARCHITECTURE.md invariant 10):
+a call starts from the execution's last walk (gyre.proxy.capture.Walked) and, under an
+append-only chat template, renders only the end of the conversation (template_capture._window).
+Both must give exactly the ids of the full computation: the same harness conversation goes through
+two proxies, one as shipped and one that forgets its walk after every call and renders whole
+conversations, and the engine must receive the same input ids and the trees hold the same nodes."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+
+from gyre.engine.router import Router
+from gyre.model.chat_template import ChatTemplate
+from gyre.proxy import template_capture
+from gyre.proxy.chat import Message
+from gyre.proxy.server import Proxy, create_app, start_site
+from loop_thread import LoopThread
+from scripted_engine import ScriptedEngine
+from test_chat_template import TEMPLATES, TOOLS
+from test_proxy import R, TOKENIZER
+
+
+def _call_text(i: int, reasoning: bool) -> str:
+    think = f"<think>\nstep {i}: look around\n</think>\n\n" if reasoning else ""
+    cmd = "ls" if i % 3 == 0 else f"cat mod_{i}.py"  # repeated calls: periodic text
+    return think + '<tool_call>\n{"name": "bash", "arguments": {"command": "%s"}}\n</tool_call>' % cmd
+
+
+class Pair:
+    """Two proxies behind their own scripted engines, fed the same requests."""
+
+    def __init__(self, template: str | None, history: str, reasoning: bool, force_window: bool):
+        self.lt = LoopThread()
+        kw = {} if template is None else {
+            "chat_template": ChatTemplate((TEMPLATES / f"{template}.jinja").read_text()), "history": history,
+            "reasoning_parser": "qwen3" if reasoning else "none"}
+        self.engines = [ScriptedEngine(decode=R.decode), ScriptedEngine(decode=R.decode)]
+        for e in self.engines:
+            e.script = [R.encode(_call_text(i, reasoning)) + [R.im_end] for i in range(60)]
+        self.proxies, self.ports, self.keys = [], [], []
+
+        async def up():
+            self.down = []
+            for e in self.engines:
+                erunner, eport = await start_site(e.app(), "127.0.0.1", 0)
+                router = Router([f"http://127.0.0.1:{eport}"])
+                proxy = Proxy(router, TOKENIZER, **kw)
+                prunner, port = await start_site(create_app(proxy, admin_key="a"), "127.0.0.1", 0)
+                self.proxies.append(proxy)
+                self.ports.append(port)
+                self.down += [prunner.cleanup, router.close, erunner.cleanup]
+
+        self.lt.run(up())
+        self.proxies[0].template_window = self.proxies[0].template_window or force_window
+        self.proxies[1].template_window = False
+        self.keys = [p.register("e", task="t") for p in self.proxies]
+
+    def post(self, messages: list[dict]) -> dict:
+        out = []
+        for k, (port, key) in enumerate(zip(self.ports, self.keys)):
+            body = json.dumps({"model": "main", "messages": messages, "tools": TOOLS}).encode()
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body, method="POST",
+                                         headers={"Content-Type": "application/json",
+                                                  "Authorization": f"Bearer {key}"})
+            with urllib.request.urlopen(req, timeout=30) as r:
+                out.append(json.loads(r.read()))
+            if k == 1:  # the reference forgets its walk: every call walks, parses and keys all
+                self.proxies[1].by_id["e"].walked = None
+        return out[0]
+
+    def close(self):
+        async def down():
+            for f in self.down:
+                await f()
+        self.lt.run(down())
+        self.lt.close()
+
+
+def _drive(pair: Pair, calls: int = 26) -> None:
+    """An agent conversation with what breaks prefixes: two tool results at once, a user turn in
+    the middle, a retry of the same request, a compaction that restarts the history."""
+    system = {"role": "system", "content": "You are a coding agent."}
+    task = {"role": "user", "content": "Fix the failing test in the repository."}
+    messages = [system, task]
+    for i in range(calls):
+        msg = pair.post(messages)["choices"][0]["message"]
+        if i == 7:  # a retry: the harness sends the same request again
+            msg = pair.post(messages)["choices"][0]["message"]
+        turn = {"role": "assistant", "content": msg["content"], "tool_calls": msg["tool_calls"]}
+        if msg.get("reasoning_content"):
+            turn["reasoning_content"] = msg["reasoning_content"]
+        messages.append(turn)
+        messages.append({"role": "tool", "tool_call_id": "c", "content": "ok" if i % 3 == 0 else f"line {i}\n" * 3})
+        if i % 5 == 4:
+            messages.append({"role": "tool", "tool_call_id": "d", "content": "ok"})
+        if i == 11:
+            messages.append({"role": "user", "content": "Also keep the old behaviour."})
+        if i == 17:  # compaction: the history restarts from a summary
+            messages = [system, task, {"role": "user", "content": "Summary: tests fixed up to step 17."}]
+
+
+@pytest.mark.parametrize("template,history,reasoning,force_window", [
+    (None, "exact", False, False),
+    ("chatml_hermes", "exact", False, False),
+    ("chatml_hermes", "template", False, False),
+    # not append-only: the proxy renders it whole; forced to try the window, its check must see it
+    ("chatml_drop_reasoning", "exact", True, True),
+])
+def test_incremental_calls_give_the_full_computations_ids(template, history, reasoning, force_window, monkeypatch):
+    windows = []
+    orig = template_capture._window
+    monkeypatch.setattr(template_capture, "_window",
+                        lambda *a: windows.append(orig(*a) is not None) or orig(*a))
+    pair = Pair(template, history, reasoning, force_window)
+    try:
+        _drive(pair)
+        got, want = (e.requests for e in pair.engines)
+        assert len(got) == len(want) == 27
+        for k, (a, b) in enumerate(zip(got, want)):
+            assert a["input_ids"] == b["input_ids"], f"call {k}"
+        trees = [p.by_id["e"].tree for p in pair.proxies]
+        assert [(n.parent, n.key, n.tokens.tolist()) for n in trees[0].nodes] == \
+               [(n.parent, n.key, n.tokens.tolist()) for n in trees[1].nodes]
+        if template == "chatml_hermes":
+            assert sum(windows) >= 10  # the late calls of each history rendered only their end
+    finally:
+        pair.close()
+
+
+def test_a_call_parses_and_keys_only_its_new_messages(monkeypatch):
+    """With the execution's earlier messages repeated, the proxy computes a key (hash of the
+    message text) only for the messages the last call did not send."""
+    counted = []
+    orig = Message.key
+    monkeypatch.setattr(Message, "key", lambda self, salt="": counted.append(1) or orig(self, salt))
+    pair = Pair(None, "exact", False, False)
+    try:
+        messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+        per_call = []
+        for i in range(12):
+            before = len(counted)
+            msg = pair.post(messages)["choices"][0]["message"]
+            per_call.append(len(counted) - before)
+            messages += [{"role": "assistant", "content": msg["content"], "tool_calls": msg["tool_calls"]},
+                         {"role": "tool", "tool_call_id": "c", "content": f"out {i}"}]
+        # per call: the reference keys every message (2 + 2i), the shipped proxy its 2 new ones,
+        # plus one key each for the reply both record
+        assert per_call[0] == 2 * (2 + 1)
+        assert per_call[1:] == [(2 + 2 * i + 1) + (2 + 1) for i in range(1, 12)]
+    finally:
+        pair.close()
