@@ -15,8 +15,10 @@ import pytest
 from gyre.engine.router import Router
 from gyre.model.chat_template import ChatTemplate
 from gyre.proxy import template_capture
-from gyre.proxy.chat import Message
+from gyre.proxy.capture import ExecutionSession, message_keys, prepare_call, record_call, remember
+from gyre.proxy.chat import Message, parse_messages
 from gyre.proxy.server import Proxy, create_app, start_site
+from gyre.traj.record import ExecutionRecord
 from loop_thread import LoopThread
 from scripted_engine import ScriptedEngine
 from test_chat_template import TEMPLATES, TOOLS
@@ -152,3 +154,41 @@ def test_a_call_parses_and_keys_only_its_new_messages(monkeypatch):
         assert per_call[1:] == [(2 + 2 * i + 1) + (2 + 1) for i in range(1, 12)]
     finally:
         pair.close()
+
+
+def test_a_node_recorded_after_the_walk_takes_over():
+    """Calls of one execution overlap: while a call runs, a retry of an earlier request samples the
+    same text with other ids, and the tree's newest node for that message is what a fresh walk
+    finds from then on; the kept walk must stop before it, or the next call would be built on
+    the older ids."""
+    sess = ExecutionSession(ExecutionRecord("e", "t", 0), "k")
+
+    def prepare(raw, use_walk=True):
+        messages = parse_messages(raw)
+        keys = message_keys(messages, "")
+        same = sess.walked.common(raw, "") if use_walk and sess.walked is not None else 0
+        return raw, messages, keys, prepare_call(R, sess, messages, [], keys, same)
+
+    def record(call, out):
+        raw, messages, keys, prepared = call
+        reply = Message("assistant", R.decode(out[:-1]))
+        record_call(sess, prepared, reply, out, [-1.0] * len(out), agent_role="main", weight_version="0",
+                    endpoint="x", finish_reason="stop", t_start=0.0)
+        remember(sess, prepared, raw, "", 0, messages, keys, R.im_end)
+
+    ids_a = R.encode("All done here.") + [R.im_end]
+    ids_b = R.encode("All do") + R.encode("ne here.") + [R.im_end]  # same text, other ids
+    assert R.decode(ids_a) == R.decode(ids_b) and ids_a != ids_b
+    base = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    turn = base + [{"role": "assistant", "content": "All done here."}, {"role": "user", "content": "more"}]
+    record(prepare(base), ids_a)
+    record(prepare(turn), R.encode("Next.") + [R.im_end])
+    running = prepare(turn + [{"role": "assistant", "content": "Next."}, {"role": "user", "content": "again"}])
+    assert running[3].known == 4  # it started from the kept walk
+    record(prepare(base), ids_b)  # the retry ends first: a sibling node with the same key
+    record(running, R.encode("Last.") + [R.im_end])
+    nxt = turn + [{"role": "assistant", "content": "Next."}, {"role": "user", "content": "again"},
+                  {"role": "assistant", "content": "Last."}, {"role": "user", "content": "end"}]
+    want = prepare(nxt, use_walk=False)[3].input_ids
+    assert prepare(nxt)[3].input_ids == want
+    assert want[len(prepare(base, use_walk=False)[3].input_ids):][:len(ids_b) - 1] == ids_b[:-1]
