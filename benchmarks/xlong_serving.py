@@ -18,6 +18,12 @@ durable shard), read = read_shard with checksums. Peak memory: tracemalloc's pea
 records already in memory (numpy registers its buffers with tracemalloc), in a second pass so
 the timed pass runs untraced.
 
+Engine: the embedded engine's model (the tiny model's long variant, `gyre make-model
+--max-positions 262144`) runs one 512-token prompt chunk and one decode step after a 256K-token
+KV cache (made up: a real 256K prefill of even the tiny model takes hours on CPU). In a child
+process, so its peak RSS is its own: ``engine_chunk_peak_mb_256k`` is the peak above the process
+with the cache in place, i.e. what the chunk itself holds (the KV cache: ``engine_kv_mb_256k``).
+
 ``measure()`` returns the flat dict; ``python benchmarks/xlong_serving.py`` writes
 benchmarks/results/xlong_serving.json.
 """
@@ -25,7 +31,9 @@ benchmarks/results/xlong_serving.json.
 from __future__ import annotations
 
 import json
+import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -179,8 +187,42 @@ def shard_run(record, work: Path) -> dict:
             "read_peak_mb": read_peak / 2 ** 20}
 
 
+ENGINE_CONTEXT = 262_144
+
+
+def engine_probe() -> dict:
+    """(child process) One prompt chunk and one decode step after a made-up 256K-token cache."""
+    import torch
+
+    from gyre.engine.qwen import CausalLM, KVCache
+    from gyre.model.tiny import LONG_POSITIONS, ensure_tiny_model
+
+    with tempfile.TemporaryDirectory(prefix="gyre-xlong-model-") as tmp:
+        model = CausalLM.from_dir(ensure_tiny_model(Path(tmp) / "tiny-long", max_positions=LONG_POSITIONS))
+    past = ENGINE_CONTEXT - 512 - 1
+    cache = KVCache(model.spec, capacity=ENGINE_CONTEXT)
+    for t in cache.k + cache.v:
+        t.normal_()
+    cache.length = past
+    ids = torch.randint(0, 2000, (512,)).tolist()
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t = time.perf_counter()
+    model.forward(ids, cache)
+    chunk_s = time.perf_counter() - t
+    t = time.perf_counter()
+    model.decode([ids[0]], [cache])
+    decode_s = time.perf_counter() - t
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"engine_context_256k": cache.length, "engine_kv_mb_256k": cache.nbytes() / 2 ** 20,
+            "engine_chunk_s_256k": chunk_s, "engine_decode_s_256k": decode_s,
+            "engine_chunk_peak_mb_256k": (peak - base) / 1024}
+
+
 def measure() -> dict[str, float]:
     out: dict[str, float] = {"proxy_calls": CALLS, "proxy_window": PROXY_WINDOW}
+    child = subprocess.run([sys.executable, __file__, "--engine-probe"], capture_output=True, text=True,
+                           check=True, timeout=1800)
+    out.update(json.loads(child.stdout.strip().splitlines()[-1]))
     for mode, suffix in (("builtin", ""), ("exact", "_exact"), ("template", "_template")):
         run = proxy_run(mode)
         o = run["overhead_s"]
@@ -201,6 +243,9 @@ def measure() -> dict[str, float]:
 
 
 if __name__ == "__main__":
+    if "--engine-probe" in sys.argv:
+        print(json.dumps(engine_probe()))
+        sys.exit(0)
     result = measure()
     dest = ROOT / "benchmarks" / "results" / "xlong_serving.json"
     dest.parent.mkdir(parents=True, exist_ok=True)
