@@ -2,7 +2,11 @@
 
 - decision_ms_1024: median time of one ``decide(state, now)`` per scheme with 1,024 cells and
   10,000 running executions (goal: <= 10 ms).
-- sim_events_per_s: events per second of the 48-step, 32-node E0 simulation.
+- sim_events_per_s: events per second of the 8-step, 32-node E0 simulation.
+- sim_s_64n: seconds of one E1 run of the 122B preset on 64 nodes (4-node cells) at SIM_STEPS steps;
+  sim_s_1024n: the 2.4T preset on 1,024 nodes (64-node cells) at SIM_STEPS steps (issue 33's goal is a
+  48-step run in under 60 s: the keys say how far off; the steps are recorded beside them);
+  plan_s_64n: `gyre plan --nodes 64` (both cell sizes, E/A/C, staleness 0 and 2) at SIM_STEPS steps.
 
     python benchmarks/bench_sched.py        # writes benchmarks/results/sched.json
 """
@@ -60,12 +64,39 @@ def sim_speed() -> dict:
     return {"events": r.events, "wall_s": round(r.wall_s, 3), "events_per_s": round(r.events / r.wall_s)}
 
 
+SIM_STEPS = 4
+
+
+def planning_speed() -> dict:
+    from gyre.sim import plan
+    from gyre.sim.scenario import preset_scenario
+    out = {"sim_steps": SIM_STEPS}
+    t0 = time.perf_counter()
+    preset_scenario("nl2repo-122b-32n", "E", 1, steps=SIM_STEPS, record=False,
+                    cluster_over={"nodes": 64, "cell_nodes": 4}).run()
+    out["sim_s_64n"] = round(time.perf_counter() - t0, 2)
+    t0 = time.perf_counter()
+    preset_scenario("nl2repo-2.4t", "E", 1, steps=SIM_STEPS, record=False,
+                    cluster_over={"nodes": 1024, "cell_nodes": 64}).run()
+    out["sim_s_1024n"] = round(time.perf_counter() - t0, 2)
+    import argparse
+    ap = argparse.ArgumentParser()
+    plan.add_arguments(ap)
+    args = ap.parse_args(["--nodes", "64", "--steps", str(SIM_STEPS)])
+    t0 = time.perf_counter()
+    rows = list(plan.execute(plan.scenarios(args), "inline"))
+    out["plan_s_64n"] = round(time.perf_counter() - t0, 2)
+    out["plan_points_64n"] = len(rows)
+    return out
+
+
 def main() -> int:
     d = decision_ms()
     s = sim_speed()
+    p = planning_speed()
     doc = {"decision_ms_1024": d, "decision_setup": {"cells": CELLS, "running_executions": RUNNING,
                                                      "repeat": REPEAT, "statistic": "median", "goal_ms": 10},
-           "sim_events_per_s": s["events_per_s"], "sim_run": {"label": "E0", "nodes": 32, "steps": 8, "groups_per_step": 256, **s}}
+           "sim_events_per_s": s["events_per_s"], "sim_run": {"label": "E0", "nodes": 32, "steps": 8, "groups_per_step": 256, **s}} | p
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(doc, indent=1), encoding="utf-8")
     print(json.dumps(doc, indent=1))

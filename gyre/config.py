@@ -159,11 +159,12 @@ class ProxyConfig:
                                                  "beyond it is a 429)")
     chat_template: str = _f("builtin", choices=("builtin", "model"),
                             help="builtin: Gyre's ChatML (Qwen2.5 format); model: the model directory's own Jinja "
-                                 "template (chat_template.jinja or tokenizer_config.json), checked at start")
+                                 "template (chat_template.jinja or tokenizer_config.json), checked by token ids at start "
+                                 "(refused, with the reason, when Gyre cannot follow it exactly)")
     history: str = _f("exact", choices=("exact", "template"),
                       help="with a template that is not append-only: exact keeps sampled turns as sampled; "
                            "template follows the template and branches the tree where it rewrites history")
-    tool_parser: str = _f("hermes", choices=("hermes", "qwen3_coder", "none"),
+    tool_parser: str = _f("hermes", choices=("hermes", "qwen3_coder", "llama3", "none"),
                           help="tool-call format of the model's output (chat_template = model)")
     reasoning_parser: str = _f("none", choices=("none", "qwen3"),
                                help="qwen3: <think>...</think> goes to reasoning_content (chat_template = model)")

@@ -46,7 +46,8 @@ def sample(sess, prepared, text: str) -> list[int]:
 
 def test_conformance_probe_per_template():
     assert conformance(tpl("chatml_hermes"))["append_only"] is True
-    assert conformance(tpl("qwen3_coder_xml")) == {"append_only": True, "incremental_exact": True, "breaks": []}
+    assert conformance(tpl("qwen3_coder_xml")) == {"append_only": True, "incremental_exact": True, "refused": False,
+                                               "breaks": []}
     drop = conformance(tpl("chatml_drop_reasoning"))
     assert drop["append_only"] is False and drop["incremental_exact"] is True
     assert [b["message"] for b in drop["breaks"]] == [2, 4]  # the two turns with reasoning
@@ -170,6 +171,7 @@ def test_proxy_over_http_with_the_model_template_and_parsers(tmp_path):
     from test_proxy import Stack
 
     (tmp_path / "chat_template.jinja").write_text((TEMPLATES / "qwen3_coder_xml.jinja").read_text())
+    (tmp_path / "tokenizer.json").write_text((ROOT / "gyre" / "assets" / "tokenizer.json").read_text())
     cfg = load_config(None, ["proxy.chat_template=model", "proxy.tool_parser=qwen3_coder",
                              "proxy.reasoning_parser=qwen3"])
     opts = proxy_options(cfg.proxy, tmp_path)

@@ -100,8 +100,9 @@ def test_submitit_local_executor_matches_inline(tmp_path):
     pytest.importorskip("submitit")
     scs = plan.scenarios(args("--nodes", "8", "--cell-nodes", "4", "--schemes", "E,C", "--staleness", "0",
                               "--steps", "2", "--groups-per-step", "2"))
-    inline = plan.execute(scs, "inline")
-    local = plan.execute(scs, "local", jobs_dir=str(tmp_path / "jobs"))
+    key = lambda r: (r["label"], r["cells"])  # noqa: E731  (submitit yields jobs as they end)
+    inline = sorted(plan.execute(scs, "inline"), key=key)
+    local = sorted(plan.execute(scs, "local", jobs_dir=str(tmp_path / "jobs")), key=key)
     assert local == inline
 
 
@@ -124,3 +125,66 @@ def test_feasible_layouts_pass_the_memory_check():
     check_layout(MODEL_2P4T, 48)
     with pytest.raises(ConfigError, match="42-node cell"):
         check_layout(MODEL_2P4T, 42)
+
+
+def test_colocate_at_high_staleness_with_few_groups_runs():
+    """Issue 33's crash: a whole-pool switch evicted a call in flight while no call was decoding
+    (ZeroDivisionError in the eviction's re-prefill price)."""
+    (s,) = plan.scenarios(args("--nodes", "32", "--cell-nodes", "4", "--staleness", "4",
+                               "--groups-per-step", "8", "--steps", "4", "--schemes", "C"))
+    r = plan.run_one(s)
+    assert not r.get("skipped") and r["hours"] > 0
+
+
+def test_searched_async_split_is_the_exhaustive_best():
+    from gyre.sim.scenario import best_async, nl2repo_cluster
+    from gyre.sim.scenario import Scenario
+    s = Scenario("A", 1, nl2repo_cluster(nodes=40, cell_nodes=4), steps=3, groups_per_step=4, record=False)
+    full, every = best_async(s)
+    found, tried = best_async(s, search=True)
+    assert len(every) == 9 and len(tried) < len(every)
+    assert found.async_rollout_cells == full.async_rollout_cells and found.hours == full.hours
+
+
+def test_a_failing_point_is_a_row_and_the_sweep_goes_on(monkeypatch, tmp_path, capsys):
+    real = plan.run_one
+
+    def flaky(s):
+        if s.scheme == "C":
+            raise ZeroDivisionError("float division by zero")
+        return real(s)
+
+    monkeypatch.setattr(plan, "run_one", flaky)
+    out = tmp_path / "rows.json"
+    rc = main(["plan", "--nodes", "8", "--cell-nodes", "4", "--schemes", "E,C", "--staleness", "0",
+               "--steps", "2", "--groups-per-step", "2", "--json", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 1 and "1 point(s) failed" in captured.err
+    rows = {r["label"]: r for r in json.loads(out.read_text())}
+    assert rows["E0"]["recommended"] and "ZeroDivisionError" in rows["C0"]["skipped"]
+
+
+def test_ctrl_c_keeps_the_points_that_finished(monkeypatch, capsys):
+    real, seen = plan.run_one, []
+
+    def interrupted_second(s):
+        if seen:
+            raise KeyboardInterrupt
+        seen.append(s)
+        return real(s)
+
+    monkeypatch.setattr(plan, "run_one", interrupted_second)
+    monkeypatch.setattr(plan, "_guarded", lambda s: plan.run_one(s))  # let the interrupt through
+    rc = main(["plan", "--nodes", "8", "--cell-nodes", "4", "--schemes", "E,C", "--staleness", "0",
+               "--steps", "2", "--groups-per-step", "2"])
+    captured = capsys.readouterr()
+    assert rc == 130 and "interrupted: 1 of 2 points" in captured.err
+    assert "recommended for 8 nodes" in captured.out and "| E0 |" in captured.out
+
+
+def test_gpu_kind_and_default_steps_come_from_flags_and_preset():
+    a = args("--nodes", "32", "--cell-nodes", "4", "--schemes", "E", "--staleness", "0", "--gpu", "B200")
+    (s,) = plan.scenarios(a)
+    assert s.steps == plan.preset(a.preset).steps
+    h200 = plan.scenarios(args("--nodes", "32", "--cell-nodes", "4", "--schemes", "E", "--staleness", "0"))[0]
+    assert s.cluster.replica.hbm_tb_s > h200.cluster.replica.hbm_tb_s  # B200 reads HBM faster

@@ -7,6 +7,8 @@ Tool-call parsers (`TOOL_PARSERS`):
 * ``qwen3_coder``: Qwen3-Coder's XML function format,
   ``<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>``;
   a VALUE that is valid JSON is taken as JSON, else as a string.
+* ``llama3``: Llama 3.x's JSON calls, ``{"name": ..., "parameters": {...}}`` (``arguments`` also
+  read), the whole output, optionally after ``<|python_tag|>``, several separated by ``;``.
 A block that does not parse leaves the whole output as plain content (never a half-read call).
 
 Reasoning parsers (`REASONING_PARSERS`): ``qwen3`` splits ``<think>...</think>`` off the front
@@ -78,11 +80,35 @@ def parse_qwen3_coder(text: str) -> Parsed:
     return Parsed(_content_around(text, _XML_CALL), calls) if calls else Parsed(text, [])
 
 
+_PYTHON_TAG = "<|python_tag|>"
+
+
+def parse_llama3(text: str) -> Parsed:
+    body = text.strip()
+    body = body[len(_PYTHON_TAG):].lstrip() if body.startswith(_PYTHON_TAG) else body
+    if not body.startswith("{"):
+        return Parsed(text, [])
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while at < len(body):
+        try:
+            obj, at = decoder.raw_decode(body, at)
+            name = obj["name"]
+            args = obj["parameters"] if "parameters" in obj else obj.get("arguments", {})
+            args = json.loads(args) if isinstance(args, str) else args
+            if not isinstance(name, str) or not isinstance(args, dict):
+                raise TypeError
+        except (ValueError, KeyError, TypeError):
+            return Parsed(text, [])
+        calls.append(ParsedCall(name, args))
+        at = len(body) - len(body[at:].lstrip().removeprefix(";").lstrip())
+    return Parsed(None, calls)
+
+
 def parse_none(text: str) -> Parsed:
     return Parsed(text, [])
 
 
-TOOL_PARSERS = {"hermes": parse_hermes, "qwen3_coder": parse_qwen3_coder, "none": parse_none}
+TOOL_PARSERS = {"hermes": parse_hermes, "qwen3_coder": parse_qwen3_coder, "llama3": parse_llama3, "none": parse_none}
 
 
 def split_reasoning_qwen3(text: str) -> tuple[str | None, str]:

@@ -26,23 +26,39 @@ class Renderer:
 
     Two encoders: ``encode`` for the template's own text (control tokens honoured) and
     ``encode_text`` for message text, where special tokens are plain characters, so only the
-    template produces control ids (a tool output cannot forge a turn)."""
+    template produces control ids (a tool output cannot forge a turn).
 
-    def __init__(self, tokenizer):
+    End-of-turn ids: `end_ids` (from the model directory: `gyre.model.chat_template.end_token_ids`),
+    else ChatML's ``<|im_end|>`` and ``<|endoftext|>``. The built-in ChatML renderer needs
+    ``<|im_end|>`` (`require_chatml`); a model's own template (Llama 3) need not have it."""
+
+    def __init__(self, tokenizer, end_ids: list[int] | None = None):
         self.tok = tokenizer
         from tokenizers import Tokenizer
 
         self._plain = Tokenizer.from_str(tokenizer.to_str())
         self._plain.encode_special_tokens = True
-        self.im_end = self._special("<|im_end|>")
-        self.eos = self._special("<|endoftext|>")
-        self.newline = self.encode("\n")
-        self.assistant_head = self.encode("<|im_start|>assistant\n")
+        self.im_end = tokenizer.token_to_id("<|im_end|>")
+        self.eos = tokenizer.token_to_id("<|endoftext|>")
+        self.end_ids = list(end_ids or (i for i in (self.im_end, self.eos) if i is not None))
+        if not self.end_ids:
+            raise ValueError("no end-of-turn token: the tokenizer has no <|im_end|> and the model directory names "
+                             "none (add eos_token_id to generation_config.json)")
+        if self.im_end is not None:
+            self.newline = self.encode("\n")
+            self.assistant_head = self.encode("<|im_start|>assistant\n")
+
+    def require_chatml(self) -> None:
+        """The built-in renderer writes ChatML: refuse a tokenizer without its tokens, at start."""
+        for text in ("<|im_start|>", "<|im_end|>"):
+            if self.tok.token_to_id(text) is None:
+                raise ValueError(f"tokenizer has no {text} token: the built-in renderer writes ChatML (Qwen format); "
+                                 "serve this model with its own template (proxy.chat_template = \"model\")")
 
     def _special(self, text: str) -> int:
         tid = self.tok.token_to_id(text)
         if tid is None:
-            raise ValueError(f"tokenizer has no {text} token; Gyre's proxy renders ChatML (Qwen format)")
+            raise ValueError(f"tokenizer has no {text} token; Gyre's built-in renderer writes ChatML (Qwen format)")
         return tid
 
     def encode(self, text: str) -> list[int]:
@@ -64,8 +80,12 @@ class Renderer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)
 
+    def decode_output(self, ids: list[int]) -> str:
+        """An output's text without the end-of-turn token that ended it (not content)."""
+        return self.decode(ids[:-1] if ids and ids[-1] in self.end_ids else ids)
+
     def stop_ids(self) -> list[int]:
-        return [self.im_end, self.eos]
+        return list(self.end_ids)
 
 
 @dataclass

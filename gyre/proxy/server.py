@@ -35,8 +35,9 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from gyre.engine.client import EngineError
 from gyre.engine.router import RouterError
-from gyre.model.chat_template import ChatTemplate, conformance
+from gyre.model.chat_template import ChatTemplate, end_token_ids
 from gyre.model.parsers import parse
+from gyre.model.tokenizer import load_tokenizer
 from gyre.proxy.capture import (ExecutionSession, PreparedCall, Renderer, message_keys, new_api_key,
                                 prepare_call, record_call, remember, tools_salt, wire_ids)
 from gyre.proxy.chat import (DEFAULT_TOOL_SYSTEM, Message, MessageError, ParsedOutput, ToolCall, canonical_arguments,
@@ -44,7 +45,7 @@ from gyre.proxy.chat import (DEFAULT_TOOL_SYSTEM, Message, MessageError, ParsedO
 from gyre.proxy.params import MAX_DEPTH, CallParams, RequestError, check_depth, forced_prefix, parse_params
 from gyre.proxy.replay import Replay
 from gyre.proxy.streaming import ContentStream, ReasoningStream
-from gyre.proxy.template_capture import prepare_call_template
+from gyre.proxy.template_capture import check_template, prepare_call_template
 from gyre.proxy.token_safety import check_names, template_tokens
 from gyre.traj.record import ExecutionRecord
 from gyre.traj.tree import TrajectoryTree
@@ -134,8 +135,9 @@ def proxy_options(proxy_cfg, model_dir) -> dict:
     if template is None:
         raise ValueError(f"proxy.chat_template = \"model\" but {model_dir} has no chat template (chat_template.jinja "
                          f"or tokenizer_config.json's chat_template); add one or use proxy.chat_template = \"builtin\"")
+    tokenizer = load_tokenizer(model_dir)
     return {"chat_template": template, "history": proxy_cfg.history, "tool_parser": proxy_cfg.tool_parser,
-            "reasoning_parser": proxy_cfg.reasoning_parser}
+            "reasoning_parser": proxy_cfg.reasoning_parser, "end_ids": end_token_ids(model_dir, tokenizer.token_to_id)}
 
 
 class Proxy:
@@ -144,18 +146,19 @@ class Proxy:
     def __init__(self, router, tokenizer, *, model_name: str = "gyre", default_max_tokens: int = 512,
                  max_tokens_cap: int = 4096, identity: dict | None = None, context_length: int | None = None,
                  max_executions: int = 10_000, chat_template=None, history: str = "exact",
-                 tool_parser: str = "hermes", reasoning_parser: str = "none"):
+                 tool_parser: str = "hermes", reasoning_parser: str = "none", end_ids: list[int] | None = None):
         self.router = router
-        self.renderer = Renderer(tokenizer)
+        self.renderer = Renderer(tokenizer, end_ids)
         self.template_tokens = template_tokens(tokenizer)
         # the model's own chat template (gyre.model.chat_template.ChatTemplate); None = built-in ChatML
         self.template, self.history = chat_template, history
         self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
         self.template_conformance: dict | None = None
         self.template_window = False  # render only the new end of the conversation (append-only templates)
-        if chat_template is not None:
-
-            self.template_conformance = conformance(chat_template)
+        if chat_template is None:
+            self.renderer.require_chatml()
+        else:  # refused here, with the reason, when its segments' ids are not the whole prompt's
+            self.template_conformance = check_template(self.renderer, chat_template)
             self.template_window = all(self.template_conformance[k] for k in ("append_only", "incremental_exact"))
             if not self.template_conformance["append_only"]:
                 log.warning("the model's chat template is not append-only (%s); proxy.history=%s: %s",
@@ -301,7 +304,7 @@ class Proxy:
             self.abandoned["aborted"] += 1
             raise AbortedCall(res.finish_message or "generation aborted")
         out_ids, lps = list(res.output_ids), list(res.logprobs)
-        text = self.renderer.decode(c.forced + out_ids)
+        text = self.renderer.decode_output(c.forced + out_ids)
         matched_stop = res.finish_reason == "stop" and isinstance(res.meta_info.get("finish_reason", {}).get("matched"), str)
         hits = [text.find(s) for s in c.engine_params.get("stop", ()) if s in text]
         if hits:
@@ -454,7 +457,7 @@ class Proxy:
             if snap.finish_reason is not None:
                 final = snap
                 continue
-            text = self.renderer.decode(c.forced + snap.output_ids)
+            text = self.renderer.decode_output(c.forced + snap.output_ids)
             if reasoning is not None:
                 delta = {k: v for k, v in reasoning.deltas(text).items() if v}
                 if delta:

@@ -16,6 +16,12 @@ make two behaviours possible, chosen by ``proxy.history``:
 
 Token safety is kept: the message text inside a segment (content, reasoning) is tokenized as
 plain text, only the template's own text can produce control tokens.
+
+Token boundaries: the template is bound to the tokenizer's added tokens (`bind_template`), so
+segments are cut only at their edges and tokenizing them one by one gives the ids of tokenizing
+the whole prompt. `check_template` proves this at proxy start on probe conversations, by ids, and
+refuses a template it cannot follow exactly. A conversation the template itself refuses (its
+``raise_exception``) is the client's error: a 400 with the template's reason, never a 500.
 """
 
 from __future__ import annotations
@@ -23,14 +29,44 @@ from __future__ import annotations
 import json
 import re
 
-from gyre.model.chat_template import ChatTemplate, TemplateError
+from gyre.model.chat_template import PROBE_TOOLS, PROBES, ChatTemplate, TemplateError, conformance
 from gyre.proxy.capture import ExecutionSession, PreparedCall, Renderer, message_keys, tools_salt, walk_start
-from gyre.proxy.chat import Message
+from gyre.proxy.chat import Message, MessageError
 from gyre.traj.tree import ROOT, Segment
 
 HISTORY_MODES = ("exact", "template")
 WINDOW = 8  # matched messages a windowed render keeps before the new ones (see prepare_call_template)
 BRIDGE_CHARS = 32  # the end of the message before the window that must precede it as stored
+
+
+class TemplateRefused(ValueError):
+    """The model's chat template cannot be followed by token ids (raised at proxy start)."""
+
+
+def bind_template(r: Renderer, template: ChatTemplate) -> ChatTemplate:
+    """Cut `template`'s segments only at the edges of `r`'s added tokens (special or not)."""
+    template.bind(t.content for t in r.tok.get_added_tokens_decoder().values() if t.content)
+    return template
+
+
+def check_template(r: Renderer, template: ChatTemplate) -> dict:
+    """Bind `template` to `r` and prove on the probe conversations that per-message segments,
+    tokenized one by one, give exactly the ids transformers' ``apply_chat_template`` gives for
+    the whole prompt. Returns the conformance of the first probe the template renders; raises
+    `TemplateRefused` (with the reason) when a probe's ids differ or the template renders none."""
+    bind_template(r, template)
+    results = [conformance(template, probe, PROBE_TOOLS, encode=r.encode) for probe in PROBES]
+    rendered = [c for c in results if not c["refused"]]
+    if not rendered:
+        raise TemplateRefused("the model's chat template renders none of Gyre's probe conversations ("
+                              f"{results[0]['breaks'][0]['why']}); use proxy.chat_template = \"builtin\" "
+                              "or a template that renders multi-turn tool conversations")
+    for c in rendered:
+        if not c["incremental_exact"]:
+            why = next(b["why"] for b in c["breaks"] if b["message"] is None)
+            raise TemplateRefused(f"the model's chat template cannot be followed by token ids: {why}; Gyre would "
+                                  "train on other ids than the engine saw, so it refuses to serve it")
+    return rendered[0]
 
 
 def as_template_message(m: Message) -> dict:
@@ -155,6 +191,16 @@ def prepare_call_template(r: Renderer, template: ChatTemplate, session: Executio
     then follows the call's new messages, not the execution so far."""
     if history not in HISTORY_MODES:
         raise ValueError(f"proxy.history {history!r}: choose one of {', '.join(HISTORY_MODES)}")
+    if not template.atoms:  # not bound at start (a direct caller): bind to this tokenizer once
+        bind_template(r, template)
+    try:
+        return _prepare(r, template, session, messages, tools, history, keys, same, window)
+    except TemplateError as e:  # the template's own rule (e.g. "No user query found"): the request's fault
+        raise MessageError(f"messages: {e}") from None
+
+
+def _prepare(r: Renderer, template: ChatTemplate, session: ExecutionSession, messages: list[Message],
+             tools: list[dict], history: str, keys: list[str] | None, same: int, window: bool) -> PreparedCall:
     tree = session.tree
     keys = keys if keys is not None else message_keys(messages, tools_salt(tools))
     walked, known = walk_start(session, same)

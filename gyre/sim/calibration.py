@@ -47,6 +47,12 @@ class Hardware:
 
 # NVIDIA H200 SXM datasheet: 141 GB HBM3e, 4.8 TB/s, 989 TFLOPS dense BF16 (1,979 with sparsity).
 H200 = Hardware("H200", 141.0, 989.0, 4.8)
+# NVIDIA H100 SXM5 datasheet: 80 GB HBM3, 3.35 TB/s, 989 TFLOPS dense BF16 (1,979 with sparsity).
+H100 = Hardware("H100", 80.0, 989.0, 3.35)
+# NVIDIA DGX B200 datasheet: 1,440 GB HBM3e over 8 GPUs (180 GB each), 64 TB/s (8 TB/s each);
+# HGX B200: 2.25 PFLOPS dense BF16 per GPU (4.5 with sparsity).
+B200 = Hardware("B200", 180.0, 2250.0, 8.0)
+HARDWARE = {h.name: h for h in (H100, H200, B200)}
 
 
 @dataclass(frozen=True)

@@ -18,14 +18,18 @@ import itertools
 import json
 import math
 import sys
+import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+
+from tqdm import tqdm
 
 from gyre.config import ConfigError, Scheme
 from gyre.model import ModelFormatError
 from gyre.model.params import param_counts
 from gyre.sched import SCHEMES
-from gyre.sim.calibration import MEM_FRACTION, PRESETS, check_layout, preset
+from gyre.sim.calibration import HARDWARE, MEM_FRACTION, PRESETS, check_layout, preset
 from gyre.sim.cost_model import divisors
 from gyre.sim.scenario import Scenario, best_async
 from gyre.sim.workload import Workload
@@ -84,7 +88,9 @@ def _preset(args: argparse.Namespace):
         wl = replace(wl, train_cost=args.train_cost)
     if getattr(args, "tool_s", None) is not None:
         wl = replace(wl, mean_tool_s=args.tool_s)
-    hw = p.hw if getattr(args, "gpus_per_node", None) is None else replace(p.hw, gpus_per_node=args.gpus_per_node)
+    hw = HARDWARE[args.gpu] if getattr(args, "gpu", None) else p.hw
+    if getattr(args, "gpus_per_node", None) is not None:
+        hw = replace(hw, gpus_per_node=args.gpus_per_node)
     return p.with_(workload=wl, hw=hw)
 
 
@@ -98,7 +104,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cells", type=_ints, default=None, help="only these cell counts (default: all that fit)")
     p.add_argument("--staleness", type=_ints, default=[0, 2], help="staleness bounds, e.g. 0,1,2")
     p.add_argument("--schemes", type=_words, default=["E", "A", "C"], help=f"any of {','.join(SCHEMES)}")
-    p.add_argument("--steps", type=int, default=48)
+    p.add_argument("--steps", type=int, default=None,
+                   help="optimizer steps per simulated run (default: the preset's; fewer steps plan faster, "
+                        "but under 12 the last step's drain decides close comparisons)")
     p.add_argument("--groups-per-step", type=int, default=_DEFAULT.groups_per_step)
     p.add_argument("--seed", type=int, default=0)
     for name, what in (("to-train-s", "rollout->train switch"), ("to-rollout-s", "train->rollout switch"),
@@ -106,6 +114,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--{name}", type=float, default=None, help=f"seconds per {what} (default: the preset's)")
     p.add_argument("--train-tokens-per-s", type=float, default=None,
                    help="training tokens/s of one cell (default: FLOP arithmetic for the cell size)")
+    p.add_argument("--gpu", choices=sorted(HARDWARE), default=None,
+                   help="GPU kind (default: the preset's); figures and sources in gyre/sim/calibration.py")
     p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the preset's, 8)")
     p.add_argument("--train-cost", type=float, default=None,
                    help="training tokens one execution costs, as a multiple of the workload's (default: the preset's)")
@@ -158,6 +168,8 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
         raise ConfigError(f"--cells: zero or negative cells make no cluster, got {args.cells}")
     if any(k < 0 for k in args.staleness):
         raise ConfigError(f"--staleness: must be >= 0, got {args.staleness}")
+    if args.steps is None:
+        args.steps = preset(args.preset).steps
     if args.steps < 1 or args.groups_per_step < 1 or args.steps_per_sync < 1:
         raise ConfigError("--steps, --groups-per-step and --steps-per-sync must be >= 1")
     if args.gpus_per_node is not None and args.gpus_per_node < 1:
@@ -216,11 +228,9 @@ def run_one(s: Scenario) -> dict:
     """One sweep point as a plain row (module level so submitit can pickle it). Async runs at
     every split and reports its best; a point that cannot run says why."""
     if s.scheme == Scheme.A and s.cluster.cells < 2:
-        return {"label": f"A{s.staleness}", "scheme": "A", "staleness": s.staleness, "nodes": s.cluster.nodes,
-                "cells": s.cluster.cells, "cell_size": s.cluster.cell_nodes,
-                "skipped": f"async needs a rollout pool and a training pool; {s.cluster.cells} cell holds one"}
+        return _point(s) | {"skipped": f"async needs a rollout pool and a training pool; {s.cluster.cells} cell holds one"}
     if s.scheme == Scheme.A:
-        r, by_split = best_async(s)
+        r, by_split = best_async(s, search=True)
     else:
         r, by_split = s.run(), {}
     d = r.to_dict()
@@ -234,9 +244,14 @@ def run_one(s: Scenario) -> dict:
         "async_hours_by_split": {str(k): round(v, 3) for k, v in by_split.items()} or None}
 
 
-def execute(scs: list[Scenario], executor: str, jobs_dir: str = "gyre-plan-jobs", partition: str = "") -> list[dict]:
+def execute(scs: list[Scenario], executor: str, jobs_dir: str = "gyre-plan-jobs",
+            partition: str = "") -> Iterator[dict]:
+    """Rows as their points finish (inline: in order; submitit: as jobs end). A point that fails
+    becomes a row saying why; the sweep goes on."""
     if executor == "inline":
-        return [run_one(s) for s in scs]
+        for s in scs:
+            yield _guarded(s)
+        return
     import submitit  # only the fan-out needs it
 
     ex = submitit.LocalExecutor(folder=jobs_dir) if executor == "local" else submitit.AutoExecutor(folder=jobs_dir)
@@ -244,38 +259,98 @@ def execute(scs: list[Scenario], executor: str, jobs_dir: str = "gyre-plan-jobs"
     if executor == "slurm" and partition:
         params["slurm_partition"] = partition
     ex.update_parameters(**params)
-    jobs = ex.map_array(run_one, scs)
-    return [j.result() for j in jobs]
+    jobs = ex.map_array(_guarded, scs)
+    pending = dict(zip(jobs, scs))
+    while pending:
+        for job in [j for j in pending if j.done()]:
+            s = pending.pop(job)
+            try:
+                yield job.result()
+            except Exception as e:  # the job itself died (killed, out of memory)
+                yield _failed_row(s, f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}")
+        if pending:
+            time.sleep(0.5)  # polling submitit's job states; nothing is decided by this wait
+
+
+def _point(s: Scenario) -> dict:
+    return {"label": f"{s.scheme}{s.staleness}", "scheme": s.scheme, "staleness": s.staleness,
+            "nodes": s.cluster.nodes, "cells": s.cluster.cells, "cell_size": s.cluster.cell_nodes}
+
+
+def _failed_row(s: Scenario, why: str) -> dict:
+    return _point(s) | {"skipped": f"failed: {why}", "failed": True}
+
+
+def _guarded(s: Scenario) -> dict:
+    """run_one, with a failing point turned into a row (the sweep keeps what it has)."""
+    try:
+        return run_one(s)
+    except Exception as e:
+        return _failed_row(s, f"{type(e).__name__}: {e}")
+
+
+TIE = 0.01  # runs within 1% of the recommended one are told as ties: below the model's accuracy
+SHORT_HORIZON = 12  # fewer steps and the last step's drain decides a comparison (issue 33)
 
 
 def recommend(rows: list[dict]) -> list[dict]:
     """Mark the fastest run per node budget and staleness (fewer switches breaks ties); sort for
-    the table. Skipped points are listed last in their budget, never recommended."""
+    the table. Skipped points are listed last in their budget, never recommended. Runs within
+    TIE of the recommended one are marked as ties."""
     rows = sorted(rows, key=lambda r: (r["nodes"], r["staleness"], bool(r.get("skipped")),
                                        r.get("hours", 0.0), r.get("switches", 0)))
-    seen = set()
+    best: dict[tuple, float] = {}
     for r in rows:
         key = (r["nodes"], r["staleness"])
-        r["recommended"] = not r.get("skipped") and key not in seen
+        r["recommended"] = not r.get("skipped") and key not in best
         if r["recommended"]:
-            seen.add(key)
+            best[key] = r["hours"]
+        r["tie"] = (not r.get("skipped") and not r["recommended"] and key in best
+                    and r["hours"] <= best[key] * (1 + TIE))
     return rows
 
 
 def run(args: argparse.Namespace) -> int:
     scs = scenarios(args)
     print(header(args))
-    print(f"{len(scs)} simulated points ({args.executor}) of {args.steps} steps; Async at its best split",
+    steps = scs[0].steps
+    print(f"{len(scs)} simulated points ({args.executor}) of {steps} steps; Async at its best split (searched)",
           file=sys.stderr)
-    rows = recommend(execute(scs, args.executor, args.jobs_dir, args.partition))
+    if steps < SHORT_HORIZON:
+        print(f"note: {steps} steps is a short horizon: the last step's drain weighs on every ranking; "
+              f"use --steps {SHORT_HORIZON} or more before acting on a difference of a few percent", file=sys.stderr)
+    rows: list[dict] = []
+    interrupted = False
+    bar = tqdm(total=len(scs), desc="gyre plan", unit="point", file=sys.stderr, disable=None)
+    try:
+        for r in execute(scs, args.executor, args.jobs_dir, args.partition):
+            rows.append(r)
+            bar.update(1)
+            done = (f"{r['hours']:.2f} h" if not r.get("skipped") else r["skipped"])
+            bar.write(f"  {r['nodes']} nodes, {r['cells']} x {r['cell_size']}: {r['label']} {done}", file=sys.stderr)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        bar.close()
+    if interrupted:
+        print(f"interrupted: {len(rows)} of {len(scs)} points finished; the table below holds those",
+              file=sys.stderr)
+    if not rows:
+        return 130 if interrupted else 1
+    rows = recommend(rows)
     print(plan_table(rows))
     for r in rows:
         if r["recommended"]:
             cells = f"{r['cells']} cell{'s' if r['cells'] != 1 else ''}"
             split = f" with {r['async_split']} rollout cells" if r.get("async_split") else ""
+            ties = [t["label"] for t in rows if t.get("tie") and (t["nodes"], t["staleness"]) == (r["nodes"], r["staleness"])]
+            tie = f" (a tie within {TIE:.0%} with {', '.join(ties)})" if ties else ""
             print(f"recommended for {r['nodes']} nodes at staleness {r['staleness']}: {cells} of "
                   f"{r['cell_size']} nodes, {r['label']}{split}: {r['hours']:.1f} h, {r['gpu_hours']:.0f} GPU-h, "
-                  f"{r['utilisation']:.0%} busy, {r['ratio_to_lower_bound']:.2f}x the lower bound")
+                  f"{r['utilisation']:.0%} busy, {r['ratio_to_lower_bound']:.2f}x the lower bound{tie}")
+    failed = [r for r in rows if r.get("failed")]
+    if failed:
+        print(f"{len(failed)} point(s) failed; their rows say why", file=sys.stderr)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1), encoding="utf-8")
-    return 0
+    return 130 if interrupted else (1 if failed else 0)

@@ -407,6 +407,7 @@ class Simulator:
         self.kv_used[cell] = 0.0
         self.lru[cell].clear()
         rate = 0.0
+        at = None  # heap position of each call in flight, built once (not a scan per execution)
         for e in homed:
             e.home = -1
             e.cached = 0.0
@@ -415,16 +416,21 @@ class Simulator:
                 cost = self.c.prefill_s(e.ctx_mid)
                 if cost <= 0:
                     continue
-                rate = rate or self._speed() or self.c.token_rate(self.in_call, 1, self.ctx_sum / self.in_call)
-                for j, (v, sq, x) in enumerate(self.calls):
-                    if sq == e.call_seq:  # decoding (a call still prefilling pays at its next call)
-                        self.calls[j] = (v + cost * rate, sq, x)
-                        moved = True
-                        self.reprefills += 1
-                        if e.home >= 0:  # the retry rebuilt its context on the new cell
-                            e.cached = e.spec.context_tokens * (e.seg + 1) / self.s.segments
-                            self.kv_used[e.home] += e.cached
-                        break
+                # no cell serves now (a whole-pool switch) or no call is decoding yet: price the
+                # re-prefill at one replica's rate for the calls in flight (at least this one)
+                n = max(self.in_call, 1)
+                rate = rate or self._speed() or self.c.token_rate(n, 1, self.ctx_sum / n)
+                if at is None:
+                    at = {sq: j for j, (_, sq, _) in enumerate(self.calls)}
+                j = at.get(e.call_seq)
+                if j is not None:  # decoding (a call still prefilling pays at its next call)
+                    v, sq, x = self.calls[j]
+                    self.calls[j] = (v + cost * rate, sq, x)
+                    moved = True
+                    self.reprefills += 1
+                    if e.home >= 0:  # the retry rebuilt its context on the new cell
+                        e.cached = e.spec.context_tokens * (e.seg + 1) / self.s.segments
+                        self.kv_used[e.home] += e.cached
         if moved:
             heapq.heapify(self.calls)
 
