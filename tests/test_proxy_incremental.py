@@ -192,3 +192,41 @@ def test_a_node_recorded_after_the_walk_takes_over():
     want = prepare(nxt, use_walk=False)[3].input_ids
     assert prepare(nxt)[3].input_ids == want
     assert want[len(prepare(base, use_walk=False)[3].input_ids):][:len(ids_b) - 1] == ids_b[:-1]
+
+
+@pytest.mark.slow  # transformers and three model directories: ~25 s on 2 cores
+@pytest.mark.parametrize("name", ["qwen2_5", "qwen3_coder", "llama3_1"])
+def test_windowed_render_of_real_templates_equals_transformers(tmp_path, name, monkeypatch):
+    """The append-only real templates (tests/templates/SOURCES) over a 16-call conversation, long
+    enough that the later calls render only their window: every call's ids are transformers'."""
+    from openai import OpenAI
+
+    from template_fixtures import FIXTURES, TOOLS as REAL_TOOLS, Reference, model_dir, script, serve
+
+    windows = []
+    orig = template_capture._window
+    monkeypatch.setattr(template_capture, "_window", lambda *a: windows.append(orig(*a) is not None) or orig(*a))
+    f = FIXTURES[name]
+    directory = model_dir(name, tmp_path / name)
+    ref = Reference(directory)
+    end = "<|eot_id|>" if f.llama else "<|im_end|>"
+    turns = script(f)
+    plan = turns[:1] + [(new, {**turn, "content": f"{turn['content']} ({k})"})
+                        for k in range(4) for new, turn in turns[1:]]
+    overrides = ["proxy.history=exact", f"proxy.tool_parser={f.tool_parser}", f"proxy.reasoning_parser={f.reasoning_parser}"]
+    with serve(directory, overrides) as (proxy, engine, base_url):
+        client = OpenAI(base_url=base_url, api_key=proxy.register("e1", task="t"), max_retries=0)
+        messages: list[dict] = []
+        for i, (new, turn) in enumerate(plan):
+            messages += [{**m, "tool_call_id": f"call_{i}"} if m["role"] == "tool" else m for m in new]
+            engine.script = [ref.sampled(messages, turn, end)]
+            reply = client.chat.completions.create(model="main", messages=messages, tools=REAL_TOOLS)
+            assert engine.requests[-1]["input_ids"] == ref.ids(messages), f"{name} call {i}"
+            m = reply.choices[0].message
+            echo: dict = {"role": "assistant", "content": m.content}
+            if m.tool_calls:
+                echo["tool_calls"] = [{"id": f"call_{i}_{k}", "type": "function",
+                                       "function": {"name": t.function.name, "arguments": t.function.arguments}}
+                                      for k, t in enumerate(m.tool_calls)]
+            messages.append(echo)
+    assert len(plan) == 17 and sum(windows) >= 5
