@@ -375,9 +375,8 @@ class Proxy:
 
     async def complete(self, c: Call) -> dict:
         """Run one call to the end (non-streamed); returns the OpenAI response."""
-        args = self._generate_args(c)
         try:
-            args = self._generate_args(c)
+            args = self._generate_args(c)  # the input ids' JSON, built once per call
             with self._track(c):
                 res = await self._engine(c, args).generate(*args, rid=c.rid, top_logprobs_num=c.params.top_logprobs)
         except asyncio.CancelledError:  # the client went away: the router aborted the engine request
