@@ -77,3 +77,12 @@ def test_long_variant_serves_past_32k_tokens(long_dir, tmp_path):
 def test_make_model_refuses_another_range_in_the_same_directory(long_dir):
     with pytest.raises(ValueError, match="262144 positions, not 32768"):
         ensure_tiny_model(long_dir)
+
+
+def test_make_model_cli_names_the_range(long_dir, capsys):
+    from gyre.cli import main as gyre_main
+
+    assert gyre_main(["make-model", "--out", str(long_dir), "--max-positions", str(LONG_POSITIONS)]) == 0
+    assert str(long_dir) in capsys.readouterr().out
+    assert gyre_main(["make-model", "--out", str(long_dir)]) == 2  # the default range: refused, not rebuilt
+    assert "262144 positions, not 32768" in capsys.readouterr().err

@@ -398,7 +398,7 @@ def _long_execution(tokens: int) -> ExecutionRecord:
     return ExecutionRecord("xlong", "t", 0, status="done", tree=tree)
 
 
-@pytest.mark.parametrize("chunk_tokens", [7, 1 << 16])
+@pytest.mark.parametrize("chunk_tokens", [4093, 1 << 16])
 def test_bulk_datasets_are_written_from_the_nodes_in_chunks(tmp_path, chunk_tokens):
     """Nodes straddling chunk boundaries come back intact, with the concatenation's checksum."""
     recs = records(2)
