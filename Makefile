@@ -56,7 +56,9 @@ test-fast: install
 	$(PYTEST) -n $(JOBS) -m "not slow" --durations=10 $(PYTEST_ARGS)
 
 demo: install
-	rm -rf runs/demo
+	@# a previous demo run is kept, moved aside (say so), never deleted silently
+	@if [ -e runs/demo ]; then old=runs/demo.$$(date +%Y%m%d-%H%M%S); mv runs/demo $$old; \
+		echo "make demo: the previous demo run is now $$old (delete it when done)"; fi
 	$(BIN)/gyre run --config launchers/demo.toml
 
 bench: install

@@ -13,8 +13,22 @@
    it; listed when it stopped (or capped) the harness with an error naming its key.
 3. **Fuzz** (``fuzz_*``): FUZZ seeded mutations of a full request over the schema
    (tests/request_fuzz.py) against the proxy; ``fuzz_5xx`` must be 0.
+4. **Flood** (``flood_*``, issue 34): one execution keeps FLOOD calls of ``max_tokens`` 1,024 going at
+   once (each refused one is sent again 50 ms later) while a sibling makes 2-token calls one after
+   the other; ``flood_sibling_p99_ms`` is the sibling's 99th-percentile latency (goal < 500 ms).
+   The stand-in engine serves every call at once (it has no admission queue), so the figure is the
+   proxy's share; the engine's admission by priority is tests/test_fair_serving.py.
+5. **Big body** (``bigbody_*``, issue 34): a 7.5 MB message (under ``proxy.max_body_bytes``) and a
+   400,000-character one (under the characters-per-token bound: tokenized, then refused as too
+   long) sent again and again by one execution while a sibling makes 2-token calls;
+   ``bigbody_refuse_ms`` is the median time to the 7.5 MB message's 400, ``bigbody_sibling_max_ms``
+   the sibling's worst latency (goal < 100 ms).
+6. **Journal** (``journal_*``, issue 34): the proxy's cost of journaling one call (32K-token input).
+7. **Head kill** (``head_kill_*``, issue 34): ``gyre rollout`` SIGKILLed mid-execution, then
+   ``--resume``: calls lost per execution, and the resume's time over a run from scratch.
 
-Writes benchmarks/results/hostile.json. Takes about a minute on 2 busy cores.
+Writes benchmarks/results/hostile.json. ``--only flood,bigbody`` runs those sections and merges
+their keys into the file. Takes about two minutes on 2 busy cores.
 """
 
 from __future__ import annotations
@@ -53,6 +67,11 @@ HOSTILE_TOKENS = 1500
 TOKEN_DELAY_S = 0.002  # 500 tokens/s per stream from the stand-in engine
 VICTIM_CALLS = 60
 FUZZ = 2000
+FLOOD = 200
+SIBLING_CALLS = 60
+BIG_BODY_CHARS = 7_500_000
+JOURNAL_CONTEXT = 32_768
+KILL_AT = 7  # the journaled call at which the head is killed
 
 
 def serve_engine() -> None:
@@ -82,7 +101,7 @@ def serve_engine() -> None:
 class Served:
     """Scripted engine in its own process, router + proxy on a loop thread here."""
 
-    def __init__(self):
+    def __init__(self, max_body: int = 1 << 20):
         self.eproc = subprocess.Popen([sys.executable, __file__, "--engine"], stdout=subprocess.PIPE, text=True)
         eport = int(self.eproc.stdout.readline())
         self.plt = LoopThread()
@@ -90,7 +109,7 @@ class Served:
         async def prox():
             self.router = Router([f"http://127.0.0.1:{eport}"])
             self.proxy = Proxy(self.router, TOKENIZER)
-            return await start_site(create_app(self.proxy, admin_key="admin", max_body_bytes=1 << 20), "127.0.0.1", 0)
+            return await start_site(create_app(self.proxy, admin_key="admin", max_body_bytes=max_body), "127.0.0.1", 0)
 
         self.prunner, pport = self.plt.run(prox())
         self.base = f"http://127.0.0.1:{pport}"
@@ -208,6 +227,164 @@ def fuzz() -> dict:
             "fuzz_statuses": {str(k): v for k, v in sorted(statuses.items())}}
 
 
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def _bodies(kind: str) -> list[bytes]:
+    if kind == "flood":
+        return [json.dumps({"model": "main", "max_tokens": 1024, "messages": [{"role": "user", "content": "go"}]}).encode()]
+    return [json.dumps({"model": "main", "messages": [{"role": "user", "content": "x " * (BIG_BODY_CHARS // 2)}]}).encode(),
+            json.dumps({"model": "main", "messages": [{"role": "user", "content": "the " * 100_000}]}).encode()]
+
+
+def attacker(base: str, key: str, kind: str, n: int, retry_s: float = 0.05) -> None:
+    """``--attack``: n loops, each sending its body again and again (a refused one 50 ms later)
+    until stdin closes; then prints the status counts and the answers' median ms. Its own
+    process, so the attacker's client work does not share the proxy's interpreter."""
+    import asyncio as aio
+
+    bodies, statuses, ms = _bodies(kind), {}, []
+    stop = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+
+    async def loop_one(c, i):
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            try:
+                r = await c.post(base + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                                 content=bodies[min(i, len(bodies) - 1)])
+                statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+                ms.append((time.perf_counter() - t0) * 1e3)
+                if r.status_code != 200:
+                    await aio.sleep(retry_s)
+            except httpx.HTTPError:
+                statuses["error"] = statuses.get("error", 0) + 1
+
+    async def main():
+        limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as c:
+            print("ready", flush=True)
+            await aio.gather(*(loop_one(c, i) for i in range(n)))
+
+    aio.run(main())
+    print(json.dumps({"statuses": {str(k): v for k, v in sorted(statuses.items(), key=str)},
+                      "p50_ms": statistics.median(ms) if ms else None}), flush=True)
+
+
+def _attack(s: Served, key: str, kind: str, n: int) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, __file__, "--attack", s.base, key, kind, str(n)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    return p
+
+
+def _stop(p: subprocess.Popen) -> dict:
+    out, _ = p.communicate("", timeout=300)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def flood() -> dict:
+    s = Served()
+    try:
+        victim, hostile = s.key("sibling"), s.key("flood")
+        p = _attack(s, hostile, "flood", FLOOD)
+        time.sleep(1.0)  # the flood is under way before the sibling starts (a load phase, not an outcome)
+        lat = victim_latencies(s, victim, SIBLING_CALLS)
+        att = _stop(p)
+    finally:
+        s.close()
+    return {"flood_sibling_p99_ms": _pct(lat, 0.99), "flood_sibling_p50_ms": statistics.median(lat),
+            "flood_hostile_calls": FLOOD, "flood_hostile_statuses": att["statuses"]}
+
+
+def bigbody() -> dict:
+    s = Served(max_body=8 << 20)
+    try:
+        victim, hostile = s.key("sibling"), s.key("bigbody")
+        huge = _bodies("bigbody")[0]
+        refuse = []
+        with httpx.Client(timeout=120) as c:
+            for _ in range(5):
+                t0 = time.perf_counter()
+                try:
+                    r = c.post(s.base + "/v1/chat/completions", headers={"Authorization": f"Bearer {hostile}"},
+                               content=huge)
+                    assert r.status_code == 400, r.text[:300]
+                finally:  # a proxy that tokenizes it all may not answer in 120 s: that time is the figure
+                    refuse.append((time.perf_counter() - t0) * 1e3)
+        victim_latencies(s, victim, 5)  # warm
+        p = _attack(s, hostile, "bigbody", 2)
+        time.sleep(0.5)  # both big bodies on their way before the sibling starts (a load phase)
+        lat = victim_latencies(s, victim, SIBLING_CALLS)
+        att = _stop(p)
+    finally:
+        s.close()
+    return {"bigbody_refuse_ms": statistics.median(refuse), "bigbody_sibling_max_ms": max(lat),
+            "bigbody_sibling_p50_ms": statistics.median(lat), "bigbody_body_bytes": len(huge),
+            "bigbody_hostile_statuses": att["statuses"], "bigbody_hostile_p50_ms": att["p50_ms"]}
+
+
+def journal() -> dict:
+    """``journal_overhead_ms_p50``: what journaling one call costs the proxy (its input key over
+    the wire text, one JSON line, one write; the fsync is batched off the path), for a call of
+    JOURNAL_CONTEXT input and 256 output tokens."""
+    from gyre.proxy.capture import WireIds
+    from gyre.proxy.journal import Journal
+
+    ids = list(range(JOURNAL_CONTEXT))
+    wire = WireIds(json.dumps(ids)[1:-1], len(ids), lambda: ids)
+    out, lps = list(range(256)), [-0.5] * 256
+    ms = []
+    with tempfile.TemporaryDirectory() as tmp:
+        j = Journal(tmp)
+        for k in range(200):
+            t0 = time.perf_counter()
+            j.append(f"e{k % 8}", wire, out, lps, "stop", "3")
+            ms.append((time.perf_counter() - t0) * 1e3)
+        j.close()
+    return {"journal_overhead_ms_p50": statistics.median(ms), "journal_overhead_ms_p99": _pct(ms, 0.99),
+            "journal_context_tokens": JOURNAL_CONTEXT}
+
+
+def head_kill() -> dict:
+    """``gyre rollout`` (the reference agent, 2 executions of fizzbuzz) SIGKILLed when its
+    KILL_AT-th call is journaled (gyre.faults ``proxy:call_journaled``), then ``--resume``:
+    ``head_kill_calls_lost_per_execution`` is the most journaled calls of an execution that were
+    not answered again from its journal (each harness makes one call at a time, so the call in
+    flight at the kill, journaled before its answer, is the most it can lose);
+    ``head_kill_resume_over_restart`` is the resume's wall time over a fresh run's."""
+    from gyre.proxy.journal import read_journal
+    from gyre.proxy.replay import replayed_calls
+    from gyre.traj.store import iter_executions
+
+    agent = ["{python}", "-m", "gyre.harness.reference_agent", "--max-tokens", "32", "--max-turns", "6"]
+    cmd = "[" + ", ".join(f'"{c}"' for c in agent) + "]"
+    with tempfile.TemporaryDirectory() as tmp:
+        def run(name, *extra, fault=None):
+            env = {**os.environ, **({"GYRE_FAULT": fault, "GYRE_FAULT_DIR": f"{tmp}/faults"} if fault else {})}
+            args = [sys.executable, "-m", "gyre.cli", "rollout", "--no-progress", f"run.dir={tmp}/{name}",
+                    "engine.endpoints=1", "harness.group_size=2", "harness.concurrency=2", 'harness.tasks=["fizzbuzz"]',
+                    f"harness.command={cmd}", *extra]
+            t0 = time.perf_counter()
+            p = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+            return p, time.perf_counter() - t0
+
+        _, fresh_s = run("fresh")
+        first, _ = run("killed", fault=f"proxy:call_journaled:{KILL_AT}")
+        assert first.returncode < 0, first.stderr[-2000:]
+        journaled = {f.stem.rsplit("-a", 1)[0]: len(read_journal(f)) for f in Path(f"{tmp}/killed/journal").glob("*.jsonl")}
+        again, resume_s = run("killed", "--resume", fault=f"proxy:call_journaled:{KILL_AT}")
+        assert again.returncode == 0, again.stderr[-2000:]
+        replayed = {r.execution_id.rsplit("-a", 1)[0]: replayed_calls(r.tree)
+                    for r in iter_executions(f"{tmp}/killed/shards")}
+    return {"head_kill_calls_lost_per_execution": max(n - replayed.get(b, 0) for b, n in journaled.items()),
+            "head_kill_journaled_calls": sum(journaled.values()), "head_kill_replayed_calls": sum(replayed.values()),
+            "head_kill_resume_over_restart": resume_s / fresh_s, "head_kill_fresh_s": fresh_s,
+            "head_kill_resume_s": resume_s}
+
+
 def limits() -> dict:
     import warnings
 
@@ -264,15 +441,28 @@ def limits() -> dict:
     return {"limits_enforced": enforced, "limits_detail": detail, "limits_sandbox": envs.host_backend}
 
 
-def main() -> dict:
-    return {**stop_dos(), **stop_match_cost(), **fuzz(), **limits(), "load_avg_1m": os.getloadavg()[0]}
+SECTIONS = {"stop_dos": stop_dos, "stop_match": stop_match_cost, "fuzz": fuzz, "limits": limits,
+            "flood": flood, "bigbody": bigbody, "journal": journal, "head_kill": head_kill}
+
+
+def main(only: list[str] | None = None) -> dict:
+    res = {}
+    for name in only or SECTIONS:
+        res.update(SECTIONS[name]())
+    return {**res, "load_avg_1m": os.getloadavg()[0]}
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--engine"]:
         serve_engine()
         sys.exit(0)
-    res = main()
+    if sys.argv[1:2] == ["--attack"]:
+        attacker(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
+        sys.exit(0)
+    only = sys.argv[2].split(",") if sys.argv[1:2] == ["--only"] else None
+    res = main(only)
     out = ROOT / "benchmarks" / "results" / "hostile.json"
+    if only and out.exists():  # the other sections' figures stay
+        res = {**json.loads(out.read_text()), **res}
     out.write_text(json.dumps(res, indent=2) + "\n")
     print(json.dumps(res, indent=2))

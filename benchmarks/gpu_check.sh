@@ -44,7 +44,7 @@ python3 -c "import megatron.core, torch; print('megatron-core', megatron.core.__
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true
 
 status=0
-rm -f benchmarks/results/ablation_gpu.json benchmarks/results/moe_gpu.json   # only this run's figures go back
+rm -f benchmarks/results/ablation_gpu.json benchmarks/results/moe_gpu.json benchmarks/results/hybrid_gpu.json  # only this run's figures go back
 timeout -k 10 420 python3 benchmarks/bench_train_gpu.py || status=$?
 # issue 21: pi_prox from the extra no-grad forward on CUDA in bf16, both backends. The no-grad
 # forward runs in eval mode and the training one in train mode; at the same weights they must agree
@@ -75,7 +75,10 @@ PY
 # MoE (issue 20): Megatron bf16 MoE steps (alltoall dispatcher; grouped GEMM if Transformer Engine
 # is there), engine/trainer log-probs after export, routing replay under bf16 -> moe_gpu.json
 timeout -k 10 120 python3 benchmarks/moe_gpu_check.py || status=$?
-for f in ablation_gpu.json moe_gpu.json; do
+# hybrid Gated DeltaNet families (issue 30): tree vs expanded on CUDA (FlexAttention + forked state,
+# fp32 and bf16) and Megatron's GDN layer with the state in and out vs Gyre's -> hybrid_gpu.json
+timeout -k 10 120 python3 benchmarks/hybrid_gpu_check.py || status=$?
+for f in ablation_gpu.json moe_gpu.json hybrid_gpu.json; do
     if [ -n "${OUT:-}" ] && [ -f "benchmarks/results/$f" ]; then
         cp "benchmarks/results/$f" "$OUT/"
     fi

@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 
+from gyre import __version__
 from gyre.config import ConfigError
 
 # name -> (module[:prefix], one-line help)
@@ -26,11 +27,37 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("gyre.cluster.slurm:status_", "show a run's cells, roles and progress"),
     "inspect": ("gyre.traj.inspect", "summarise an HDF5 trajectory shard, draw one execution's tree"),
     "plan": ("gyre.sim.plan", "sweep cell layouts and schemes for a workload (for HPC admins)"),
+    "config": ("gyre.report.config_file:config_", "print the resolved configuration (`gyre config show`)"),
 }
+
+
+def option_hint(unknown: list[str], argv: list[str]) -> str:
+    """For `gyre run --steps 3`: configuration keys are not options; name the override to write."""
+    import dataclasses
+
+    from gyre.config import GyreConfig
+
+    cfg = GyreConfig()
+    known: dict[str, str] = {}
+    for sec in dataclasses.fields(cfg):  # the first section that has the name (run.steps before sim.steps)
+        for f in dataclasses.fields(getattr(cfg, sec.name)):
+            known.setdefault(f.name, sec.name)
+    out = []
+    for word in unknown:
+        name, _, value = word.lstrip("-").partition("=")
+        key = name.replace("-", "_")
+        if not word.startswith("--") or key not in known:
+            continue
+        i = argv.index(word)
+        if not value and i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+            value = argv[i + 1]
+        out.append(f"{known[key]}.{key}={value or 'VALUE'}")
+    return f"; configuration keys are not options: write {' '.join(out)}" if out else ""
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gyre", description="Gyre: Slurm-native online RL for LLM agents on xLong tasks.")
+    parser.add_argument("--version", action="version", version=f"gyre {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     argv = sys.argv[1:] if argv is None else argv
     wanted = argv[0] if argv and not argv[0].startswith("-") else None
@@ -41,7 +68,10 @@ def main(argv: list[str] | None = None) -> int:
             mod = importlib.import_module(modname)
             getattr(mod, prefix + "add_arguments")(p)
             p.set_defaults(_run=getattr(mod, prefix + "run"))
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        sub_parser = sub.choices.get(args.command) if args.command else None
+        (sub_parser or parser).error(f"unrecognized arguments: {' '.join(unknown)}{option_hint(unknown, argv)}")
     if not getattr(args, "_run", None):
         parser.print_help()
         return 0 if args.command is None else 2

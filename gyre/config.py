@@ -12,6 +12,7 @@ checked once here, compared as members everywhere else.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import tomllib
 import typing
@@ -102,6 +103,13 @@ class RunConfig:
                             "used when installed (see gyre/report/metrics.py)")
     wandb_mode: str = _f("offline", choices=("offline", "online", "disabled"),
                          help="W&B mode; offline runs sync later with `wandb sync`")
+    keep_checkpoints: int = _f(0, min=0, help="trainer checkpoints kept in the run directory, newest first "
+                                             "(the one state.json resumes from is always among them); 0 = all")
+    warn_entropy_below: float = _f(0.05, min=0.0, help="health warning when a step's mean token entropy "
+                                   "(nats) falls below this: the policy is collapsing (gyre/report/health.py)")
+    warn_harness_failure_rate: float = _f(0.5, min=0.0, max=1.0,
+                                          help="health warning when more than this share of a step's "
+                                               "executions ended failed or crashed")
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Validate here, not in __post_init__: load_config sets fields after construction.
@@ -119,7 +127,8 @@ class ModelConfig:
     path: str = _f("", help="model directory (transformers layout); empty = the embedded tiny model")
     tiny_dir: str = _f("", help="where the embedded tiny model is built; empty = ~/.cache/gyre/tiny-qwen "
                                 "(tiny-<family> for another family)")
-    tiny_family: str = _f("qwen2", choices=("qwen2", "llama", "qwen3", "qwen3_moe", "qwen2_moe"),
+    tiny_family: str = _f("qwen2", choices=("qwen2", "llama", "qwen3", "qwen3_moe", "qwen2_moe", "qwen3_next",
+                                            "qwen3_5", "qwen3_5_moe"),
                           help="family of the embedded tiny model (`gyre make-model --family`)")
 
 
@@ -155,6 +164,8 @@ class ProxyConfig:
     default_max_tokens: int = _f(512, min=1)
     max_tokens_cap: int = _f(4096, min=1)
     request_retries: int = _f(3, min=0, help="times a call is retried on another endpoint")
+    max_calls_in_flight: int = _f(8, min=1, help="calls of one execution running at once; beyond, 429 with "
+                                  "Retry-After (a few parallel tool calls; gyre/proxy/fairness.py)")
     max_executions: int = _f(10_000, min=1, help="executions registered at once (POST /gyre/executions "
                                                  "beyond it is a 429)")
     chat_template: str = _f("builtin", choices=("builtin", "model"),
@@ -462,7 +473,10 @@ def _apply(obj: Any, data: dict, prefix: str) -> None:
     for name, value in data.items():
         key = f"{prefix}{name}"
         if name not in fields:
-            raise ConfigError(f"{key}: unknown key; known keys here: {', '.join(sorted(fields))}")
+            near = difflib.get_close_matches(name, fields, n=3, cutoff=0.6)
+            hint = (f"did you mean {' or '.join(prefix + n for n in near)}?" if near
+                    else f"known keys here: {', '.join(sorted(fields))}")
+            raise ConfigError(f"{key}: unknown key; {hint}")
         current = getattr(obj, name)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):

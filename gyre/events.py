@@ -48,6 +48,7 @@ class ExecutionStarted:
     t: float
     execution: str
     group: int
+    task: str = ""      # the task's name (per-task reward); "" where a driver has none
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,8 @@ class CallRecorded:
     t_end: float
     cell: int | None    # None: an endpoint no cell owns (never counted)
     execution: str = ""
+    n_input: int = 0    # the call's prompt and response tokens (the dashboard's per-call figures)
+    n_output: int = 0
 
 
 @dataclass(frozen=True)
@@ -235,6 +238,36 @@ def _split(windows: list[tuple[float, float]], cuts: list[list[float]]) -> tuple
     return out, cut
 
 
+class _Window:
+    """The executions that ended since the last step row: what a dashboard shows per step."""
+
+    def __init__(self) -> None:
+        self.n = self.failed = self.calls = self.n_in = self.n_out = 0
+        self.tokens = self.seconds = 0.0
+
+    def add(self, ev: ExecutionEvaluated, run: list | None) -> None:
+        self.n += 1
+        self.failed += ev.status in ("failed", "crashed")  # the harness broke (not: timed out, wrong answer)
+        self.tokens += ev.tokens
+        if run is not None:
+            self.seconds += ev.t - run[0]
+            self.calls += run[1]
+            self.n_in += run[2]
+            self.n_out += run[3]
+
+    def figures(self, window_s: float) -> dict:
+        n, calls = self.n, self.calls
+        return {"executions_ended": n,
+                "harness_failure_rate": self.failed / n if n else 0.0,
+                "execution_s_mean": self.seconds / n if n else None,
+                "execution_tokens_mean": self.tokens / n if n else None,
+                "calls_per_execution": calls / n if n else None,
+                "call_input_tokens_mean": self.n_in / calls if calls else None,
+                "call_output_tokens_mean": self.n_out / calls if calls else None,
+                "tokens_per_s": self.tokens / window_s if window_s > 0 else None,
+                "executions_per_h": 3600.0 * n / window_s if window_s > 0 else None}
+
+
 class RunStats:
     """Folds events (in the order they happened) into the figures of a run's report."""
 
@@ -245,6 +278,10 @@ class RunStats:
         self._cells: dict[int, _CellBook] = {i: _CellBook() for i in range(cells)}
         self._rewards: dict[int, list[float]] = {}        # group -> finite rewards, until trained/dropped
         self._mb: dict[int, dict] = {}                     # micro-batch -> last ok trainer stats, until its step ends
+        self._task: dict[int, str] = {}                    # group -> task name, until trained/dropped
+        self._running: dict[str, list] = {}                # execution -> [start t, calls, in, out tokens] while it runs
+        self._win = _Window()                              # executions ended since the last step row
+        self._last_end: float | None = None                # t_end of the last step (the window's start)
         self._pushes: list[list[float]] = []              # merged weight-push pauses (rollout cells)
         self.status_counts: dict[str, int] = {}
         self.started = 0
@@ -287,10 +324,18 @@ class RunStats:
 
     def _exec_started(self, ev: ExecutionStarted) -> None:
         self.started += 1
+        self._running[ev.execution] = [ev.t, 0, 0, 0]
+        if ev.task:
+            self._task[ev.group] = ev.task
 
     def _call(self, ev: CallRecorded) -> None:
         if ev.cell is not None:
             self._cell(ev.cell).work(ROLLOUT, ev.t_start, ev.t_end)
+        run = self._running.get(ev.execution)
+        if run is not None:
+            run[1] += 1
+            run[2] += ev.n_input
+            run[3] += ev.n_output
 
     def _busy(self, ev: CellBusy) -> None:
         if ev.role not in (ROLLOUT, TRAIN):
@@ -303,6 +348,7 @@ class RunStats:
 
     def _evaluated(self, ev: ExecutionEvaluated) -> None:
         self.status_counts[ev.status] = self.status_counts.get(ev.status, 0) + 1
+        self._win.add(ev, self._running.pop(ev.execution, None))
         rewards = self._rewards.setdefault(ev.group, [])
         if ev.reward is not None and math.isfinite(ev.reward):
             rewards.append(ev.reward)
@@ -314,6 +360,7 @@ class RunStats:
     def _group_dropped(self, ev: GroupDropped) -> None:
         self.groups_dropped += 1
         self._rewards.pop(ev.group, None)
+        self._task.pop(ev.group, None)
 
     def _mb_done(self, ev: MicroBatchDone) -> None:
         self._cell(ev.cell).work(TRAIN, ev.t_start, ev.t_end)  # lost work was busy time too
@@ -325,6 +372,10 @@ class RunStats:
         return [self._mb[m] for m in micro_batches if m in self._mb]
 
     def _step(self, ev: StepEnded) -> dict:
+        by_task: dict[str, list[float]] = {}
+        for g in ev.groups:
+            by_task.setdefault(self._task.pop(g.group, ""), []).extend(self._rewards.get(g.group, []))
+        by_task.pop("", None)
         rewards = [r for g in ev.groups for r in self._rewards.pop(g.group, [])]
         st = [self._mb.pop(m) for m in ev.micro_batches if m in self._mb]
         losses = [x.get("loss", 0.0) for x in st]
@@ -343,6 +394,8 @@ class RunStats:
         row = {"step": ev.step, "version": ev.version, "groups": len(ev.groups),
                "micro_batches": len(ev.micro_batches), "participants": list(ev.participants),
                "reward_mean": statistics.fmean(rewards) if rewards else None, "reward_n": len(rewards),
+               "reward_std": statistics.pstdev(rewards) if rewards else None,
+               "reward_by_task": {t: statistics.fmean(r) for t, r in sorted(by_task.items()) if r},
                "staleness_mean": statistics.fmean(lag) if lag else 0, "staleness_max": max(lag, default=0),
                "staleness_token_mean": sum(a * b for a, b in zip(lag, toks)) / sum(toks) if sum(toks) else 0,
                "lag_syncs_mean": statistics.fmean(lag_sync) if lag_sync else 0,
@@ -350,7 +403,11 @@ class RunStats:
                "loss": sum(losses), "ratio_mean": statistics.fmean(ratios) if ratios else None,
                "kl_old_max": max(kls, default=None), "grad_norm": ev.grad_norm,
                "reduce_s": ev.reduce_s, "push_s": ev.push_s, "t_start": ev.t_start - self.t0,
-               "t_end": ev.t_end - self.t0, **ev.extra}
+               "t_end": ev.t_end - self.t0,
+               **self._win.figures(ev.t_end - (self.t0 if self._last_end is None else self._last_end)),
+               "executions_done": sum(self.status_counts.values()), "executions_running": len(self._running),
+               **ev.extra}
+        self._win, self._last_end = _Window(), ev.t_end
         self.steps.append(row)
         return row
 

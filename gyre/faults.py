@@ -16,6 +16,7 @@ Phases in use (process: phases):
     agent:   command
     head:    step_end, execution_ended, execution_recorded
     rollout: execution_ended, execution_recorded
+    proxy:   call_journaled (a call in the journal, its answer not yet sent)
     store:   compacted (a merged shard written, its sources not yet removed)
 """
 

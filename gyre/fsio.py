@@ -8,12 +8,14 @@ weights manifests) goes through here:
 - ``atomic_write_bytes`` / ``_text`` / ``_json``: a whole file from memory;
 - ``atomic_open``: a file written as a stream (a CSV trace);
 - ``atomic_path``: a temporary name for a writer that wants a path (h5py);
-- ``atomic_dir``: a whole directory (weights, checkpoints), replacing the old one.
+- ``atomic_dir``: a whole directory (weights, checkpoints), replacing the old one;
+- ``storage_full``: a full disk or inode table, said with what to free.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -120,3 +122,28 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+_FULL_WORDS = ("No space left on device", "Disk quota exceeded", "errno = 28", "errno = 122")
+
+
+def storage_full(error: BaseException, path: str | os.PathLike, setting: str = "run.dir") -> str | None:
+    """If ``error`` (from writing under ``path``) says its file system is out of space or inodes,
+    a message naming the file system, what is free and what to do; else None. HDF5 reports a
+    full disk in its message, not in ``errno``, so the message is read as well."""
+    if not isinstance(error, OSError):
+        return None
+    if error.errno not in _FULL_ERRNOS and not any(w in str(error) for w in _FULL_WORDS):
+        return None
+    where = Path(path)
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        st = os.statvfs(where)
+        free = f"{st.f_bavail * st.f_frsize / 2**20:.1f} MB and {st.f_favail} inodes free"
+    except OSError:
+        free = "free space unknown"
+    return (f"the file system of {path} is full ({free}; {os.strerror(error.errno if error.errno in _FULL_ERRNOS else errno.ENOSPC)}): free space "
+            f"and inodes there (old run directories, workspaces under run.dir) or set {setting} to another file "
+            f"system, then run again with --resume; everything recorded so far is kept")

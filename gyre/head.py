@@ -29,8 +29,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import shutil
 import signal
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -45,29 +45,47 @@ from gyre.harness.runner import private_dir
 from gyre.harness.sandbox import Environments, SandboxConfig
 from gyre.model.identity import model_identity
 from gyre.model.tiny import ensure_tiny_model
-from gyre.proxy.replay import replayed_calls
+from gyre.proxy.replay import Replay, replayed_calls
+from gyre.report import config_file
+from gyre.report.health import Health, Thresholds
 from gyre.report.metrics import MetricsSink
+from gyre.report.progress import Progress
 from gyre.sched import policy_from_config
 from gyre.sched.cells import Cell
 from gyre.sched.core import Admission, Coordinator, CoreSpec, GroupRecord, StepResult
 from gyre.sched.state import Role
 from gyre.services.fleet import CellFleet, WeightPaths
 from gyre.services.ledger import Ledger, execution_id
-from gyre.services.rollout import RolloutService
+from gyre.services.rollout import RecordError, RolloutService, journal_dir
 from gyre.services.training import Reduced, TrainingDispatch
 from gyre.train.step_stats import lag0_warning
 from gyre.traj.record import FINISHED, Status
 from gyre.traj.select import SelectionSpec
 
 
+def prune_checkpoints(root: Path, newest: int, keep: int) -> list[Path]:
+    """Delete checkpoint directories `v<N>` older than the `keep` newest versions up to `newest`
+    (run.keep_checkpoints); a version past `newest` (a step being written) is never touched."""
+    gone = []
+    for d in root.glob("v*"):
+        if d.is_dir() and d.name[1:].isdigit() and int(d.name[1:]) <= newest - keep:
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(d)
+    return gone
+
+
 class Head:
     def __init__(self, cfg: GyreConfig, link, n_cells: int, *, resume: bool = False,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, progress_bar: bool = False):
         self.cfg, self.link, self.resume, self.clock = cfg, link, resume, clock
+        self.progress_bar = progress_bar                 # a bar of the step's executions (a terminal)
         self.run_dir = Path(cfg.run.dir)
         self.t0 = clock()
         self.stats = RunStats(self.t0, n_cells)          # every figure of the report, from the events
         self.metrics: MetricsSink | None = None          # the metrics sink (opened by run)
+        self.progress: Progress | None = None            # the console: a line per step (opened by run)
+        self.health = Health(Thresholds.from_config(cfg))
+        self._signalled = False                          # stopped by SIGINT/SIGTERM (scancel, Ctrl-C)
         self.fleet = CellFleet(link, n_cells, emit=self._emit, clock=clock,
                                on_engine_restarted=lambda cell, old: self._spawn(self._replace_endpoint(cell, old)))
         self.training = TrainingDispatch(cfg, self.fleet, emit=self._emit, clock=clock, spawn=self._spawn,
@@ -81,7 +99,8 @@ class Head:
         self._tasks: set[asyncio.Task] = set()
         self._cells_written = 0.0
         self.errors: list[str] = []
-        self.warnings: list[str] = []     # e.g. train/inference mismatch at lag 0 (once per kind)
+        self.failed: str | None = None   # why the run had to stop (a task failed, e.g. a record could not be written)
+        self.warnings: list[str] = []     # health warnings (gyre/report/health.py), the first of each kind
         self.events: list[dict] = []      # notices of the head and its services (mismatch, reduce retries)
         self.replays: dict[tuple[str, int], list] = {}  # resume: stopped executions to replay
 
@@ -100,18 +119,54 @@ class Head:
     def _emit(self, event) -> dict | None:
         """Tell the run's statistics (and the metrics sink) what happened; see gyre/events.py."""
         row = self.stats.apply(event)
+        if isinstance(event, StepEnded):
+            self._judge(row)
         if self.metrics is not None:
             self.metrics.on_event(event, self.stats, row)
+        if self.progress is not None:
+            self.progress.on_event(event, self.stats, row)
         return row
+
+    def _judge(self, row: dict) -> None:
+        """The step's health warnings, into its row (steps.jsonl, metrics, the console's line)."""
+        warnings = self.health.check(row)
+        mismatch = lag0_warning(row, self.cfg.train.mismatch_warn_k3)
+        if mismatch:
+            warnings["mismatch_lag0"] = mismatch
+        row["warnings"] = warnings
+        for kind, why in warnings.items():
+            self._notice("health_warning", {"step": row["step"], "kind": kind, "why": why})
+            if not any(w.startswith(f"{kind}: ") for w in self.warnings):
+                self.warnings.append(f"{kind}: {why}")
+
+    def _on_signal(self) -> None:
+        self._signalled = True
+        self._stop.set()
 
     def _notice(self, kind: str, info: dict) -> None:
         self.events.append({"t": self.clock() - self.t0, "cell": None, "kind": kind, "info": info})
 
-    def _spawn(self, coro) -> asyncio.Task:
-        t = asyncio.get_running_loop().create_task(coro)
+    def _spawn(self, coro, name: str | None = None) -> asyncio.Task:
+        t = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(t)
-        t.add_done_callback(self._tasks.discard)
+        t.add_done_callback(self._task_done)
         return t
+
+    def _task_done(self, t: asyncio.Task) -> None:
+        """No task's failure goes unseen: it stops the run, which says why (report, stderr, exit code)."""
+        self._tasks.discard(t)
+        if t.cancelled() or t.exception() is None:
+            return
+        e = t.exception()
+        self.fail(f"{t.get_name()}: {type(e).__name__}: {e}")
+
+    def fail(self, why: str) -> None:
+        """Stop the run because of ``why``: what was recorded stays; the command exits non-zero."""
+        if self.failed is None:
+            self.failed = why
+            print(f"gyre run: failed: {why}", file=sys.stderr, flush=True)
+        self.errors.append(why)
+        self._stop.set()
 
     # ==== start-up ==============================================================================
     def attach(self, core: Coordinator, tasks, paths: WeightPaths, selection: SelectionSpec,
@@ -137,8 +192,10 @@ class Head:
         if self.resume:
             rollout.compact()  # finish one a crash cut short
         version, first_group = self.ledger.load_state() if self.resume else (0, 0)
-        self.replays = self.ledger.stopped_to_replay() if self.resume and cfg.harness.resume == "replay" else {}
+        self.replays = (self.ledger.stopped_to_replay(journal_dir(cfg))
+                        if self.resume and cfg.harness.resume == "replay" else {})
         self.ledger.open()
+        config_file.write(cfg, self.run_dir)  # what `--resume` and `gyre config show --run` read back
         s = cfg.sched
         core = Coordinator(CoreSpec(
             steps=cfg.run.steps, groups_per_step=cfg.run.groups_per_step, group_size=cfg.harness.group_size,
@@ -156,7 +213,7 @@ class Head:
         self._write_state()  # a stop before the first step close still resumes
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self._stop.set)
+            loop.add_signal_handler(sig, self._on_signal)
         await self.fleet.wait_hello(300)
         now = self.clock()
         self.t0 = self.fleet.t0 = now
@@ -165,6 +222,11 @@ class Head:
             self._emit(CellRoleChanged(now, c.id, c.role.value))
         self.metrics = MetricsSink(self.run_dir, cfg.run.loggers, name=cfg.run.name, config=asdict(cfg),
                                    wandb_mode=cfg.run.wandb_mode)
+        self.progress = Progress(cfg.run.steps, cfg.run.groups_per_step * cfg.harness.group_size,
+                                 first_step=version, bar=self.progress_bar)
+        print(f"gyre: run {self.run_dir} started: {cfg.run.steps - version} steps to go ({len(self.cells)} cells, "
+              f"scheme {cfg.sched.scheme}{cfg.sched.staleness}); metrics: {', '.join(self.metrics.active)}",
+              flush=True)
         roles = self.policy.initial_roles(len(self.cells))
         for cell in self.cells:
             cell.since, cell.last_seen = now, now
@@ -185,11 +247,13 @@ class Head:
         finally:
             await rollout.stop_harnesses()
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
-            rollout.compact()  # the per-execution shards, merged
-            why = f"run stopped: {rollout.broken}" if rollout.broken else "run stopped" if stopped else "run ended"
+            try:
+                rollout.compact()  # the per-execution shards, merged
+            except RecordError as e:
+                self.fail(str(e))
+            broke = self.failed or rollout.broken
+            why = f"run stopped: {broke}" if broke else "run stopped" if stopped else "run ended"
             self.ledger.close_unfinished(core.unfinished(), why, core.step.index)
-            if rollout.broken:
-                print(f"gyre run: stopped: {rollout.broken}", file=sys.stderr, flush=True)
             if stopped:
                 self._write_state()  # the groups started since the last step close are counted: ids never reused
             await rollout.close()
@@ -198,6 +262,11 @@ class Head:
         t1 = self.clock()
         self._emit(RunEnded(t1, stopped))
         self.metrics.close()
+        why = f"{rollout.broken}" if rollout.broken else "; ".join(self.errors) if stopped and self.errors else None
+        self.progress.end(self._committed, t1 - self.t0, cancelled=stopped and self._signalled, why=why,
+                          resume_hint=f"gyre run --resume run.dir={self.run_dir} (on Slurm: gyre submit --resume)")
+        for e in self.metrics.errors:
+            print(f"gyre: note: {e}", flush=True)
         await asyncio.gather(*(self.fleet.stop(c) for c in self.cells))
         self.ledger.close()
         return self.report(t1, stopped)
@@ -269,8 +338,9 @@ class Head:
                 eid = execution_id(g.id, task.name, k)
                 self.core.execution_started(g.id, eid, now)
                 replays = self.replays.get((task.name, k))
-                self._emit(ExecutionStarted(now, eid, g.id))
-                self._spawn(self._execution(g.id, task, eid, replays.pop(0) if replays else None))
+                self._emit(ExecutionStarted(now, eid, g.id, task.name))
+                self._spawn(self._execution(g.id, task, eid, replays.pop(0) if replays else None),
+                            name=f"execution {eid}")
         if started:  # ids are never reused, even after a hard stop
             self._write_state()
         return started
@@ -282,22 +352,26 @@ class Head:
                                          on_ended=lambda _status: self.core.execution_ended(eid, self.clock()))
         self._execution_done(eid, rec, self.clock())
         if replay:  # replay-resume: which stopped execution this one continued, and what it saved
-            self.ledger.resumed(eid, replay[0], len(replay[1].calls), replayed_calls(rec.tree))
+            source = replay[1]
+            recorded = source.recorded if isinstance(source, Replay) else len(source.calls)
+            self.ledger.resumed(eid, replay[0], recorded, replayed_calls(rec.tree))
+            if self.rollout.proxy is not None and self.rollout.proxy.journal is not None:
+                self.rollout.proxy.journal.discard(replay[0])  # a killed run's journal: taken over
 
     def _execution_done(self, eid: str, rec, now: float) -> None:
         """An execution ended and was scored: its record is on disk (its own small shard, compacted
         at the end) before the core hears of it, so a SIGKILL from here on loses none of it."""
         faults.hit("head", "execution_ended")
+        self.rollout.record([rec])  # durable before anything counts it (RecordError: the run stops, saying why)
         usable = rec.status in FINISHED and math.isfinite(rec.reward)
         reward = rec.reward if math.isfinite(rec.reward) else None
         self.ledger.execution_ended(eid, reward, "" if usable else rec.reward_source or f"status {rec.status}",
                                     unscorable=rec.reward_source)
         url_cell = {u: c.id for c in self.cells for u in self.fleet.urls_of(c) if u}
         for call in rec.tree.calls:
-            self._emit(CallRecorded(call.t_start, call.t_end, url_cell.get(call.endpoint), eid))
+            self._emit(CallRecorded(call.t_start, call.t_end, url_cell.get(call.endpoint), eid, call.n_input, call.n_output))
         tokens = float(rec.tree.stats().unique_tokens)
         self._emit(ExecutionEvaluated(now, eid, rec.group, rec.status, reward, rec.min_version, tokens, usable))
-        self.rollout.record([rec])  # durable before the coordinator hears of it
         self.training.hold(rec)
         faults.hit("head", "execution_recorded")
         adm = self.core.execution_evaluated(eid, now, version=rec.min_version, tokens=tokens, usable=usable,
@@ -357,23 +431,20 @@ class Head:
         for g in res.groups:  # written only now: admitted means trained in this step
             for eid, stal in self.training.admitted.pop(g.id, []):
                 self.ledger.line(eid, g, admitted=True, staleness=stal, step=res.index)
-        extra, mismatch = self.training.step_figures(self.stats.microbatch_stats(res.microbatches),
+        extra, _ = self.training.step_figures(self.stats.microbatch_stats(res.microbatches),
                                                      res.replaced, len(res.groups))
         row = self._emit(StepEnded(
             res.started_at or res.ended_at, res.ended_at, res.index, res.version,
             tuple(GroupLag(g.id, g.version, g.lag_steps, g.lag_syncs, g.train_tokens) for g in res.groups),
             tuple(res.microbatches), tuple(c.id for c in red.participants), res.push_due, red.seconds, push_s,
             red.grad_norm, extra))
-        warning = lag0_warning(mismatch, self.cfg.train.mismatch_warn_k3)
-        if warning:
-            self._notice("mismatch_warning", {"step": res.index, "why": warning})
-            if not any(w.startswith("train/inference mismatch") for w in self.warnings):
-                self.warnings.append(warning)
-                print(f"gyre: warning: step {res.index}: {warning}", file=sys.stderr, flush=True)
         self.ledger.step_row(row)
         self._committed = res.version
         self.training.step_closed(res.microbatches)
         self._write_state()
+        if self.cfg.run.keep_checkpoints:  # state.json now points at this version: older ones may go
+            self._spawn(asyncio.to_thread(prune_checkpoints, self.fleet.paths.ckpt_root, res.version,
+                                          self.cfg.run.keep_checkpoints))
 
     # ==== state =================================================================================
     def _write_state(self) -> None:
@@ -394,7 +465,8 @@ class Head:
         s = self.cfg.sched
         executions = dict(st.status_counts)
         events = sorted(self.fleet.events + self.events, key=lambda e: e["t"])  # the cells' and the head's
-        return {"stopped_reason": self.rollout.broken if self.rollout else None,
+        return {"stopped_reason": self.failed or (self.rollout.broken if self.rollout else None),
+                "failed": self.failed,
                 "unscorable": dict(self.ledger.unscorable),
                 "scheme": s.scheme, "label": f"{s.scheme}{s.staleness}", "staleness": s.staleness,
                 "staleness_rule": s.staleness_rule, "steps_per_sync": s.steps_per_sync,

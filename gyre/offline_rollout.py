@@ -30,15 +30,15 @@ from pathlib import Path
 
 from gyre import faults
 from gyre.config import GyreConfig, default_tiny_dir, load_config
-from gyre.engine.launch import start_cell_engine
 from gyre.engine.reaper import ProcessList, reap
 from gyre.harness.execute import check_scorable, read_tasks, select_tasks
 from gyre.harness.runner import private_dir
 from gyre.harness.sandbox import Environments, SandboxConfig
 from gyre.model.identity import model_identity
 from gyre.model.tiny import ensure_tiny_model
-from gyre.proxy.replay import replayed_calls
-from gyre.services.rollout import RolloutService
+from gyre.proxy.journal import read_journal
+from gyre.proxy.replay import Replay, replayed_calls
+from gyre.services.rollout import RecordError, RolloutService, journal_dir
 from gyre.traj.record import FINISHED, Status
 from gyre.traj.store import iter_executions, shard_paths
 
@@ -50,7 +50,7 @@ class Planned:
     task: object          # gyre.harness.tasks.Task
     member: int           # index within the task's group of G executions
     attempt: int = 0
-    replay: object = None  # the tree its stopped attempt recorded (replay-resume), or None
+    replay: object = None  # the tree its stopped attempt recorded, or the Replay of a killed one's journal
 
     @property
     def base_id(self) -> str:
@@ -78,9 +78,11 @@ class RolloutSummary:
     skipped_tasks: int = 0  # broken task folders of the suite, skipped
     sandbox: str = ""       # the host sandbox backend (bwrap | none)
     broken: str | None = None  # why the run stopped early: harnesses could not start in their sandbox
+    failed: list[str] = field(default_factory=list)  # why executions could not be recorded: the run stopped
     unscorable_tasks: dict[str, str] = field(default_factory=dict)  # task -> why it cannot be scored here
     unscorable_reasons: dict[str, int] = field(default_factory=dict)  # executions by reason
     resumed: int = 0        # executions resumed by replay
+    resumed_from_journal: int = 0  # of those, running when the run was killed (gyre.proxy.journal)
     replayed_calls: int = 0  # calls those answered from their recording
     diverged: int = 0       # resumed executions whose harness asked something not recorded
     reaped: dict = field(default_factory=dict)  # what a killed earlier run left running
@@ -130,6 +132,25 @@ def previous_executions(shard_dir: Path, replays: dict | None = None) -> dict[st
     return seen
 
 
+def journal_replays(directory: Path, previous: dict[str, tuple[str, int]], stopped: dict) -> dict[str, Replay]:
+    """Base id -> the Replay of the journal its latest attempt left (it was running when the run
+    was killed: no shard has it), for each base not finished and not stopped with a shard."""
+    latest: dict[str, tuple[int, Path]] = {}
+    for f in directory.glob("*.jsonl") if directory.is_dir() else ():
+        base, n = _split(f.stem)
+        status, attempt = previous.get(base, (None, -1))
+        if status in FINISHED or base in stopped or n <= attempt:
+            continue
+        if base not in latest or n > latest[base][0]:
+            latest[base] = (n, f)
+    out = {}
+    for base, (_, f) in latest.items():
+        replay = Replay.from_journal(read_journal(f))
+        if replay.recorded:
+            out[base] = replay
+    return out
+
+
 def used_attempts(run_dir: Path) -> dict[str, int]:
     """Base id -> highest attempt whose workspace or log folder exists."""
     out: dict[str, int] = {}
@@ -173,6 +194,8 @@ class Rollout:
                              f"or choose another run.dir")
         if resume:  # the engines (and key files) a killed run left behind go before anything starts
             self.summary.reaped = reap(run_dir)
+        if resume:  # executions that were running when the run was killed: their journals
+            replays.update(journal_replays(journal_dir(cfg), previous, replays))
         if cfg.harness.resume != "replay":
             replays = {}
         todo, self.summary.skipped_resume = plan(tasks, cfg.harness.group_size, previous, used_attempts(run_dir),
@@ -181,6 +204,8 @@ class Rollout:
         service = RolloutService(cfg, envs, model_dir, model_identity(model_dir), shard_dir)
         engine_key = secrets.token_urlsafe(24)  # the job's secret: engines accept nothing else
         pids = ProcessList(run_dir, "rollout")
+
+        from gyre.engine.launch import start_cell_engine  # loads torch: here, so `gyre rollout --help` is fast
 
         with contextlib.ExitStack() as stack:
             # engine.backend picks embedded engines or SGLang servers (one per endpoint, on this machine)
@@ -200,12 +225,15 @@ class Rollout:
                 jobs = [asyncio.create_task(self._one(p, service, bar)) for p in todo]
                 stopper = asyncio.create_task(self._stop.wait())
                 pending = set(jobs)
-                while pending and not self._stop.is_set() and not service.broken:
-                    _, pending = await asyncio.wait(pending | {stopper}, return_when=asyncio.FIRST_COMPLETED)
+                while pending and not self._stop.is_set() and not service.broken and not self.summary.failed:
+                    done, pending = await asyncio.wait(pending | {stopper}, return_when=asyncio.FIRST_COMPLETED)
                     pending.discard(stopper)
-                if self._stop.is_set() or service.broken:
+                    self._failures(done - {stopper})
+                if self._stop.is_set() or service.broken or self.summary.failed:
                     await service.stop_harnesses()
-                await asyncio.gather(*jobs, return_exceptions=True)
+                if jobs:
+                    await asyncio.wait(jobs)
+                self._failures(jobs)
                 stopper.cancel()
             finally:
                 for sig in (signal.SIGINT, signal.SIGTERM):
@@ -213,11 +241,24 @@ class Rollout:
                 if bar is not None:
                     bar.close()
                 await service.close()
-        service.compact()  # the per-execution shards, merged
+        try:
+            service.compact()  # the per-execution shards, merged
+        except RecordError as e:
+            self.summary.failed.append(str(e))
         self.summary.shards = [str(q) for q in shard_paths(shard_dir)]
         self.summary.seconds = time.monotonic() - t0
         self.summary.broken = service.broken
         return self.summary
+
+    def _failures(self, jobs) -> None:
+        """An execution whose task raised (e.g. its record could not be written) stops the run,
+        which says why and exits non-zero: no execution vanishes from an exit-0 summary."""
+        for job in jobs:
+            e = None if job.cancelled() else job.exception()
+            why = f"{type(e).__name__}: {e}" if e is not None else None
+            if why and why not in self.summary.failed:
+                self.summary.failed.append(why)
+                print(f"gyre rollout: failed: {why}", file=sys.stderr, flush=True)
 
     async def _one(self, p: Planned, service: RolloutService, bar) -> None:
         # one query = one group of G executions
@@ -225,11 +266,16 @@ class Rollout:
         faults.hit("rollout", "execution_ended")
         service.record([rec])  # durable before it counts: a SIGKILL from here on loses nothing of it
         faults.hit("rollout", "execution_recorded")
+        for f in journal_dir(self.cfg).glob(f"{p.base_id}-a*.jsonl"):  # a killed attempt's: replayed or superseded
+            if _split(f.stem)[0] == p.base_id and _split(f.stem)[1] < p.attempt:
+                f.unlink(missing_ok=True)
         if p.replay is not None:
             self.summary.resumed += 1
             n = replayed_calls(rec.tree)
             self.summary.replayed_calls += n
-            self.summary.diverged += n < len(p.replay.calls)
+            self.summary.diverged += n < (p.replay.recorded if isinstance(p.replay, Replay) else len(p.replay.calls))
+            if isinstance(p.replay, Replay):
+                self.summary.resumed_from_journal += 1
         if rec.status in FINISHED:
             # the official score counts what could not be scored (no image, evaluator failure) as 0
             self.summary.official.append(rec.reward if math.isfinite(rec.reward) else 0.0)
@@ -283,11 +329,14 @@ def print_summary(s: RolloutSummary, cfg: GyreConfig) -> None:
             ("timeouts", s.executions.get(Status.TIMEOUT, 0)),
             ("unscorable", f"{s.unscorable}" + "".join(f"\n  {n} x {why}" for why, n in sorted(s.unscorable_reasons.items()))),
             ("skipped (resume)", s.skipped_resume),
-            ("resumed by replay", f"{s.resumed} ({s.replayed_calls} calls replayed, {s.diverged} diverged)"),
+            ("resumed by replay", f"{s.resumed} ({s.replayed_calls} calls replayed, {s.diverged} diverged; "
+                                  f"{s.resumed_from_journal} from a killed run's journal)"),
             ("reaped (resume)", f"{len(s.reaped.get('processes', []))} engine processes, "
                                 f"{len(s.reaped.get('key_files', []))} key files"),
             ("broken task folders skipped", s.skipped_tasks),
             ("sandbox", s.sandbox), ("shards", len(s.shards)), ("time", f"{s.seconds:.1f} s")]
+    if s.failed:
+        rows.append(("FAILED (not recorded; run again with --resume)", "\n".join(s.failed)))
     for k, v in rows:
         t.add_row(k, str(v))
     Console(stderr=False).print(t)
@@ -312,4 +361,7 @@ def run(args: argparse.Namespace) -> int:
     if summary.broken:
         print(f"gyre rollout: stopped: {summary.broken}", file=sys.stderr)
         return 3
+    if summary.failed:
+        print("gyre rollout: failed: " + "; ".join(summary.failed), file=sys.stderr)
+        return 4
     return 130 if ro._stop.is_set() else 0

@@ -33,7 +33,7 @@ def head_for_replay(tmp_path: Path, spec: CoreSpec, key=fifo_key, *, per_shard: 
                 SelectionSpec.from_config(cfg.selection),
                 RolloutService(cfg, None, tmp_path, IDENTITY, tmp_path / "shards"))
     head.ledger.open()
-    head._spawn = lambda coro: coro.close()  # executions are played by the test
+    head._spawn = lambda coro, name=None: coro.close()  # executions are played by the test
     if engine_urls:
         for c in head.cells:
             c.engine_url = f"http://engine{c.id}"

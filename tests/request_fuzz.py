@@ -2,8 +2,10 @@
 "no 5xx for a client's fault" check (tests/test_proxy_hostile.py, benchmarks/bench_hostile.py).
 
 Each case is raw request bytes plus extra headers: a field of a full request (messages of every
-role, tools, tool calls, parameters) replaced by a value of another type or an extreme one, a
-field deleted or added, deep nesting, or broken bytes and encodings.
+role, tools, tool calls, parameters) replaced by a value of another type or an extreme one
+(numbers at float and integer limits, lone surrogates and control characters, JSON escapes),
+a field deleted or added, deep nesting (also inside tool-call argument text), an odd agent-role
+header, or broken bytes and encodings.
 """
 
 from __future__ import annotations
@@ -36,7 +38,19 @@ def _deep(depth: int, leaf="x"):
     return v
 
 
-RAW_VALUES = ["1e400", "-1e400", "9" * 5001, "NaN", "Infinity", "-0", "1.5e308"]  # spliced in as JSON text
+RAW_VALUES = ["1e400", "-1e400", "9" * 5001, "NaN", "Infinity", "-0", "1.5e308",  # spliced in as JSON text
+              "1e-300", "-1e-300", "5e-324", "4.9e-324", "1e-45", "0.0000001", "1.0000000000000002", "-0.0",
+              "9007199254740993", "18446744073709551616", "-9223372036854775809", "1E+2", "0e0",
+              '"\\udc80"', '"\\ud800\\udc00"', '"\\udfff\\ud800"', '"\\u0000\\u001f"', '"\\u2028\\ufeff"',
+              '"\\\\u0000"', '"\\/\\b\\f"']
+# Numeric extremes, string escapes and nesting (issue 34): spliced in as Python values.
+EXTREMES = [1e-300, -1e-300, 5e-324, 1e-7, 1 - 1e-16, 1e308, -1e308, 2**53 + 1, 2**63, -(2**63) - 1, 2**64]
+ESCAPES = ["\udc80", "x\udc80y", "\ud800\udc00", "\udbff", "\x00", "\x1b[2J", "\u2028", "\u202e", "\ufeff",
+           "\U0001F600", "\\u0000", "subagent:x\udc80", "subagent:\x07", "\r\n", "é" * 7]
+
+
+def _nested_text(depth: int) -> str:
+    return '{"a": %s}' % ("[" * depth + "]" * depth)
 
 
 def _values(rng: random.Random):
@@ -45,7 +59,9 @@ def _values(rng: random.Random):
             "a" * rng.choice([1, 300, 5000]), [], [1, "a"], {}, {"type": "function"}, {"x": {"y": []}},
             _deep(rng.choice([70, 900])), "[" * 3000 + "]" * 3000, ["END"] * rng.choice([2, 17]), ["x" * 3000, "y" * 3000],
             {"include_usage": "no"}, {"type": "function", "function": {"name": "bash"}},
-            {"type": "json_object"}, "required", "none", "auto"]
+            {"type": "json_object"}, "required", "none", "auto",
+            rng.choice(EXTREMES), rng.choice(ESCAPES), _deep(rng.choice([63, 64, 65, 100])),
+            _nested_text(rng.choice([63, 65, 100]))]  # as tool-call arguments: nested inside a string
 
 
 def _paths(obj, prefix=()):
@@ -85,7 +101,11 @@ def cases(n: int, seed: int = 0) -> list[tuple[bytes, dict]]:
         body = copy.deepcopy(BASE)
         body["stream"] = rng.random() < 0.3
         headers: dict = {}
-        for _ in range(rng.choice([1, 1, 2, 3])):
+        if rng.random() < 0.15:  # the role header: undecodable bytes, control characters, length
+            headers["X-Gyre-Role"] = rng.choice(["\xff", "sub\x01agent", "é".encode().decode("latin-1"),
+                                                 "r" * 300, " main "])
+        # half the header cases keep a valid body: the header alone is what is tried
+        for _ in range(0 if headers and rng.random() < 0.5 else rng.choice([1, 1, 2, 3])):
             paths = [p for p in _paths(body) if p]
             path = rng.choice(paths)
             kind = rng.random()

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from gyre.engine.client import EngineClient, EngineError, EngineUnreachable
 from gyre.engine.launch import EngineStartError, start_engine
+from gyre.model.checksums import write_checksums
 from gyre.model.tiny import ensure_tiny_model
 
 PROMPT = [1, 882, 198, 40, 1000, 2000, 17, 2, 198, 1, 77, 198]
@@ -289,6 +290,7 @@ def _perturbed_copy(src, dst, scale=0.05):
     gen = torch.Generator().manual_seed(1)
     tensors = {n: t + scale * torch.randn(t.shape, generator=gen) for n, t in tensors.items()}
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    write_checksums(dst)  # as an export does: the engine requires it
     return dst
 
 
@@ -327,6 +329,7 @@ def test_bad_weight_updates_keep_serving(engine, tiny, tmp_path):
     tensors = load_file(str(broken / "model.safetensors"))
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, str(broken / "model.safetensors"))
+    write_checksums(broken)  # the checksums hold: the layout is what is wrong
     for path, words in ((tmp_path / "nope", "does not exist"), (broken, "up_proj")):
         status, data = request(engine.url, "POST", "/update_weights_from_disk", {"model_path": str(path), "weight_version": "x"})
         assert status == 400 and data["success"] is False and words in data["message"]

@@ -19,6 +19,7 @@ from gyre.config import ConfigError, load_config
 from gyre.engine.launch import EngineStartError, start_cell_engine
 from gyre.engine.sglang_api import SGLangAdmin, SGLangAPIError
 from gyre.engine.sglang_standin import StandinUsageError, parse_args
+from gyre.model.checksums import write_checksums
 from gyre.model.tiny import ensure_tiny_model
 
 KEY = "seam-key"
@@ -96,6 +97,7 @@ def test_release_resume_and_weight_load_through_sglangs_routes(standin, tiny, tm
     tensors = {k: (v * 1.5 if k.endswith("q_proj.weight") or k.startswith("lm_head") else v) for k, v in tensors.items()}
     save_file(tensors, new / "model.safetensors")
     (new / "gyre_identity.json").unlink(missing_ok=True)
+    write_checksums(new)  # as an export does: the engine requires it
     answer = admin.update_weights_from_disk(str(new), "4")
     assert answer["success"] is True and admin.weight_version() == "4"
     after = _generate(standin.url)

@@ -5,6 +5,7 @@ served ones, and the API key is on by default."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import shutil
@@ -118,7 +119,14 @@ def test_weights_are_verified_before_they_replace_the_served_ones(engine, tiny, 
         t["model.layers.0.mlp.up_proj.weight"][0, 0] = math.nan
 
     nan = _copy(tiny, tmp_path / "nan", poison)
-    for path, words in ((flipped, "does not match the exported"), (nan, "non-finite")):
+    write_checksums(nan)
+    unlisted = _copy(tiny, tmp_path / "unlisted")  # issue 34: an export without a manifest was served unchecked
+    config = _copy(tiny, tmp_path / "config")  # ... and config.json was not covered by it
+    write_checksums(config)
+    cfg = json.loads((config / "config.json").read_text())
+    (config / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": cfg["rms_norm_eps"] * 10}))
+    for path, words in ((flipped, "does not match the exported"), (nan, "non-finite"),
+                        (unlisted, f"has no {MANIFEST}"), (config, "config.json: sha256")):
         status, data = request(engine.url, "POST", "/update_weights_from_disk",
                                {"model_path": str(path), "weight_version": "bad"})
         assert status == 400 and data["success"] is False and words in data["message"], data

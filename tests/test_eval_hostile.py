@@ -110,3 +110,36 @@ def test_an_unpacked_image_keeps_its_own_env_under_bubblewrap(tmp_path):
     place = Placement("image", get_runtime("bwrap"), ImageRef("bwrap", str(root), "six:1.0"), True, None)
     inst = envs.instance(place, ["true"], [], {"LANG": "en_US.UTF-8"}, name="t", private=[])
     assert inst.env["PATH"].startswith("/opt/conda/bin") and inst.env["LANG"] == "en_US.UTF-8"
+
+
+def _deep_tree(root, depth: int) -> None:
+    """``depth`` nested folders, built by fd so no path grows past PATH_MAX."""
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        for _ in range(depth):
+            os.mkdir("d", dir_fd=fd)
+            nxt = os.open("d", os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        with open(os.open("leaf.txt", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd), "w") as f:
+            f.write("deep")
+    finally:
+        os.close(fd)
+
+
+def test_a_600_deep_tree_is_copied_for_scoring_and_the_copy_has_a_deadline(tmp_path):
+    """Issue 34: a 600-deep tree made the evaluator's copytree raise RecursionError (reward NaN),
+    and the copy had no time bound (200,000 files took 103 s)."""
+    import time
+
+    from gyre.harness.sparse_copy import CopyTimeExceeded, copy_tree
+
+    ws = workspace(tmp_path / "a", solution="fizzbuzz")
+    _deep_tree(ws, 600)
+    opts = EvalOptions(timeout_s=120, scratch_dir=str(tmp_path / "scratch"))
+    ev = evaluate_workspace(TASKS["fizzbuzz"], ws, "done", opts)
+    assert ev.source == "tests" and ev.reward == 1.0, ev
+    with pytest.raises(CopyTimeExceeded, match="eval.timeout_s"):
+        copy_tree(ws, tmp_path / "late", CopyBudget(0).copy, deadline=time.monotonic() - 1)
+    ev = evaluate_workspace(TASKS["fizzbuzz"], ws, "done", EvalOptions(timeout_s=1e-6, scratch_dir=str(tmp_path / "s2")))
+    assert ev.reward is None and ev.source == "eval-error" and "eval.timeout_s" in ev.error, ev

@@ -89,12 +89,13 @@ def test_moe_routes_differently_per_token():
     assert not torch.equal(e0[0].up_proj.weight, e0[1].up_proj.weight)
 
 
-def test_unsupported_and_hybrid_families_are_refused(tmp_path):
+def test_unsupported_families_and_bad_hybrid_layers_are_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ModelFormatError, match="not supported; supported families: " + ", ".join(supported())):
         read_spec(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_next"}))
-    with pytest.raises(ModelFormatError, match="Gated DeltaNet.*docs/hybrid-layers.md"):
+    cfg = tiny_config("qwen3_5").to_dict() | {"layer_types": ["linear_attention", "sliding_attention"] * 2}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelFormatError, match="layer_types must list 4 entries"):
         read_spec(tmp_path)
 
 

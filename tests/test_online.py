@@ -83,7 +83,7 @@ def test_elastic_run_switches_both_ways_and_trains(tmp_path):
     # leave rollout cells idle, which on this toy's millisecond calls is most of the time: its
     # switching rules are tested on states in tests/test_sched_policies.py, and it runs live in
     # the stale-drop and fault tests here.)
-    rc, out = gyre_run(tmp_path / "e", "sched.scheme=E-paper", "sched.execs_per_cell=4")
+    rc, out = gyre_run(tmp_path / "e", "sched.scheme=E-paper", "sched.execs_per_cell=4", "run.keep_checkpoints=1")
     assert rc == 0, out[-3000:]
     rep = report(tmp_path / "e")
     assert len(rep["steps"]) >= 2 and rep["version"] == 2
@@ -106,6 +106,34 @@ def test_elastic_run_switches_both_ways_and_trains(tmp_path):
     rows = check_ledger(tmp_path / "e")
     assert sum(r["admitted"] for r in rows) == 2 * 2 * 4  # steps x groups x G
     assert (tmp_path / "e" / "weights" / "v2" / "model.safetensors").exists()
+    check_watchable(tmp_path / "e", out, steps=2)
+    assert sorted(p.name for p in (tmp_path / "e" / "checkpoints").iterdir()) == ["v2"]  # run.keep_checkpoints=1
+
+
+def check_watchable(run_dir: Path, out: str, steps: int) -> None:
+    """What a user watching the run gets: a line per step with its figures, a clean end said, every
+    figure of steps.jsonl in metrics.jsonl and TensorBoard under a grouped name, the config stored."""
+    from gyre.config import load_config
+    from gyre.report.metrics import row_scalars
+
+    for k in range(1, steps + 1):
+        line = next(x for x in out.splitlines() if x.startswith(f"gyre: step {k}/{steps} "))
+        assert "reward " in line and "tok/s" in line and "ETA" in line and "running" in line, line
+    assert f"gyre: run ended: {steps}/{steps} steps" in out, out[-2000:]
+    rows = [json.loads(x) for x in (run_dir / "steps.jsonl").read_text().splitlines()]
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = set().union(*metrics)
+    for row in rows:
+        want = set(row_scalars(row))
+        assert want <= logged, sorted(want - logged)
+        assert not [k for k in want if k.startswith("other/")], want  # every key has its group
+        assert row["entropy"] > 0 and row["reward_std"] is not None and row["calls_per_execution"] > 0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    assert set(row_scalars(rows[-1])) <= set(acc.Tags()["scalars"])
+    assert load_config(run_dir / "config.toml").run.steps == steps
 
 
 def test_async_finishes_with_cell_stats(tmp_path):
@@ -159,6 +187,7 @@ def test_sigterm_to_head_then_resume_trains_nothing_twice(tmp_path):
     os.kill(int((run_dir / "head.pid").read_text()), signal.SIGTERM)
     out, _ = proc.communicate(timeout=200)
     assert proc.returncode != 0, out[-2000:]
+    assert "gyre: run cancelled at step" in out and "resume with: gyre run --resume" in out, out[-2000:]
     first = report(run_dir)
     assert first["stopped"] and 1 <= first["version"] < 3
     stopped = {r.execution_id: len(r.tree.calls) for r in iter_shards(run_dir) if r.status == "stopped"}

@@ -227,6 +227,24 @@ def test_tool_choice_none_required_and_named(stack):
     assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"command": "pwd"}
 
 
+def test_streamed_logprobs_come_with_each_chunk_and_add_up_to_the_unstreamed(stack):
+    """As OpenAI and SGLang stream them: each content chunk carries the log-probs of its own tokens,
+    the final chunk those no chunk carried; together, what the unstreamed answer holds."""
+    stack.engine.script = [R.encode("Hello from the model, token by token.") + [R.im_end]]
+    client, _ = stack.client()
+    chunks = list(client.chat.completions.create(model="main", messages=[{"role": "user", "content": "x"}],
+                                                 logprobs=True, top_logprobs=2, stream=True))
+    per = [c.choices[0].logprobs.content if c.choices[0].logprobs else [] for c in chunks if c.choices]
+    with_text = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(with_text) > 2 and all(c.choices[0].logprobs and c.choices[0].logprobs.content for c in with_text)
+    streamed = [e for p in per for e in p]
+    whole = client.chat.completions.create(model="main", messages=[{"role": "user", "content": "x"}],
+                                           logprobs=True, top_logprobs=2).choices[0].logprobs.content
+    assert [(e.token, e.logprob, len(e.top_logprobs)) for e in streamed] == \
+        [(e.token, e.logprob, len(e.top_logprobs)) for e in whole]
+    assert "".join(e.token for e in streamed) == "Hello from the model, token by token."
+
+
 def test_logprobs_top_logprobs_and_response_format_text(stack):
     client, _ = stack.client()
     r = client.chat.completions.create(model="main", messages=[{"role": "user", "content": "x"}], logprobs=True,

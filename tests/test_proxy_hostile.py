@@ -171,16 +171,19 @@ def test_top_p_zero_is_greedy_and_stream_options_are_checked(stack):
         assert status == 400 and needle in err["error"]["message"], err
 
 
-def test_fuzzed_requests_never_get_a_5xx(stack):
+def test_fuzzed_requests_never_get_a_5xx(stack, tmp_path):
+    from gyre.traj.store import ShardWriter
+
     _, key = stack.client()
     url = stack.base + "/v1/chat/completions"
     statuses = []
-    for raw, headers in cases(300, seed=24):
+    for raw, headers in cases(400, seed=34):
         status, body = raw_post(url, raw, key, headers)
         assert status < 500, (raw[:300], headers, body[:300])
         statuses.append(status)
     assert 200 in statuses and 400 in statuses  # the fuzz reaches both sides
     assert chat(stack, key)[0] == 200  # and the proxy still serves
+    ShardWriter(tmp_path, identity={"model": "m", "tokenizer": "t"}).write([stack.proxy.end("e1")])  # and records
 
 
 def test_a_lagging_reader_parses_the_last_cumulative_snapshot_only():
@@ -219,3 +222,47 @@ def test_a_lagging_reader_parses_the_last_cumulative_snapshot_only():
     snaps = asyncio.run(main())
     assert snaps[-1].output_ids == list(range(n)) and snaps[-1].finish_reason == "length"
     assert len(snaps[-1].logprobs) == n and len(snaps) <= n // 2  # not one parse per token
+
+
+def test_harness_chosen_strings_that_no_shard_can_hold_are_4xx(stack, tmp_path):
+    """Issue 34: `X-Gyre-Role: \\xff` and `model: subagent:x\\udc80` were recorded and later broke the
+    shard writer (UnicodeEncodeError in a task nobody awaited); now refused at the proxy."""
+    from gyre.traj.store import ShardWriter, iter_executions
+
+    _, key = stack.client()
+    url = stack.base + "/v1/chat/completions"
+    plain = {"model": "main", "messages": [{"role": "user", "content": "x"}]}
+    status, raw = raw_post(url, json.dumps(plain).encode(), key, {"X-Gyre-Role": "\xff"})
+    assert status == 400 and b"X-Gyre-Role" in raw, raw[:300]
+    for body, needle in [({**plain, "model": "subagent:x\udc80"}, b"surrogate"),
+                         ({**plain, "messages": [{"role": "user", "content": "a\udc80b"}]}, b"surrogate"),
+                         ({**plain, "model": "subagent:\x07bell"}, b"agent role")]:
+        status, raw = raw_post(url, json.dumps(body).encode(), key)
+        assert status == 400 and needle in raw, (body, raw[:300])
+    assert stack.engine.requests == [] and not stack.tree().calls
+    # printable Unicode roles are kept, and the shard writer takes them
+    assert raw_post(url, json.dumps({**plain, "model": "subagent:résumé"}).encode(), key)[0] == 200
+    assert raw_post(url, json.dumps(plain).encode(), key, {"X-Gyre-Role": "compactor"})[0] == 200
+    rec = stack.proxy.end("e1")
+    ShardWriter(tmp_path, identity={"model": "m", "tokenizer": "t"}).write([rec])
+    roles = {c.agent_role for r in iter_executions(tmp_path) for c in r.tree.calls}
+    assert roles == {"subagent:résumé", "compactor"}
+
+
+def test_numeric_extremes_and_deep_tool_arguments_are_4xx(stack):
+    """Issue 34: `top_p: 1e-300` was 0 in float32 and NaN in sampling (503 after engine tracebacks);
+    tool-call arguments nested 100 deep were accepted though docs/openai.md promises a 400 over 64."""
+    _, key = stack.client()
+    status, err = chat(stack, key, top_p=1e-300)
+    assert status == 400 and err["error"]["param"] == "top_p", err
+    assert chat(stack, key, top_p=1e-6)[0] == 200
+    for depth, ok in [(100, False), (63, True)]:
+        args = "[" * depth + "]" * depth
+        msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "bash", "arguments": '{"a": %s}' % args}}]},
+            {"role": "tool", "tool_call_id": "c", "content": "ok"}]
+        status, err = chat(stack, key, messages=msgs, tools=TOOLS)
+        assert (status == 200) == ok, (depth, err)
+        if not ok:
+            assert status == 400 and "nested more than 64" in err["error"]["message"], err
+    assert len(stack.engine.requests) == 2  # the refused calls never reached the engine

@@ -70,8 +70,9 @@ def test_gantt_shades_idle_time_inside_a_role(tmp_path):
 
     rep = live_report(events())
     assert sum(b - a for a, b in rep["idle"]["0"]) == pytest.approx(rep["cells"][0]["idle_s"]) == pytest.approx(24.0)
-    assert pale_pixels(rep) > 500
-    assert pale_pixels({**rep, "idle": {}}) == 0
+    legend_only = pale_pixels({**rep, "idle": {}})  # no idle drawn: the legend's "rollout cell idle" swatch
+    assert 0 < legend_only < 400  # the pale blue is explained in the legend
+    assert pale_pixels(rep) > legend_only + 500
 
 
 def test_metrics_sink_writes_jsonl_and_tensorboard_files_readable_back(tmp_path):
@@ -91,8 +92,8 @@ def test_metrics_sink_writes_jsonl_and_tensorboard_files_readable_back(tmp_path)
     assert [x["step"] for x in steps] == [0, 1, 2]
     assert [x["train/loss"] for x in steps] == pytest.approx([-3.2e-5, -6.4e-5, -9.6e-5])
     assert [x["rollout/reward_mean"] for x in steps] == [0.0, 0.25, 0.5]
-    assert 0 < steps[-1]["cells/utilisation"] < 1 and "cell1/busy_train_s" in steps[-1]
-    assert lines[-1]["run/lag_groups"] == 3.0  # the run's lag when it ended
+    assert 0 < steps[-1]["cells/utilisation"] < 1 and "cells/cell1/busy_train_s" in steps[-1]
+    assert lines[-1]["sched/run_lag_groups"] == 3.0  # the run's lag when it ended
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
     assert [e.step for e in acc.Scalars("train/loss")] == [0, 1, 2]

@@ -199,3 +199,32 @@ def test_sigkill_of_rollout_at_a_named_phase_then_resume_runs_every_execution_on
         assert math.isfinite(r.reward) and r.reward_source == "tests"
     killed = {p.name for p in (run_dir / "workspaces").iterdir()} - {r.execution_id for r in final}
     assert killed  # the executions the kill interrupted kept their workspaces; reruns got new ones
+
+
+@pytest.mark.slow
+def test_sigkill_mid_execution_then_resume_replays_each_running_execution_from_its_journal(tmp_path):
+    """Issue 34: executions running when the process was killed were rerun from scratch. Now each
+    recorded call is journaled before its answer goes out; `--resume` replays a killed execution's
+    journal into its restarted harness (no engine time), then goes live; each execution is
+    recorded once and the journals go once their executions are in shards."""
+    from gyre.proxy.journal import read_journal
+    from gyre.proxy.replay import replayed_calls
+
+    run_dir = tmp_path / "run"
+    cmd = "[" + ", ".join(f'"{c}"' for c in AGENT) + "]"
+    args = [sys.executable, "-m", "gyre.cli", "rollout", "--no-progress", f"run.dir={run_dir}", "engine.endpoints=1",
+            "harness.group_size=2", "harness.concurrency=2", 'harness.tasks=["fizzbuzz"]', f"harness.command={cmd}"]
+    env = {**os.environ, "GYRE_FAULT": "proxy:call_journaled:5", "GYRE_FAULT_DIR": str(tmp_path / "faults")}
+    first = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+    assert first.returncode == -signal.SIGKILL, first.stdout + first.stderr
+    journaled = {f.stem: len(read_journal(f)) for f in (run_dir / "journal").glob("*.jsonl")}
+    assert sum(journaled.values()) == 5 and records(run_dir) == []  # every answered call, and the 5th
+    again = subprocess.run(args + ["--resume"], capture_output=True, text=True, timeout=400, env=env)
+    assert again.returncode == 0, again.stdout + again.stderr
+    final = records(run_dir)
+    assert sorted(r.execution_id.rsplit("-a", 1)[0] for r in final) == ["fizzbuzz-g0", "fizzbuzz-g1"]
+    replayed = {r.execution_id.rsplit("-a", 1)[0]: replayed_calls(r.tree) for r in final}
+    for eid, n in journaled.items():  # the harness asks the same again: every journaled call answered from it
+        assert replayed[eid.rsplit("-a", 1)[0]] == n, (replayed, journaled, again.stdout)
+    assert all(r.status == "done" and r.execution_id.endswith("-a1") for r in final)
+    assert "from a killed run's journal" in again.stdout and list((run_dir / "journal").iterdir()) == []

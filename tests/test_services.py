@@ -292,3 +292,31 @@ def test_rollout_service_records_durably_and_serves_the_proxy(tmp_path):
     svc.record([record("q0-t-g1", 0)])
     svc.compact()
     assert sorted(r.execution_id for r in iter_executions(tmp_path / "shards")) == ["q0-t-g0", "q0-t-g1"]
+
+
+def test_a_killed_heads_journals_are_resumed_by_replay_once_and_never_for_a_recorded_execution(tmp_path):
+    """Issue 34: an execution running when the head was SIGKILLed left only its journal; resume
+    replays it (member for member); a journal whose execution reached a shard is not replayed."""
+    from gyre.proxy.journal import Journal
+    from gyre.proxy.replay import Replay
+
+    svc = RolloutService(GyreConfig(), None, tmp_path, IDENTITY, tmp_path / "shards")
+    svc.record([record("q0-t-g0", 0)])
+    journal = Journal(tmp_path / "journal")
+    journal.append("q0-t-g0", [1, 2], [3], [-0.5], "stop", "0")  # killed between its shard and its discard
+    for k in range(3):
+        journal.append("q0-t-g1", [1, 2, k], [7, k], [-0.25, -0.5], "stop", "0")
+    journal.close()
+    with open(tmp_path / "journal" / "q0-t-g1.jsonl", "a") as f:
+        f.write('{"input": "cut sh')  # the line being written when the head died
+    led = Ledger(tmp_path, tmp_path / "shards", emit=lambda e: None)
+    replays = led.stopped_to_replay(tmp_path / "journal")
+    assert list(replays) == [("t", 1)]
+    (source, replay), = replays[("t", 1)]
+    assert source == "q0-t-g1" and isinstance(replay, Replay) and replay.recorded == 3
+    hit = replay.match([1, 2, 1])
+    assert hit.output_ids == [7, 1] and hit.logprobs == [-0.25, -0.5]
+    led.open()
+    led.resuming("q1-t-g1", "q0-t-g1")  # taken: never replayed into a second execution
+    led.close()
+    assert led.stopped_to_replay(tmp_path / "journal") == {}

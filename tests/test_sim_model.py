@@ -50,12 +50,28 @@ def test_every_preset_number_has_a_source_and_no_headline_fit():
 
 def test_roofline_matches_the_stated_decode_figures():
     """TP2 H200 replica of Qwen3.5-122B-A10B, FP8, 64K context: ~3.7 / 7.3 / 17 / 25 ms per decode
-    step at 1 / 8 / 32 / 64 calls (paper-reading.md), ~122 GB of KV room, ~5M tokens."""
+    step at 1 / 8 / 32 / 64 calls (paper-reading.md); ~122 GB left after the weights, split 1 : 0.9
+    between KV (~2.7M tokens) and the Gated DeltaNet states (SGLang's --mamba-full-memory-ratio)."""
     rep = cal.P122B.cluster().replica
     for b, ms in ((1, 3.7), (8, 7.3), (32, 17.0), (64, 25.0)):
         assert rep.step_s(b, 64e3) * 1e3 == pytest.approx(ms, rel=0.1), b
-    assert rep.kv_capacity_tokens * rep.kv_bytes_per_token / 1e9 == pytest.approx(122, rel=0.1)
+    kv_gb = rep.kv_capacity_tokens * rep.kv_bytes_per_token / 1e9
+    state_gb = rep.state_slots * rep.state_bytes_per_request / 1e9
+    assert kv_gb + state_gb == pytest.approx(122, rel=0.1) and state_gb == pytest.approx(0.9 * kv_gb)
     assert rep.expert_share(1) == pytest.approx(8 / 256) and rep.expert_share(1e4) == pytest.approx(1.0)
+
+
+def test_hybrid_state_costs_decode_bytes_and_bounds_the_requests_a_replica_holds():
+    rep = cal.P122B.cluster().replica
+    dense = replace(rep, state_bytes_per_request=0.0)
+    # every step reads and writes each running request's state
+    extra = rep.step_s(32, 64e3) - dense.step_s(32, 64e3)
+    assert extra == pytest.approx(32 * 2 * rep.state_bytes_per_request / rep.bandwidth)
+    assert dense.kv_capacity_tokens == pytest.approx(1.9 * rep.kv_capacity_tokens)
+    assert dense.state_slots == float("inf") and 700 < rep.state_slots < 850
+    tight = replace(cal.P122B.cluster(), replica=replace(rep, state_bytes_per_request=rep.state_bytes_per_request * 60))
+    assert tight.calls_per_cell(32e3) <= tight.replica.state_slots * tight.replicas + 1e-9
+    assert tight.calls_per_cell(32e3) < cal.P122B.cluster().calls_per_cell(32e3)
 
 
 def test_decode_floor_is_per_replica():

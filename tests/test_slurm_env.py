@@ -90,7 +90,13 @@ def test_prepare(tmp_path):
     with pytest.raises(SlurmEnvError, match="GYRE_RESUME=1"):
         slurm.prepare(None, [f"run.dir={run}", "sched.cells=2", "sched.cell_nodes=4"], env)
     out = slurm.prepare(None, [f"run.dir={run}", "sched.cells=2", "sched.cell_nodes=4"], {**env, "SLURM_RESTART_COUNT": "1"})
-    assert out["GYRE_RESUME_FLAG"] == "--resume"
+    assert out["GYRE_RESUME_FLAG"] == "--resume" and out["GYRE_RESOLVED_CONFIG"] == ""
+    from gyre.report import config_file  # a run that stored its configuration: a requeue starts from it
+
+    config_file.write(load_config(None, [f"run.dir={run}", "sched.cells=2", "sched.cell_nodes=4", "run.steps=9"]), run)
+    out = slurm.prepare(None, [f"run.dir={run}"], {**env, "SLURM_RESTART_COUNT": "1"})
+    assert out["GYRE_RESOLVED_CONFIG"] == str(run / "config.toml") and out["GYRE_STEPS"] == "9"
+    assert out["GYRE_N_CELLS"] == "2"
 
 
 def test_prepare_cli_fails_with_message(tmp_path):
@@ -111,7 +117,7 @@ def test_submit_dry_run(tmp_path, capsys):
     text = (tmp_path / "r" / "gyre.sbatch").read_text()
     assert "#SBATCH hetjob" in text and "--partition=gpu --nodes=6" in text and "--gpus-per-node=4" in text
     assert "#SBATCH --signal=B:USR1@120" in text and "export GYRE_MPI=pmix" in text
-    assert "srun --mpi=" in text and "scontrol requeue" in text
+    assert "srun --quiet --mpi=" in text and "scontrol requeue" in text
     assert subprocess.run(["bash", "-n", str(tmp_path / "r" / "gyre.sbatch")]).returncode == 0
 
 
@@ -156,7 +162,7 @@ def test_status_says_a_cancelled_job_is_cancelled_with_the_resume_command(tmp_pa
     slurm.status_add_arguments(p)
     assert slurm.status_run(p.parse_args([str(run)])) == 0
     out = capsys.readouterr().out
-    assert "job cancelled before the run finished" in out and "GYRE_RESUME=1 sbatch launchers/gyre.sbatch" in out
+    assert "job cancelled before the run finished" in out and f"gyre submit --resume run.dir={run}" in out
     assert slurm.run_state({"job_state": "PENDING", "restart_count": 1, "finished": False, "stopped": False}) \
         .startswith("requeued")
 
@@ -165,3 +171,73 @@ def test_the_jobs_python_must_import_what_every_rank_imports():
     slurm.check_job_python(("json", "gyre"))
     with pytest.raises(slurm.SlurmEnvError, match="cannot import no_such_module_xyz.*GYRE_PYTHON"):
         slurm.check_job_python(("json", "no_such_module_xyz"))
+
+
+def _fake_slurm(tmp_path, monkeypatch, squeue: str, sacct: str) -> None:
+    import os
+    import stat as st_mod
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, out in (("squeue", squeue), ("sacct", sacct)):
+        f = bin_dir / name
+        f.write_text(f"#!/bin/sh\nprintf '{out}'\n")
+        f.chmod(f.stat().st_mode | st_mod.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+
+def test_status_of_a_job_slurm_forgot_says_it_ended_with_total_and_head(tmp_path, monkeypatch, capsys):
+    from gyre.config import load_config
+    from gyre.report import config_file
+
+    _fake_slurm(tmp_path, monkeypatch, "", "")  # purged from the accounting: neither knows job 7
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "slurm.json").write_text(json.dumps({"job_id": "7", "head": "headnode", "cells": []}))
+    config_file.write(load_config(None, ["run.steps=10"]), run)
+    (run / "steps.jsonl").write_text('{"step": 0, "t_end": 60.0}\n{"step": 1, "t_end": 120.0}\n')
+    p = argparse.ArgumentParser()
+    slurm.status_add_arguments(p)
+    assert slurm.status_run(p.parse_args([str(run)])) == 0
+    out = capsys.readouterr().out
+    assert "steps done 2/10" in out and "ETA 8m00s" in out and "head on headnode" in out, out
+    assert "Slurm no longer knows job 7" in out and "running or not started" not in out, out
+
+
+def test_status_of_a_local_run_whose_head_is_gone_says_so(tmp_path, capsys):
+    import socket
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid that no longer runs
+    (tmp_path / "state.json").write_text(json.dumps({"version": 1}))
+    (tmp_path / "head.json").write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid}))
+    p = argparse.ArgumentParser()
+    slurm.status_add_arguments(p)
+    assert slurm.status_run(p.parse_args([str(tmp_path)])) == 0
+    out = capsys.readouterr().out
+    assert "head process is gone" in out and "gyre run --resume" in out, out
+
+
+def test_status_refuses_a_directory_that_is_not_a_run(tmp_path, capsys):
+    p = argparse.ArgumentParser()
+    slurm.status_add_arguments(p)
+    (tmp_path / "notes.txt").write_text("hello")
+    assert slurm.status_run(p.parse_args([str(tmp_path)])) == 2
+    assert "is not a run directory" in capsys.readouterr().err
+
+
+def test_submit_resume_reuses_the_runs_stored_configuration(tmp_path, capsys):
+    from gyre.report import config_file
+
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "state.json").write_text(json.dumps({"version": 1}))
+    config_file.write(load_config(None, [f"run.dir={run}", "sched.cells=3", "sched.cell_nodes=2"]), run)
+    p = argparse.ArgumentParser()
+    slurm.submit_add_arguments(p)
+    assert slurm.submit_run(p.parse_args(["--resume", "--dry-run", f"run.dir={run}"])) == 0  # nothing retyped
+    out = capsys.readouterr().out
+    assert "--nodes=6" in out and f"{run / 'config.toml'} run.dir={run}" in out
+    assert f"#SBATCH --output={run}/gyre-%j.out" in out
+    with pytest.raises(SystemExit, match="--config FILE is needed"):
+        slurm.submit_run(p.parse_args(["--dry-run", f"run.dir={tmp_path / 'fresh'}"]))

@@ -318,6 +318,42 @@ def test_inspect_prints_summary_and_tree(tmp_path, capsys):
     assert gyre_main(["inspect", str(path), "--execution", "nope"]) == 1
 
 
+def test_inspect_reads_directories_decodes_text_and_fits_80_columns(tmp_path, capsys, monkeypatch):
+    from rich.console import Console
+
+    from gyre.config import default_tiny_dir, load_config
+    from gyre.model.tiny import ensure_tiny_model
+    from gyre.traj import inspect as insp
+
+    w = writer(tmp_path)
+    w.write(records(1))
+    w.write(records(2))
+    monkeypatch.setattr(insp, "Console", lambda width=None: Console(width=80, color_system=None))
+    assert gyre_main(["inspect", str(w.dir), "--execution", "exec-0-1"]) == 0  # a directory: every shard in it
+    out = capsys.readouterr().out
+    assert out.count("shard shard-") == 2 and max(len(x) for x in out.splitlines()) <= 80, out
+    assert "a wider terminal shows" in out
+    tiny = ensure_tiny_model(default_tiny_dir(load_config()))
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tiny / "tokenizer.json"))
+    rec = read_shard(sorted(w.dir.glob("*.h5"))[0])[0]
+    texts = [tok.decode([int(t) for t in n.tokens], skip_special_tokens=False) for n in rec.tree.nodes]
+    words = {w for t in texts for w in re.findall(r"[A-Za-z]{4,}", t)}
+    assert gyre_main(["inspect", str(w.dir), "--text", "--full", "--model", str(tiny)]) == 0
+    out = capsys.readouterr().out
+    assert words and sum(w in out for w in words) > 0.9 * len(words)  # the nodes' own tokens as text (80 columns wrap a few)
+    assert gyre_main(["inspect", str(w.dir), "--full"]) == 0
+    assert not [w for w in words if w in capsys.readouterr().out.split()]  # (and without --text, none)
+
+
+def test_inspect_tells_a_missing_file_from_a_bad_shard(tmp_path, capsys):
+    assert gyre_main(["inspect", str(tmp_path / "nope.h5")]) == 2
+    assert "no such file" in capsys.readouterr().out
+    assert gyre_main(["inspect", str(tmp_path)]) == 2  # a directory without shards
+    assert "no shard" in capsys.readouterr().out
+
+
 def test_inspect_bad_shard_names_file_and_dataset(tmp_path, capsys):
     path = writer(tmp_path, compression="none").write(records(1))
     flip(path, "tokens")

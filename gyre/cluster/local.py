@@ -20,6 +20,7 @@ from gyre.config import load_config
 from gyre.engine.reaper import reap
 from gyre.harness.execute import load_tasks
 from gyre.harness.runner import private_dir
+from gyre.report import config_file
 from gyre.report.live import gantt, print_report, reward_curve
 
 
@@ -59,6 +60,8 @@ def launch_command(args: argparse.Namespace, cells: int, key: Path, report: Path
         cmd += ["--config", args.config]
     if args.resume:
         cmd.append("--resume")
+    if sys.stdout.isatty():  # the head's output reaches us through mpiexec, no longer a terminal there
+        cmd.append("--progress-bar")
     return cmd + list(args.overrides)
 
 
@@ -66,6 +69,9 @@ def run(args: argparse.Namespace) -> int:
     if args.strict:
         args.overrides = [*args.overrides, "harness.strict_suite=true"]
     cfg = load_config(args.config, args.overrides)
+    if args.resume and config_file.stored(cfg.run.dir):  # the run's own configuration, overrides on top
+        args.config = str(config_file.stored(cfg.run.dir))
+        cfg = load_config(args.config, args.overrides)
     load_tasks(cfg)  # a bad suite is a clear message here, not a traceback from the head rank
     run_dir = private_dir(Path(cfg.run.dir))
     if not args.resume and (run_dir / "state.json").exists():

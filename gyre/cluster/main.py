@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import json
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -25,6 +26,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine-key-file", required=True, help="0600 file holding the job's engine secret")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--report", help="where rank 0 writes the run report (JSON)")
+    p.add_argument("--progress-bar", action="store_true",
+                   help="draw a bar of each step's executions (gyre run sets it when its output is a terminal)")
     p.add_argument("overrides", nargs="*")
     return p.parse_args(argv)
 
@@ -66,6 +69,8 @@ def run_head(comm, args: argparse.Namespace) -> int:
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "head.pid").write_text(str(os.getpid()))  # for operators and fault tests
+    # where the head runs (gyre status): the proxy, harnesses and logs live on this host
+    (run_dir / "head.json").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
 
     async def go() -> dict:
         loop = asyncio.get_running_loop()
@@ -76,7 +81,7 @@ def run_head(comm, args: argparse.Namespace) -> int:
 
         link = HeadLink(comm, deliver).start()
         link.engine_key = Path(args.engine_key_file).read_text().strip()
-        head = Head(cfg, link, n_cells, resume=args.resume)
+        head = Head(cfg, link, n_cells, resume=args.resume, progress_bar=args.progress_bar)
         try:
             return await head.run()
         finally:
@@ -85,6 +90,8 @@ def run_head(comm, args: argparse.Namespace) -> int:
     report = asyncio.run(go())
     if args.report:
         Path(args.report).write_text(json.dumps(report, indent=1, default=str))
+    if report.get("failed"):  # a task failed (e.g. a record could not be written): said on stderr already
+        return 1
     return 130 if report.get("stopped") else 0
 
 

@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -44,6 +46,7 @@ from gyre.cluster.local import engine_key_file
 from gyre.config import ConfigError, GyreConfig, env, load_config
 from gyre.fsio import atomic_write_text
 from gyre.harness.runner import private_dir
+from gyre.report import config_file
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 TEMPLATE = Path(__file__).resolve().parents[2] / "launchers" / "gyre.sbatch"
@@ -241,6 +244,10 @@ def prepare(config: str | None, overrides: list[str], environ: Mapping[str, str]
     if resume and alloc.restart_count == 0 and (get("GYRE_RESUME") or "") not in ("1", "yes", "true"):
         raise SlurmEnvError(f"{run_dir} holds a run (state.json): submit with GYRE_RESUME=1 to continue it, "
                             "or choose another run.dir")
+    resolved = config_file.stored(run_dir) if resume else None
+    if resolved:  # the run's own configuration: nothing to retype on resume or requeue
+        cfg = load_config(resolved, overrides)
+        blocks = cell_blocks(alloc, cfg)
     extra = []
     if cfg.engine.host in LOOPBACK:  # the head must reach each cell's engine across nodes
         extra.append("engine.host=0.0.0.0")
@@ -264,6 +271,7 @@ def prepare(config: str | None, overrides: list[str], environ: Mapping[str, str]
         "GYRE_RESUME_FLAG": "--resume" if resume else "",
         "GYRE_EXTRA_OVERRIDES": " ".join(extra),
         "GYRE_STEPS": str(cfg.run.steps),
+        "GYRE_RESOLVED_CONFIG": str(resolved or ""),
     }
 
 
@@ -284,7 +292,8 @@ def _prepare_main(argv: list[str]) -> int:
 
 # ---- gyre submit ------------------------------------------------------------------------------------
 def submit_add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", required=True, help="TOML configuration file")
+    p.add_argument("--config", help="TOML configuration file (with --resume: the run's stored config.toml "
+                                     "when omitted; run.dir=DIR names the run)")
     p.add_argument("--head-partition", default=None, help="partition of component 0 (the head)")
     p.add_argument("--cell-partition", default=None, help="partition of component 1 (the cells)")
     p.add_argument("--head-cpus", type=int, default=None, help="CPUs of the head task (harnesses, evaluators)")
@@ -329,7 +338,7 @@ def render_sbatch(cfg: GyreConfig, args: argparse.Namespace) -> str:
              f"#SBATCH --signal=B:USR1@{lead}",
              "#SBATCH --requeue" if not args.no_requeue else "#SBATCH --no-requeue",
              "#SBATCH --open-mode=append",
-             f"#SBATCH --output={Path(cfg.run.dir).resolve()}/slurm-%j.out",
+             f"#SBATCH --output={Path(cfg.run.dir).resolve()}/gyre-%j.out",  # the launcher's name, in the run dir
              f"#SBATCH --partition={head_part} --nodes=1 --ntasks=1 --cpus-per-task={cpus}"]
     lines += [f"#SBATCH {a}" for a in args.sbatch_arg]
     lines += ["#SBATCH hetjob",
@@ -346,6 +355,12 @@ def render_sbatch(cfg: GyreConfig, args: argparse.Namespace) -> str:
 
 def submit_run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
+    if args.resume and config_file.stored(Path(cfg.run.dir)):  # the run's own configuration, overrides on top
+        args.config = str(config_file.stored(Path(cfg.run.dir)).resolve())
+        cfg = load_config(args.config, args.overrides)
+    elif not args.config:
+        raise SystemExit("gyre submit: --config FILE is needed (only --resume of a run that stored its "
+                         "config.toml can do without)")
     run_dir = private_dir(Path(cfg.run.dir).resolve())
     if (run_dir / "state.json").exists() and not args.resume:
         raise SystemExit(f"gyre submit: {run_dir} holds a run; pass --resume to continue it or choose another run.dir")
@@ -361,8 +376,6 @@ def submit_run(args: argparse.Namespace) -> int:
         raise SystemExit("gyre submit: no sbatch on PATH (run it on a Slurm login node)")
     child_env = None
     if args.resume:
-        import os
-
         child_env = {**os.environ, "GYRE_RESUME": "1"}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=child_env)
     if r.returncode != 0:
@@ -370,7 +383,8 @@ def submit_run(args: argparse.Namespace) -> int:
         return r.returncode
     job = r.stdout.strip().split(";")[0]
     (run_dir / "slurm.job").write_text(job + "\n")
-    print(f"submitted job {job}: {script}; follow it with `gyre status {run_dir}`")
+    print(f"submitted job {job}: {script}; its output: {run_dir}/gyre-{job}.out; "
+          f"follow it with `gyre status {run_dir}`")
     return 0
 
 
@@ -398,9 +412,30 @@ def _json(path: Path) -> dict | None:
         return None
 
 
+RUN_FILES = ("state.json", "steps.jsonl", "config.toml", "slurm.json", "report.json", "cells.json", "ledger.jsonl")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: it exists
+        return True
+    return True
+
+
 def collect_status(run_dir: Path) -> dict:
     """Cells, roles and progress of a run, from the files the run wrote (no live query needed)."""
     slurm = _json(run_dir / "slurm.json") or {}
+    head = _json(run_dir / "head.json") or {}
+    stored = config_file.stored(run_dir)
+    total = None
+    if stored:
+        try:
+            total = load_config(stored).run.steps
+        except ConfigError:
+            pass
     state = _json(run_dir / "state.json") or {}
     report = _json(run_dir / "report.json")
     steps = _jsonl(run_dir / "steps.jsonl")
@@ -425,6 +460,7 @@ def collect_status(run_dir: Path) -> dict:
             row.update({k: c.get(k) for k in ("rollout_s", "train_s", "switching_s", "switches", "utilisation")})
     job = slurm.get("job_id") or ((run_dir / "slurm.job").read_text().strip() if (run_dir / "slurm.job").exists() else "")
     job_state = ""
+    slurm_knows = None  # None: no Slurm to ask; False: asked and it knows nothing of the job
     if job and shutil.which("squeue"):
         try:
             r = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True, timeout=10)
@@ -437,10 +473,20 @@ def collect_status(run_dir: Path) -> dict:
                                text=True, timeout=10)
             states = [line.split()[0] for line in r.stdout.splitlines() if line.strip()] if r.returncode == 0 else []
             job_state = states[-1] if states else ""
+            slurm_knows = bool(states)
         except (OSError, subprocess.TimeoutExpired):
             pass
+    head_alive = None
+    if not job and head.get("pid") and head.get("host") == socket.gethostname():  # gyre run on this machine
+        head_alive = _alive(int(head["pid"]))
+    eta = None
+    if total and steps and not report:
+        span = steps[-1].get("t_end") or 0.0  # seconds since this attempt's start: the pace of a resumed run is rough
+        if span > 0:
+            eta = span / len(steps) * max(total - len(steps), 0)
     return {"run_dir": str(run_dir), "job_id": job, "job_state": job_state or ("ended" if report else ""),
-            "restart_count": slurm.get("restart_count", 0), "head": slurm.get("head", ""),
+            "slurm_knows": slurm_knows, "head_alive": head_alive, "steps_total": total, "eta_s": eta,
+            "restart_count": slurm.get("restart_count", 0), "head": head.get("host") or slurm.get("head", ""),
             "version": state.get("version", 0), "steps_done": len(steps),
             "last_step": steps[-1] if steps else None, "executions_trained": len(admitted),
             "executions_not_admitted": len(not_admitted), "resumes": sum(1 for r in ledger if r.get("resume")),
@@ -450,7 +496,7 @@ def collect_status(run_dir: Path) -> dict:
 
 
 _ENDED_EARLY = ("CANCELLED", "FAILED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
-RESUME_HINT = "resume: GYRE_RESUME=1 sbatch launchers/gyre.sbatch CONFIG (the same run.dir)"
+RESUME_HINT = "resume: gyre submit --resume run.dir=RUN_DIR (the run's config.toml is reused)"
 
 
 def run_state(st: dict) -> str:
@@ -468,7 +514,14 @@ def run_state(st: dict) -> str:
         return "running"
     if job in ("PENDING", "CONFIGURING"):
         return "waiting for its allocation"
-    return "running or not started"
+    if st.get("slurm_knows") is False:
+        return f"ended: Slurm no longer knows job {st['job_id']} (cancelled or killed before the run finished); {RESUME_HINT}"
+    if st.get("head_alive") is False:
+        return ("cancelled or killed: its head process is gone and it wrote no report; resume with "
+                f"gyre run --resume run.dir={st['run_dir']}")
+    if st.get("head_alive"):
+        return "running"
+    return "not started yet, or running where this machine cannot see it (no Slurm job recorded)"
 
 
 def status_run(args: argparse.Namespace) -> int:
@@ -476,16 +529,25 @@ def status_run(args: argparse.Namespace) -> int:
     if not run_dir.is_dir():
         print(f"gyre status: {run_dir} is not a directory", file=sys.stderr)
         return 2
+    if not any((run_dir / f).exists() for f in RUN_FILES):
+        print(f"gyre status: {run_dir} is not a run directory (none of {', '.join(RUN_FILES)}); "
+              f"pass the run's run.dir", file=sys.stderr)
+        return 2
     st = collect_status(run_dir)
     if args.json:
         print(json.dumps(st, indent=1, default=str))
         return 0
     print(f"run {st['run_dir']}  job {st['job_id'] or '-'} {st['job_state'] or ''}  restarts {st['restart_count']}")
     last = st["last_step"] or {}
-    print(f"steps done {st['steps_done']} (policy version {st['version']})"
+    total = st["steps_total"]
+    print(f"steps done {st['steps_done']}" + (f"/{total}" if total else "") + f" (policy version {st['version']})"
           + (f", last reward {last.get('reward_mean'):.3f}" if last.get("reward_mean") is not None else "")
           + f"; executions trained {st['executions_trained']}, not admitted {st['executions_not_admitted']}"
           + (f"; resumed {st['resumes']}x" if st["resumes"] else ""))
+    if st["eta_s"] is not None:
+        from gyre.report.progress import duration
+
+        print(f"ETA {duration(st['eta_s'])} at the pace of the steps so far")
     print(f"head on {st['head'] or '?'}")
     for c in st["cells"]:
         nodes = ",".join(c.get("nodes", []))
@@ -493,7 +555,7 @@ def status_run(args: argparse.Namespace) -> int:
         if c.get("rollout_s") is not None:
             extra += f"  rollout {c['rollout_s']:.1f}s train {c['train_s']:.1f}s switches {c['switches']}"
         print(f"  cell {c['cell']}: rank on {c.get('hostname') or '?'}  nodes {nodes or '?'}{extra}")
-    print(f"state: {run_state(st)}")
+    print(f"state: {run_state(st).replace('RUN_DIR', st['run_dir'])}")
     for e in st["errors"]:
         print(f"  error: {e}")
     return 0

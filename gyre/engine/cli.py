@@ -40,8 +40,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--incremental-streaming-output", action="store_true",
                    help="streamed /generate chunks carry only the new tokens (SGLang's flag of the same name)")
     p.add_argument("--config", default=None, help="Gyre TOML config file")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="config override, e.g. --set engine.max_body_bytes=4096 (repeatable)")
+    p.add_argument("overrides", nargs="*", help="section.key=value configuration overrides, as every gyre "
+                                                "command takes them (e.g. engine.max_body_bytes=4096)")
+    p.add_argument("--set", dest="set_overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help=argparse.SUPPRESS)  # the older spelling, still accepted
     p.add_argument("--weight-version", default="0", help="initial weight_version (default 0)")
     # One thread by default: the tiny model gains nothing from more, and OpenMP threads that spin
     # while another process holds a core made decode steps 30x slower on shared 2-core machines.
@@ -52,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, [*args.set_overrides, *args.overrides])
     api_key = args.api_key
     key_file: Path | None = None
     if args.no_api_key and (args.api_key or args.api_key_file):

@@ -121,7 +121,7 @@ class EngineClient:
         raise EngineUnreachable(f"{method} {path} failed after {retries + 1} attempt(s): "
                                 f"{type(last).__name__}: {last}", self.base_url)
 
-    def _generate_body(self, input_ids, sampling_params, rid, top_logprobs_num, stream) -> dict:
+    def _generate_body(self, input_ids, sampling_params, rid, top_logprobs_num, stream, priority=None) -> dict:
         ids = input_ids if getattr(input_ids, "json_text", None) else list(input_ids)
         body = {"input_ids": ids, "sampling_params": sampling_params, "return_logprob": True}
         if rid is not None:
@@ -130,24 +130,27 @@ class EngineClient:
             body["top_logprobs_num"] = top_logprobs_num
         if stream:
             body["stream"] = True
+        if priority is not None:  # SGLang's GenerateReqInput.priority (higher first with --enable-priority-scheduling)
+            body["priority"] = priority
         return body
 
     async def generate(self, input_ids: list[int], sampling_params: dict, rid: str | None = None,
-                       top_logprobs_num: int = 0) -> GenerateResult:
+                       top_logprobs_num: int = 0, priority: int | None = None) -> GenerateResult:
         timing: list[float] = []
         data = await self._request("POST", "/generate",
-                                   self._generate_body(input_ids, sampling_params, rid, top_logprobs_num, False),
+                                   self._generate_body(input_ids, sampling_params, rid, top_logprobs_num, False,
+                                                       priority),
                                    timing=timing)
         res = _result(data, self.base_url, rid)
         res.wire_s = timing[-1] if timing else 0.0
         return res
 
     async def generate_stream(self, input_ids: list[int], sampling_params: dict, rid: str | None = None,
-                              top_logprobs_num: int = 0) -> AsyncIterator[GenerateResult]:
+                              top_logprobs_num: int = 0, priority: int | None = None) -> AsyncIterator[GenerateResult]:
         """Cumulative snapshots as the engine streams them; the last has ``finish_reason`` set.
         Connection failures before the first byte are retried like :meth:`generate`; a stream
         that breaks later raises :class:`EngineUnreachable` (the caller decides how to go on)."""
-        body = self._generate_body(input_ids, sampling_params, rid, top_logprobs_num, True)
+        body = self._generate_body(input_ids, sampling_params, rid, top_logprobs_num, True, priority)
         url = self.base_url + "/generate"
         last: Exception | None = None
         for attempt in range(self.connect_retries + 1):

@@ -29,6 +29,8 @@ from gyre.config import ConfigError, EngineBackend
 from gyre.engine.runtime import Engine
 from gyre.engine.server import READY_MARKER, EngineServer
 from gyre.engine.sglang_launch import SGLangSpec, srun_step
+from gyre.model.families import ModelFormatError, family_of, text_config
+from gyre.model.spec import read_config
 
 
 class EngineStartError(RuntimeError):
@@ -323,7 +325,7 @@ def start_cell_engine(cfg, model_dir: str | os.PathLike, *, api_key: str | None,
     spec = SGLangSpec(str(model_dir), host=e.host, port=port, api_key=api_key, tp=tp, nnodes=n,
                       dist_init_addr=f"{dist_host}:{dist_init_port}" if n > 1 else "",
                       weight_version=str(weight_version), launcher=e.sglang_launcher,
-                      extra=[str(a) for a in e.sglang_args])
+                      extra=[str(a) for a in e.sglang_args], hybrid=_is_hybrid(model_dir))
     try:
         commands = ([spec.command(node_rank=r) for r in range(n)] if local
                     else [srun_step(spec, nodes, list(srun))])
@@ -369,3 +371,12 @@ def serve_cell_engine(cfg, model_dir: str | os.PathLike, *, api_key: str | None,
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _is_hybrid(model_dir) -> bool:
+    """Whether the model directory holds a hybrid (Gated DeltaNet) family; False when it cannot be
+    read here (SGLang then reports the directory itself)."""
+    try:
+        return family_of(text_config(read_config(model_dir))).hybrid
+    except ModelFormatError:
+        return False

@@ -34,7 +34,9 @@ class PrefixCache:
 
     def lookup(self, ids: list[int]) -> tuple[KVCache | None, int]:
         """A fresh cache holding the longest cached prefix of ``ids`` (at most ``len(ids) - 1``
-        tokens, since the last prompt token must be run to get logits) and its length."""
+        tokens, since the last prompt token must be run to get logits) and its length. A hybrid
+        model's cache resumes from its deepest stored state within that prefix (it may hold fewer
+        tokens than were shared; the rest is recomputed)."""
         if not self._entries or len(ids) < 2:
             return None, 0
         query = torch.tensor(ids)
@@ -47,7 +49,8 @@ class PrefixCache:
         if best_key is None or best == 0:
             return None, 0
         self._entries.move_to_end(best_key)
-        return self._entries[best_key][1].copy(best), best
+        cache = self._entries[best_key][1].copy(best)
+        return (cache, cache.length) if cache.length else (None, 0)
 
     def insert(self, ids: list[int], cache: KVCache) -> None:
         """Remember ``cache``, which holds exactly the positions of ``ids``."""

@@ -147,7 +147,7 @@ class Router:
     # ---- requests ----------------------------------------------------------------------------
 
     async def generate(self, affinity_key: str, input_ids: list[int], sampling_params: dict,
-                       rid: str | None = None, top_logprobs_num: int = 0) -> GenerateResult:
+                       rid: str | None = None, top_logprobs_num: int = 0, priority: int | None = None) -> GenerateResult:
         """Generate on the key's endpoint; ``result.endpoint`` says which one served it.
         Raises :class:`RouterError` when no endpoint could, :class:`EngineError` for a bad request."""
         rid = rid or uuid.uuid4().hex
@@ -162,7 +162,7 @@ class Router:
             self._inflight.add(flight)
             try:
                 result = await self._client(url).generate(input_ids, sampling_params, rid=rid,
-                                                          top_logprobs_num=top_logprobs_num)
+                                                          top_logprobs_num=top_logprobs_num, priority=priority)
             except EngineUnreachable as e:
                 failed.add(url)
                 history.append(f"{url}: unreachable ({e.message})")
@@ -187,7 +187,8 @@ class Router:
         raise RouterError(f"request {rid}: gave up after {self.max_attempts} attempts: {'; '.join(history)}")
 
     async def generate_stream(self, affinity_key: str, input_ids: list[int], sampling_params: dict,
-                              rid: str | None = None, top_logprobs_num: int = 0) -> AsyncIterator[GenerateResult]:
+                              rid: str | None = None, top_logprobs_num: int = 0,
+                              priority: int | None = None) -> AsyncIterator[GenerateResult]:
         """Cumulative snapshots as tokens come (see the module docstring); the last one has
         ``finish_reason`` set. Same errors as :meth:`generate`."""
         rid = rid or uuid.uuid4().hex
@@ -213,7 +214,8 @@ class Router:
             passed = 0
             last: GenerateResult | None = None
             ids = input_ids if not done_ids else list(input_ids) + done_ids
-            agen = self._client(url).generate_stream(ids, params, rid=sub_rid, top_logprobs_num=top_logprobs_num)
+            agen = self._client(url).generate_stream(ids, params, rid=sub_rid, top_logprobs_num=top_logprobs_num,
+                                                     priority=priority)
             try:
                 async for snap in agen:
                     last = snap

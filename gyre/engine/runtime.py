@@ -30,6 +30,7 @@ import torch
 
 from gyre.engine.pace import Pacer
 from gyre.engine.prefix_cache import PrefixCache
+from gyre.engine.hybrid import causal_lm
 from gyre.engine.qwen import CausalLM, KVCache, ModelFormatError, load_weights, read_spec
 from gyre.engine.sampling import SamplingParams, sample
 from gyre.model.checksums import WeightCheckError, check_finite, require_regular_files, verify_checksums
@@ -63,6 +64,9 @@ class Finished:
     routed_experts: "torch.Tensor | None" = None  # [prompt + output - 1, moe layers, top_k] when asked
 
 
+UNSET_PRIORITY = -(2**63)  # SGLang (priority scheduling, higher first) gives a request without one the lowest
+
+
 @dataclass
 class _Request:
     rid: str
@@ -84,6 +88,7 @@ class _Request:
     stop_tail_tokens: int = 0  # how many output tokens to decode when looking for stop strings
     return_routed_experts: bool = False  # SGLang's request flag (MoE models)
     routed: "torch.Tensor | None" = None  # read from the cache when the request finishes
+    priority: int = 0  # SGLang's request priority: higher is admitted first, first come first within
 
 
 class Engine:
@@ -91,7 +96,9 @@ class Engine:
                  max_new_tokens_cap: int = 4096, prefill_chunk: int = 512,
                  prefix_cache_mb: int = 256, pace: bool = False):
         self.model_dir = Path(model_dir)
-        self.model: CausalLM | None = CausalLM.from_dir(self.model_dir)
+        self._start_dir = self.model_dir.resolve()  # trusted without a manifest (see _trusted)
+        spec = read_spec(self.model_dir)
+        self.model: CausalLM | None = causal_lm(spec, load_weights(self.model_dir, spec))
         self.spec = self.model.spec
         try:
             self.tokenizer = load_tokenizer(self.model_dir)
@@ -104,7 +111,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self._identity: dict | None = None
         s = self.spec
-        kv_bytes_per_token = 2 * s.layers * s.kv_heads * s.head_dim * 4  # float32 keys + values
+        kv_bytes_per_token = 2 * len(s.full_layers) * s.kv_heads * s.head_dim * 4  # float32 keys + values
         self._prefix = PrefixCache(max(1, (prefix_cache_mb << 20) // kv_bytes_per_token))
         # engine.pace (benchmarks only): each decode step lasts the paced replica's roofline time
         # for its batch (gyre/engine/pace.py), so this engine behaves like a loaded GPU replica
@@ -151,7 +158,8 @@ class Engine:
 
     def submit(self, rid: str, input_ids: list[int], params: SamplingParams,
                on_done: Callable[[Finished], None], top_n: int = 0,
-               on_step: Callable[[], None] | None = None, return_routed_experts: bool = False) -> "_Request":
+               on_step: Callable[[], None] | None = None, return_routed_experts: bool = False,
+               priority: int | None = None) -> "_Request":
         """Queue a request; returns its handle (``output``/``logprobs`` grow as tokens come)."""
         if return_routed_experts and not self.spec.moe_layers:
             raise Refused(400, "return_routed_experts needs a Mixture-of-Experts model; this one is dense")
@@ -163,7 +171,8 @@ class Engine:
         gen.manual_seed(params.sampling_seed if params.sampling_seed is not None
                         else int.from_bytes(os.urandom(8), "little") >> 1)
         req = _Request(rid, input_ids, params, on_done, gen, top_n=top_n, on_step=on_step,
-                       return_routed_experts=return_routed_experts)
+                       return_routed_experts=return_routed_experts,
+                       priority=UNSET_PRIORITY if priority is None else priority)
         if params.stop:  # SGLang: decode the last (longest stop string in tokens + 1) tokens
             req.stop_tail_tokens = 1 + max(len(self.tokenizer.encode(s, add_special_tokens=False).ids)
                                            for s in params.stop)
@@ -211,7 +220,7 @@ class Engine:
         with self._admin:
             if "weights" in tags and "weights" in self._released:
                 # the files may have changed while released: checked as a weight update is
-                model = self._load_model(self.model_dir, verify=True)
+                model = self._load_model(self.model_dir, verify=True, trusted=self._trusted(self.model_dir))
                 with self._cv:
                     self.model = model
             with self._cv:
@@ -225,7 +234,8 @@ class Engine:
         with self._admin:
             if "weights" in self._released:
                 raise Refused(400, "weights are released; POST /resume_memory_occupation first")
-            model = self._load_model(Path(model_path), verify=True)  # while requests still run on the old weights
+            # while requests still run on the old weights
+            model = self._load_model(Path(model_path), verify=True, trusted=self._trusted(Path(model_path)))
             if model.spec.vocab_size != self.spec.vocab_size:
                 raise Refused(400, f"{model_path}: vocab_size {model.spec.vocab_size} differs from the "
                                    f"served model's {self.spec.vocab_size}")
@@ -268,19 +278,24 @@ class Engine:
             raise Refused(400, f"cannot {what} while {busy} request(s) are running or queued; "
                                "abort them (POST /abort_request) or wait")
 
+    def _trusted(self, path: Path) -> bool:
+        """The checkpoint the engine was started from may lack a manifest (a plain Hugging Face
+        directory); any other must carry one (an export writes it)."""
+        return path.resolve() == self._start_dir
+
     @staticmethod
-    def _load_model(path: Path, verify: bool = False) -> CausalLM:
-        """Load a checkpoint; with ``verify``, first its checksum manifest (when it has one) and
-        always the finiteness of every tensor, so a corrupt export never replaces good weights."""
+    def _load_model(path: Path, verify: bool = False, trusted: bool = False) -> CausalLM:
+        """Load a checkpoint; with ``verify``, first its checksum manifest (required unless
+        ``trusted``) and the finiteness of every tensor, so a corrupt export never replaces good weights."""
         try:
             require_regular_files(path)
             if verify:
-                verify_checksums(path)
+                verify_checksums(path, required=not trusted)
             spec = read_spec(path)
             tensors = load_weights(path, spec)
             if verify:
                 check_finite(tensors)
-            return CausalLM(spec, tensors)
+            return causal_lm(spec, tensors)
         except WeightCheckError as e:
             raise Refused(400, f"refused weights from {path}: {e}; the previous weights stay loaded") from None
         except (ModelFormatError, OSError) as e:
@@ -321,7 +336,9 @@ class Engine:
                     self._pending.clear()
                     break
                 while self._pending and not self._paused and len(self._active) < self.max_running:
-                    r = self._pending.popleft()
+                    # SGLang --enable-priority-scheduling: highest priority first, first come first within
+                    r = max(self._pending, key=lambda q: q.priority)
+                    self._pending.remove(r)
                     r.weight_version = self.weight_version
                     r.cache, r.fed = self._prefix.lookup(r.input_ids)
                     r.cached_tokens = r.fed

@@ -4,7 +4,8 @@ Routes (all require ``Authorization: Bearer KEY`` when the server has an API key
 
 * ``POST /generate`` ``{input_ids: [int], sampling_params: {max_new_tokens, temperature, top_p,
   top_k, stop, stop_token_ids, no_stop_trim, ignore_eos, skip_special_tokens, sampling_seed},
-  return_logprob, top_logprobs_num, return_text_in_logprobs, rid, stream}``
+  return_logprob, top_logprobs_num, return_text_in_logprobs, rid, stream, priority}``
+  (``priority``: admitted highest first, as SGLang with ``--enable-priority-scheduling``)
   -> ``{output_ids, text, meta_info: {id, finish_reason: {type: stop|length|abort, ...},
   weight_version, prompt_tokens, completion_tokens, cached_tokens, e2e_latency,
   output_token_logprobs: [[logprob, token_id, token_text|null], ...] (when return_logprob),
@@ -188,12 +189,12 @@ def _render(engine: Engine, res: Finished, opts: dict, params) -> dict:
 
 # SGLang GenerateReqInput fields that sglang-router (and SGLang clients) send with every request:
 # accepted and ignored, or accepted only when off. Anything else is an unknown key (400).
-_GENERATE_IGNORED = {"model", "log_metrics", "no_logs", "priority", "extra_key",
+_GENERATE_IGNORED = {"model", "log_metrics", "no_logs", "extra_key",
                      "custom_labels", "data_parallel_rank"}
 _GENERATE_OFF = {"background", "return_hidden_states", "return_bytes", "return_entropy",
                  "lora_path", "image_data", "input_embeds"}
 _GENERATE_FIELDS = {"input_ids", "sampling_params", "return_logprob", "rid", "logprob_start_len", "stream",
-                    "top_logprobs_num", "return_text_in_logprobs", "return_routed_experts"}
+                    "top_logprobs_num", "return_text_in_logprobs", "return_routed_experts", "priority"}
 
 
 def _flag(data: dict, name: str) -> bool:
@@ -236,6 +237,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
     elif not isinstance(rid, str) or not rid:
         raise BadRequest(f"rid must be a non-empty string, got {rid!r}")
     params = parse_sampling_params(data.get("sampling_params"), engine.vocab_size, engine.max_new_tokens_cap)
+    priority = data.get("priority")  # admission order, as SGLang with --enable-priority-scheduling
+    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)
+                                 or not -2**63 <= priority < 2**63):
+        raise BadRequest(f"priority must be an integer, got {priority!r}")
 
     loop = asyncio.get_running_loop()
     done: asyncio.Future[Finished] = loop.create_future()
@@ -250,7 +255,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
     on_step = (lambda: loop.call_soon_threadsafe(step.set)) if stream else None
     handle = engine.submit(rid, ids, params, on_done, top_n=top_n if opts["return_logprob"] else 0, on_step=on_step,
-                           return_routed_experts=_flag(data, "return_routed_experts"))
+                           return_routed_experts=_flag(data, "return_routed_experts"), priority=priority)
     try:
         if not stream:
             res = await done

@@ -12,6 +12,14 @@ What a Gyre cell needs from it:
   ``--nnodes/--node-rank/--dist-init-addr`` when a cell spans several nodes: one server process per
   node, node rank 0 serves HTTP, the others join through node 0's dist-init address. (``--tp`` also
   works on SGLang only as an argparse prefix of ``--tp-size``; the exact name is used here.)
+- hybrid linear-attention models (Qwen3-Next, Qwen3.5: ``hybrid``): ``--mamba-ssm-dtype float32``
+  keeps the Gated DeltaNet recurrent state in float32, as the trainer computes it (behaviour
+  log-probs closer to the trainer's), and ``--mamba-radix-cache-strategy extra_buffer`` makes the
+  hybrid radix cache (``MambaRadixCache``) also checkpoint states during decode every
+  ``--mamba-track-interval`` tokens, so an agent's next call (its previous input + output + new
+  messages) resumes from a stored state instead of recomputing its prefix; the state pool's share
+  of memory stays SGLang's ``--mamba-full-memory-ratio`` default (gyre/sim/roofline.py models it).
+  An ``engine.sglang_args`` flag of the same name comes later and wins.
 - ``--api-key``: the job's engine secret (SGLang takes it only on the command line; on a shared
   cluster prefer nodes allocated exclusively, since ``ps`` shows arguments).
 """
@@ -39,6 +47,7 @@ class SGLangSpec:
     mem_fraction_static: float | None = None
     weight_version: str = "0"
     launcher: str = "sglang.launch_server"  # the module run with ``python -m``
+    hybrid: bool = False              # Gated DeltaNet layers: the hybrid radix cache flags
     extra: list[str] = field(default_factory=list)
 
     def check(self) -> None:
@@ -59,7 +68,8 @@ class SGLangSpec:
         self.check()
         cmd = [python, "-m", self.launcher, "--model-path", self.model_path,
                "--host", self.host, "--port", str(self.port), "--tp-size", str(self.tp),
-               "--skip-tokenizer-init", "--enable-memory-saver", "--weight-version", self.weight_version]
+               "--skip-tokenizer-init", "--enable-memory-saver", "--weight-version", self.weight_version,
+               "--enable-priority-scheduling"]  # the proxy's fair share (gyre.proxy.fairness)
         if self.api_key:
             cmd += ["--api-key", self.api_key]
         if self.nnodes > 1:
@@ -68,6 +78,8 @@ class SGLangSpec:
                     "--dist-init-addr", self.dist_init_addr]
         if self.mem_fraction_static is not None:
             cmd += ["--mem-fraction-static", str(self.mem_fraction_static)]
+        if self.hybrid:
+            cmd += ["--mamba-ssm-dtype", "float32", "--mamba-radix-cache-strategy", "extra_buffer"]
         return cmd + [str(a) for a in self.extra]
 
 

@@ -49,6 +49,7 @@ HONOURED: dict[str, tuple[str, type | None]] = {
     "--max-running-requests": ("max_running_requests", int),
     "--skip-tokenizer-init": ("skip_tokenizer_init", None),   # the embedded engine is token-in anyway
     "--enable-memory-saver": ("enable_memory_saver", None),   # release/resume are always available
+    "--enable-priority-scheduling": ("enable_priority_scheduling", None),  # the embedded engine always is
 }
 # Real SGLang flags that only concern GPU memory, kernels or logging: accepted, without effect.
 ACCEPTED_IGNORED: dict[str, type | None] = {

@@ -40,7 +40,7 @@ from gyre.harness import proc, scoring
 from gyre.harness.runner import workspace_path
 from gyre.harness.runtimes import Mount
 from gyre.harness.sandbox import OUT, WORKSPACE, Environments, Placement, SandboxConfig, run_steps
-from gyre.harness.sparse_copy import CopyBudget
+from gyre.harness.sparse_copy import CopyBudget, copy_tree
 from gyre.harness.tasks import Task
 from gyre.traj.record import Status
 
@@ -151,13 +151,14 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
 
 
-def _clean_candidate(task: Task, workspace: Path, repo: Path, opts: EvalOptions, notes: list[str]) -> None:
+def _clean_candidate(task: Task, workspace: Path, repo: Path, opts: EvalOptions, notes: list[str],
+                     deadline: float | None = None) -> None:
     """The candidate as the official post-processor leaves it: packaging files and the task's test
     paths removed."""
     try:
-        # sparse-aware and within eval.max_copy_mb: a workspace cannot fill the evaluator's disk
-        shutil.copytree(workspace, repo, symlinks=True, copy_function=CopyBudget(opts.max_copy_mb << 20).copy,
-                        dirs_exist_ok=True)
+        # sparse-aware and within eval.max_copy_mb: a workspace cannot fill the evaluator's disk;
+        # without recursion (any depth) and within the evaluation's time
+        copy_tree(workspace, repo, CopyBudget(opts.max_copy_mb << 20).copy, deadline)
     except shutil.Error as e:  # unreadable files: score what could be copied
         notes.append(f"some files could not be copied: {len(e.args[0])} errors")
         repo.mkdir(exist_ok=True)
@@ -337,7 +338,7 @@ def evaluate_workspace(task: Task, workspace: str | os.PathLike, status: str = "
         deadline = time.monotonic() + cap if cap > 0 else None
         left = lambda floor: None if deadline is None else max(floor, deadline - time.monotonic())  # noqa: E731
         network = eval_network(opts, place)
-        _clean_candidate(task, ws, cand, opts, notes)
+        _clean_candidate(task, ws, cand, opts, notes, deadline)
         if place.kind == "image":
             # the image's /workspace (its hidden tests), copied out by one instance ...
             rc, timed_out = runner.run(["--copy-tree", WORKSPACE, f"{OUT}/repo"], [Mount(str(scratch), OUT, True)],

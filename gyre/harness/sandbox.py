@@ -296,11 +296,17 @@ async def run_steps_async(steps: list[list[str]], env: dict[str, str], *, check:
 
 # -- the proxy, through one Unix socket per execution -------------------------------------------
 
+MAX_RELAY_CONNECTIONS = 64  # per execution: its calls in flight (proxy.max_calls_in_flight) plus idle keep-alives
+
+
 class ProxyBridge:
     """A Unix socket on the host, relayed to the proxy's TCP address. Mounted alone into one
-    instance; the folder holding it is private to Gyre's user and outside every sandbox."""
+    instance; the folder holding it is private to Gyre's user and outside every sandbox. At most
+    ``max_connections`` are relayed at once: beyond, a new one is closed at once (said once in
+    the log), so one harness holding thousands cannot exhaust the head's file descriptors."""
 
-    def __init__(self, base_url: str):
+    def __init__(self, base_url: str, max_connections: int = MAX_RELAY_CONNECTIONS):
+        self.max_connections, self.open, self.refused = max_connections, 0, 0
         u = urlsplit(base_url)
         self.host, self.port = u.hostname or "127.0.0.1", u.port or (443 if u.scheme == "https" else 80)
         if self.host in ("0.0.0.0", "::"):
@@ -319,6 +325,20 @@ class ProxyBridge:
         return self
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.open >= self.max_connections:
+            self.refused += 1
+            if self.refused == 1:
+                log.warning("a harness holds %d connections to the proxy at once; further ones are closed "
+                            "(at most %d per execution)", self.open, self.max_connections)
+            writer.close()
+            return
+        self.open += 1
+        try:
+            await self._relay(reader, writer)
+        finally:
+            self.open -= 1
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             up_r, up_w = await asyncio.open_connection(self.host, self.port)
         except OSError:

@@ -1,13 +1,16 @@
 """Checksums of exported weights, and the checks an engine runs before serving new weights.
 
-Manifest: ``weights.sha256.json`` next to the ``*.safetensors`` files::
+Manifest: ``weights.sha256.json`` next to the ``*.safetensors`` files, covering every file an
+engine reads from the directory (the weights and every ``*.json``: config, tokenizer, index),
+so an edited ``rms_norm_eps`` or ``hidden_act`` is caught as a flipped weight bit is::
 
-    {"format": "gyre-weights-sha256/1", "files": {"model.safetensors": "<sha256 hex>", ...}}
+    {"format": "gyre-weights-sha256/1", "files": {"model.safetensors": "<sha256 hex>", "config.json": ...}}
 
 :func:`write_checksums` is what an exporter calls after writing the files (atomically, last, so
 a manifest never describes files still being written); :func:`verify_checksums` is what the engine
-calls before loading. A directory without a manifest (a plain Hugging Face checkpoint) passes the
-checksum step; every load still refuses non-finite tensors (:func:`check_finite`).
+calls before loading new weights: a directory without a manifest is refused unless the caller
+says it is trusted (the checkpoint an engine was started from, a plain Hugging Face directory);
+every load still refuses non-finite tensors (:func:`check_finite`).
 """
 
 from __future__ import annotations
@@ -55,22 +58,32 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_checksums(model_dir: str | Path) -> Path:
-    """Write the manifest for every ``*.safetensors`` file of ``model_dir``; returns its path."""
+def covered_files(model_dir: str | Path) -> list[Path]:
+    """What a manifest covers: the weights and every JSON file (config, tokenizer, index)."""
     d = Path(model_dir)
-    files = sorted(d.glob("*.safetensors"))
-    if not files:
+    return sorted(f for f in [*d.glob("*.safetensors"), *d.glob("*.json")] if f.name != MANIFEST)
+
+
+def write_checksums(model_dir: str | Path) -> Path:
+    """Write the manifest for every file :func:`covered_files` names; returns its path."""
+    d = Path(model_dir)
+    if not any(d.glob("*.safetensors")):
         raise WeightCheckError(f"{d}: no *.safetensors file to checksum")
-    manifest = {"format": FORMAT, "files": {f.name: sha256_file(f) for f in files}}
+    manifest = {"format": FORMAT, "files": {f.name: sha256_file(f) for f in covered_files(d)}}
     atomic_write_json(d / MANIFEST, manifest)
     return d / MANIFEST
 
 
-def verify_checksums(model_dir: str | Path) -> bool:
-    """Check the files against the manifest; False when there is no manifest, raise on mismatch."""
+def verify_checksums(model_dir: str | Path, required: bool = True) -> bool:
+    """Check the files against the manifest; raise on a mismatch, or on no manifest when
+    ``required``; False when there is none and it is not."""
     d = Path(model_dir)
     path = d / MANIFEST
     if not path.exists():
+        if required and d.is_dir():  # (a missing directory is the loader's error, with its own message)
+            raise WeightCheckError(f"{d} has no {MANIFEST}: weights are loaded only as exported, with their "
+                                   "checksums (gyre.model.checksums.write_checksums writes them for a "
+                                   "directory you trust)")
         return False
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
@@ -79,7 +92,7 @@ def verify_checksums(model_dir: str | Path) -> bool:
             raise ValueError(f"format is {manifest.get('format')!r}, expected {FORMAT!r}")
     except (ValueError, KeyError, TypeError) as e:
         raise WeightCheckError(f"{path}: unreadable checksum manifest ({e})") from None
-    on_disk = {f.name for f in d.glob("*.safetensors")}
+    on_disk = {f.name for f in covered_files(d)}
     unlisted = sorted(on_disk - set(files))
     if unlisted:
         raise WeightCheckError(f"{d}: {unlisted} not in {MANIFEST} (files added after the export?)")

@@ -1,7 +1,7 @@
 """Which model families Gyre serves and trains, read from ``config.json``'s ``model_type``.
 
 One table: each family says what its layers hold (q/k/v biases, q/k RMSNorm, routed experts,
-a shared expert). Everything family-specific elsewhere (shapes, the HF <-> Megatron name map,
+a shared expert, hybrid Gated DeltaNet layers). Everything family-specific elsewhere (shapes, the HF <-> Megatron name map,
 the engine's and trainer's forwards, parameter counts) reads a `Family` from here, so adding a
 family is one row plus whatever new layer it brings.
 """
@@ -24,6 +24,11 @@ class Family:
     qk_norm: bool              # RMSNorm over each head's queries and keys before RoPE (Qwen3)
     moe: bool                  # routed experts in (some) MLPs
     shared_expert: bool        # a sigmoid-gated shared expert beside the routed ones (Qwen2-MoE)
+    # Hybrid (Qwen3-Next, Qwen3.5): `layer_types` mixes Gated DeltaNet ("linear_attention") and
+    # output-gated full-attention layers; RMSNorms scale by (1 + weight); partial RoPE.
+    hybrid: bool = False
+    gdn_fused_proj: bool = False    # Qwen3-Next: in_proj_qkvz / in_proj_ba grouped by key head
+    norm_topk_default: bool = False  # norm_topk_prob when config.json omits it (Qwen3.5-MoE: always)
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -32,25 +37,37 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("qwen3", "attention_bias", False, qk_norm=True, moe=False, shared_expert=False),
     Family("qwen3_moe", "attention_bias", False, qk_norm=True, moe=True, shared_expert=False),
     Family("qwen2_moe", "qkv_bias", True, qk_norm=False, moe=True, shared_expert=True),
+    Family("qwen3_next", "attention_bias", False, qk_norm=True, moe=True, shared_expert=True,
+           hybrid=True, gdn_fused_proj=True),
+    Family("qwen3_5", "attention_bias", False, qk_norm=True, moe=False, shared_expert=False, hybrid=True),
+    Family("qwen3_5_moe", "attention_bias", False, qk_norm=True, moe=True, shared_expert=True,
+           hybrid=True, norm_topk_default=True),
 )}
 
-# Hybrid linear-attention families: a Gated DeltaNet layer carries a recurrent state instead of a
-# KV cache, which a token tree cannot share by prefix (docs/hybrid-layers.md says how it could).
-HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text")
+# model_type -> family where they differ: Qwen3.5's text-only causal LM writes ``*_text``; the
+# multimodal checkpoint's top-level type names the family and nests the text model's config in
+# ``text_config`` (`text_config` unwraps it).
+MODEL_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+HYBRID = tuple(sorted(n for n, f in FAMILIES.items() if f.hybrid))
 
 
 def supported() -> list[str]:
     return sorted(FAMILIES)
 
 
+def text_config(cfg: dict) -> dict:
+    """The language model's config of a config.json dict: ``text_config`` of a multimodal Qwen3.5
+    checkpoint (which carries the family's own model_type), else the dict itself."""
+    inner = cfg.get("text_config")
+    if cfg.get("model_type") in FAMILIES and isinstance(inner, dict):
+        return {**inner, "model_type": cfg["model_type"]}
+    return cfg
+
+
 def family_of(cfg: dict) -> Family:
     """The family of a config.json dict, or ModelFormatError naming the supported ones."""
     kind = cfg.get("model_type")
-    if kind in HYBRID:
-        raise ModelFormatError(
-            f"model_type {kind!r} has hybrid Gated DeltaNet (linear-attention) layers, whose recurrent "
-            f"state cannot be shared along a trajectory tree's prefixes; Gyre does not serve or train it "
-            f"yet (docs/hybrid-layers.md). Supported: {', '.join(supported())}")
+    kind = MODEL_TYPES.get(kind, kind)
     if kind not in FAMILIES:
         raise ModelFormatError(f"model_type {kind!r} is not supported; supported families: "
                                f"{', '.join(supported())}")

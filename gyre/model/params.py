@@ -7,6 +7,10 @@ weights by construction.
 * ``active``: what one token uses: everything but the routed experts, plus top_k / E of them
   (the planner's FLOPs per token and the serving arithmetic use it).
 * ``embedding``: the input embedding (a lookup, no FLOPs).
+* ``kv_bytes_per_token``: bf16 K and V of the full-attention layers only (``attn_layers``).
+* ``state_bytes_per_request``: hybrid families: each Gated DeltaNet layer's recurrent state
+  (value heads x d_k x d_v, float32: SGLang's default ``--mamba-ssm-dtype``) and conv window
+  (kernel - 1 past inputs of every q/k/v channel, bf16), fixed however long the context; 0 otherwise.
 """
 
 from __future__ import annotations
@@ -42,9 +46,14 @@ def param_counts(config: dict | str | Path) -> dict:
         if ".mlp.experts." in name:
             expert += n
     active = total - expert + (expert * spec.top_k // spec.experts if spec.experts else 0)
+    attn_layers = len(spec.full_layers)
+    state = 0
+    if spec.hybrid:
+        per_layer = spec.lin_v_heads * spec.lin_k_dim * spec.lin_v_dim * 4 + (spec.conv_kernel - 1) * spec.conv_dim * 2
+        state = len(spec.linear_layers) * per_layer
     return {"model_type": spec.model_type, "total": total, "active": active, "expert": expert,
-            "embedding": spec.vocab_size * spec.hidden, "layers": spec.layers,
+            "embedding": spec.vocab_size * spec.hidden, "layers": spec.layers, "attn_layers": attn_layers,
             "attn_dim": spec.heads * spec.head_dim, "experts": spec.experts,
             "top_k": spec.top_k if spec.experts else 0,
-            # bf16 K and V of every layer (all full attention in the supported families)
-            "kv_bytes_per_token": spec.layers * 2 * spec.kv_heads * spec.head_dim * 2}
+            "kv_bytes_per_token": attn_layers * 2 * spec.kv_heads * spec.head_dim * 2,
+            "state_bytes_per_request": state}

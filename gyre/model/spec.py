@@ -11,7 +11,10 @@ ship them): ``model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight``. transfo
 them fused in memory (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``, ``mlp.experts.down_proj``
 ``[E, H, I]``); `checked_weights` accepts that layout too and splits it (`split_fused_experts`).
 
-Default RoPE only (no scaling), no sliding window, every layer full attention.
+Default RoPE only (no scaling), no sliding window. Every layer is full attention, except in the
+hybrid families (Qwen3-Next, Qwen3.5: `Family.hybrid`), whose ``layer_types`` mix Gated DeltaNet
+(``linear_attention``) layers with output-gated full-attention layers (partial RoPE on the first
+``rotary_dim`` dimensions of each head; docs/hybrid-layers.md).
 """
 
 from __future__ import annotations
@@ -23,12 +26,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from gyre.model.families import Family, ModelFormatError, family_of
+from gyre.model.families import Family, ModelFormatError, family_of, text_config
+
+
+LINEAR, FULL = "linear_attention", "full_attention"
 
 
 def _rope_theta(cfg: dict) -> float:
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
+    # Qwen3.5's multimodal RoPE sections coincide with default RoPE for text (one position per token)
     if kind not in ("default", None):
         raise ModelFormatError(f"rope type {kind!r} is not supported by the embedded engine and trainer (only default)")
     return float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
@@ -38,24 +45,36 @@ class ModelSpec:
     """The shapes the forward needs, read from ``config.json``."""
 
     def __init__(self, cfg: dict):
+        cfg = text_config(cfg)
         self.family: Family = family_of(cfg)
         if cfg.get("use_sliding_window"):
             raise ModelFormatError("sliding-window attention is not supported by the embedded engine and trainer")
-        layer_types = cfg.get("layer_types") or []
-        if any(t != "full_attention" for t in layer_types):
-            raise ModelFormatError(f"layer_types {sorted(set(layer_types))}: only full_attention layers are supported")
+        self.layers = int(cfg["num_hidden_layers"])
+        self.layer_types = _layer_types(cfg, self.family, self.layers)
         if cfg.get("mlp_bias"):
             raise ModelFormatError("mlp_bias=true is not supported (no family Gyre serves has MLP biases)")
         f = self.family
         self.raw = cfg
         self.vocab_size = int(cfg["vocab_size"])
         self.hidden = int(cfg["hidden_size"])
-        self.layers = int(cfg["num_hidden_layers"])
         self.heads = int(cfg["num_attention_heads"])
         self.kv_heads = int(cfg.get("num_key_value_heads") or self.heads)
         self.head_dim = int(cfg.get("head_dim") or self.hidden // self.heads)
         self.eps = float(cfg.get("rms_norm_eps", 1e-6))
         self.theta = _rope_theta(cfg)
+        rope = cfg.get("rope_parameters") or {}
+        partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+        self.rotary_dim = int(self.head_dim * partial)  # RoPE on the first rotary_dim of each head
+        self.hybrid = f.hybrid  # output-gated attention, (1 + weight) RMSNorms, Gated DeltaNet layers
+        if self.hybrid:
+            self.lin_k_heads = int(cfg["linear_num_key_heads"])
+            self.lin_v_heads = int(cfg["linear_num_value_heads"])
+            self.lin_k_dim = int(cfg["linear_key_head_dim"])
+            self.lin_v_dim = int(cfg["linear_value_head_dim"])
+            self.conv_kernel = int(cfg["linear_conv_kernel_dim"])
+            if self.lin_v_heads % self.lin_k_heads:
+                raise ModelFormatError(f"linear_num_value_heads={self.lin_v_heads} must be a multiple of "
+                                       f"linear_num_key_heads={self.lin_k_heads}")
         self.max_positions = int(cfg.get("max_position_embeddings", 32768))
         self.tied = bool(cfg.get("tie_word_embeddings", False))
         self.qkv_bias = bool(cfg.get(f.qkv_bias_key, f.qkv_bias_default)) if f.qkv_bias_key else f.qkv_bias_default
@@ -67,7 +86,7 @@ class ModelSpec:
         if self.experts:
             self.top_k = int(cfg["num_experts_per_tok"])
             self.moe_intermediate = int(cfg["moe_intermediate_size"])
-            self.norm_topk_prob = bool(cfg.get("norm_topk_prob", False))
+            self.norm_topk_prob = bool(cfg.get("norm_topk_prob", f.norm_topk_default))
             step, dense = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or [])
             self.moe_layers = frozenset(i for i in range(self.layers) if i not in dense and (i + 1) % step == 0)
             if not 0 < self.top_k <= self.experts:
@@ -83,28 +102,41 @@ class ModelSpec:
     def is_moe(self, layer: int) -> bool:
         return layer in self.moe_layers
 
+    def is_linear(self, layer: int) -> bool:
+        """A Gated DeltaNet layer (recurrent state, no KV)."""
+        return self.layer_types[layer] == LINEAR
+
+    @property
+    def full_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == FULL]
+
+    @property
+    def linear_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == LINEAR]
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of a Gated DeltaNet layer's short convolution (q, k, v)."""
+        return 2 * self.lin_k_heads * self.lin_k_dim + self.lin_v_heads * self.lin_v_dim
+
     def inv_freq(self) -> torch.Tensor:
-        """RoPE's inverse frequencies (float32), as transformers computes them for default RoPE."""
-        d = self.head_dim
+        """RoPE's inverse frequencies (float32), as transformers computes them for default RoPE
+        (over `rotary_dim`: the whole head unless the config sets a partial_rotary_factor)."""
+        d = self.rotary_dim
         return 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
-        h, d, kv = self.hidden, self.head_dim, self.kv_heads
+        h = self.hidden
         shapes = {"model.embed_tokens.weight": (self.vocab_size, h), "model.norm.weight": (h,)}
         if not self.tied:
             shapes["lm_head.weight"] = (self.vocab_size, h)
         for i in range(self.layers):
             p = f"model.layers.{i}."
-            shapes |= {
-                p + "self_attn.q_proj.weight": (self.heads * d, h), p + "self_attn.k_proj.weight": (kv * d, h),
-                p + "self_attn.v_proj.weight": (kv * d, h), p + "self_attn.o_proj.weight": (h, self.heads * d),
-                p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-            }
-            if self.qkv_bias:
-                shapes |= {p + "self_attn.q_proj.bias": (self.heads * d,),
-                           p + "self_attn.k_proj.bias": (kv * d,), p + "self_attn.v_proj.bias": (kv * d,)}
-            if self.qk_norm:
-                shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+            shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+            if self.is_linear(i):
+                shapes |= self._linear_attn_shapes(p + "linear_attn.")
+            else:
+                shapes |= self._attn_shapes(p + "self_attn.")
             if self.is_moe(i):
                 shapes[p + "mlp.gate.weight"] = (self.experts, h)
                 for e in range(self.experts):
@@ -115,6 +147,45 @@ class ModelSpec:
             else:
                 shapes |= _mlp_shapes(p + "mlp.", h, self.intermediate)
         return shapes
+
+    def _attn_shapes(self, p: str) -> dict[str, tuple[int, ...]]:
+        h, d, kv = self.hidden, self.head_dim, self.kv_heads
+        q_rows = self.heads * d * (2 if self.hybrid else 1)  # hybrid: query and output gate
+        shapes = {p + "q_proj.weight": (q_rows, h), p + "k_proj.weight": (kv * d, h),
+                  p + "v_proj.weight": (kv * d, h), p + "o_proj.weight": (h, self.heads * d)}
+        if self.qkv_bias:
+            shapes |= {p + "q_proj.bias": (q_rows,), p + "k_proj.bias": (kv * d,), p + "v_proj.bias": (kv * d,)}
+        if self.qk_norm:
+            shapes |= {p + "q_norm.weight": (d,), p + "k_norm.weight": (d,)}
+        return shapes
+
+    def _linear_attn_shapes(self, p: str) -> dict[str, tuple[int, ...]]:
+        h, nv = self.hidden, self.lin_v_heads
+        key, value = self.lin_k_heads * self.lin_k_dim, nv * self.lin_v_dim
+        if self.family.gdn_fused_proj:
+            proj = {p + "in_proj_qkvz.weight": (2 * key + 2 * value, h), p + "in_proj_ba.weight": (2 * nv, h)}
+        else:
+            proj = {p + "in_proj_qkv.weight": (2 * key + value, h), p + "in_proj_z.weight": (value, h),
+                    p + "in_proj_b.weight": (nv, h), p + "in_proj_a.weight": (nv, h)}
+        return proj | {p + "conv1d.weight": (self.conv_dim, 1, self.conv_kernel), p + "dt_bias": (nv,),
+                       p + "A_log": (nv,), p + "norm.weight": (self.lin_v_dim,), p + "out_proj.weight": (h, value)}
+
+
+def _layer_types(cfg: dict, family: Family, layers: int) -> list[str]:
+    """Each layer's kind: full attention everywhere, or a hybrid family's ``layer_types`` (when
+    absent, transformers' rule: every ``full_attention_interval``-th layer is full attention)."""
+    types = cfg.get("layer_types")
+    if not family.hybrid:
+        if any(t != FULL for t in types or []):
+            raise ModelFormatError(f"layer_types {sorted(set(types))}: only full_attention layers are "
+                                   f"supported by {family.name}")
+        return [FULL] * layers
+    if types is None:
+        every = int(cfg.get("full_attention_interval", 4))
+        types = [FULL if (i + 1) % every == 0 else LINEAR for i in range(layers)]
+    if len(types) != layers or set(types) - {FULL, LINEAR}:
+        raise ModelFormatError(f"layer_types must list {layers} entries of {FULL!r} or {LINEAR!r}, got {types}")
+    return list(types)
 
 
 def _mlp_shapes(prefix: str, h: int, inter: int) -> dict[str, tuple[int, int]]:

@@ -22,6 +22,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from gyre.model.build_tokenizer import ASSET as TOKENIZER_ASSET
+from gyre.model.families import MODEL_TYPES
 from gyre.model.identity import IDENTITY_FILE, write_identity
 from gyre.model.tokenizer import special_ids
 
@@ -44,8 +45,20 @@ FAMILY_SHAPE = {
                       shared_expert_intermediate_size=64, norm_topk_prob=False, decoder_sparse_step=1,
                       mlp_only_layers=[]),
 }
+# hybrid families: 4 layers, Gated DeltaNet in the first three and full attention in the fourth
+# (Qwen3.5's every-fourth pattern), 2 key / 4 value heads of 8 in the linear layers, partial RoPE
+_HYBRID = dict(num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+               linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4)
+_HYBRID_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                   shared_expert_intermediate_size=64)
+FAMILY_SHAPE |= {
+    "qwen3_next": _HYBRID | _HYBRID_MOE | dict(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+    "qwen3_5": dict(_HYBRID), "qwen3_5_moe": _HYBRID | _HYBRID_MOE,
+}
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 CONFIG_CLASS = {"qwen2": "Qwen2Config", "llama": "LlamaConfig", "qwen3": "Qwen3Config",
-                "qwen3_moe": "Qwen3MoeConfig", "qwen2_moe": "Qwen2MoeConfig"}
+                "qwen3_moe": "Qwen3MoeConfig", "qwen2_moe": "Qwen2MoeConfig", "qwen3_next": "Qwen3NextConfig",
+                "qwen3_5": "Qwen3_5TextConfig", "qwen3_5_moe": "Qwen3_5MoeTextConfig"}
 
 
 def tiny_name(family: str, max_positions: int = MAX_POSITIONS) -> str:
@@ -64,12 +77,16 @@ def _build(dst: Path, family: str = "qwen2", max_positions: int = MAX_POSITIONS)
     tok = Tokenizer.from_file(str(TOKENIZER_ASSET))
     ids = special_ids(tok)
     vocab = -(-tok.get_vocab_size() // 64) * 64
-    extra = {} if family == "llama" else {"use_sliding_window": False}
+    rope = {"rope_type": "default", "rope_theta": ROPE_THETA}
+    if family in HYBRID_FAMILIES:  # strict configs: no sliding-window key
+        extra, rope = {}, rope | {"partial_rotary_factor": 0.5}
+    else:
+        extra = {} if family == "llama" else {"use_sliding_window": False}
     config = getattr(transformers, CONFIG_CLASS[family])(
         vocab_size=vocab, tie_word_embeddings=False, hidden_act="silu", initializer_range=INIT_STD,
-        rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
-        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
-        max_position_embeddings=max_positions, **TINY_SHAPE, **FAMILY_SHAPE[family], **extra,
+        rope_parameters=rope, bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"], max_position_embeddings=max_positions,
+        **(TINY_SHAPE | FAMILY_SHAPE[family] | extra),
     )
     model = AutoModelForCausalLM.from_config(config).to(torch.float32)
     # Fill every tensor ourselves, in name order, from one generator: the result depends only on
@@ -96,6 +113,7 @@ def ensure_tiny_model(out_dir: str | os.PathLike, family: str = "qwen2", max_pos
     if (out_dir / IDENTITY_FILE).exists():
         cfg = json.loads((out_dir / "config.json").read_text(encoding="utf-8"))
         found, positions = cfg.get("model_type"), cfg.get("max_position_embeddings")
+        found = MODEL_TYPES.get(found, found)  # Qwen3.5's text-only model writes qwen3_5[_moe]_text
         if found != family:
             raise ValueError(f"{out_dir} holds a {found} model, not {family}; pass another --out "
                              f"(or model.tiny_dir) for the {family} model")

@@ -21,6 +21,16 @@ from gyre.traj.record import ExecutionRecord
 from gyre.traj.tree import ROOT, CallRecord, Segment, TrajectoryTree
 
 
+GIL_FREE_CHARS = 4096  # longer texts are encoded with the GIL released (gyre.proxy.offload)
+
+
+def _encode(tok, text: str) -> list[int]:
+    # encode_batch releases the GIL, encode does not: a long text is tokenized while the loop runs on
+    if len(text) > GIL_FREE_CHARS:
+        return tok.encode_batch([text], add_special_tokens=False)[0].ids
+    return tok.encode(text, add_special_tokens=False).ids
+
+
 class Renderer:
     """ChatML segments over a `tokenizers.Tokenizer` (the model's own tokenizer.json).
 
@@ -62,10 +72,10 @@ class Renderer:
         return tid
 
     def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+        return _encode(self.tok, text)
 
     def encode_text(self, text: str) -> list[int]:
-        return self._plain.encode(text, add_special_tokens=False).ids
+        return _encode(self._plain, text)
 
     def encode_parts(self, parts: list) -> list[int]:
         """Text pieces as plain text, :class:`~gyre.proxy.chat.Control` pieces as their one id."""

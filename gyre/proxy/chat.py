@@ -24,6 +24,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from gyre.proxy.params import MAX_DEPTH, RequestError, check_depth
+
 DEFAULT_TOOL_SYSTEM = "You are a helpful assistant."
 _TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
@@ -84,6 +86,12 @@ def canonical_arguments(args: Any, where: str) -> str:
             return args  # kept verbatim: the model may have produced non-JSON arguments
         except RecursionError:
             raise MessageError(f"{where}.function.arguments: JSON nested too deeply") from None
+        if where != "output":  # a client's arguments: the body's own depth bound (docs/openai.md)
+            try:
+                check_depth(args)
+            except RequestError:
+                raise MessageError(f"{where}.function.arguments: JSON nested more than {MAX_DEPTH} levels "
+                                   "deep") from None
     if not isinstance(args, dict):
         raise MessageError(f"{where}.function.arguments: expected a JSON object or its text")
     try:

@@ -27,6 +27,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_TOTAL_CHARS = 4096
 STREAM_OPTIONS = {"include_usage", "include_obfuscation"}  # obfuscation pads chunks: nothing to do here
 SEED_RANGE = (-(2**63), 2**64 - 1)
+MIN_TOP_P = 1e-6  # SGLang's _SAMPLING_EPS; a smaller positive top_p is 0 (or subnormal) in float32
 
 # Accepted and without effect on the generation (bookkeeping for OpenAI's own service).
 _BOOKKEEPING = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
@@ -158,6 +159,9 @@ def parse_params(body: dict, tools: list[dict], default_max: int, cap: int) -> C
     choice, name = _tool_choice(body.get("tool_choice"), tools)
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if 0.0 < top_p < MIN_TOP_P:  # rounds to 0 in the engine's float32: every token filtered, NaN sampling
+        raise RequestError(400, f"top_p: {top_p!r} is below the smallest value served ({MIN_TOP_P}); send 0 for "
+                                "greedy decoding or a value in [1e-6, 1]", param="top_p")
     if top_p == 0.0:  # OpenAI: only the most likely token is kept, i.e. greedy decoding
         temperature, top_p = 0.0, 1.0
     return CallParams(

@@ -18,9 +18,8 @@ import collections
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-import numpy as np
-
 from gyre.engine.client import GenerateResult
+from gyre.proxy.journal import input_key
 from gyre.traj.tree import TrajectoryTree
 
 REPLAY_ENDPOINT = "replay"  # the endpoint a replayed call is recorded with: it cost no engine time
@@ -55,17 +54,34 @@ class Recorded:
 
 
 class Replay:
-    """The recorded calls of one execution, by their exact input ids."""
+    """The recorded calls of one execution, by their exact input ids (their key,
+    gyre.proxy.journal.input_key): from a stopped execution's tree, or from the journal of one
+    that was running when the head was killed (:meth:`from_journal`)."""
 
-    def __init__(self, tree: TrajectoryTree):
-        self._by_input: dict[bytes, collections.deque[Recorded]] = {}
-        for call in tree.calls:
+    def __init__(self, tree: TrajectoryTree | None = None):
+        self._by_input: dict[str, collections.deque[Recorded]] = {}
+        self.recorded = 0
+        for call in tree.calls if tree is not None else ():
             leaf = tree.nodes[call.leaf]
-            key = tree.call_input_ids(call).astype("<i4").tobytes()
-            self._by_input.setdefault(key, collections.deque()).append(Recorded(
+            self._add(input_key(tree.call_input_ids(call).tolist()), Recorded(
                 [int(t) for t in leaf.tokens[leaf.target_start:]], [float(x) for x in leaf.logprobs],
                 call.finish_reason, call.weight_version))
-        self.recorded = len(tree.calls)
+        self._start()
+
+    @classmethod
+    def from_journal(cls, entries: list[dict]) -> "Replay":
+        r = cls()
+        for e in entries:
+            r._add(e["input"], Recorded([int(t) for t in e["output_ids"]], [float(x) for x in e["logprobs"]],
+                                        e.get("finish_reason") or "stop", str(e.get("weight_version", ""))))
+        r._start()
+        return r
+
+    def _add(self, key: str, rec: Recorded) -> None:
+        self._by_input.setdefault(key, collections.deque()).append(rec)
+        self.recorded += 1
+
+    def _start(self) -> None:
         self.replayed = 0
         self.active = self.recorded > 0
         self.diverged = False  # a request matched nothing while calls were left
@@ -75,7 +91,7 @@ class Replay:
         then the replay is over for good and this call and every later one go live."""
         if not self.active:
             return None
-        queue = self._by_input.get(np.asarray(list(input_ids), dtype="<i4").tobytes())
+        queue = self._by_input.get(input_key(input_ids))
         if not queue:
             self.active = False
             self.diverged = self.replayed < self.recorded

@@ -27,7 +27,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError
@@ -42,12 +42,15 @@ from gyre.proxy.capture import (ExecutionSession, PreparedCall, Renderer, messag
                                 prepare_call, record_call, remember, tools_salt, wire_ids)
 from gyre.proxy.chat import (DEFAULT_TOOL_SYSTEM, Message, MessageError, ParsedOutput, ToolCall, canonical_arguments,
                              parse_messages, parse_output, strip_end_tokens, validate_tools)
+from gyre.proxy.fairness import CallGate
+from gyre.proxy.journal import Journal
+from gyre.proxy.offload import INLINE_CHARS, PrepareWorkers, max_token_chars, text_chars
 from gyre.proxy.params import MAX_DEPTH, CallParams, RequestError, check_depth, forced_prefix, parse_params
 from gyre.proxy.replay import Replay
 from gyre.proxy.streaming import ContentStream, ReasoningStream
 from gyre.proxy.template_capture import check_template, prepare_call_template
 from gyre.proxy.token_safety import check_names, template_tokens
-from gyre.traj.record import ExecutionRecord
+from gyre.traj.record import FINISHED, ExecutionRecord
 from gyre.traj.tree import TrajectoryTree
 
 log = logging.getLogger("gyre.proxy")
@@ -57,12 +60,23 @@ _ROLE_MODELS = ("main", "compactor")
 
 
 def agent_role_of(model: Any, header: str | None) -> str:
-    """Agent role from the X-Gyre-Role header, else from the model name, else `main`."""
+    """Agent role from the X-Gyre-Role header, else from the model name, else `main`. The role
+    is written into shards: one that is not printable Unicode (aiohttp hands a non-UTF-8 header
+    over surrogate-escaped) is refused here, never met by the shard writer."""
     if header:
-        return header.strip()[:128]
+        return _checked_role(header.strip()[:128], f"header {ROLE_HEADER}")
     if isinstance(model, str) and (model in _ROLE_MODELS or model.startswith("subagent:")):
-        return model[:128]
+        return _checked_role(model[:128], "model")
     return "main"
+
+
+def _checked_role(role: str, where: str) -> str:
+    if not role.isprintable():  # surrogates and control characters are not printable
+        raise RequestError(400, f"{where}: the agent role {ascii(role)[:80]} holds a character that is not "
+                                "printable text (a control character or an undecodable byte); send a "
+                                "printable UTF-8 name such as 'main' or 'subagent:search'",
+                           param="model" if where == "model" else None)
+    return role
 
 
 def _error(status: int, message: str, type: str = "invalid_request_error", code: str | None = None,
@@ -75,11 +89,12 @@ def _error(status: int, message: str, type: str = "invalid_request_error", code:
 _CONTEXT_RE = re.compile(r"\((\d+) tokens\) is longer than the model's context length \((\d+) tokens\)")
 
 
-def context_error(tokens: int, limit: int) -> RequestError:
+def context_error(tokens: int, limit: int, at_least: bool = False) -> RequestError:
     """OpenAI's own wording and code, which the openai SDK and litellm map to their
     context-window exceptions (so a harness can compact and go on)."""
     return RequestError(400, f"This model's maximum context length is {limit} tokens. However, your messages "
-                             f"resulted in {tokens} tokens. Please reduce the length of the messages.",
+                             f"resulted in {'at least ' if at_least else ''}{tokens} tokens. Please reduce the "
+                             "length of the messages.",
                         code="context_length_exceeded", param="messages")
 
 
@@ -116,6 +131,8 @@ class Call:
     rid: str
     t0: float
     engine_s: float = 0.0  # time on the wire to the engine and back (not the proxy's own work)
+    priority: int | None = None  # the engines admit higher first (gyre.proxy.fairness)
+    wire: Any = None  # the input ids as sent (their key journals the call, gyre.proxy.journal)
     # the request's messages for the next call's walk (capture.remember): raw, tools salt, offset,
     # parsed messages, their keys
     walk: tuple = ()
@@ -145,10 +162,12 @@ class Proxy:
 
     def __init__(self, router, tokenizer, *, model_name: str = "gyre", default_max_tokens: int = 512,
                  max_tokens_cap: int = 4096, identity: dict | None = None, context_length: int | None = None,
-                 max_executions: int = 10_000, chat_template=None, history: str = "exact",
+                 max_executions: int = 10_000, max_calls_in_flight: int = 8, chat_template=None, history: str = "exact",
                  tool_parser: str = "hermes", reasoning_parser: str = "none", end_ids: list[int] | None = None):
         self.router = router
         self.renderer = Renderer(tokenizer, end_ids)
+        self.workers = PrepareWorkers()
+        self.max_token_chars = max_token_chars(tokenizer)
         self.template_tokens = template_tokens(tokenizer)
         # the model's own chat template (gyre.model.chat_template.ChatTemplate); None = built-in ChatML
         self.template, self.history = chat_template, history
@@ -171,6 +190,8 @@ class Proxy:
         # the longest prompt the engine accepts (SGLang's max_req_input_len); asked once if not given
         self.max_input_tokens: int | None = None if context_length is None else context_length - 1
         self.max_executions = max_executions
+        self.gate = CallGate(max_calls_in_flight)  # per-execution cap and engine priority (gyre.proxy.fairness)
+        self.journal: Journal | None = None  # each recorded call, before its answer (gyre.proxy.journal)
         self.sessions: dict[str, ExecutionSession] = {}  # api key -> session
         # rid -> (execution id, its loop) of every running call: ending an execution aborts them
         self._live: dict[str, tuple[str, asyncio.AbstractEventLoop]] = {}
@@ -183,9 +204,10 @@ class Proxy:
 
     # -- execution registry (head side) ---------------------------------------------------
     def register(self, execution_id: str, task: str = "", group: int = 0, api_key: str | None = None,
-                 replay: TrajectoryTree | None = None) -> str:
-        """A key for a new execution; ``replay``: the tree a stopped run of it recorded, whose
-        calls are answered again where the resumed harness asks the same (gyre.proxy.replay)."""
+                 replay: TrajectoryTree | Replay | None = None) -> str:
+        """A key for a new execution; ``replay``: the tree a stopped run of it recorded (or the
+        Replay of a killed run's journal), whose calls are answered again where the resumed
+        harness asks the same (gyre.proxy.replay)."""
         if execution_id in self.by_id:
             raise ValueError(f"execution {execution_id!r} is already registered")
         if len(self.by_id) >= self.max_executions:
@@ -193,7 +215,8 @@ class Proxy:
                                     f"(proxy.max_executions) is {self.max_executions}; end some first")
         key = api_key or new_api_key()
         sess = ExecutionSession(ExecutionRecord(execution_id, task, group, t_start=time.time()), key,
-                                replay=Replay(replay) if replay is not None and replay.calls else None)
+                                replay=replay if isinstance(replay, Replay) and replay.recorded else
+                                Replay(replay) if isinstance(replay, TrajectoryTree) and replay.calls else None)
         self.sessions[key] = sess
         self.by_id[execution_id] = sess
         return key
@@ -242,6 +265,18 @@ class Proxy:
         return self.max_input_tokens
 
     async def prepare(self, sess: ExecutionSession, body: dict, role: str) -> Call:
+        """Parse, render and tokenize a request (off the event loop, gyre.proxy.offload), after a
+        cheap bound that refuses a prompt too long for the engine without tokenizing it."""
+        limit = await self._input_limit()
+        chars = text_chars(body.get("messages")) + text_chars(body.get("tools"))
+        if limit is not None and chars // self.max_token_chars > limit:
+            raise context_error(chars // self.max_token_chars, limit + 1, at_least=True)
+        async with self.workers.session(sess.record.execution_id):
+            if chars <= INLINE_CHARS:  # a small request costs less than the hand-off (and never queues)
+                return self._prepare(sess, body, role, limit)
+            return await self.workers.run(self._prepare, sess, body, role, limit)
+
+    def _prepare(self, sess: ExecutionSession, body: dict, role: str, limit: int | None) -> Call:
         raw = body.get("messages")
         check_depth({k: v for k, v in body.items() if k != "messages"})
         tools = validate_tools(body.get("tools"))
@@ -267,7 +302,6 @@ class Proxy:
         # plain-text encoding: a name can hold no control token (refused above), and never becomes one
         forced = self.renderer.encode_text(forced_prefix(p)) if forced_prefix(p) else []
         n_prompt = prepared.n_input + len(forced)
-        limit = await self._input_limit()
         max_new = p.max_new_tokens
         if limit is not None:
             if n_prompt > limit:  # before calling the engine: the harness must compact
@@ -324,6 +358,9 @@ class Proxy:
                            weight_version=str(res.weight_version), endpoint=res.endpoint,
                            finish_reason=res.finish_reason, t_start=c.t0, replay_ids=c.forced + out_ids)
         remember(sess, prepared, *c.walk, self.renderer.im_end, prepared.dicts)
+        if self.journal is not None and c.wire is not None:  # durable past a SIGKILL before the harness hears
+            self.journal.append(sess.record.execution_id, c.wire, out_ids, lps, res.finish_reason,
+                                str(res.weight_version))
         self.calls_total += 1
         if parsed.tool_calls:
             finish = "tool_calls"
@@ -360,32 +397,39 @@ class Proxy:
         log-prob of the distribution it was drawn from (the one training uses)."""
         stop = set(self.renderer.stop_ids())
         n = len(out_ids) - (1 if out_ids and out_ids[-1] in stop else 0)
+        return {"content": self._logprob_entries(out_ids, res, 0, n), "refusal": None}
 
+    def _logprob_entries(self, out_ids: list[int], res, start: int, stop: int) -> list[dict]:
+        """The `logprobs.content` entries of tokens [start, stop): a streamed chunk carries those
+        of its own tokens (as OpenAI and SGLang stream them), so each is built once."""
         def entry(tid: int, lp: float) -> dict:
             tok = self.renderer.decode([tid])
             return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8", "surrogatepass"))}
 
         content = []
-        for k in range(n):
+        for k in range(start, stop):
             e = entry(out_ids[k], res.logprobs[k])
             tops = res.top_logprobs[k] if k < len(res.top_logprobs) else []
             e["top_logprobs"] = [entry(t, lp) for lp, t in tops]
             content.append(e)
-        return {"content": content, "refusal": None}
+        return content
 
     async def complete(self, c: Call) -> dict:
         """Run one call to the end (non-streamed); returns the OpenAI response."""
         try:
             args = self._generate_args(c)  # the input ids' JSON, built once per call
+            c.wire = args[1]
             with self._track(c):
-                res = await self._engine(c, args).generate(*args, rid=c.rid, top_logprobs_num=c.params.top_logprobs)
+                res = await self._engine(c, args).generate(*args, rid=c.rid, top_logprobs_num=c.params.top_logprobs,
+                                                           priority=c.priority)
         except asyncio.CancelledError:  # the client went away: the router aborted the engine request
             self.abandoned["client_disconnected"] += 1
             raise
         except (EngineError, RouterError) as e:
             raise engine_failure(e) from None
         c.engine_s = res.wire_s
-        return self.finish(c, res)[0]
+        async with self.workers.session(c.sess.record.execution_id):  # no preparation reads the tree meanwhile
+            return self.finish(c, res)[0]
 
     async def stream(self, c: Call, out: web.StreamResponse) -> None:
         """Stream one call: content deltas as tokens come, tool calls and usage at the end."""
@@ -399,16 +443,28 @@ class Proxy:
         reasoning = ReasoningStream(content) if self.template is not None and self.reasoning_parser != "none" \
             else None
 
+        stop_ids = set(self.renderer.stop_ids())
+        lp = {"sent": 0, "snap": None}  # logprobs: tokens already carried by a chunk, the newest snapshot
+
         async def send(delta: dict, finish: str | None = None, **extra) -> None:
+            snap = lp["snap"]
+            ids = snap.output_ids if snap is not None else []
+            upto = len(ids) - (1 if ids and ids[-1] in stop_ids else 0)  # an end token has none (as unstreamed)
+            if p.logprobs and finish is None and upto > lp["sent"]:
+                # this chunk carries the log-probs of the tokens sampled since the last one
+                extra["logprobs"] = {"content": self._logprob_entries(ids, snap, lp["sent"], upto), "refusal": None}
+                lp["sent"] = upto
             chunk = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, **extra}]}
             await out.write(b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n")
 
         await send({"role": "assistant", "content": ""})
         args = self._generate_args(c)
-        gen = self._engine(c, args).generate_stream(*args, rid=c.rid, top_logprobs_num=p.top_logprobs)
+        c.wire = args[1]
+        gen = self._engine(c, args).generate_stream(*args, rid=c.rid, top_logprobs_num=p.top_logprobs,
+                                                    priority=c.priority)
         try:
             with self._track(c):
-                final = await self._relay(c, gen, content, send, reasoning)
+                final = await self._relay(c, gen, content, send, reasoning, lp)
         except (asyncio.CancelledError, ConnectionError):
             self.abandoned["client_disconnected"] += 1
             raise
@@ -425,7 +481,8 @@ class Proxy:
             await self._stream_error(out, RequestError(503, "model backend ended the stream early", "server_error"))
             return
         try:
-            resp, parsed = self.finish(c, final)
+            async with self.workers.session(c.sess.record.execution_id):
+                resp, parsed = self.finish(c, final)
         except AbortedCall as e:
             await self._stream_error(out, RequestError(503, f"generation aborted, retry: {e}", "server_error",
                                                        "generation_aborted"))
@@ -434,6 +491,7 @@ class Proxy:
             await self._stream_error(out, e)
             return
         choice = resp["choices"][0]
+        lp["snap"] = final  # the deltas held back until the end carry their tokens' log-probs too
         if reasoning is not None:
             r_rest = reasoning.rest(choice["message"].get("reasoning_content"))
             if r_rest:
@@ -443,19 +501,22 @@ class Proxy:
             await send({"content": rest})
         for i, tc in enumerate(choice["message"].get("tool_calls") or []):
             await send({"tool_calls": [{"index": i, **tc}]})
-        await send({}, choice["finish_reason"], logprobs=choice["logprobs"])
+        rest_lp = choice["logprobs"] and {**choice["logprobs"], "content": choice["logprobs"]["content"][lp["sent"]:]}
+        await send({}, choice["finish_reason"], logprobs=rest_lp)  # the tokens no chunk carried yet
         if p.include_usage:
             await out.write(b"data: " + json.dumps({**base, "choices": [], "usage": resp["usage"]}).encode() + b"\n\n")
         await out.write(b"data: [DONE]\n\n")
 
-    async def _relay(self, c: Call, gen, content: ContentStream, send, reasoning=None):
+    async def _relay(self, c: Call, gen, content: ContentStream, send, reasoning=None, lp: dict | None = None):
         """Pass content (or reasoning) deltas on as snapshots come; returns the final snapshot
-        (None if none came)."""
+        (None if none came). `lp["snap"]`: the newest snapshot, whose log-probs `send` attaches."""
         final = None
         async for snap in gen:  # the router ends after the final snapshot
             if snap.finish_reason is not None:
                 final = snap
                 continue
+            if lp is not None:
+                lp["snap"] = snap
             text = self.renderer.decode_output(c.forced + snap.output_ids)
             if reasoning is not None:
                 delta = {k: v for k, v in reasoning.deltas(text).items() if v}
@@ -483,7 +544,7 @@ class Proxy:
         return {"calls": len(ms), "p50_ms": pick(0.5), "p99_ms": pick(0.99), "mean_ms": sum(ms) / len(ms)}
 
 
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")  # high (d800-dbff) or low (dc00-dfff)
 
 
 async def _read_json(request: web.Request, depth: bool = True) -> dict:
@@ -522,13 +583,18 @@ async def _read_json(request: web.Request, depth: bool = True) -> dict:
     return body
 
 
-def create_app(proxy: Proxy, *, admin_key: str, max_body_bytes: int = 8 << 20) -> web.Application:
+def create_app(proxy: Proxy, *, admin_key: str, max_body_bytes: int = 8 << 20,
+               on_end: Callable[[ExecutionRecord], dict] | None = None) -> web.Application:
+    """`on_end`: what POST /gyre/executions/{eid}/end does with the ended record (a standalone
+    proxy writes it to a shard, off the event loop); None: the route only ends the execution."""
     @web.middleware
     async def errors(request: web.Request, handler):
         try:
             return await handler(request)
         except RequestError as e:
-            return _error(e.status, e.message, e.type, e.code, e.param)
+            resp = _error(e.status, e.message, e.type, e.code, e.param)
+            resp.headers.update(getattr(e, "headers", {}))  # e.g. Retry-After on a 429
+            return resp
         except MessageError as e:
             return _error(400, str(e), param="messages")
         except AbortedCall as e:
@@ -553,17 +619,19 @@ def create_app(proxy: Proxy, *, admin_key: str, max_body_bytes: int = 8 << 20) -
         t0 = time.perf_counter()
         sess = proxy.session_for(request.headers.get("Authorization"))
         body = await _read_json(request, depth=False)
-        call = await proxy.prepare(sess, body, agent_role_of(body.get("model"), request.headers.get(ROLE_HEADER)))
-        if not call.params.stream:
-            resp = await proxy.complete(call)
-            out = web.json_response(resp)
-            proxy.overhead_s.append(time.perf_counter() - t0 - call.engine_s)
+        with proxy.gate.admit(sess.record.execution_id) as priority:  # 429 beyond proxy.max_calls_in_flight
+            call = await proxy.prepare(sess, body, agent_role_of(body.get("model"), request.headers.get(ROLE_HEADER)))
+            call.priority = priority
+            if not call.params.stream:
+                resp = await proxy.complete(call)
+                out = web.json_response(resp)
+                proxy.overhead_s.append(time.perf_counter() - t0 - call.engine_s)
+                return out
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await out.prepare(request)
+            await proxy.stream(call, out)
+            await out.write_eof()
             return out
-        out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await out.prepare(request)
-        await proxy.stream(call, out)
-        await out.write_eof()
-        return out
 
     async def models(request: web.Request) -> web.Response:
         proxy.session_for(request.headers.get("Authorization"))
@@ -606,6 +674,30 @@ def create_app(proxy: Proxy, *, admin_key: str, max_body_bytes: int = 8 << 20) -
             raise RequestError(404, f"no running execution {request.match_info['eid']!r}", "not_found")
         return web.json_response({"execution_id": sess.record.execution_id, **sess.tree.stats().as_dict()})
 
+    async def end(request: web.Request) -> web.Response:
+        """End an execution (its key is revoked, its calls in flight aborted) and hand its record to
+        `on_end`: the route a standalone proxy's user ends a harness run with."""
+        require_admin(request)
+        eid = request.match_info["eid"]
+        body = await _read_json(request) if request.can_read_body else {}
+        status, reward = body.get("status", "done"), body.get("reward")
+        if status not in FINISHED:
+            raise RequestError(400, f"status: {status!r} is not one of {', '.join(FINISHED)}", param="status")
+        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))):
+            raise RequestError(400, f"reward: expected a number, got {json.dumps(reward)[:40]}", param="reward")
+        unknown = sorted(set(body) - {"status", "reward"})
+        if unknown:
+            raise RequestError(400, f"unknown field(s) {', '.join(unknown)[:200]}; known: status, reward")
+        if eid not in proxy.by_id:
+            raise RequestError(404, f"no running execution {eid!r}", "not_found")
+        rec = proxy.end(eid, status)
+        if reward is not None:
+            rec.reward, rec.reward_source = float(reward), "client"
+        out = {"execution_id": eid, "status": rec.status, **rec.tree.stats().as_dict()}
+        if on_end is not None:
+            out.update(await asyncio.to_thread(on_end, rec))
+        return web.json_response(out)
+
     async def health(request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
 
@@ -621,6 +713,7 @@ def create_app(proxy: Proxy, *, admin_key: str, max_body_bytes: int = 8 << 20) -
     app.router.add_get("/v1/models", models)
     app.router.add_post("/gyre/executions", register)
     app.router.add_get("/gyre/executions/{eid}", stats)
+    app.router.add_post("/gyre/executions/{eid}/end", end)
     app.router.add_get("/gyre/stats", stats_all)
     app.router.add_get("/health", health)
     return app

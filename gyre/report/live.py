@@ -8,6 +8,17 @@ ROLE_COLORS = {"rollout": "#4C72B0", "train": "#DD8452", "to_train": "#C44E52", 
                "failed": "#333333"}
 
 
+LEGEND = {"rollout": "rollout (serving calls)", "train": "train (micro-batches)", "to_train": "switching to train",
+          "to_rollout": "switching to rollout", "failed": "failed"}
+IDLE_ALPHA = 0.6  # white drawn over a role's colour where the cell had no work in that role
+
+
+def _washed(color: str) -> tuple[float, float, float]:
+    """The colour idle time shows as: `color` under white at IDLE_ALPHA."""
+    rgb = [int(color[i:i + 2], 16) / 255 for i in (1, 3, 5)]
+    return tuple(IDLE_ALPHA + (1 - IDLE_ALPHA) * c for c in rgb)
+
+
 def _num(x: float | None) -> str:
     """Three significant digits, any magnitude (a per-token loss of 3e-5 stays readable)."""
     return "-" if x is None else f"{x:.3g}"
@@ -70,23 +81,25 @@ def gantt(report: dict, path: str | Path, t0: float | None = None) -> Path:
 
     intervals = report["intervals"]
     start = t0 if t0 is not None else min((a for ivs in intervals.values() for _, a, _ in ivs), default=0.0)
-    fig, ax = plt.subplots(figsize=(10, 0.6 * len(intervals) + 1.2))
+    fig, ax = plt.subplots(figsize=(12, max(0.6 * len(intervals) + 1.2, 2.8)))  # room for the legend's 8 rows
     idle = report.get("idle") or {}
     for cell, ivs in intervals.items():
         for role, a, b in ivs:
             ax.barh(int(cell), b - a, left=a - start, color=ROLE_COLORS.get(role, "#999"), height=0.8)
         for a, b in idle.get(cell, idle.get(str(cell), [])):  # idle inside a role: washed out
-            ax.barh(int(cell), b - a, left=a - start, color="white", alpha=0.6, height=0.8, linewidth=0)
+            ax.barh(int(cell), b - a, left=a - start, color="white", alpha=IDLE_ALPHA, height=0.8, linewidth=0)
     for r in report["steps"]:
         ax.axvline(r["t_end"], color="k", lw=0.6, ls=":")
     ax.set_yticks(sorted(int(c) for c in intervals))
     ax.set_yticklabels([f"cell {c}" for c in sorted(int(c) for c in intervals)])
     ax.set_xlabel("seconds since start (dotted: step ends; pale: idle inside the role)")
+    # every colour drawn is named: the roles, the washed-out idle of each working role, the step ends
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ROLE_COLORS.values()]
-    handles.append(plt.Rectangle((0, 0), 1, 1, color="#F0C4A6"))
-    ax.legend(handles, [*ROLE_COLORS, "pale: idle in role"], ncol=6, loc="upper center", bbox_to_anchor=(0.5, 1.18),
-              fontsize=8)
-    ax.set_title(f"cell roles, {report['label']}", pad=28)
+    handles += [plt.Rectangle((0, 0), 1, 1, color=_washed(ROLE_COLORS[r])) for r in ("rollout", "train")]
+    handles.append(plt.Line2D([0], [0], color="k", lw=0.6, ls=":"))
+    ax.legend(handles, [LEGEND[r] for r in ROLE_COLORS] + ["rollout cell idle", "train cell idle", "step end"],
+              loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)
+    ax.set_title(f"cell roles, {report['label']}")
     fig.tight_layout()
     out = Path(path)
     fig.savefig(out, dpi=110)

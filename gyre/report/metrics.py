@@ -17,17 +17,53 @@ from dataclasses import asdict
 from pathlib import Path
 
 from gyre.events import Event, RunEnded, RunStats, StepEnded
+from gyre.report.health import KINDS
 
 LOGGERS = ("jsonl", "tensorboard", "wandb")
-# step row fields that become scalars (the rest are lists or bookkeeping)
-_STEP_SCALARS = {"reward_mean": "rollout/reward_mean", "reward_n": "rollout/reward_n", "groups": "train/groups",
-                 "micro_batches": "train/micro_batches", "loss": "train/loss", "ratio_mean": "train/ratio_mean",
-                 "kl_old_max": "train/kl_old_max", "grad_norm": "train/grad_norm",
-                 "staleness_mean": "lag/steps_mean", "staleness_max": "lag/steps_max",
-                 "staleness_token_mean": "lag/steps_token_mean", "lag_syncs_mean": "lag/syncs_mean",
-                 "lag_syncs_max": "lag/syncs_max", "reduce_s": "time/reduce_s", "push_s": "time/push_s",
-                 "t_end": "time/wall_s"}
-_CELL_SCALARS = ("utilisation", "busy_rollout_s", "busy_train_s", "switching_s", "idle_s")
+# Every scalar of a step row (steps.jsonl) under a stable grouped name: rollout/ (what the
+# executions did), train/ (the optimizer step), offpolicy/ (lag corrections and train/inference
+# mismatch), sched/ (lag, steps, cells taking part, time spent outside training), cells/ (time by
+# role), health/ (1 on a step a warning fires). A key no rule names lands in other/ (a test
+# forbids that for the rows a run writes), never dropped.
+_GROUP = {
+    "rollout": ("reward_mean", "reward_n", "reward_std", "executions_ended", "executions_done", "executions_running",
+                "harness_failure_rate", "execution_s_mean", "execution_tokens_mean", "calls_per_execution",
+                "call_input_tokens_mean", "call_output_tokens_mean", "tokens_per_s", "executions_per_h",
+                "replaced_zero_variance", "replaced_share"),
+    "train": ("loss", "loss_per_target", "grad_norm", "entropy", "learning_rate", "micro_batches", "groups",
+              "moe_aux_loss", "ratio_mean", "kl_old_max", "clip_frac", "version"),
+    "offpolicy": ("is_weight_mean", "truncated_frac", "masked_frac"),
+    "sched": ("step", "staleness_mean", "staleness_max", "staleness_token_mean", "lag_syncs_mean", "lag_syncs_max",
+              "pushed", "participants", "reduce_s", "push_s", "t_start", "t_end"),
+}
+_NAMES = {k: f"{g}/{k}" for g, keys in _GROUP.items() for k in keys}
+_PREFIXES = (("mismatch_", "offpolicy"), ("ratio_q", "offpolicy"))
+_CELL_SCALARS = ("utilisation", "busy_rollout_s", "busy_train_s", "switching_s", "pushing_s", "idle_s", "failed_s",
+                 "rollout_s", "train_s", "switches")
+
+
+def metric_name(key: str) -> str:
+    """The grouped name of a step row's key in every metrics stream."""
+    if key in _NAMES:
+        return _NAMES[key]
+    return next((f"{g}/{key}" for p, g in _PREFIXES if key.startswith(p)), f"other/{key}")
+
+
+def row_scalars(row: dict) -> dict[str, float]:
+    """Every figure of a step row as flat scalars: numbers as they are, booleans 0/1, a list by its
+    length (the cells that took part), a dict by its entries (reward per task: rollout/reward_by_task/<task>),
+    the health warnings as health/<kind> 1 (0 for the kinds that did not fire)."""
+    out: dict[str, float] = {}
+    for k, v in row.items():
+        if k == "warnings":
+            out.update({f"health/{kind}": float(kind in (v or {})) for kind in (*KINDS, *(v or {}))})
+        elif isinstance(v, dict):
+            out.update({f"rollout/{k}/{sub}": float(x) for sub, x in v.items() if x is not None})
+        elif isinstance(v, (list, tuple)):
+            out[metric_name(k)] = float(len(v))
+        elif isinstance(v, (int, float)):  # bool included
+            out[metric_name(k)] = float(v)
+    return out
 
 
 def available(name: str) -> bool:
@@ -41,11 +77,11 @@ def available(name: str) -> bool:
 
 def step_scalars(row: dict, stats: RunStats, t1: float) -> dict[str, float]:
     """The flat scalars of one step: its row, the lag so far and each cell's time so far."""
-    out = {key: float(row[k]) for k, key in _STEP_SCALARS.items() if row.get(k) is not None}
+    out = row_scalars(row)
     cells = [stats.cell_time(c, t1) for c in stats.cell_ids()]
     for c in cells:
         for k in _CELL_SCALARS:
-            out[f"cell{c['cell']}/{k}"] = float(c[k])
+            out[f"cells/cell{c['cell']}/{k}"] = float(c.get(k, 0.0))
     wall = sum(c["wall_s"] for c in cells)
     if wall > 0:
         busy = sum(c["busy_rollout_s"] + c["busy_train_s"] for c in cells)
@@ -101,7 +137,7 @@ class MetricsSink:
         elif isinstance(ev, RunEnded):
             lag = stats.lag()
             step = stats.steps[-1]["step"] + 1 if stats.steps else 0  # W&B steps only grow
-            self.log(step, {f"run/lag_{k}": float(v) for k, v in asdict(lag).items()}, t=ev.t - stats.t0)
+            self.log(step, {f"sched/run_lag_{k}": float(v) for k, v in asdict(lag).items()}, t=ev.t - stats.t0)
 
     def log(self, step: int, scalars: dict[str, float], *, t: float | None = None) -> None:
         self._jsonl.write(json.dumps({"step": step, "t": t, **scalars}) + "\n")
@@ -113,16 +149,24 @@ class MetricsSink:
             self._wb.log(scalars, step=step)
 
     def close(self) -> None:
-        self._jsonl.close()
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
-        if self._wb is not None:
-            import wandb
+        """Close every backend; one that fails (W&B whose service a `scancel` already killed raises
+        ConnectionResetError) is named in `errors` in one line, never a traceback, and the others
+        still close: metrics.jsonl has every figure anyway."""
+        for name, closer in (("jsonl", self._jsonl.close), ("tensorboard", self._tb and self._tb.close),
+                             ("wandb", self._wb and self._close_wandb)):
+            if closer:
+                try:
+                    closer()
+                except Exception as e:  # noqa: BLE001 - the run is over; what it recorded is on disk
+                    self.errors.append(f"{name} did not close cleanly ({type(e).__name__}: {e}); "
+                                       f"metrics.jsonl holds every figure")
+        self._tb = self._wb = None
 
-            self._wb.finish()
-            wandb.teardown()  # stops W&B's service: only then is the offline run file complete
-            self._wb = None
+    def _close_wandb(self) -> None:
+        import wandb
+
+        self._wb.finish()
+        wandb.teardown()  # stops W&B's service: only then is the offline run file complete
 
     def describe(self) -> dict:
         return {"active": list(self.active), "skipped": list(self.skipped), "errors": list(self.errors)}

@@ -20,6 +20,8 @@ from typing import Callable
 
 from gyre.events import ExecutionDropped
 from gyre.fsio import atomic_write_json, atomic_write_text
+from gyre.proxy.journal import read_journal
+from gyre.proxy.replay import Replay
 from gyre.traj.record import Status
 from gyre.traj.store import iter_executions
 
@@ -158,17 +160,26 @@ class Ledger:
                     if line.strip() and json.loads(line)["step"] < version]
             atomic_write_text(self.steps_path, "".join(line + "\n" for line in keep))
 
-    def stopped_to_replay(self) -> dict[tuple[str, int], list]:
-        """(task, member) -> [(execution id, tree)] of executions the stopped job was running
-        (status ``stopped``, calls recorded, never resumed yet): a new group of the same task
-        resumes them by replay, member for member (gyre.proxy.replay)."""
+    def stopped_to_replay(self, journal_dir: str | Path | None = None) -> dict[tuple[str, int], list]:
+        """(task, member) -> [(execution id, tree or Replay)] of executions the stopped job was
+        running (status ``stopped``, calls recorded, never resumed yet), and of those a killed
+        head was running (a journal in ``journal_dir`` and no shard: gyre.proxy.journal): a new
+        group of the same task resumes them by replay, member for member (gyre.proxy.replay)."""
         done = set()  # recordings already taken by a resumed execution ("resuming" lines)
         for line in self.ledger_path.read_text().splitlines() if self.ledger_path.exists() else []:
             if '"resuming"' in line:
                 done.add(json.loads(line).get("from"))
         out: dict[tuple[str, int], list] = {}
+        recorded = set()
         for rec in iter_executions(self.shard_dir):
+            recorded.add(rec.execution_id)
             m = EXECUTION_ID.match(rec.execution_id)
             if m and rec.status == Status.STOPPED and rec.tree.calls and rec.execution_id not in done:
                 out.setdefault((rec.task, int(m["member"])), []).append((rec.execution_id, rec.tree))
+        for f in sorted(Path(journal_dir).glob("*.jsonl")) if journal_dir and Path(journal_dir).is_dir() else ():
+            m = EXECUTION_ID.match(f.stem)  # in a shard already (killed before its journal went): not again
+            if m and f.stem not in recorded and f.stem not in done:
+                replay = Replay.from_journal(read_journal(f))
+                if replay.recorded:
+                    out.setdefault((m["task"], int(m["member"])), []).append((f.stem, replay))
         return out

@@ -8,17 +8,32 @@ an execution runs, is scored and is made durable the same way in both.
 
 from __future__ import annotations
 
+import logging
 import secrets
 from pathlib import Path
 
 from gyre.config import GyreConfig
+from gyre.fsio import storage_full
 from gyre.engine.router import Router
 from gyre.harness.evaluator import EvaluatorPool
 from gyre.harness.execute import run_and_evaluate
 from gyre.harness.runner import HarnessPool
 from gyre.model.tokenizer import load_tokenizer
+from gyre.proxy.journal import Journal
 from gyre.proxy.server import Proxy, create_app, proxy_options, start_site
 from gyre.traj.store import ShardWriter, compact, shard_identity
+
+log = logging.getLogger("gyre.rollout")
+RECORD_TRIES = 3  # a transient write error (e.g. a parallel file system's hiccup) is retried this often
+
+
+def journal_dir(cfg: GyreConfig) -> Path:
+    """Where running executions' calls are journaled (gyre.proxy.journal)."""
+    return Path(cfg.run.dir) / "journal"
+
+
+class RecordError(RuntimeError):
+    """An execution could not be made durable: the run must stop and say why."""
 
 
 class RolloutService:
@@ -40,11 +55,13 @@ class RolloutService:
         self.router = Router(list(endpoints), api_key=engine_key, timeout_s=cfg.engine.request_timeout_s, **kw)
         self.proxy = Proxy(self.router, load_tokenizer(self.model_dir), identity=self.identity,
                            default_max_tokens=cfg.proxy.default_max_tokens, max_tokens_cap=cfg.proxy.max_tokens_cap,
-                           max_executions=cfg.proxy.max_executions, **proxy_options(cfg.proxy, self.model_dir))
+                           max_executions=cfg.proxy.max_executions, max_calls_in_flight=cfg.proxy.max_calls_in_flight,
+                           **proxy_options(cfg.proxy, self.model_dir))
         self._site, port = await start_site(create_app(self.proxy, admin_key=secrets.token_urlsafe(24),
                                                        max_body_bytes=cfg.proxy.max_body_bytes),
                                             cfg.proxy.host, cfg.proxy.port)
         self.base_url = f"http://{cfg.proxy.host}:{port}/v1"
+        self.proxy.journal = Journal(journal_dir(cfg))
         self.pool = HarnessPool.from_config(cfg, self.envs)
         self.evaluators = EvaluatorPool.from_config(cfg, self.envs)
 
@@ -64,12 +81,34 @@ class RolloutService:
                                       infra_retries=self.cfg.harness.infra_retries)
 
     def record(self, records) -> None:
-        """Durable when it returns (one small shard, fsynced and renamed): only then may anyone count it."""
-        self.writer.write(list(records))
+        """Durable when it returns (one small shard, fsynced and renamed): only then may anyone count it.
+        A write that fails is retried; a full file system, or a failure that stays, raises RecordError
+        with its reason: the driver stops the run loudly (never a hang, never exit 0 with work missing)."""
+        records = list(records)
+        ids = ", ".join(r.execution_id for r in records)
+        for attempt in range(1, RECORD_TRIES + 1):
+            try:
+                self.writer.write(records)
+                if self.proxy is not None and self.proxy.journal is not None:  # in a shard now
+                    for r in records:
+                        self.proxy.journal.discard(r.execution_id)
+                return
+            except OSError as e:
+                full = storage_full(e, self.writer.dir, "store.dir")
+                if full or attempt == RECORD_TRIES:
+                    raise RecordError(f"cannot record execution {ids}: "
+                                      f"{full or f'{type(e).__name__}: {e} (tried {attempt} times)'}") from e
+                log.warning("writing the shard of %s failed (%s), retrying", ids, e)
+            except Exception as e:  # not the disk: the same records fail the same way again
+                raise RecordError(f"cannot record execution {ids}: {type(e).__name__}: {e}") from e
 
     def compact(self) -> None:
         """Merge the per-execution shards (at the end, and on resume before anything runs)."""
-        compact(self.writer, self.cfg.store.executions_per_shard)
+        try:
+            compact(self.writer, self.cfg.store.executions_per_shard)
+        except OSError as e:  # the small shards stay: a later --resume merges them
+            why = storage_full(e, self.writer.dir, "store.dir") or f"{type(e).__name__}: {e}"
+            raise RecordError(f"cannot merge the shards (each execution's own shard is kept): {why}") from e
 
     @property
     def broken(self) -> str | None:
@@ -89,3 +128,7 @@ class RolloutService:
             self._site = None
         if self.router is not None:
             await self.router.close()
+        if self.proxy is not None:
+            self.proxy.workers.close()
+            if self.proxy.journal is not None:
+                self.proxy.journal.close()

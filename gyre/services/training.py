@@ -175,6 +175,7 @@ class TrainingDispatch:
             # the loss of a GRPO step is ~0 by construction; what moves is the surrogate's scale
             "loss_per_target": merged["loss"] / merged["targets"] if merged.get("targets") else None,
             "is_weight_mean": merged.get("is_weight_mean"), "clip_frac": merged.get("clip_frac"),
+            "entropy": merged.get("entropy"), "learning_rate": self.cfg.train.lr,
             "replaced_zero_variance": replaced,
             "replaced_share": replaced / (replaced + groups) if groups else 0.0,
             **mismatch}

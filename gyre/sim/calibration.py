@@ -66,6 +66,7 @@ class ModelSpec:
     experts: int = 0           # routed experts per layer (0: dense)
     topk: int = 0              # experts routed per token
     kv_bytes_per_token: float = 0.0  # KV cache bytes per token of context (full-attention layers)
+    state_bytes_per_request: float = 0.0  # hybrid: Gated DeltaNet states + conv windows of one request
     train_bytes_per_param: float = 16.0   # bf16 weights + fp32 master + Adam moments + grads
     serve_bytes_per_param: float = 1.0    # FP8 serving weights
     sources: dict = field(default_factory=dict, compare=False)
@@ -93,8 +94,16 @@ class ModelSpec:
                            experts=self.experts, topk=self.topk, kv_bytes_per_token=self.kv_bytes_per_token,
                            overhead_ms=STEP_OVERHEAD_MS, active_params=self.active,
                            attn_flops_per_ctx_token=4 * self.attn_layers * self.attn_dim,
-                           prefill_mfu=PREFILL_MFU, mem_fraction=MEM_FRACTION)
+                           prefill_mfu=PREFILL_MFU, mem_fraction=MEM_FRACTION,
+                           state_bytes_per_request=self.state_bytes_per_request)
 
+
+# One Gated DeltaNet layer's per-request state at Qwen3-Next-80B-A3B's linear shape (16 key heads,
+# 32 value heads, 128 x 128 per head): the fp32 recurrent state (SGLang --mamba-ssm-dtype float32)
+# plus the conv window (kernel 4: 3 past q/k/v inputs of 2 x 16 x 128 + 32 x 128 channels, bf16).
+GDN_STATE_BYTES = 32 * 128 * 128 * 4 + 3 * (2 * 16 * 128 + 32 * 128) * 2
+GDN_STATE_SOURCE = ("assumed Qwen3-Next's linear shape: 32 value heads x 128 x 128 x fp32 state + "
+                    f"3 x 8,192 conv channels x bf16 = {GDN_STATE_BYTES:,} B per layer")
 
 # Qwen3.5-122B-A10B (the paper's "Qwen 3.6 122B" is assumed to share its architecture): 122B total,
 # 10B active, 48 layers of which every fourth has full attention (the rest Gated DeltaNet), 256
@@ -102,12 +111,14 @@ class ModelSpec:
 QWEN_122B = ModelSpec(
     "122B-A10B", params=122e9, active=10e9, attn_layers=12, attn_dim=32 * 256, replica_gpus=2,
     experts=256, topk=8, kv_bytes_per_token=12 * 2 * 2 * 256 * 2,
+    state_bytes_per_request=36 * GDN_STATE_BYTES,
     sources={"params": "Qwen3.5-122B-A10B model card (vultr/NVIDIA docs): 122B total, 10B active",
              "attn_layers": "model card: 48 layers, full attention every fourth (12)",
              "attn_dim": "assumed: 32 heads x 256 head dim (Qwen3-Next's head size)",
              "experts": "model card: 256 experts, 8 routed per token",
              "kv_bytes_per_token": "12 full-attention layers x K,V x 2 KV heads x 256 head dim x bf16 = "
-                                   "24,576 B (the Gated DeltaNet layers keep a fixed state, not counted)",
+                                   "24,576 B (the Gated DeltaNet layers keep a fixed state instead)",
+             "state_bytes_per_request": "36 Gated DeltaNet layers x " + GDN_STATE_SOURCE,
              "replica_gpus": "NVIDIA Dynamo recipe for Qwen3.5-122B-A10B on H200: FP8, TP2 per replica"})
 
 # The 2.4T model: nothing but the size is published. Assumed: ~4% active and 512 experts with 10
@@ -115,11 +126,14 @@ QWEN_122B = ModelSpec(
 MODEL_2P4T = ModelSpec(
     "2.4T", params=2.4e12, active=100e9, attn_layers=24, attn_dim=128 * 128, replica_gpus=32,
     experts=512, topk=10, kv_bytes_per_token=24 * 2 * 4 * 256 * 2,
+    state_bytes_per_request=72 * GDN_STATE_BYTES,
     sources={"params": "paper: 2.4T parameters",
              "active": "assumed: 100B active (~4%, Qwen3.5-397B-A17B activates 4.3%)",
              "attn_layers": "assumed: 24 full-attention layers", "attn_dim": "assumed: 128 heads x 128",
              "experts": "assumed: 512 experts, 10 routed (Qwen3.5-397B-A17B's layout)",
              "kv_bytes_per_token": "assumed: 24 layers x K,V x 4 KV heads x 256 x bf16 = 98,304 B",
+             "state_bytes_per_request": "assumed: 72 Gated DeltaNet layers (3 per full-attention layer) x "
+                                        + GDN_STATE_SOURCE,
              "replica_gpus": "computed: FP8 weights 2.4 TB over <= 88% of 141 GB needs 20 GPUs; 32 (4 nodes) "
                              "leaves room for KV"})
 
@@ -273,7 +287,12 @@ def calibration(p: Preset) -> dict:
         "decode_step_ms_b1_b8_b32_b64": e([round(rep.step_s(b, w.mean_context_tokens / 2) * 1e3, 1) for b in (1, 8, 32, 64)],
                                           "roofline at 64K context (paper-reading.md: ~3.7 / 7.3 / 17 / 25 ms)"),
         "mem_fraction": e(MEM_FRACTION, "assumed: SGLang --mem-fraction-static"),
-        "kv_tokens_per_replica": e(round(rep.kv_capacity_tokens), "computed: (HBM x mem_fraction - weights) / KV bytes per token"),
+        "kv_tokens_per_replica": e(round(rep.kv_capacity_tokens), "computed: (HBM x mem_fraction - weights) x KV "
+                                   "share / KV bytes per token (KV share 1 / (1 + 0.9) for a hybrid: SGLang "
+                                   "--mamba-full-memory-ratio)"),
+        "state_bytes_per_request": e(m.state_bytes_per_request, m.sources.get("state_bytes_per_request", "")),
+        "state_slots_per_replica": e(round(rep.state_slots) if rep.state_slots < float("inf") else "unbounded", "computed: (HBM x mem_fraction - weights) x 0.9 / 1.9 / "
+                                     "state bytes per request (requests a replica holds at once)"),
         "prefill_mfu": e(PREFILL_MFU, "assumed"),
         "mfu": e(p.mfu, "assumed: 25% for MoE RL training; Megatron-Core reports up to 47% MFU for "
                         "dense GPT-175B on H100 (NVIDIA Megatron-Core docs), MoE RL runs lower"),

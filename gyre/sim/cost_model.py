@@ -105,7 +105,8 @@ class ClusterModel:
         context `context` (step_s(1) / step_s(B) >= keep), over the cell's replicas."""
         rep, solo = self.replica, self.replica.step_s(1, context)
         b = 1.0
-        while b < 4096 and solo / rep.step_s(b * 1.02, context) >= keep:
+        # a hybrid model's replica holds at most its state pool's requests
+        while b < 4096 and b * 1.02 <= rep.state_slots and solo / rep.step_s(b * 1.02, context) >= keep:
             b *= 1.02
         return b * self.replicas
 

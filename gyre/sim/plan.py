@@ -26,8 +26,6 @@ from pathlib import Path
 from tqdm import tqdm
 
 from gyre.config import ConfigError, Scheme
-from gyre.model import ModelFormatError
-from gyre.model.params import param_counts
 from gyre.sched import SCHEMES
 from gyre.sim.calibration import HARDWARE, MEM_FRACTION, PRESETS, check_layout, preset
 from gyre.sim.cost_model import divisors
@@ -136,7 +134,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def with_model_config(p, path):
     """The preset with its model replaced by the one `path` describes (gyre.model.params counts;
     a serving replica: the fewest GPUs, a power of two, whose HBM share holds the weights)."""
-    # gyre.model imports torch: only `--model-config` pays for it at start-up
+    # gyre.model imports torch: only `--model-config` pays for it (`gyre plan --help` stays fast)
+    from gyre.model import ModelFormatError
+    from gyre.model.params import param_counts
 
     try:
         c = param_counts(path)
@@ -147,11 +147,13 @@ def with_model_config(p, path):
     replica = 1 << max(0, math.ceil(math.log2(max(need, 1.0))))
     model = dataclasses.replace(
         p.model, name=f"{c['model_type']}:{Path(path).name}", params=float(c["total"]), active=float(c["active"]),
-        attn_layers=c["layers"], attn_dim=c["attn_dim"], replica_gpus=replica, experts=c["experts"],
+        attn_layers=c["attn_layers"], attn_dim=c["attn_dim"], replica_gpus=replica, experts=c["experts"],
         topk=c["top_k"], kv_bytes_per_token=float(c["kv_bytes_per_token"]),
+        state_bytes_per_request=float(c["state_bytes_per_request"]),
         sources={"params": f"{path}: gyre.model.params (total {c['total']:,}, active {c['active']:,})",
                  "replica_gpus": "computed: FP8 weights within 70% of the replica's usable HBM, a power of two",
-                 "kv_bytes_per_token": "computed: layers x K,V x KV heads x head dim x bf16"})
+                 "kv_bytes_per_token": "computed: full-attention layers x K,V x KV heads x head dim x bf16",
+                 "state_bytes_per_request": "computed: Gated DeltaNet layers x (fp32 state + bf16 conv window)"})
     return dataclasses.replace(p, model=model)
 
 

@@ -12,6 +12,13 @@ real routing is skewed, which touches fewer). Prefill is compute-bound: 2 x acti
 FLOPs per token plus causal attention, at a stated MFU. The KV cache lives in the HBM left after
 the weights (SGLang's ``--mem-fraction-static`` share of HBM, minus the weights).
 
+Hybrid models (Gated DeltaNet layers beside full attention, e.g. Qwen3.5) keep KV only for the
+full-attention layers and a fixed recurrent state (plus conv window) per request for the linear
+ones. SGLang splits the HBM left after the weights into a state pool and a KV pool at
+``--mamba-full-memory-ratio`` (state : KV, default 0.9), so the KV capacity is the KV share and the
+requests a replica holds at once are bounded by the state pool (`state_slots`); every decode step
+reads and writes each running request's state (2 x state bytes per call, on top of its KV).
+
 This is the decode model of the simulator (``gyre.sim.cost_model.ClusterModel``) and of the paced
 embedded engine (``engine.pace``), so a benchmark's live run and its simulation share one formula.
 Every number of a spec is stated with its source in ``gyre/sim/calibration.py``.
@@ -41,12 +48,15 @@ class ReplicaSpec:
     attn_flops_per_ctx_token: float = 0.0  # extra prefill FLOPs per token per token of context
     prefill_mfu: float = 0.4
     mem_fraction: float = 0.88     # share of HBM SGLang may use for weights + KV
+    state_bytes_per_request: float = 0.0  # hybrid: recurrent state + conv window of one request
+    state_memory_ratio: float = 0.9  # SGLang --mamba-full-memory-ratio (state pool : KV pool)
 
     def __post_init__(self) -> None:
         for name in ("gpus", "hbm_gb", "hbm_tb_s", "peak_tflops", "active_params", "prefill_mfu", "mem_fraction"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"replica spec: {name} must be positive, got {getattr(self, name)}")
-        for name in ("dense_gb", "expert_gb", "kv_bytes_per_token", "overhead_ms", "attn_flops_per_ctx_token"):
+        for name in ("dense_gb", "expert_gb", "kv_bytes_per_token", "overhead_ms", "attn_flops_per_ctx_token",
+                     "state_bytes_per_request", "state_memory_ratio"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"replica spec: {name} must be >= 0, got {getattr(self, name)}")
         if self.expert_gb > 0 and not 0 < self.topk <= self.experts:
@@ -73,7 +83,8 @@ class ReplicaSpec:
     def step_s(self, batch: float, context: float) -> float:
         """Seconds of one decode step with `batch` calls of mean context `context` tokens."""
         b = max(batch, 1.0)
-        read = (self.dense_gb + self.expert_gb * self.expert_share(b)) * 1e9 + b * context * self.kv_bytes_per_token
+        read = (self.dense_gb + self.expert_gb * self.expert_share(b)) * 1e9 \
+            + b * (context * self.kv_bytes_per_token + 2 * self.state_bytes_per_request)
         return self.overhead_ms / 1e3 + read / self.bandwidth
 
     def prefill_s(self, tokens: float, context: float = 0.0) -> float:
@@ -89,9 +100,26 @@ class ReplicaSpec:
         return max(0.0, tokens) * 2 * self.active_params / (self.gpus * self.peak_tflops * 1e12 * self.prefill_mfu)
 
     @property
+    def _free_gb(self) -> float:
+        return self.gpus * self.hbm_gb * self.mem_fraction - self.weights_gb
+
+    @property
+    def _state_share(self) -> float:
+        """Share of the free HBM that holds recurrent states (0 without linear layers)."""
+        if self.state_bytes_per_request <= 0:
+            return 0.0
+        return self.state_memory_ratio / (1.0 + self.state_memory_ratio)
+
+    @property
     def kv_capacity_tokens(self) -> float:
         """Tokens of KV (prefix cache included) the replica holds."""
         if self.kv_bytes_per_token <= 0:
             return float("inf")
-        free = self.gpus * self.hbm_gb * self.mem_fraction - self.weights_gb
-        return free * 1e9 / self.kv_bytes_per_token
+        return self._free_gb * (1.0 - self._state_share) * 1e9 / self.kv_bytes_per_token
+
+    @property
+    def state_slots(self) -> float:
+        """Requests whose recurrent state the replica holds at once (inf: no linear layers)."""
+        if self.state_bytes_per_request <= 0:
+            return float("inf")
+        return self._free_gb * self._state_share * 1e9 / self.state_bytes_per_request

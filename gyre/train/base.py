@@ -30,7 +30,7 @@ from gyre.train.step_stats import merge, summarize
 ATTENTION_PATHS = ("tree", "dense")  # tree: work follows kv_end (tree_attention); dense: S x S mask
 
 CHECKPOINT_FILE = "trainer.pt"
-_MEAN_STATS = ("ratio_mean", "clip_frac", "logp_mean", "kl_old")  # averaged over targets
+_MEAN_STATS = ("ratio_mean", "clip_frac", "logp_mean", "kl_old", "entropy")  # averaged over targets
 
 
 def torch_dtype(name: str) -> torch.dtype:

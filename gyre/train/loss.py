@@ -69,10 +69,23 @@ class OffPolicy:
 
 def token_logprobs(logits: Tensor, mb: MicroBatch) -> Tensor:
     """log p(target | prefix) at temperature mb.temperature, float32, for each target [T]."""
+    return _target_log_softmax(logits, mb)[0]
+
+
+def _target_log_softmax(logits: Tensor, mb: MicroBatch) -> tuple[Tensor, Tensor]:
+    """(log p(target) [T], the full log-softmax rows at the target positions [T, V])."""
     flat = logits.reshape(-1, logits.shape[-1])
     rows = flat.index_select(0, mb.pred_pos.to(flat.device)).float()  # only the rows we need
     logp = torch.log_softmax(rows / mb.temperature, dim=-1)
-    return logp.gather(1, mb.target_ids.to(flat.device)[:, None]).squeeze(1)
+    return logp.gather(1, mb.target_ids.to(flat.device)[:, None]).squeeze(1), logp
+
+
+def entropy_sum(rows: Tensor) -> float:
+    """Sum over target positions of the policy's token entropy -sum_v p log p, from the
+    log-softmax rows the loss already holds (no second pass over the logits); the collapse
+    warning watches its per-target mean (`entropy`)."""
+    with torch.no_grad():
+        return float(-(rows.exp() * rows).sum())
 
 
 def staleness_factor(staleness: Tensor, staleness_weights: Sequence[float] | None) -> Tensor:
@@ -112,7 +125,7 @@ def policy_loss(logits: Tensor, mb: MicroBatch, clip_low: float = 0.2, clip_high
     """
     off = off_policy or OffPolicy()
     dev = logits.device
-    logp = token_logprobs(logits, mb)
+    logp, rows = _target_log_softmax(logits, mb)
     behaviour = mb.old_logprobs.to(dev).float()
     if prox_logprobs is None:
         if off.needs_prox:
@@ -146,6 +159,7 @@ def policy_loss(logits: Tensor, mb: MicroBatch, clip_low: float = 0.2, clip_high
             "ratio_max": float(ratio.max()) if mb.num_targets else 0.0,
             "clip_frac": float(clipped_mask.float().sum() / n),
             "logp_mean": float(logp.sum() / n),
+            "entropy": entropy_sum(rows) / n,  # merged as a mean weighted by targets
             "kl_old": float((torch.exp(-d) - 1 + d).sum() / n),  # k3 estimator of KL(anchor || cur)
             "weight_sum": float(w.sum()),
             "is_weight_mean": float(c.sum() / n),

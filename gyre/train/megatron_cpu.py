@@ -28,6 +28,9 @@ _MODULES = (  # the modules that hard-code CUDA on the training path
     "megatron.core.transformer.moe.moe_utils",
     # expert parallelism: the token dispatcher's gathers allocate on the current device
     "megatron.core.tensor_parallel.mappings",
+    # Gated DeltaNet (hybrid families): its constructor puts conv and gate parameters on the
+    # current CUDA device
+    "megatron.core.ssm.gated_delta_net",
 )
 
 _installed = False

@@ -109,7 +109,7 @@ class QwenGPTModel(GPTModel):
 def transformer_config(hf_config, *, dtype: torch.dtype = torch.float32, use_cpu_initialization: bool = True,
                        moe_aux_loss_coef: float = 0.0, routing_replay: bool = False) -> TransformerConfig:
     """Megatron TransformerConfig with the architecture of a config of a `gyre.model` family."""
-    spec = as_spec(hf_config)
+    spec = _gpt_spec(hf_config)
     moe = {}
     if spec.experts:
         if len(spec.moe_layers) != spec.layers:
@@ -165,6 +165,16 @@ def transformer_config(hf_config, *, dtype: torch.dtype = torch.float32, use_cpu
         calculate_per_token_loss=True,
         **moe,
     )
+
+
+def _gpt_spec(hf_config):
+    spec = as_spec(hf_config)
+    if spec.hybrid:
+        raise ModelFormatError(
+            f"{spec.model_type} has Gated DeltaNet layers, which Gyre's Megatron-Core GPTModel does not build; "
+            "train it with train.backend = \"embedded\" (gyre/train/megatron_gdn.py wraps Megatron's GDN layer "
+            "with initial/final states, checked only on a GPU: docs/hybrid-layers.md)")
+    return spec
 
 
 def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32, use_cpu_initialization: bool = True,

@@ -41,7 +41,15 @@ FAMILY_CLASSES = {  # model_type -> (transformers config class, causal-LM class)
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
 }
+MODEL_TYPE_FAMILY = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+# hybrid families: Gated DeltaNet layers with 2 key heads of 8 and 4 value heads of 8 (grouped
+# like Qwen3-Next's 16 / 32), every fourth layer full attention
+HYBRID_SHAPE = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                    linear_value_head_dim=8, linear_conv_kernel_dim=4)
 
 
 def tiny_config(family: str, *, vocab_size: int = 96, hidden_size: int = 64, layers: int = 2,
@@ -58,12 +66,19 @@ def tiny_config(family: str, *, vocab_size: int = 96, hidden_size: int = 64, lay
               max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=tie_word_embeddings,
               rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, initializer_range=0.02,
               hidden_act="silu")
-    if family in ("qwen3", "qwen3_moe"):
+    hybrid = family in ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+    if family in ("qwen3", "qwen3_moe") or hybrid:
         kw["head_dim"] = hidden_size // heads
-    if family in ("qwen3_moe", "qwen2_moe"):
+    if hybrid:
+        kw |= HYBRID_SHAPE
+        kw["num_hidden_layers"] = max(layers, 4)  # at least one full-attention layer
+        kw["rope_parameters"] |= {"partial_rotary_factor": 0.5}
+    if family in ("qwen3_moe", "qwen2_moe", "qwen3_next"):
         kw |= dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=moe_intermediate_size,
-                   norm_topk_prob=family == "qwen3_moe", decoder_sparse_step=1, mlp_only_layers=[])
-    if family == "qwen2_moe":
+                   norm_topk_prob=family != "qwen2_moe", decoder_sparse_step=1, mlp_only_layers=[])
+    if family == "qwen3_5_moe":
+        kw |= dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=moe_intermediate_size)
+    if family in ("qwen2_moe", "qwen3_next", "qwen3_5_moe"):
         kw["shared_expert_intermediate_size"] = 2 * moe_intermediate_size
     kw |= extra
     cfg = getattr(transformers, FAMILY_CLASSES[family][0])(**kw)
@@ -76,7 +91,8 @@ def random_model(config, *, seed: int = 0, std: float = 0.3):
     weights around 1), float32, eval."""
     import transformers
 
-    model = getattr(transformers, FAMILY_CLASSES[config.model_type][1])(config)
+    family = MODEL_TYPE_FAMILY.get(config.model_type, config.model_type)
+    model = getattr(transformers, FAMILY_CLASSES[family][1])(config)
     model.config._attn_implementation = "eager"
     return _seeded(model, seed, std)
 

@@ -18,6 +18,8 @@ from gyre.batch import MicroBatch
 from gyre.config import TrainConfig
 from gyre.train.base import ATTENTION_PATHS, Trainer, phase_timings, torch_dtype
 from gyre.train.offload import HostStash, PhaseTimer
+from gyre.model.spec import read_config
+from gyre.train.hybrid import lm_class
 from gyre.train.qwen2 import Qwen2LM
 from gyre.train.tree_attention import TreeMask
 
@@ -42,9 +44,9 @@ class EmbeddedTrainer(Trainer):
         self.attention = attention
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if isinstance(model, (str, os.PathLike)):
-            model = Qwen2LM.from_dir(model)
-        elif not isinstance(model, Qwen2LM):
-            model = Qwen2LM.from_transformers(model)
+            model = lm_class(read_config(model)).from_dir(model)
+        elif not isinstance(model, Qwen2LM):  # HybridLM is a Qwen2LM
+            model = lm_class(model.config.to_dict()).from_transformers(model)
         self.model = model.to(device=self.device, dtype=torch.float32)
         self.hf_config = model.config  # config.json as a dict: exported as read
         self.compute_dtype = torch_dtype(cfg.dtype)

@@ -1,0 +1,122 @@
+"""docs/harnesses.md, followed as written: a standalone `gyre proxy` (the real command, a process)
+in front of an engine, an execution registered over the admin route, a real agent program from
+the package index run with the environment Gyre gives a harness (the recipes in docs/recipes/:
+the openai SDK, litellm, mini-swe-agent), the execution ended over the new admin route, and its
+shard read back with the roles the harness labelled.
+
+The engine is the scripted stand-in (tests/scripted_engine.py: the outputs are chosen, so that
+mini-swe-agent's shell commands are real ones); everything else is what a user runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from gyre.proxy.server import start_site
+from gyre.traj.store import read_shard
+from loop_thread import LoopThread
+from scripted_engine import ScriptedEngine
+from test_proxy import R
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ROOT / "docs" / "recipes"
+ADMIN = "recipe-admin-key"
+
+
+def say(text: str) -> list[int]:
+    return R.encode(text) + [R.im_end]
+
+
+def admin(url: str, body: dict | None = None) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body or {}).encode(), method="POST",
+                                 headers={"Authorization": f"Bearer {ADMIN}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The scripted engine on loopback and `gyre proxy` in front of it, as docs/harnesses.md starts it."""
+    lt = LoopThread()
+    engine = ScriptedEngine(decode=R.decode)
+    engine.script = [say("ok")]
+    runner, port = lt.run(start_site(engine.app(), "127.0.0.1", 0))
+    shards = tmp_path_factory.mktemp("shards")
+    proc = subprocess.Popen([sys.executable, "-m", "gyre.cli", "proxy", "--engine", f"http://127.0.0.1:{port}",
+                             "--host", "127.0.0.1", "--port", "0", "--admin-key", ADMIN, "--shard-dir", str(shards)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    printed = []
+    for line in proc.stdout:
+        printed.append(line)
+        if line.startswith("  (docs/harnesses.md)"):
+            break
+    base = next(x.split()[1] for x in printed if x.startswith("GYRE_PROXY_LISTENING"))
+    yield {"engine": engine, "base": base, "printed": "".join(printed), "shards": shards}
+    proc.terminate()
+    proc.wait(10)
+    lt.run(runner.cleanup())
+    lt.close()
+
+
+def run_recipe(served, tmp_path, name: str, eid: str, outputs: list[str]) -> tuple[list, Path]:
+    """Register `eid`, run docs/recipes/<name> as Gyre runs a harness, end it; (its calls, workspace)."""
+    served["engine"].script = [say(o) for o in outputs]
+    key = admin(served["base"] + "/gyre/executions", {"execution_id": eid, "task": "hello"})["api_key"]
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "start.md").write_text("Create hello.txt containing the word hello.")
+    env = {**os.environ, "OPENAI_BASE_URL": served["base"] + "/v1", "OPENAI_API_KEY": key,
+           "GYRE_WORKSPACE": str(ws), "GYRE_TASK_DIR": str(ws), "GYRE_EXECUTION_ID": eid,
+           "MSWEA_CONFIG_DIR": str(tmp_path), "HOME": str(tmp_path)}  # mini-swe-agent writes its global config there
+    r = subprocess.run([sys.executable, str(RECIPES / name)], cwd=ws, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    ended = admin(f"{served['base']}/gyre/executions/{eid}/end", {"status": "done", "reward": 1.0})
+    assert ended["execution_id"] == eid and ended["status"] == "done" and Path(ended["shard"]).parent == served["shards"]
+    (rec,) = read_shard(ended["shard"])
+    assert rec.execution_id == eid and rec.reward == 1.0 and ended["calls"] == len(rec.tree.calls)
+    return rec.tree.calls, ws
+
+
+def test_the_proxy_prints_its_base_url_and_how_to_register(served):
+    assert f"OpenAI base URL {served['base']}/v1" in served["printed"]
+    assert "/gyre/executions" in served["printed"] and "/end" in served["printed"]
+
+
+def test_openai_sdk_recipe_labels_main_and_a_subagent(served, tmp_path):
+    calls, ws = run_recipe(served, tmp_path, "openai_agent.py", "openai-1", ["draft", "looks fine", "final answer"])
+    assert [c.agent_role for c in calls] == ["main", "subagent:reviewer", "main"]
+    assert (ws / "answer.md").read_text() == "final answer"
+
+
+@pytest.mark.slow  # importing litellm takes ~20 s on a loaded 2-core machine
+def test_litellm_recipe_labels_the_compactor_by_header(served, tmp_path):
+    calls, ws = run_recipe(served, tmp_path, "litellm_agent.py", "litellm-1", ["step one", "did one", "done"])
+    assert [c.agent_role for c in calls] == ["main", "compactor", "main"]
+    assert (ws / "answer.md").read_text() == "done"
+
+
+@pytest.mark.slow  # mini-swe-agent imports litellm
+def test_mini_swe_agent_recipe_runs_its_shell_commands_in_the_workspace(served, tmp_path):
+    pytest.importorskip("minisweagent")
+    act = "THOUGHT: {}\n\n```mswea_bash_command\n{}\n```"
+    calls, ws = run_recipe(served, tmp_path, "mini_swe_agent.py", "mini-1", [
+        act.format("write the file", "echo hello > hello.txt"),
+        act.format("submit", "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")])
+    assert (ws / "hello.txt").read_text().strip() == "hello"  # the agent's own command ran
+    assert len(calls) == 2 and {c.agent_role for c in calls} == {"main"}
+
+
+def test_ending_an_unknown_or_badly_described_execution_is_a_clear_error(served):
+    for eid, body, want in (("nope", {}, "no running execution 'nope'"),
+                            ("nope", {"status": "great"}, "status: 'great' is not one of")):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            admin(f"{served['base']}/gyre/executions/{eid}/end", body)
+        assert want in json.loads(e.value.read())["error"]["message"]
