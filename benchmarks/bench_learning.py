@@ -5,13 +5,15 @@ engines, trainers, evaluator and shards), one job per configuration and seed.
 
 Configurations (at `--size full`, the default `make bench` runs: 3 seeds x 14 steps each):
 
-- E, A, C at staleness 0 and 2 (`train.off_policy = auto`: tis at 0, decoupled at 2);
-- E2 with each correction: none, tis, decoupled (E2_decoupled is E2's configuration: its runs are
+- E, A, C at staleness 0 and 2 (`train.off_policy = auto`: tis, since a live step makes one
+  update, `train.minibatches_per_step = 1`, and the clip against pi_prox cannot act);
+- E2 with each correction: none, tis, decoupled (E2_tis is E2's configuration: its runs are
   E2's runs, reported under both labels);
 - E0 with `sched.steps_per_sync = 4` and `train.burst_order` stream vs shuffle.
 
 Written to benchmarks/results/learning.json (flat): `final_reward_{label}` (mean over seeds of the
-run's mean reward in its last two steps) with `_ci95` (t interval over seeds; null with one seed),
+run's mean reward in its last two steps) with `_ci95` (t interval over seeds; null with one seed)
+and `_per_seed` (each seed's value), `clip_frac_{label}` (share of tokens the clip cut),
 `parity_E{k}` (E's mean inside both A's and C's interval), `mismatch_k3_lag0` / `mismatch_k3_lag2`
 (token-weighted k3 KL between trainer and engine log-probs at policy lag 0 / 2), `mismatch_abs_max_lag0`,
 `replaced_zero_variance_share` (replaced groups / (replaced + trained) over every run),
@@ -65,7 +67,7 @@ def configs() -> dict[str, list[str]]:
     for k in (0, 2):
         for s, over in SCHEMES.items():
             out[f"{s}{k}"] = [*over, f"sched.staleness={k}"]
-    for corr in ("none", "tis"):
+    for corr in ("none", "decoupled"):
         out[f"E2_{corr}"] = [*SCHEMES["E"], "sched.staleness=2", f"train.off_policy={corr}"]
     for order in ("stream", "shuffle"):
         out[f"E0_b{BURST}_{order}"] = [*SCHEMES["E"], "sched.staleness=0", f"sched.steps_per_sync={BURST}",
@@ -74,7 +76,7 @@ def configs() -> dict[str, list[str]]:
 
 
 # a label whose configuration is another's: reported from that one's runs, never run twice
-ALIASES = {"E2_decoupled": "E2"}  # auto at staleness 2 is decoupled
+ALIASES = {"E2_tis": "E2"}  # auto at staleness 2 is tis (one update per step)
 
 
 def interval(xs: list[float]) -> list[float] | None:
@@ -150,6 +152,8 @@ def analyse(runs: dict[str, list[tuple[dict, Path]]], size_name: str, size: tupl
         finals = [f for f in map(final_reward, reps) if f is not None]
         out[f"final_reward_{label}"] = statistics.fmean(finals) if finals else None
         out[f"final_reward_{label}_ci95"] = interval(finals)
+        out[f"final_reward_{label}_per_seed"] = [final_reward(r) for r in reps]  # seed order; None: no reward
+        out[f"clip_frac_{label}"] = weighted(reps, "clip_frac", "micro_batches")
         out[f"grad_norm_mean_{label}"] = statistics.fmean(
             [s["grad_norm"] for r in reps for s in r["steps"] if s.get("grad_norm") is not None] or [math.nan])
         out[f"curve_{label}"] = [statistics.fmean(vals) if (vals := [r["steps"][i]["reward_mean"] for r in reps
@@ -190,7 +194,7 @@ def analyse(runs: dict[str, list[tuple[dict, Path]]], size_name: str, size: tupl
     return out
 
 
-def plot(out: dict, labels: list[str]) -> None:
+def plot(out: dict, labels: list[str], png: Path = PNG) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -212,7 +216,7 @@ def plot(out: dict, labels: list[str]) -> None:
     axes[0].set_ylabel("mean reward of the step's executions")
     fig.suptitle(f"learnable suite, {out['seeds']} seed(s) x {out['steps']} steps ({out['size']} size)")
     fig.tight_layout()
-    fig.savefig(PNG, dpi=110)
+    fig.savefig(png, dpi=110)
     plt.close(fig)
 
 
@@ -226,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                         "is analysed over the seeds it finished")
     p.add_argument("--work", type=Path, default=None,
                    help="directory for the run directories, kept; finished jobs found there are reused")
+    p.add_argument("--out", type=Path, default=OUT, help="results file (a .png of the curves beside it)")
     args = p.parse_args(argv)
     size = SIZES[args.size]
     if args.seeds is not None:
@@ -258,8 +263,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"run directories kept in {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
-    OUT.write_text(json.dumps(out, indent=1) + "\n")
-    plot(out, list(todo))
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    plot(out, list(todo), args.out.with_suffix(".png"))
     print(json.dumps({k: v for k, v in out.items() if not k.startswith("curve_")}, indent=1))
     return 0
 

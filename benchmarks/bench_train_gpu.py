@@ -96,7 +96,7 @@ def engine_agreement(t, vocab: int, rows: int = 2, decode: int = 32) -> dict:
     cannot be carried to the device, so the embedded engine is the engine checked here.)"""
     from gyre.batch import expanded_batch
     from gyre.engine.qwen import CausalLM
-    from gyre.engine.sampling import filtered_logprobs
+    from gyre.engine.sampling import reported_logprobs
 
     seqs, plens = toy_sequences(vocab)
     seqs, plens = [s[:p + decode] for s, p in zip(seqs[:rows], plens[:rows])], plens[:rows]
@@ -111,7 +111,7 @@ def engine_agreement(t, vocab: int, rows: int = 2, decode: int = 32) -> dict:
         cache = lm.new_cache()
         logits = lm.forward(seq[:p], cache)
         for tok in seq[p:]:
-            ref.append(float(filtered_logprobs(logits, 1.0, 0, 1.0)[tok]))  # temperature 1, no filter
+            ref.append(float(reported_logprobs(logits, 1.0)[tok]))  # temperature 1
             logits = lm.decode([tok], [cache])[0]
     diff = (mine - torch.tensor(ref)).abs()
     return {"max_abs": float(diff.max()), "mean_abs": float(diff.mean()), "targets": len(ref)}

@@ -24,13 +24,21 @@ class MicroBatch:
     old_logprobs: Tensor     # [T] float: behaviour log-probs recorded by the engine
     advantages: Tensor       # [T] float
     weights: Tensor          # [T] float: 1/(unique targets of its execution)/(executions in step)
-    staleness: Tensor        # [T] long: policy lag of the token's execution
+    staleness: Tensor        # [T] long: policy lag of the token (step version - its node's policy version)
     execution_index: Tensor  # [T] long
-    temperature: float = 1.0  # engine sampling temperature: logprobs = log_softmax(logits / T)
+    # [T] float: the divisor of the logits at each target, the temperature its call was sampled
+    # with (1 for greedy calls): the engine reports log_softmax(logits / T) as SGLang does.
+    # A number is broadcast to every target; None means 1.
+    temperature: Tensor | float | None = None
     # the same mask in O(S): query i sees key j iff j <= i < kv_end[b, j] (padding keys: 0).
     # Set by materialization for tree and expanded rows; None for an arbitrary dense mask.
     # The tree attention path (gyre.train.tree_attention) works from this instead of S x S.
     kv_end: Tensor | None = None  # [B, S] long
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, Tensor):
+            t = 1.0 if self.temperature is None else float(self.temperature)
+            self.temperature = torch.full(self.target_ids.shape, t, dtype=torch.float32)
 
     @property
     def num_targets(self) -> int:
@@ -55,15 +63,15 @@ class MicroBatch:
         if self.attention_mask.dtype != torch.bool:
             raise ValueError("attention_mask must be bool (True = masked)")
         for name in ("pred_pos", "old_logprobs", "advantages", "weights", "staleness",
-                     "execution_index"):
+                     "execution_index", "temperature"):
             if getattr(self, name).shape != (T,):
                 raise ValueError(f"{name} has shape {tuple(getattr(self, name).shape)}, expected ({T},)")
         if T and (int(self.pred_pos.min()) < 0 or int(self.pred_pos.max()) >= B * S):
             raise ValueError("pred_pos out of range")
         if self.kv_end is not None and tuple(self.kv_end.shape) != (B, S):
             raise ValueError(f"kv_end has shape {tuple(self.kv_end.shape)}, expected {(B, S)}")
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if T and float(self.temperature.min()) <= 0:
+            raise ValueError(f"temperature must be > 0 at every target, got {float(self.temperature.min())}")
 
 
 def causal_kv_end(lengths: list[int], seq_len: int) -> Tensor:
@@ -148,7 +156,7 @@ def expanded_batch(sequences: list[list[int]], prompt_lens: list[int], *, old_lo
 # sender; numpy arrays are copied by value.
 
 def to_wire(mb: MicroBatch) -> dict:
-    """``{field: np.ndarray}`` plus ``temperature`` (float); inverse of :func:`from_wire`.
+    """``{field: np.ndarray}``; inverse of :func:`from_wire`.
     Optional fields that are None (``kv_end``) are left out, and so is the S x S mask when
     ``kv_end`` describes it (S numbers instead of S^2; the receiver rebuilds it)."""
     out: dict = {}
@@ -156,7 +164,7 @@ def to_wire(mb: MicroBatch) -> dict:
         v = getattr(mb, f.name)
         if v is None or (f.name == "attention_mask" and mb.kv_end is not None):
             continue
-        out[f.name] = v.detach().cpu().numpy() if isinstance(v, Tensor) else float(v)
+        out[f.name] = v.detach().cpu().numpy()
     return out
 
 
@@ -167,10 +175,9 @@ def from_wire(d: dict) -> MicroBatch:
     missing = [n for n in names if n not in d and n not in optional]
     if missing:
         raise ValueError(f"micro-batch on the wire lacks {missing}")
-    values = {n: torch.from_numpy(np.ascontiguousarray(d[n])) for n in names
-              if n != "temperature" and n in d}
+    values = {n: torch.from_numpy(np.ascontiguousarray(d[n])) for n in names if n in d}
     if "attention_mask" not in values:
         values["attention_mask"] = mask_from_kv_end(values["kv_end"])
-    mb = MicroBatch(**values, temperature=float(d.get("temperature", 1.0)))
+    mb = MicroBatch(**values)
     mb.validate()
     return mb

@@ -250,8 +250,13 @@ class TrainConfig(_EnumFields):
                               "clip against the behaviour log-probs; tis = clip against pi_old (the trainer "
                               "at the step start, one extra no-grad forward) times min(pi_old/pi_behaviour, "
                               "is_cap); decoupled = AReaL's decoupled PPO, clip against pi_prox (the same "
-                              "forward) times pi_prox/pi_behaviour; auto = decoupled when sched.staleness > 0 "
-                              "or sched.steps_per_sync > 1, else tis")
+                              "forward) times pi_prox/pi_behaviour; auto = decoupled when groups can lag "
+                              "(sched.staleness > 0 or sched.steps_per_sync > 1) and train.minibatches_per_step "
+                              "> 1, else tis (with one update per step the clip against pi_prox never acts: "
+                              "clip_frac 0, benchmarks/bench_token_truth.py)")
+    minibatches_per_step: int = _f(1, min=1, help="PPO-style optimizer updates within a step (AReaL uses 4): the "
+                                   "step's micro-batches in this many parts, one update each, pi_prox from the "
+                                   "step's start; `gyre train` only for now (a live run's cells reduce once per step)")
     is_cap: float = _f(2.0, min=1.0, help="tis: C in min(pi_old / pi_behaviour, C)")
     is_mask: bool = _f(False, help="tis/decoupled: drop (weight 0) tokens whose pi_old / pi_behaviour "
                                    "leaves [is_mask_low, is_mask_high]")
@@ -536,11 +541,14 @@ def _cross_check(cfg: GyreConfig) -> None:
 
 def resolved_off_policy(cfg: GyreConfig) -> str:
     """`train.off_policy` with `auto` decided: decoupled when groups can lag (sched.staleness > 0,
-    or bursts of sched.steps_per_sync > 1 steps on one round's weights), else tis."""
+    or bursts of sched.steps_per_sync > 1 steps on one round's weights) and a step makes several
+    updates (train.minibatches_per_step > 1), so that its clip against pi_prox can act; else tis.
+    Measured: with one update per step clip_frac is 0 at every step (bench_token_truth.py), and
+    the learning benchmark's staleness-2 runs favour tis (benchmarks/results/learning.json)."""
     if cfg.train.off_policy != "auto":
         return cfg.train.off_policy
     lagged = cfg.sched.staleness > 0 or cfg.sched.steps_per_sync > 1 or cfg.train.staleness > 0
-    return "decoupled" if lagged else "tis"
+    return "decoupled" if lagged and cfg.train.minibatches_per_step > 1 else "tis"
 
 
 def trainer_config(cfg: GyreConfig) -> TrainConfig:

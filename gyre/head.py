@@ -31,6 +31,7 @@ import itertools
 import math
 import shutil
 import signal
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -59,6 +60,7 @@ from gyre.services.ledger import Ledger, execution_id
 from gyre.services.rollout import RecordError, RolloutService, journal_dir
 from gyre.services.training import Reduced, TrainingDispatch
 from gyre.train.step_stats import lag0_warning
+from gyre.traj.audit import Audit, audit_warning
 from gyre.traj.record import FINISHED, Status
 from gyre.traj.select import SelectionSpec
 
@@ -133,6 +135,10 @@ class Head:
         mismatch = lag0_warning(row, self.cfg.train.mismatch_warn_k3)
         if mismatch:
             warnings["mismatch_lag0"] = mismatch
+        audit = audit_warning(Audit(row.get("audit_tokens") or 0, row.get("audit_mismatched_tokens") or 0,
+                                    row.get("audit_unchecked_tokens") or 0, row.get("audit_first_offender")))
+        if audit:  # trained tokens that differ from what the engine returned (goal: none)
+            warnings["token_audit"] = audit
         row["warnings"] = warnings
         for kind, why in warnings.items():
             self._notice("health_warning", {"step": row["step"], "kind": kind, "why": why})
@@ -431,8 +437,8 @@ class Head:
         for g in res.groups:  # written only now: admitted means trained in this step
             for eid, stal in self.training.admitted.pop(g.id, []):
                 self.ledger.line(eid, g, admitted=True, staleness=stal, step=res.index)
-        extra, _ = self.training.step_figures(self.stats.microbatch_stats(res.microbatches),
-                                                     res.replaced, len(res.groups))
+        extra, _, _ = self.training.step_figures(self.stats.microbatch_stats(res.microbatches),
+                                                 res.replaced, len(res.groups), res.microbatches)
         row = self._emit(StepEnded(
             res.started_at or res.ended_at, res.ended_at, res.index, res.version,
             tuple(GroupLag(g.id, g.version, g.lag_steps, g.lag_syncs, g.train_tokens) for g in res.groups),

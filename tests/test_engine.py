@@ -111,7 +111,8 @@ def running_in_background(url, ids, **sp):
     return t, out
 
 def reference_logprobs(model, prompt, output, temperature=1.0, top_k=-1, top_p=1.0):
-    """Log-probs of ``output`` under the documented sampling rule, from a transformers forward."""
+    """Log-probs of ``output`` as SGLang reports them (``log_softmax(logits / T)``, unfiltered),
+    from a transformers forward; also checks each sampled token lies in the top-k/top-p set."""
     with torch.no_grad():
         logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1: -1].double()
     out, kept_all = [], []
@@ -132,7 +133,7 @@ def reference_logprobs(model, prompt, output, temperature=1.0, top_k=-1, top_p=1
             nucleus.add(i)
             mass += probs[i].item()
         keep &= torch.tensor([i in nucleus for i in range(len(z))])
-        out.append(torch.log_softmax(z.masked_fill(~keep, float("-inf")), -1)[tok].item())
+        out.append(torch.log_softmax(z, -1)[tok].item())
         kept_all.append(keep[tok].item())
     assert all(kept_all), "a token outside the top-k/top-p set was sampled"
     return out
@@ -180,6 +181,7 @@ def test_greedy_is_deterministic_and_matches_transformers(engine, hf_model):
     dict(temperature=1.0),
     dict(temperature=0.7, top_k=20),
     dict(temperature=0.7, top_k=50, top_p=0.8),
+    dict(temperature=0.7, top_p=0.5),
 ])
 def test_logprobs_are_those_of_the_sampling_distribution(engine, hf_model, params):
     data = generate(engine.url, PROMPT, max_new_tokens=40, ignore_eos=True, sampling_seed=7, **params)
@@ -367,6 +369,7 @@ BAD = [
     ("temperature type", "POST", "/generate", {"input_ids": [1], "sampling_params": {"temperature": "hot"}}, 400, "temperature"),
     ("top_k zero", "POST", "/generate", {"input_ids": [1], "sampling_params": {"top_k": 0}}, 400, "top_k"),
     ("top_p range", "POST", "/generate", {"input_ids": [1], "sampling_params": {"top_p": 1.5}}, 400, "top_p"),
+    ("min_p range", "POST", "/generate", {"input_ids": [1], "sampling_params": {"min_p": 2}}, 400, "min_p"),
     ("stop ids", "POST", "/generate", {"input_ids": [1], "sampling_params": {"stop_token_ids": [99999]}}, 400, "stop_token_ids"),
     ("over the cap", "POST", "/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 10**6}}, 400, "cap"),
     ("stream type", "POST", "/generate", {"input_ids": [1], "stream": "yes"}, 400, "stream"),

@@ -88,8 +88,9 @@ def _tree_batch():
 
 
 def _path_logprobs(logits_fn, paths, expected_src, temperature):
+    """`temperature`: each target's [T]."""
     out = []
-    for p, i, t in expected_src:
+    for (p, i, t), temperature in zip(expected_src, temperature.tolist()):
         ids = torch.tensor([paths[p]])
         pos, mask = _causal(ids)
         logits = logits_fn(ids, pos, mask)[0, i].float()

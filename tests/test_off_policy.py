@@ -14,7 +14,7 @@ import torch
 
 from gyre.batch import MicroBatch, expanded_batch
 from gyre.config import ConfigError, GyreConfig, TrainConfig, load_config, resolved_off_policy
-from gyre.train.loss import OffPolicy, policy_loss
+from gyre.train.loss import OffPolicy, policy_loss, token_logprobs
 from gyre.train.step_stats import hist_quantile, merge, summarize
 
 # (p current, q prox, b behaviour, advantage) per token; clip 0.2/0.28, tis cap C = 2
@@ -128,9 +128,11 @@ def test_off_policy_none_is_ppo_against_behaviour():
     _check(got, dict(clip_of="behaviour"), {"clip against prox": dict(clip_of="prox")}, TOKENS)
 
 
-def test_off_policy_needs_prox_and_valid_constants():
-    with pytest.raises(ValueError, match="start of the step"):
-        policy_loss(_logits(TOKENS), _batch(TOKENS), off_policy=OffPolicy("tis"))
+def test_off_policy_prox_defaults_to_the_current_weights_and_valid_constants():
+    z, mb = _logits(TOKENS), _batch(TOKENS)
+    loss, st = policy_loss(z, mb, off_policy=OffPolicy("tis"))  # no update yet: pi_prox = pi_theta
+    want, _ = policy_loss(z, mb, off_policy=OffPolicy("tis"), prox_logprobs=token_logprobs(z, mb).detach())
+    assert float(loss) == pytest.approx(float(want)) and st["prox_drift_max"] == 0.0
     with pytest.raises(ValueError, match="choose one of"):
         OffPolicy("clip")
     with pytest.raises(ValueError, match="is_mask_low"):
@@ -140,8 +142,10 @@ def test_off_policy_needs_prox_and_valid_constants():
 def test_off_policy_config_auto_and_validation(tmp_path):
     cfg = GyreConfig()
     assert cfg.train.off_policy == "auto" and resolved_off_policy(cfg) == "tis"
-    assert resolved_off_policy(load_config(None, ["sched.staleness=2"])) == "decoupled"
-    assert resolved_off_policy(load_config(None, ["sched.steps_per_sync=4"])) == "decoupled"
+    # decoupled only where its clip against pi_prox can act: lagged groups and several updates a step
+    assert resolved_off_policy(load_config(None, ["sched.staleness=2"])) == "tis"
+    assert resolved_off_policy(load_config(None, ["sched.staleness=2", "train.minibatches_per_step=4"])) == "decoupled"
+    assert resolved_off_policy(load_config(None, ["sched.steps_per_sync=4", "train.minibatches_per_step=2"])) == "decoupled"
     assert resolved_off_policy(load_config(None, ["sched.staleness=2", "train.off_policy=none"])) == "none"
     with pytest.raises(ConfigError, match="train.off_policy: 'ppo' is not allowed; choose one of auto"):
         load_config(None, ["train.off_policy=ppo"])
@@ -149,7 +153,15 @@ def test_off_policy_config_auto_and_validation(tmp_path):
         load_config(None, ["train.is_mask=true", "train.is_mask_low=3"])
     with pytest.raises(ConfigError, match="train.is_cap"):
         load_config(None, ["train.is_cap=0.5"])
-    assert OffPolicy.from_config(TrainConfig(staleness=1)).mode == "decoupled"
+    assert OffPolicy.from_config(TrainConfig(staleness=1)).mode == "tis"
+    assert OffPolicy.from_config(TrainConfig(staleness=1, minibatches_per_step=4)).mode == "decoupled"
+    with pytest.raises(ConfigError, match="train.minibatches_per_step"):
+        load_config(None, ["train.minibatches_per_step=0"])
+    from gyre.services.training import TrainingDispatch  # a live run reduces once per step: refused, not ignored
+
+    with pytest.raises(ConfigError, match="minibatches_per_step = 2: a live run"):
+        TrainingDispatch(load_config(None, ["train.minibatches_per_step=2"]), [], emit=print, clock=float,
+                         spawn=print)
 
 
 def test_off_policy_mismatch_stats_by_lag_merge_exactly():
@@ -201,14 +213,14 @@ def _toy(trainer):
 
 
 @pytest.mark.parametrize("backend", ["embedded", "megatron"])
-def test_off_policy_trainer_prox_is_one_no_grad_forward_at_the_step_start(backend, monkeypatch):
+def test_off_policy_trainer_prox_needs_no_extra_forward_before_an_update(backend, monkeypatch):
     trainer, twin = _trainer(backend, off_policy="tis"), _trainer(backend, off_policy="none")
     mb = _toy(trainer)
     calls = []
     real = trainer._logits
     monkeypatch.setattr(trainer, "_logits", lambda m: calls.append(torch.is_grad_enabled()) or real(m))
     st = trainer.forward_backward(mb)
-    assert calls == [False, True]  # the extra forward, without gradients, then the one that trains
+    assert calls == [True]  # pi_prox = pi_theta before any update: only the forward that trains
     assert st["truncated_n"] == 2 and st["prox_drift_max"] < 1e-5  # the two tokens shifted by -0.9
     # the same step by hand: prox = the trainer's own log-probs now (not the behaviour's)
     z = twin._logits(mb.to(twin.device))
@@ -228,6 +240,22 @@ def test_off_policy_trainer_prox_is_one_no_grad_forward_at_the_step_start(backen
     assert st2["prox_drift_max"] < 1e-5
     assert (before - mb.old_logprobs).abs().max() > 1e-3
     assert st2["is_weight_mean"] != pytest.approx(st["is_weight_mean"], abs=1e-4)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_minibatches_update_within_a_step_against_the_step_start(n, monkeypatch):
+    trainer = _trainer("embedded", off_policy="decoupled", lr=0.2)
+    mbs = [_toy(trainer), _toy(trainer)]
+    calls = []
+    real = trainer._logits
+    monkeypatch.setattr(trainer, "_logits", lambda m: calls.append(torch.is_grad_enabled()) or real(m))
+    out = trainer.train_step(mbs, n)
+    assert out["step"] == trainer.step == 1 and out["minibatches"] == n and len(out["minibatch_grad_norms"]) == n
+    if n == 1:  # one update: pi_prox is pi_theta, no extra forward, and the clip against it cannot act
+        assert calls == [True, True] and out["prox_drift_max"] == 0.0 and out["clip_frac"] == 0.0
+    else:  # the second part's pi_prox: one no-grad forward before the first update
+        assert calls == [False, True, True]
+        assert out["prox_drift_max"] > 1e-3 and out["clip_frac"] > 0.0
 
 
 def test_off_policy_lag0_mismatch_warns_only_past_the_threshold():

@@ -23,7 +23,9 @@ def events(t0: float = 50.0) -> list:
         ev += [CallRecorded(a, a + 2, 0, f"e{s}"),
                ExecutionEvaluated(a + 3, f"e{s}", s, "done", 0.25 * s, s, 100.0, True),
                MicroBatchDone(a + 4, a + 7, 1, s, s, True, {"loss": -3.2e-5 * (s + 1), "ratio_mean": 1.0}),
-               StepEnded(a + 1, a + 8, s, s + 1, (GroupLag(s, s, 0, 0, 100.0),), (s,), (1,), True, 0.5, 0.1, 0.75)]
+               StepEnded(a + 1, a + 8, s, s + 1, (GroupLag(s, s, 0, 0, 100.0),), (s,), (1,), True, 0.5, 0.1, 0.75,
+                         {"clip_frac": 0.125, "audit_mismatched_tokens": 7 * s, "audit_tokens": 90,
+                          "audit_first_offender": f"execution e{s} call 3" if s else None})]
     return ev + [RunEnded(t0 + 30)]
 
 
@@ -46,9 +48,10 @@ def test_live_tables_fit_80_columns_add_up_and_show_the_loss():
     out = buf.getvalue()
     assert max(len(line) for line in out.splitlines()) <= 80, out
     assert "…" not in out, out  # headers wrap, never cut
-    for word in ("rollout", "train", "switch", "idle", "failed", "switches", "util", "loss", "grad"):
+    for word in ("rollout", "train", "switch", "idle", "failed", "switches", "util", "loss", "grad", "clip", "audit"):
         assert word in out, (word, out)
     assert "-3.2e-05" in out and "±" not in out and "-0.0000" not in out  # a per-token loss stays readable
+    assert "14/90" in out and "execution e2 call 3" in out and "12.5%" in out  # the token-truth table
     for c in rep["cells"]:  # busy + switching + idle + failed = wall, per cell
         parts = c["busy_rollout_s"] + c["busy_train_s"] + c["switching_s"] + c["idle_s"] + c["failed_s"]
         assert parts == pytest.approx(c["wall_s"]) == pytest.approx(30.0)

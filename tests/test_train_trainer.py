@@ -105,7 +105,8 @@ def _rows(mb, rows):
     out.attention_mask = mb.attention_mask[rows]
     out.kv_end = mb.kv_end[rows] if mb.kv_end is not None else None
     out.pred_pos = mb.pred_pos[keep] - r.start * S
-    for name in ("target_ids", "old_logprobs", "advantages", "weights", "staleness", "execution_index"):
+    for name in ("target_ids", "old_logprobs", "advantages", "weights", "staleness", "execution_index",
+                 "temperature"):
         setattr(out, name, getattr(mb, name)[keep])
     return out
 

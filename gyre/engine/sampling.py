@@ -1,17 +1,20 @@
 """Sampling parameters (SGLang's names) and the one sampling rule the engine uses.
 
-The log-prob reported for a sampled token is its log-probability under the distribution it was
-actually drawn from (the trainer reproduces this to compute importance ratios):
+The token is drawn from the *filtered* distribution; the reported log-prob follows SGLang's
+definition (``Sampler.forward`` in ``python/sglang/srt/layers/sampler.py``, default
+``SGLANG_RETURN_ORIGINAL_LOGPROB`` off): the log-probability under the *temperature-scaled,
+unfiltered* distribution, i.e. ``log_softmax(logits / temperature)[token]`` over the whole
+vocabulary. Top-k, top-p and min-p decide which token can be drawn, not the reported value.
+The trainer reproduces exactly this (divide by the call's temperature, no filtering):
 
 * ``temperature == 0`` (values below ``1e-6`` count as 0, as in SGLang): greedy, ``token = argmax(logits)``; the reported log-prob is
-  ``log_softmax(logits)[token]`` (raw logits, no temperature, no filtering).
-* ``temperature > 0``: ``z = logits / temperature``; top-k keeps the tokens whose ``z`` is at
-  least the k-th largest ``z`` (``top_k <= 0`` or ``>= vocab``: off); top-p then keeps the
-  smallest set of the most probable tokens (in ``softmax(z)``, sorted descending) whose
-  cumulative probability reaches ``top_p`` (a token is kept iff the mass before it is
-  ``< top_p``); everything else is set to ``-inf``. The token is drawn from
-  ``p = softmax(z)`` over the kept set and the reported log-prob is ``log_softmax(z)[token]``
-  over the kept set, i.e. renormalised after filtering.
+  ``log_softmax(logits)[token]`` (raw logits: the trainer divides by 1).
+* ``temperature > 0``: ``z = logits / temperature``, ``p = softmax(z)``; top-k keeps the tokens
+  whose ``z`` is at least the k-th largest (``top_k <= 0`` or ``>= vocab``: off); top-p then
+  keeps the smallest set of the most probable tokens (sorted descending) whose cumulative
+  probability reaches ``top_p`` (a token is kept iff the mass before it is ``< top_p``); min-p
+  keeps the tokens with ``p >= min_p * max(p)``. The token is drawn from ``p`` renormalised over
+  the kept set; the reported log-prob (and ``top_logprobs``) is ``log_softmax(z)[token]``.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -88,6 +92,11 @@ def parse_sampling_params(raw, vocab_size: int, max_new_tokens_cap: int) -> Samp
         if not _is_int(v) or v == 0 or v < -1:
             raise BadRequest(f"sampling_params.top_k must be -1 (off) or an integer >= 1, got {v!r}")
         p.top_k = v
+    if raw.get("min_p") is not None:
+        v = raw["min_p"]
+        if not _is_num(v) or not 0 <= v <= 1:
+            raise BadRequest(f"sampling_params.min_p must be a number in [0, 1], got {v!r}")
+        p.min_p = float(v)
     if raw.get("stop_token_ids") is not None:
         v = raw["stop_token_ids"]
         if not isinstance(v, list) or not all(_is_int(t) and 0 <= t < vocab_size for t in v):
@@ -113,33 +122,39 @@ def parse_sampling_params(raw, vocab_size: int, max_new_tokens_cap: int) -> Samp
     return p
 
 
-def filtered_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """``log_softmax`` of the distribution used for sampling (see the module docstring)."""
-    if temperature == 0:
-        return torch.log_softmax(logits.float(), dim=-1)
-    z = logits.float() / temperature
-    if 0 < top_k < z.shape[-1]:
-        kth = torch.topk(z, top_k).values[-1]
+def reported_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The log-probs SGLang reports: ``log_softmax(logits / T)``, T = 1 for greedy, no filtering."""
+    return torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The (unnormalised) distribution a token is drawn from: ``softmax(logits / T)`` with every
+    token outside the top-k / top-p / min-p set zeroed (see the module docstring)."""
+    z = logits.float() / params.temperature
+    if 0 < params.top_k < z.shape[-1]:
+        kth = torch.topk(z, params.top_k).values[-1]
         z = z.masked_fill(z < kth, float("-inf"))
-    if top_p < 1.0:
-        probs = torch.softmax(z, dim=-1)
+    probs = torch.softmax(z, dim=-1)
+    if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        drop = torch.zeros_like(z, dtype=torch.bool)
-        drop[order] = before >= top_p
-        z = z.masked_fill(drop, float("-inf"))
-    return torch.log_softmax(z, dim=-1)
+        drop = torch.zeros_like(probs, dtype=torch.bool)
+        drop[order] = before >= params.top_p
+        probs = probs.masked_fill(drop, 0.0)
+    if params.min_p > 0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    return probs
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
            top_n: int = 0) -> tuple[int, float, list[tuple[float, int]]]:
     """Draw one token; return ``(token_id, logprob, top)`` as defined in the module docstring.
-    ``top`` holds the ``top_n`` most probable ``(logprob, token_id)`` of the same distribution."""
-    logp = filtered_logprobs(logits, params.temperature, params.top_k, params.top_p)
+    ``top`` holds the ``top_n`` most probable ``(logprob, token_id)`` of the reported distribution."""
+    logp = reported_logprobs(logits, params.temperature)
     if params.temperature == 0:
         token = int(torch.argmax(logits))
     else:
-        token = int(torch.multinomial(logp.exp(), 1, generator=generator))
+        token = int(torch.multinomial(sampling_probs(logits, params), 1, generator=generator))
     top: list[tuple[float, int]] = []
     if top_n > 0:
         vals, ids = torch.topk(logp, min(top_n, logp.shape[-1]))

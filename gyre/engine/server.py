@@ -3,7 +3,7 @@
 Routes (all require ``Authorization: Bearer KEY`` when the server has an API key; else 401):
 
 * ``POST /generate`` ``{input_ids: [int], sampling_params: {max_new_tokens, temperature, top_p,
-  top_k, stop, stop_token_ids, no_stop_trim, ignore_eos, skip_special_tokens, sampling_seed},
+  top_k, min_p, stop, stop_token_ids, no_stop_trim, ignore_eos, skip_special_tokens, sampling_seed},
   return_logprob, top_logprobs_num, return_text_in_logprobs, rid, stream, priority}``
   (``priority``: admitted highest first, as SGLang with ``--enable-priority-scheduling``)
   -> ``{output_ids, text, meta_info: {id, finish_reason: {type: stop|length|abort, ...},

@@ -328,16 +328,19 @@ def remember(session: ExecutionSession, prepared: PreparedCall, raw: list, salt:
 
 def record_call(session: ExecutionSession, prepared: PreparedCall, reply: Message, output_ids: list[int],
                 logprobs: list[float], *, agent_role: str, weight_version: str, endpoint: str,
-                finish_reason: str, t_start: float, replay_ids: list[int] | None = None) -> CallRecord:
+                finish_reason: str, t_start: float, replay_ids: list[int] | None = None,
+                sampling: dict | None = None) -> CallRecord:
     """Record the call; ``replay_ids`` (default: the output) are the assistant ids that a replay
-    of this reply reuses (forced tool-call ids + output, when tool_choice forced a call)."""
+    of this reply reuses (forced tool-call ids + output, when tool_choice forced a call);
+    ``sampling``: the engine's sampling parameters, stored with the call."""
     key = reply.key()
     known = prepared.walked.valid(prepared.known, session) if prepared.walked is not None else 0
     path = (known, prepared.walked.nodes[known - 1], prepared.walked.ends[known - 1]) if known else None
     rec = session.tree.add_call(
         prepared.segments, key, prepared.prompt_tokens, output_ids, logprobs, agent_role=agent_role,
         weight_version=weight_version, policy_version=policy_version_of(weight_version),
-        endpoint=endpoint, finish_reason=finish_reason, t_start=t_start, t_end=time.time(), path=path)
+        endpoint=endpoint, finish_reason=finish_reason, t_start=t_start, t_end=time.time(), sampling=sampling,
+        path=path)
     session.generated[key] = list(output_ids if replay_ids is None else replay_ids)
     if reply.reasoning:  # a harness that drops reasoning_content when it replays the turn: same ids
         session.generated[Message(reply.role, reply.content, reply.tool_calls).key()] = session.generated[key]

@@ -356,7 +356,8 @@ class Proxy:
                                            n_input=prepared.n_input + len(c.forced))
         call = record_call(sess, prepared, reply, out_ids, lps, agent_role=c.role,
                            weight_version=str(res.weight_version), endpoint=res.endpoint,
-                           finish_reason=res.finish_reason, t_start=c.t0, replay_ids=c.forced + out_ids)
+                           finish_reason=res.finish_reason, t_start=c.t0, replay_ids=c.forced + out_ids,
+                           sampling=c.engine_params)
         remember(sess, prepared, *c.walk, self.renderer.im_end, prepared.dicts)
         if self.journal is not None and c.wire is not None:  # durable past a SIGKILL before the harness hears
             self.journal.append(sess.record.execution_id, c.wire, out_ids, lps, res.finish_reason,

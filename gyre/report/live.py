@@ -59,10 +59,34 @@ def print_report(report: dict, console=None) -> None:
                   f"{r.get('replaced_share', 0.0):.0%}",
                   ",".join(map(str, r["participants"])), f"{r['t_end']:.0f}")
     con.print(s)
+    con.print(token_truth_table(report["steps"]))
     for w in report.get("warnings", []):
         con.print(f"[yellow]warning[/yellow] {w}")
     for e in report.get("errors", []):
         con.print(f"[red]error[/red] {e}")
+
+
+def token_truth_table(steps: list[dict]):
+    """Per step: is what trained what was sampled (the audit), and how far apart trainer and engine
+    are (lag-0 k3) and how much the clip acted."""
+    from rich import box
+    from rich.table import Table
+
+    t = Table(title="token truth", box=box.SIMPLE_HEAD, pad_edge=False,
+              caption="audit: trained tokens whose id or behaviour log-prob\n"
+                      "differs from what the engine returned (goal 0) / tokens\n"
+                      "audited; k3 lag 0: train/inference mismatch at the same\n"
+                      "weights; clip: share of tokens the clip cut")
+    for col, width in (("step", 4), ("audit", 9), ("k3 lag 0", 9), ("clip", 5), ("first offending call", 20)):
+        t.add_column(col, justify="right" if col != "first offending call" else "left", min_width=width,
+                     overflow="fold")
+    for r in steps:
+        n = r.get("audit_mismatched_tokens")
+        audit = "-" if n is None else f"{n}/{r.get('audit_tokens', 0)}"
+        clip = r.get("clip_frac")
+        t.add_row(str(r["step"]), audit, _num(r.get("mismatch_k3_lag0")), "-" if clip is None else f"{clip:.1%}",
+                  r.get("audit_first_offender") or "-")
+    return t
 
 
 def readable_loss(row: dict) -> str:

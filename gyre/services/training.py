@@ -17,11 +17,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 from gyre.batch import to_wire
+from gyre.config import ConfigError
 from gyre.events import MicroBatchDone
 from gyre.sched.cells import Cell
 from gyre.sched.core import Coordinator, GroupRecord
 from gyre.sched.protocol import PrepareReduceReply, ReduceReply
 from gyre.sched.state import Role
+from gyre.traj.audit import Audit, audit_micro_batch
 from gyre.traj.materialize import materialize, prepare_step
 from gyre.train.step_stats import merge, summarize
 
@@ -41,12 +43,16 @@ class Reduced:
 class TrainingDispatch:
     def __init__(self, cfg, fleet, *, emit: Callable, clock: Callable[[], float], spawn: Callable,
                  notice: Callable[[str, dict], None] = lambda kind, info: None):
+        if cfg.train.minibatches_per_step > 1:  # the cells reduce and apply once per step
+            raise ConfigError(f"train.minibatches_per_step = {cfg.train.minibatches_per_step}: a live run makes "
+                              f"one update per step; PPO-style minibatches run in `gyre train` (set it to 1 here)")
         self.cfg, self.fleet, self.emit, self.clock, self.spawn = cfg, fleet, emit, clock, spawn
         self.notice = notice                            # (kind, info): something the report should list
         self.core: Coordinator | None = None
         self.selection = None                           # gyre.traj.select.SelectionSpec, set at start-up
         self.records: dict[str, object] = {}            # execution id -> ExecutionRecord (durable already)
         self.batches: dict[int, dict] = {}              # micro-batch id -> wire dict, until its step closes
+        self.audits: dict[int, Audit] = {}              # micro-batch id -> its token-identity audit
         self.admitted: dict[int, list] = {}             # group id -> [(execution id, staleness)]
         self.mb_ids = itertools.count()
 
@@ -85,9 +91,12 @@ class TrainingDispatch:
             ledger.line(eid, g, admitted=False, reason=reason)
         if batch.executions:
             work = {}
-            for mb in materialize(batch.executions, layout=self.cfg.train.layout,
-                                  micro_batch_tokens=self.cfg.train.micro_batch_tokens, temperature=1.0):
+            mat = materialize(batch.executions, layout=self.cfg.train.layout,
+                              micro_batch_tokens=self.cfg.train.micro_batch_tokens)
+            for i in range(len(mat)):
+                mb, keys = mat.with_keys(i)
                 mid = next(self.mb_ids)
+                self.audits[mid] = audit_micro_batch(mb, keys, batch.executions)
                 self.batches[mid] = to_wire(mb)
                 work[mid] = float(mb.input_ids.numel())
             self.core.microbatches_added(g.id, work)
@@ -166,11 +175,16 @@ class TrainingDispatch:
             return f"step {index}: reduce failed: {'; '.join(bad)}"
         return Reduced(cells, list(reps), self.clock() - t)
 
-    def step_figures(self, stats: list[dict], replaced: int, groups: int) -> tuple[dict, dict]:
-        """(the step row's extra figures, the merged mismatch summary) of a step's micro-batches:
-        off-policy weights, train/inference mismatch, MoE aux loss, replaced groups."""
+    def step_figures(self, stats: list[dict], replaced: int, groups: int,
+                     microbatches=()) -> tuple[dict, dict, Audit]:
+        """(the step row's extra figures, the merged mismatch summary, the token-identity audit)
+        of a step's micro-batches: off-policy weights, train/inference mismatch, MoE aux loss,
+        replaced groups, trained tokens that differ from what the engine returned."""
         merged = merge(stats, parallel=False)
         mismatch = summarize(merged)
+        audit = Audit()
+        for m in microbatches:
+            audit.add(self.audits.get(m, Audit()))
         extra = {
             # the loss of a GRPO step is ~0 by construction; what moves is the surrogate's scale
             "loss_per_target": merged["loss"] / merged["targets"] if merged.get("targets") else None,
@@ -178,11 +192,13 @@ class TrainingDispatch:
             "entropy": merged.get("entropy"), "learning_rate": self.cfg.train.lr,
             "replaced_zero_variance": replaced,
             "replaced_share": replaced / (replaced + groups) if groups else 0.0,
+            "audit_tokens": audit.tokens, "audit_mismatched_tokens": audit.mismatched,
+            "audit_unchecked_tokens": audit.unchecked, "audit_first_offender": audit.first,
             **mismatch}
         aux = [x["moe_aux_loss"] for x in stats if x.get("moe_aux_loss") is not None]
         if aux:  # MoE models: the load-balancing loss, mean over the step's micro-batches
             extra["moe_aux_loss"] = statistics.fmean(aux)
-        return extra, mismatch
+        return extra, mismatch, audit
 
     def step_closed(self, microbatches) -> None:
         """The step is written down: its payloads go (the next step may already be training)."""
@@ -190,3 +206,4 @@ class TrainingDispatch:
             c.step_mbs.difference_update(microbatches)
         for m in microbatches:
             self.batches.pop(m, None)
+            self.audits.pop(m, None)

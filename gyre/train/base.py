@@ -7,15 +7,19 @@ Megatron-Core (gyre.train.megatron_trainer) for clusters. A step is
     for mb in micro_batches: trainer.forward_backward(mb)   # gradients accumulate (loss is a sum)
     trainer.optimizer_step()                                # clip, update, zero grads, step += 1
 
+or, with PPO-style updates inside the step, ``trainer.train_step(micro_batches, minibatches)``.
+
 Backends import this module; it imports no backend, and backends do not import each other.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -104,16 +108,14 @@ class Trainer(ABC):
         """Micro-batches whose gradients are accumulated and not yet applied or cleared."""
         return self._acc["micro_batches"]
 
-    def forward_backward(self, mb: MicroBatch) -> dict:
-        """Loss and gradients of one micro-batch, added to the gradients of the step so far."""
+    def forward_backward(self, mb: MicroBatch, prox: Tensor | None = None) -> dict:
+        """Loss and gradients of one micro-batch, added to the gradients of the step so far.
+
+        `prox`: pi_prox of its targets when the weights moved since the step's start (a later
+        minibatch of `train_step`); None: they did not, and pi_prox is this forward's own value,
+        so no extra forward runs."""
         t0 = time.perf_counter()
         mb = mb.to(self.device)
-        prox = None
-        if self.off_policy.needs_prox:
-            # pi_prox / pi_old: the extra forward, no gradient. Weights change only in
-            # optimizer_step, so every micro-batch of a step sees the weights of the step's start.
-            with torch.no_grad():
-                prox = token_logprobs(self._logits(mb), mb)
         loss, stats = policy_loss(self._logits(mb), mb, self.cfg.clip_low, self.cfg.clip_high,
                                   clip=self.cfg.clip, staleness_weights=self.cfg.staleness_weights,
                                   off_policy=self.off_policy, prox_logprobs=prox)
@@ -143,6 +145,34 @@ class Trainer(ABC):
         """Apply the step's gradients; returns the step's statistics including grad_norm."""
         t0 = time.perf_counter()
         return self._finish_step(self._apply_gradients(), t0)
+
+    def train_step(self, micro_batches: Sequence[MicroBatch], minibatches: int = 1) -> dict:
+        """One step as PPO-style updates (`train.minibatches_per_step`): the micro-batches in
+        `minibatches` consecutive parts, one optimizer update each, the step counted once.
+
+        pi_prox is the weights at the step's start for every part: the first part trains before
+        any update (pi_prox = pi_theta, no extra forward); the later parts' pi_prox comes from one
+        no-grad forward before the first update, so their clip and importance weights act on how
+        far the earlier updates moved the policy. Each part's loss weights are rescaled to sum to
+        the step's, so every update is a mean over its own tokens."""
+        mbs = list(micro_batches)
+        n = max(1, min(int(minibatches), len(mbs)))
+        parts = [mbs[i * len(mbs) // n:(i + 1) * len(mbs) // n] for i in range(n)]
+        prox = [[None] * len(p) if i == 0 else [self.logprobs(mb) for mb in p] for i, p in enumerate(parts)]
+        total = sum(float(mb.weights.sum()) for mb in mbs)
+        norms = []
+        for i, (part, part_prox) in enumerate(zip(parts, prox)):
+            scale = total / max(sum(float(mb.weights.sum()) for mb in part), 1e-30) if n > 1 else 1.0
+            for mb, p in zip(part, part_prox):
+                if scale != 1.0:
+                    mb = copy.copy(mb)
+                    mb.weights = mb.weights * scale
+                self.forward_backward(mb, p)
+            if i < n - 1:
+                norms.append(self._apply_gradients())  # an update inside the step: step not counted
+        out = self.optimizer_step()
+        out.update(minibatches=n, minibatch_grad_norms=[*norms, out["grad_norm"]])
+        return out
 
     # --- gradients reduced outside the trainer (cells summing over MPI) ----------------------
     @abstractmethod
@@ -217,7 +247,8 @@ class Trainer(ABC):
         a = self._acc
         out = {k: a[k] for k in ("loss", "targets", "tokens", "micro_batches", "fwd_bwd_s")}
         out.update({k: a[k] / max(a["targets"], 1) for k in _MEAN_STATS})
-        out.update(summarize(merge(self._mb_stats, parallel=False)))
+        merged = merge(self._mb_stats, parallel=False)
+        out.update(summarize(merged), prox_drift_max=merged.get("prox_drift_max"))
         if "moe_aux_loss" in a:  # mean over the step's micro-batches
             out["moe_aux_loss"] = a["moe_aux_loss"] / max(a["micro_batches"], 1)
         out.update(step=self.step, grad_norm=grad_norm, optimizer_s=time.perf_counter() - t0,

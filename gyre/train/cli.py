@@ -313,9 +313,7 @@ def train(args: argparse.Namespace) -> int:
     for recs in steps:
         t_step = time.perf_counter()
         batch, mats = build(recs, v0 + trainer.step)
-        for mb in mats:
-            trainer.forward_backward(mb)
-        st = trainer.optimizer_step()
+        st = trainer.train_step(mats, cfg.train.minibatches_per_step)
         st.update(executions=mats.stats.executions, trajectories=mats.stats.trajectories,
                   unique_tokens=mats.stats.unique_tokens, skipped_executions=len(batch.skipped),
                   time_s=time.perf_counter() - t_step)

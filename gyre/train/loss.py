@@ -2,8 +2,11 @@
 
 Three policies meet in a step: pi_behaviour (the engine's recorded log-probs, `mb.old_logprobs`,
 possibly several optimizer steps old and computed with other numerics), pi_prox (the trainer at
-the start of the step: one extra forward without gradients, `prox_logprobs`) and pi_theta (the
-trainer's differentiable forward). With A_t the advantage and w_t the step's per-token weight:
+the start of the step, `prox_logprobs`) and pi_theta (the trainer's differentiable forward). Until
+the step's first update pi_prox IS pi_theta, so no extra forward runs: the loss takes pi_theta's
+values without gradient. With `train.minibatches_per_step` > 1 (PPO-style updates within a step,
+`Trainer.train_step`) the later minibatches get pi_prox from one no-grad forward at the step's
+start, and only then does the clip against pi_prox act. With A_t the advantage and w_t the step's per-token weight:
 
     none       l_t = -min(r_t A_t, clip(r_t) A_t),      r_t = pi_theta / pi_behaviour
     tis        l_t = -c_t min(r_t A_t, clip(r_t) A_t),  r_t = pi_theta / pi_prox,
@@ -60,15 +63,23 @@ class OffPolicy:
 
     @classmethod
     def from_config(cls, cfg) -> "OffPolicy":
-        """From a TrainConfig; `auto` (a TrainConfig used on its own) follows `train.staleness`."""
+        """From a TrainConfig; `auto` (a TrainConfig used on its own) follows `train.staleness` and
+        `train.minibatches_per_step` as `gyre.config.resolved_off_policy` does."""
         mode = cfg.off_policy
         if mode == "auto":
-            mode = "decoupled" if cfg.staleness > 0 else "tis"
+            mode = "decoupled" if cfg.staleness > 0 and cfg.minibatches_per_step > 1 else "tis"
         return cls(mode, cfg.is_cap, cfg.is_mask, cfg.is_mask_low, cfg.is_mask_high)
 
 
+def sampling_temperature(rows: Tensor, temperature: Tensor) -> Tensor:
+    """Target logits [T, V] divided by each target's sampling temperature [T]: the one place the
+    trainer reproduces the engine's transformation (SGLang reports log_softmax(logits / T),
+    unfiltered by top-k / top-p / min-p; docs/openai.md)."""
+    return rows / temperature.to(rows.device, rows.dtype)[:, None]
+
+
 def token_logprobs(logits: Tensor, mb: MicroBatch) -> Tensor:
-    """log p(target | prefix) at temperature mb.temperature, float32, for each target [T]."""
+    """log p(target | prefix) at each target's sampling temperature, float32, for each target [T]."""
     return _target_log_softmax(logits, mb)[0]
 
 
@@ -76,7 +87,7 @@ def _target_log_softmax(logits: Tensor, mb: MicroBatch) -> tuple[Tensor, Tensor]
     """(log p(target) [T], the full log-softmax rows at the target positions [T, V])."""
     flat = logits.reshape(-1, logits.shape[-1])
     rows = flat.index_select(0, mb.pred_pos.to(flat.device)).float()  # only the rows we need
-    logp = torch.log_softmax(rows / mb.temperature, dim=-1)
+    logp = torch.log_softmax(sampling_temperature(rows, mb.temperature), dim=-1)
     return logp.gather(1, mb.target_ids.to(flat.device)[:, None]).squeeze(1), logp
 
 
@@ -120,17 +131,14 @@ def policy_loss(logits: Tensor, mb: MicroBatch, clip_low: float = 0.2, clip_high
                 off_policy: OffPolicy | None = None, prox_logprobs: Tensor | None = None) -> tuple[Tensor, dict]:
     """(loss, stats) for one micro-batch; `loss` is a sum, ready for gradient accumulation.
 
-    `prox_logprobs`: pi_prox (no gradient), required by tis/decoupled; with `none` the mismatch
-    figures use the detached current log-probs, which are the same weights within a step.
+    `prox_logprobs`: pi_prox (no gradient) when the weights moved since the step's start; None
+    means they did not, so pi_prox is pi_theta's own value (detached).
     """
     off = off_policy or OffPolicy()
     dev = logits.device
     logp, rows = _target_log_softmax(logits, mb)
     behaviour = mb.old_logprobs.to(dev).float()
-    if prox_logprobs is None:
-        if off.needs_prox:
-            raise ValueError(f"train.off_policy = {off.mode} needs the trainer's log-probs at the start "
-                             f"of the step (prox_logprobs)")
+    if prox_logprobs is None:  # the weights of the step's start: pi_prox = pi_theta
         prox = logp.detach()
     else:
         prox = prox_logprobs.to(dev).float().detach()
@@ -165,8 +173,7 @@ def policy_loss(logits: Tensor, mb: MicroBatch, clip_low: float = 0.2, clip_high
             "is_weight_mean": float(c.sum() / n),
             "truncated_n": int(truncated.sum()),
             "masked_n": int(masked.sum()),
-            # pi_prox came from a forward at the step's weights, so it equals pi_theta's value
-            # (bit for bit in float32 unless the two forwards differ): visible, not assumed
+            # how far pi_theta has moved from pi_prox (0 before the step's first update)
             "prox_drift_max": float((prox - logp.detach()).abs().max()) if mb.num_targets else 0.0,
             **mismatch_stats(prox, behaviour, mb.staleness.to(dev)),
         }

@@ -73,7 +73,7 @@ def rows_of(mb, rank: int, size: int):
                       attention_mask=mb.attention_mask[idx], pred_pos=pred, target_ids=mb.target_ids[keep],
                       old_logprobs=mb.old_logprobs[keep], advantages=mb.advantages[keep],
                       weights=mb.weights[keep], staleness=mb.staleness[keep],
-                      execution_index=mb.execution_index[keep], temperature=mb.temperature)
+                      execution_index=mb.execution_index[keep], temperature=mb.temperature[keep])
 
 
 class Rank:

@@ -51,6 +51,8 @@ class TreeArrays:
     lp_off: np.ndarray        # int64 offset of each node's targets in `logprobs`
     logprobs: np.ndarray      # float32, all target log-probs concatenated
     depth: np.ndarray         # int64 token offset of each node's first token from the root
+    version: np.ndarray       # int64 policy version of each node's targets (-1: context / unknown)
+    temperature: np.ndarray   # float32 logit divisor of each node's targets (its call's; 1 if none)
 
     @classmethod
     def from_tree(cls, tree: TrajectoryTree) -> "TreeArrays":
@@ -65,6 +67,8 @@ class TreeArrays:
             if p != ROOT:
                 depth[i] = depth[p] + length[p]
         empty_i, empty_f = np.zeros(0, np.int32), np.zeros(0, np.float32)
+        call = np.fromiter((x.call_index for x in nodes), np.int64, n)
+        divisor = np.asarray([c.logprob_temperature for c in tree.calls] or [1.0], np.float32)
         return cls(
             parent=parent, length=length, target_start=tstart,
             tok_off=_exclusive_cumsum(length),
@@ -72,6 +76,9 @@ class TreeArrays:
             lp_off=_exclusive_cumsum(length - tstart),
             logprobs=np.concatenate([np.asarray(x.logprobs, np.float32) for x in nodes] or [empty_f]),
             depth=depth,
+            version=np.fromiter((x.policy_version for x in nodes), np.int64, n),
+            temperature=np.where((call >= 0) & (call < len(tree.calls)),
+                                 divisor[np.clip(call, 0, len(divisor) - 1)], np.float32(1.0)),
         )
 
     def is_target(self, nodes: np.ndarray) -> np.ndarray:
@@ -89,7 +96,8 @@ class SelectedExecution:
     nodes: np.ndarray         # union of the selected root-to-leaf paths, pre-order
     advantage: float
     weight: float             # loss weight of each of its target tokens
-    staleness: int
+    staleness: int            # the execution's oldest lag (admission); tokens carry their own
+    node_lag: np.ndarray      # int64 per node: step version - the node's policy version
 
     @property
     def n_tokens(self) -> int:
@@ -155,8 +163,10 @@ def prepare_step(records: Sequence[ExecutionRecord], spec: SelectionSpec, *, ste
         leaves = select_leaves(rec.tree, spec)
         arrays = TreeArrays.from_tree(rec.tree)
         nodes = union_preorder(arrays.parent, leaves)
-        sel = SelectedExecution(len(kept), rec, leaves, arrays, nodes, float(a), 0.0,
-                                step_version - rec.min_version)
+        staleness = step_version - rec.min_version
+        # each token's own lag: a node's policy version, the execution's oldest if not known
+        lag = np.where(arrays.version >= 0, step_version - arrays.version, staleness)
+        sel = SelectedExecution(len(kept), rec, leaves, arrays, nodes, float(a), 0.0, staleness, lag)
         if sel.n_targets == 0:
             skipped.append((rec.execution_id, "no trajectory selected" if not leaves
                             else "selected trajectories hold no target token"))
@@ -395,14 +405,15 @@ def _add_piece(row: _RowParts, p: Piece) -> None:
         target=a.tokens[np.repeat(a.tok_off[p.targets], counts) + k][keep],
         old=a.logprobs[np.repeat(a.lp_off[p.targets] - ts, counts) + k][keep],
         adv=np.full(n, e.advantage, np.float32), weight=np.full(n, e.weight, np.float64),
-        stale=np.full(n, e.staleness, np.int64), exe=np.full(n, e.index, np.int64),
+        stale=np.repeat(e.node_lag[p.targets], counts)[keep],
+        temp=np.repeat(a.temperature[p.targets], counts)[keep],
+        exe=np.full(n, e.index, np.int64),
         node=np.repeat(p.targets, counts)[keep], offset=k[keep],
     ))
     row.length += int(lens.sum())
 
 
-def build_micro_batch(plan: MicroBatchPlan, temperature: float = 1.0
-                      ) -> tuple[MicroBatch, np.ndarray]:
+def build_micro_batch(plan: MicroBatchPlan) -> tuple[MicroBatch, np.ndarray]:
     """Tensors for one plan, plus each target's key (execution_index, node id, token offset)."""
     rows = []
     for pieces in plan.rows:
@@ -427,7 +438,7 @@ def build_micro_batch(plan: MicroBatchPlan, temperature: float = 1.0
     end_t = torch.from_numpy(end)
     allowed = (i[None, :] <= i[:, None])[None] & (i[None, :, None] < end_t[:, None, :])
     cat = {k: np.concatenate([c[k] for c in cols]) if cols else np.zeros(0) for k in
-           ("pred", "target", "old", "adv", "weight", "stale", "exe", "node", "offset")}
+           ("pred", "target", "old", "adv", "weight", "stale", "temp", "exe", "node", "offset")}
     mb = MicroBatch(
         input_ids=torch.from_numpy(ids),
         position_ids=torch.from_numpy(pos),
@@ -439,7 +450,7 @@ def build_micro_batch(plan: MicroBatchPlan, temperature: float = 1.0
         weights=torch.from_numpy(cat["weight"].astype(np.float32)),
         staleness=torch.from_numpy(cat["stale"].astype(np.int64)),
         execution_index=torch.from_numpy(cat["exe"].astype(np.int64)),
-        temperature=temperature,
+        temperature=torch.from_numpy(cat["temp"].astype(np.float32)),
         kv_end=end_t,  # the same structure in O(S), for the tree attention path
     )
     keys = np.stack([cat["exe"], cat["node"], cat["offset"]], axis=1).astype(np.int64)
@@ -475,23 +486,22 @@ class Materialized:
     layout: str
     plans: list[MicroBatchPlan]
     stats: LayoutStats
-    temperature: float = 1.0
 
     def __len__(self) -> int:
         return len(self.plans)
 
     def __getitem__(self, i: int) -> MicroBatch:
-        return build_micro_batch(self.plans[i], self.temperature)[0]
+        return build_micro_batch(self.plans[i])[0]
 
     def __iter__(self) -> Iterator[MicroBatch]:
         return (self[i] for i in range(len(self)))
 
     def with_keys(self, i: int) -> tuple[MicroBatch, np.ndarray]:
-        return build_micro_batch(self.plans[i], self.temperature)
+        return build_micro_batch(self.plans[i])
 
 
 def materialize(executions: Sequence[SelectedExecution], *, layout: str = "tree",
-                micro_batch_tokens: int = 4096, temperature: float = 1.0) -> Materialized:
+                micro_batch_tokens: int = 4096) -> Materialized:
     """Micro-batches for ``executions`` (a whole step, or one data-parallel group's share)."""
     plans = plan_micro_batches(executions, layout, micro_batch_tokens)
     stats = LayoutStats(
@@ -501,4 +511,4 @@ def materialize(executions: Sequence[SelectedExecution], *, layout: str = "tree"
         target_tokens=sum(e.n_targets for e in executions),
         executions=len(executions), trajectories=sum(len(e.leaves) for e in executions),
     )
-    return Materialized(layout, plans, stats, temperature)
+    return Materialized(layout, plans, stats)

@@ -39,7 +39,8 @@ from gyre.traj.tree import CallRecord, Node, TrajectoryTree
 log = logging.getLogger(__name__)
 
 SCHEMA = "gyre-trajectory-shard"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: calls carry their sampling parameters and output digest
+READABLE_VERSIONS = (1, SCHEMA_VERSION)
 REQUIRED_IDENTITY = ("tokenizer", "model")
 STR = "str"  # a fixed-width UTF-8 string column; the width is the longest value in the shard
 
@@ -56,7 +57,11 @@ CALL_COLUMNS = (
     ("execution", "<i4"), ("call", "<i4"), ("leaf", "<i4"), ("agent_role", STR),
     ("n_input", "<i4"), ("n_output", "<i4"), ("weight_version", STR), ("policy_version", "<i4"),
     ("endpoint", STR), ("finish_reason", STR), ("t_start", "<f8"), ("t_end", "<f8"),
+    ("temperature", "<f8"), ("top_p", "<f8"), ("top_k", "<i4"), ("min_p", "<f8"), ("output_digest", "<i8"),
 )
+# schema 1 shards lack the last five call columns; they read as the engine's defaults (see _records)
+CALL_COLUMNS_V1 = CALL_COLUMNS[:12]
+CALL_DEFAULTS_V1 = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "output_digest": 0}
 EXECUTION_COLUMNS = (
     ("execution_id", STR), ("task", STR), ("group", "<i8"), ("status", STR),
     ("reward", "<f8"), ("reward_source", STR), ("passed", "<i4"), ("total", "<i4"),
@@ -368,9 +373,13 @@ def _read_all(path: Path, f: h5py.File, verify: bool) -> dict[str, np.ndarray]:
     ver = _attr(path, f, "schema_version")
     if ver is None:
         raise ShardError(path, "attribute schema_version", "missing: not a Gyre trajectory shard")
-    if int(ver) != SCHEMA_VERSION:
+    if int(ver) not in READABLE_VERSIONS:
         raise ShardError(path, "attribute schema_version",
-                         f"schema version {int(ver)}; this reader understands {SCHEMA_VERSION}")
+                         f"schema version {int(ver)}; this reader understands {', '.join(map(str, READABLE_VERSIONS))}")
+    if int(ver) == 1:
+        log.warning("%s: schema 1 shard: its calls carry no sampling parameters (read as temperature 1, "
+                    "top_p 1, top_k -1, min_p 0: log-probs sampled otherwise are not reproduced in "
+                    "training) and no output digest (the token-identity audit skips them)", path)
     data = {}
     for name in DATASETS:
         try:
@@ -383,7 +392,7 @@ def _read_all(path: Path, f: h5py.File, verify: bool) -> dict[str, np.ndarray]:
             arr = f[name][()]
         except Exception as e:  # h5py raises OSError, ValueError, RuntimeError... on damage
             raise ShardError(path, name, f"unreadable (corrupted?): {e}") from None
-        _check_layout(path, name, arr)
+        _check_layout(path, name, arr, int(ver))
         if verify:
             want = _attr(path, f, f"sha256_{name}")
             if want is None:
@@ -396,14 +405,14 @@ def _read_all(path: Path, f: h5py.File, verify: bool) -> dict[str, np.ndarray]:
     return data
 
 
-def _check_layout(path: Path, name: str, arr: np.ndarray) -> None:
+def _check_layout(path: Path, name: str, arr: np.ndarray, version: int = SCHEMA_VERSION) -> None:
     if arr.ndim != 1:
         raise ShardError(path, name, f"expected one dimension, found shape {arr.shape}")
     if name in BULK:
         if arr.dtype != BULK[name]:
             raise ShardError(path, name, f"expected {BULK[name]}, found {arr.dtype}")
         return
-    for col, kind in TABLES[name]:
+    for col, kind in (CALL_COLUMNS_V1 if name == "calls" and version == 1 else TABLES[name]):
         if arr.dtype.names is None or col not in arr.dtype.names:
             raise ShardError(path, name, f"missing column {col!r}")
         got = arr.dtype.fields[col][0]
@@ -438,11 +447,15 @@ def _records(path: Path, d: dict[str, np.ndarray]) -> list[ExecutionRecord]:
                      col["target_start"], col["logprob_start"], col["message_role"], col["agent_role"],
                      col["policy_version"], col["call_index"])]
         cc = {k: ct[k][c0:c0 + nc].tolist() for k in ct.dtype.names}
-        calls = [CallRecord(i, leaf, ar.decode(), ni, no, wv.decode(), pv, ep.decode(), fr.decode(), t0, t1)
-                 for i, leaf, ar, ni, no, wv, pv, ep, fr, t0, t1 in zip(
+        for k, v in CALL_DEFAULTS_V1.items():
+            cc.setdefault(k, [v] * nc)
+        calls = [CallRecord(i, leaf, ar.decode(), ni, no, wv.decode(), pv, ep.decode(), fr.decode(), t0, t1,
+                            tp, p, k, mp, dg)
+                 for i, leaf, ar, ni, no, wv, pv, ep, fr, t0, t1, tp, p, k, mp, dg in zip(
                      cc["call"], cc["leaf"], cc["agent_role"], cc["n_input"], cc["n_output"],
                      cc["weight_version"], cc["policy_version"], cc["endpoint"], cc["finish_reason"],
-                     cc["t_start"], cc["t_end"])]
+                     cc["t_start"], cc["t_end"], cc["temperature"], cc["top_p"], cc["top_k"],
+                     cc["min_p"], cc["output_digest"])]
         try:
             tree = TrajectoryTree.from_parts(nodes, calls)
         except ValueError as err:

@@ -12,11 +12,13 @@ A node's tokens are ``tokens[:target_start]`` context then ``tokens[target_start
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import numpy as np
 
 ROOT = -1  # parent id of a tree's first-level nodes (the forest's virtual root)
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p")  # stored per call
 
 
 @dataclass
@@ -63,6 +65,27 @@ class CallRecord:
     finish_reason: str = ""
     t_start: float = 0.0
     t_end: float = 0.0
+    # the parameters the engine sampled with (SGLang's names; temperature 0 = greedy)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    # what the engine returned (output ids and log-probs) when the call was recorded, for the
+    # token-identity audit (gyre.traj.audit); 0 = not recorded (a shard older than schema 2)
+    output_digest: int = 0
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The divisor of the logits in the log-probs the engine reported: SGLang reports
+        log_softmax(logits / T), and raw log_softmax(logits) for greedy calls."""
+        return self.temperature if self.temperature > 0 else 1.0
+
+
+def output_digest(tokens, logprobs) -> int:
+    """A signed 64-bit digest of a call's output ids (int32) and log-probs (float32)."""
+    h = hashlib.blake2b(np.ascontiguousarray(tokens, dtype=np.int32).tobytes(), digest_size=8)
+    h.update(np.ascontiguousarray(logprobs, dtype=np.float32).tobytes())
+    return int.from_bytes(h.digest(), "little", signed=True)
 
 
 @dataclass
@@ -118,8 +141,11 @@ class TrajectoryTree:
                  output_tokens: list[int], logprobs: list[float], *, agent_role: str,
                  weight_version: str = "0", policy_version: int = 0, endpoint: str = "",
                  finish_reason: str = "", t_start: float = 0.0, t_end: float = 0.0,
-                 path: tuple[int, int, int] | None = None) -> CallRecord:
+                 sampling: dict | None = None, path: tuple[int, int, int] | None = None) -> CallRecord:
         """Record one call: its input messages, then its generation prompt + sampled output.
+
+        ``sampling``: the engine's sampling parameters (``temperature``, ``top_p``, ``top_k``,
+        ``min_p``; missing ones take the engine's defaults).
 
         Returns the call record; its ``leaf`` is the target node. Existing nodes are reused
         only when key *and* tokens match, so recorded history is never altered. ``path``
@@ -151,8 +177,10 @@ class TrajectoryTree:
             leaf = self._new_node(parent, target_key, toks, len(prompt_tokens),
                                   np.asarray(logprobs, dtype=np.float32), "assistant",
                                   agent_role, policy_version, index)
+        sp = {k: v for k, v in (sampling or {}).items() if k in SAMPLING_FIELDS and v is not None}
         rec = CallRecord(index, leaf, agent_role, n_input, len(output_tokens), weight_version,
-                         policy_version, endpoint, finish_reason, t_start, t_end)
+                         policy_version, endpoint, finish_reason, t_start, t_end, **sp,
+                         output_digest=output_digest(output_tokens, logprobs))
         self.calls.append(rec)
         return rec
 
