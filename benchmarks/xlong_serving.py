@@ -9,7 +9,9 @@ once, no model), so the figure is the proxy's own work. The per-call time is the
 measure (handler time minus the time on the wire to the engine, ``Proxy.overhead_s``); the
 execution is run PROXY_REPEATS times and each call's minimum kept (the machine is shared: load
 spikes are not the proxy's). ``proxy_call_ms_first``/``_last`` are the p50 of the first and last
-PROXY_WINDOW calls. Run for
+PROXY_WINDOW calls. The proxy prepares a request over INLINE_CHARS characters on a worker thread
+(gyre.proxy.offload): the late calls of this execution do, the first ones do not, so the
+``*_inline`` keys repeat each figure with every request prepared inline, without that hand-off. Run for
 the built-in ChatML renderer (no suffix) and for the model-template path in both history modes
 (``_exact``, ``_template``; template: tests/templates/chatml_hermes.jinja).
 
@@ -32,6 +34,7 @@ benchmarks/results/xlong_serving.json.
 
 from __future__ import annotations
 
+import itertools
 import json
 import resource
 import statistics
@@ -90,9 +93,21 @@ def _post(url: str, body: dict, key: str) -> dict:
         return json.loads(r.read())
 
 
-def proxy_run(mode: str, calls: int = CALLS, target_tokens: int = PROXY_TOKENS) -> dict:
-    """One execution through the proxy; ``mode``: builtin, exact or template. Returns the
-    proxy's own time per call (s, in call order) and the tokens the execution processed."""
+def proxy_run(mode: str, calls: int = CALLS, target_tokens: int = PROXY_TOKENS, inline: bool = False) -> dict:
+    """One execution through the proxy; ``mode``: builtin, exact or template; ``inline``: every
+    request prepared on the event loop. Returns the proxy's own time per call (s, in call order)
+    and the tokens the execution processed."""
+    import gyre.proxy.server as server
+
+    saved = server.INLINE_CHARS
+    server.INLINE_CHARS = 1 << 62 if inline else saved
+    try:
+        return _proxy_run(mode, calls, target_tokens)
+    finally:
+        server.INLINE_CHARS = saved
+
+
+def _proxy_run(mode: str, calls: int, target_tokens: int) -> dict:
     tok = Tokenizer.from_file(str(TOKENIZER))
     r = Renderer(tok)
     rng = np.random.default_rng(0)
@@ -226,8 +241,10 @@ def measure() -> dict[str, float]:
     child = subprocess.run([sys.executable, __file__, "--engine-probe"], capture_output=True, text=True,
                            check=True, timeout=1800)
     out.update(json.loads(child.stdout.strip().splitlines()[-1]))
-    for mode, suffix in (("builtin", ""), ("exact", "_exact"), ("template", "_template")):
-        runs = [proxy_run(mode) for _ in range(PROXY_REPEATS)]
+    for (mode, suffix), inline in itertools.product(
+            (("builtin", ""), ("exact", "_exact"), ("template", "_template")), (False, True)):
+        suffix += "_inline" if inline else ""
+        runs = [proxy_run(mode, inline=inline) for _ in range(PROXY_REPEATS)]
         o = [min(r["overhead_s"][i] for r in runs) for i in range(CALLS)]
         run = runs[0]
         out[f"proxy_call_ms_first{suffix}"] = _p50_ms(o[:PROXY_WINDOW])
