@@ -17,12 +17,10 @@ from gyre.proxy.capture import ExecutionSession, Renderer, prepare_call, record_
 from gyre.proxy.chat import Message, ToolCall, parse_messages
 from gyre.proxy.template_capture import prepare_call_template
 from gyre.traj.record import ExecutionRecord
+from support.chat_templates import TEMPLATES, TOOLS
 
 ROOT = Path(__file__).parents[1]
-TEMPLATES = Path(__file__).parent / "templates"
 R = Renderer(Tokenizer.from_file(str(ROOT / "gyre" / "assets" / "tokenizer.json")))
-TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run a shell command",
-                                           "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}}]
 
 
 def tpl(name: str) -> ChatTemplate:

@@ -9,6 +9,7 @@ import re
 import stat
 import subprocess
 import sys
+import tracemalloc
 from dataclasses import fields, replace
 from pathlib import Path
 
@@ -19,9 +20,9 @@ import pytest
 from gyre.cli import main as gyre_main
 from gyre.config import StoreConfig
 from gyre.traj.record import ExecutionRecord
-from gyre.traj.store import (SCHEMA_VERSION, ShardError, ShardWriter, digest, 
-                             iter_executions, read_attrs, read_shard, shard_paths)
-from gyre.traj.tree import TrajectoryTree
+from gyre.traj.store import (SCHEMA_VERSION, ShardError, ShardWriter, digest, iter_executions, pack, read_attrs,
+                             read_shard, shard_paths)
+from gyre.traj.tree import Segment, TrajectoryTree
 from support.store_records import IDENTITY, records
 
 ROOT_DIR = Path(__file__).resolve().parents[1]
@@ -395,3 +396,44 @@ def test_a_compaction_cut_short_by_sigkill_shows_every_execution_once(tmp_path):
     compact(ShardWriter(shards, identity=IDENTITY), per_shard=8)
     assert len(list(shards.glob("*.h5"))) == 1
     assert sorted(r.execution_id for r in iter_executions(shards)) == sorted(ids)
+
+
+def _long_execution(tokens: int) -> ExecutionRecord:
+    """One execution whose tree holds ``tokens`` tokens in a few large nodes (xLong)."""
+    tree, rng = TrajectoryTree(), np.random.default_rng(0)
+    part = tokens // 4
+    conv = [Segment(f"m{i}", rng.integers(0, 150_000, part, dtype=np.int32), "user") for i in range(3)]
+    out = rng.integers(0, 150_000, part - 4, dtype=np.int32)
+    tree.add_call(conv, "out", [1, 2, 3, 4], out, np.full(len(out), -0.5, np.float32), agent_role="main")
+    return ExecutionRecord("xlong", "t", 0, status="done", tree=tree)
+
+
+@pytest.mark.parametrize("chunk_tokens", [4093, 1 << 16])
+def test_bulk_datasets_are_written_from_the_nodes_in_chunks(tmp_path, chunk_tokens):
+    """Nodes straddling chunk boundaries come back intact, with the concatenation's checksum."""
+    recs = records(2)
+    path = writer(tmp_path, chunk_tokens=chunk_tokens).write(recs)
+    for a, b in zip(recs, read_shard(path)):
+        assert_same(a, b)
+    with h5py.File(path, "r") as f:
+        packed = pack(recs)
+        assert f.attrs["sha256_tokens"] == digest(packed["tokens"])
+        assert f["tokens"].chunks == (min(len(packed["tokens"]), chunk_tokens),)
+
+
+def test_a_million_token_execution_is_written_without_a_copy_and_read_as_one(tmp_path):
+    rec = _long_execution(1_000_000)
+    w = writer(tmp_path)
+    tracemalloc.start()
+    try:
+        path = w.write([rec])
+        write_peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        back = read_shard(path)[0]
+        read_peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    token_bytes = 4 * 1_000_000
+    assert write_peak < token_bytes / 4  # a chunk buffer and the tables, no concatenated copy
+    assert read_peak < 1.6 * (token_bytes + 4 * len(rec.tree.nodes[-1].logprobs))  # one copy, views per node
+    assert [n.tokens.tolist() for n in back.tree.nodes] == [n.tokens.tolist() for n in rec.tree.nodes]

@@ -23,6 +23,10 @@ import torch.nn.functional as F
 from gyre.model.moe import route, tokens_per_expert
 from gyre.model.spec import ModelSpec, apply_rope, load_weights, read_spec
 
+# Attention scores of one prompt chunk are computed for a few queries at a time, so that a chunk
+# over a 256K-token context holds O(queries x context) scores, not O(chunk x context) (2 GB).
+ATTN_SCORE_BYTES = 64 << 20
+
 
 class KVCache:
     """Per-request keys/values, ``[kv_heads, capacity, head_dim]`` per layer, grown by doubling."""
@@ -148,10 +152,6 @@ class CausalLM:
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
         x = self.w["model.embed_tokens.weight"][torch.tensor(ids)]
-        # Query i (absolute position past+i) sees keys 0..past+i; one token needs no mask.
-        mask = None
-        if T > 1:
-            mask = torch.arange(past + T)[None, :] <= (past + torch.arange(T))[:, None]
         groups = s.heads // s.kv_heads
         for i in range(s.layers):
             p = f"model.layers.{i}."
@@ -165,12 +165,32 @@ class CausalLM:
             if groups > 1:
                 keys = keys.repeat_interleave(groups, dim=0)
                 values = values.repeat_interleave(groups, dim=0)
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=1 / math.sqrt(s.head_dim))
+            attn = self._causal_attention(q, keys, values, past)
             x = x + self._linear(attn.transpose(0, 1).reshape(T, s.heads * s.head_dim), p + "self_attn.o_proj")
             h = self._norm(x, p + "post_attention_layernorm.weight")
             x = x + self._mlp(h, i, [(cache, past, slice(0, T))])
         cache.length = past + T
         return self._logits(x[-1])
+
+    def _causal_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, past: int) -> torch.Tensor:
+        """Attention of queries at positions past.. over keys 0..past+T-1 (query i sees keys up to
+        past+i), in slices of queries whose scores fit ATTN_SCORE_BYTES (scores and softmax):
+        memory O(slice x context). Every query sees the whole cached prefix, so only the chunk's own
+        keys are masked. (CPU SDPA with a mask is slower and holds more at 64K+ keys.)"""
+        heads, T = q.shape[0], q.shape[1]
+        scale = 1 / math.sqrt(self.spec.head_dim)
+        if T == 1:  # one token sees everything: no mask
+            return F.scaled_dot_product_attention(q, keys, values, scale=scale)
+        later = torch.ones(T, T, dtype=torch.bool).triu(1)  # key j of the chunk is after query i
+        step = max(1, ATTN_SCORE_BYTES // (2 * 4 * heads * (past + T)))
+        out = []
+        keys_t = keys.transpose(1, 2)
+        for a in range(0, T, step):
+            b = min(T, a + step)
+            scores = torch.matmul(q[:, a:b], keys_t).mul_(scale)
+            scores[:, :, past:].masked_fill_(later[a:b], float("-inf"))
+            out.append(torch.matmul(torch.softmax(scores, dim=-1), values))
+        return out[0] if len(out) == 1 else torch.cat(out, dim=1)
 
     @torch.inference_mode()
     def decode(self, tokens: list[int], caches: list[KVCache]) -> torch.Tensor:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from gyre.config import default_tiny_dir, load_config
 from gyre.model.identity import model_identity
-from gyre.model.tiny import FAMILY_SHAPE, ensure_tiny_model
+from gyre.model.tiny import FAMILY_SHAPE, MAX_POSITIONS, ensure_tiny_model
 
 
 def add_arguments(parser) -> None:
@@ -20,15 +20,22 @@ def add_arguments(parser) -> None:
     parser.add_argument("--config", default=None, help="Gyre TOML config file")
     parser.add_argument("--family", default=None, choices=sorted(FAMILY_SHAPE),
                         help="model family (default: model.tiny_family, qwen2)")
+    parser.add_argument("--max-positions", type=int, default=MAX_POSITIONS,
+                        help=f"context length (max_position_embeddings, default {MAX_POSITIONS}); e.g. 262144 "
+                             "for xLong contexts. Another value than the default goes to its own directory "
+                             "(<default dir>-ctx<N>) unless --out is given")
 
 
 def run(args) -> int:
     cfg = load_config(getattr(args, "config", None))
     if getattr(args, "family", None):
         cfg.model.tiny_family = args.family
+    positions = getattr(args, "max_positions", MAX_POSITIONS)
     out = args.out or default_tiny_dir(cfg)
+    if args.out is None and positions != MAX_POSITIONS:
+        out = out.with_name(f"{out.name}-ctx{positions}")
     try:
-        path = ensure_tiny_model(out, cfg.model.tiny_family)
+        path = ensure_tiny_model(out, cfg.model.tiny_family, positions)
     except ValueError as e:  # a directory holding another family: nothing was overwritten
         print(f"gyre make-model: {e}", file=sys.stderr)
         return 2

@@ -31,7 +31,9 @@ SEED = 20251129
 INIT_STD = 0.15
 # Enough to build config.json; vocab_size is added from the tokenizer.
 TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=32768, rms_norm_eps=1e-6)
+                  num_key_value_heads=2, rms_norm_eps=1e-6)
+MAX_POSITIONS = 32768  # the default variant; `gyre make-model --max-positions 262144` builds a long one
+LONG_POSITIONS = 262144  # xLong contexts (issue 28): the long variant serves at least this
 ROPE_THETA = 10000.0
 # per family, on top of TINY_SHAPE: Qwen3 sets head_dim explicitly; MoE families route each
 # token to 2 of 8 small experts (Qwen3-30B-A3B: 8 of 128)
@@ -59,11 +61,12 @@ CONFIG_CLASS = {"qwen2": "Qwen2Config", "llama": "LlamaConfig", "qwen3": "Qwen3C
                 "qwen3_5": "Qwen3_5TextConfig", "qwen3_5_moe": "Qwen3_5MoeTextConfig"}
 
 
-def tiny_name(family: str) -> str:
-    return NAME if family == "qwen2" else f"gyre-tiny-{family.replace('_', '-')}"
+def tiny_name(family: str, max_positions: int = MAX_POSITIONS) -> str:
+    name = NAME if family == "qwen2" else f"gyre-tiny-{family.replace('_', '-')}"
+    return name if max_positions == MAX_POSITIONS else f"{name}-ctx{max_positions}"
 
 
-def _build(dst: Path, family: str = "qwen2") -> None:
+def _build(dst: Path, family: str = "qwen2", max_positions: int = MAX_POSITIONS) -> None:
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
@@ -82,7 +85,8 @@ def _build(dst: Path, family: str = "qwen2") -> None:
     config = getattr(transformers, CONFIG_CLASS[family])(
         vocab_size=vocab, tie_word_embeddings=False, hidden_act="silu", initializer_range=INIT_STD,
         rope_parameters=rope, bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
-        pad_token_id=ids["<|endoftext|>"], **(TINY_SHAPE | FAMILY_SHAPE[family] | extra),
+        pad_token_id=ids["<|endoftext|>"], max_position_embeddings=max_positions,
+        **(TINY_SHAPE | FAMILY_SHAPE[family] | extra),
     )
     model = AutoModelForCausalLM.from_config(config).to(torch.float32)
     # Fill every tensor ourselves, in name order, from one generator: the result depends only on
@@ -94,26 +98,33 @@ def _build(dst: Path, family: str = "qwen2") -> None:
             p.copy_(noise + 1.0 if name.endswith("norm.weight") else noise)
     model.save_pretrained(dst)
     shutil.copyfile(TOKENIZER_ASSET, dst / "tokenizer.json")
-    write_identity(dst, tiny_name(family))
+    write_identity(dst, tiny_name(family, max_positions))
 
 
-def ensure_tiny_model(out_dir: str | os.PathLike, family: str = "qwen2") -> Path:
+def ensure_tiny_model(out_dir: str | os.PathLike, family: str = "qwen2", max_positions: int = MAX_POSITIONS) -> Path:
     """Build the tiny model of `family` in ``out_dir`` unless a complete one is there; return its
-    path (a complete directory of another family is refused, not overwritten)."""
+    path (a complete directory of another family or RoPE range is refused, not overwritten).
+    ``max_positions``: its context (default RoPE needs no scaling; the weights are the same)."""
     if family not in FAMILY_SHAPE:
         raise ValueError(f"family {family!r}: choose one of {', '.join(FAMILY_SHAPE)}")
+    if max_positions < 1024:
+        raise ValueError(f"max_positions {max_positions}: a context of at least 1024 tokens is needed")
     out_dir = Path(out_dir)
     if (out_dir / IDENTITY_FILE).exists():
-        found = json.loads((out_dir / "config.json").read_text(encoding="utf-8")).get("model_type")
+        cfg = json.loads((out_dir / "config.json").read_text(encoding="utf-8"))
+        found, positions = cfg.get("model_type"), cfg.get("max_position_embeddings")
         found = MODEL_TYPES.get(found, found)  # Qwen3.5's text-only model writes qwen3_5[_moe]_text
         if found != family:
             raise ValueError(f"{out_dir} holds a {found} model, not {family}; pass another --out "
                              f"(or model.tiny_dir) for the {family} model")
+        if positions != max_positions:
+            raise ValueError(f"{out_dir} holds a model of {positions} positions, not {max_positions}; pass "
+                             f"another --out for the {max_positions}-position model")
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        _build(tmp, family)
+        _build(tmp, family, max_positions)
         try:  # not fsio.atomic_dir: the first builder wins here (a cache, rebuilt if lost)
             tmp.rename(out_dir)
         except OSError:

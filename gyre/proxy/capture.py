@@ -99,12 +99,65 @@ class Renderer:
 
 
 @dataclass
+class Walked:
+    """One recorded call's request as the next call's walk down the tree finds it.
+
+    An agent re-sends its whole history on every call; a call whose messages start with these
+    (compared as parsed JSON, in C) takes their parse, keys, segments and tree nodes from here
+    and walks only the rest, so the proxy's work per call follows the call's new messages, not
+    the execution so far (ARCHITECTURE.md invariant 10). ``segments``/``nodes``/``ends``/``opens``
+    cover the leading messages the walk matched to tree nodes; ``messages``/``keys`` all of them.
+    """
+
+    raw: list                     # the request's messages, as parsed JSON
+    salt: str                     # tools_salt of the request (it keys the first message)
+    offset: int                   # messages the proxy put before raw (a default system message)
+    messages: list[Message]
+    keys: list[str]
+    segments: list[Segment]
+    nodes: list[int]
+    ends: list[int]               # input tokens up to and including each matched message
+    opens: list[tuple[bool, bool]]  # built-in renderer state after each one: (turn open, tool turn)
+    tree_len: int                 # tree size when the walk was made
+    dicts: list[dict] | None = None  # template path: messages as chat templates read them
+
+    def common(self, raw: list, salt: str) -> int:
+        """How many leading raw messages equal this walk's (0 if the tools differ)."""
+        if salt != self.salt or not raw or not self.raw:
+            return 0
+        n = min(len(raw), len(self.raw))
+        if raw[:n] == self.raw[:n]:  # the usual case: the history grew at its end
+            return n
+        lo, hi = 0, n - 1  # binary search on prefix equality: C comparisons, not a Python loop
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if raw[:mid] == self.raw[:mid]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def valid(self, known: int, session: "ExecutionSession") -> int:
+        """``known`` cut to the messages whose node a fresh walk would still find: a node added
+        since under the same parent and key (another call of this execution) takes over."""
+        tree = session.tree
+        for n in tree.nodes[self.tree_len:]:
+            depth = session.walk_depth.get((n.parent, n.key))
+            if depth is not None and depth < known:
+                known = depth
+        return known
+
+
+@dataclass
 class PreparedCall:
     segments: list[Segment]
     prompt_tokens: list[int]
     n_input: int  # len(input_ids)
     n_reused: int  # messages whose ids came from the tree or from earlier outputs
     nodes: list[int | None] = field(default_factory=list)  # the tree node of each reused segment
+    walked: Walked | None = None  # the earlier walk this call started from
+    known: int = 0  # leading segments taken from `walked` (a path of the tree)
+    dicts: list[dict] | None = None  # template path: the messages as the template read them
 
     @property
     def input_ids(self) -> list[int]:
@@ -172,6 +225,10 @@ class ExecutionSession:
     in_flight: int = 0
     wire: dict[int, str] = field(default_factory=dict)  # node id -> JSON digits of its tokens
     replay: object | None = None  # gyre.proxy.replay.Replay of a resumed execution's recorded calls
+    walked: Walked | None = None  # the last recorded call's walk (see Walked)
+    # (parent, key) -> depth of every node a walk kept: a new node with the same pair replaces it
+    walk_depth: dict[tuple[int, str], int] = field(default_factory=dict)
+    texts: dict[int, str] = field(default_factory=dict)  # node id -> decoded text (template path)
 
     @property
     def tree(self) -> TrajectoryTree:
@@ -184,14 +241,38 @@ def tools_salt(tools: list[dict]) -> str:
     return hashlib.blake2b(json.dumps(tools, sort_keys=True, ensure_ascii=False).encode(), digest_size=16).hexdigest()
 
 
-def prepare_call(r: Renderer, session: ExecutionSession, messages: list[Message], tools: list[dict]) -> PreparedCall:
+def message_keys(messages: list[Message], salt: str, known: list[str] = ()) -> list[str]:
+    """Each message's tree key (the first one salted with the tools); ``known``: keys of the
+    leading messages, already computed."""
+    keys = list(known[:len(messages)])
+    keys += [m.key(salt if i == 0 else "") for i, m in enumerate(messages[len(keys):], len(keys))]
+    return keys
+
+
+def walk_start(session: ExecutionSession, same: int) -> tuple[Walked | None, int]:
+    """The earlier walk a call can start from and how many leading messages it covers, given
+    that the call's first ``same`` messages are the walk's own (`Walked.common`)."""
+    w = session.walked
+    known = w.valid(min(same, len(w.nodes)), session) if w is not None and same else 0
+    return (w, known) if known else (None, 0)
+
+
+def prepare_call(r: Renderer, session: ExecutionSession, messages: list[Message], tools: list[dict],
+                 keys: list[str] | None = None, same: int = 0) -> PreparedCall:
+    """Input ids of a call; ``same``: its leading messages that are those of ``session.walked``
+    (their walk is taken from there)."""
     tree = session.tree
-    salt = tools_salt(tools)
-    segments: list[Segment] = []
-    nodes: list[int | None] = []
+    keys = keys if keys is not None else message_keys(messages, tools_salt(tools))
+    walked, known = walk_start(session, same)
+    segments: list[Segment] = walked.segments[:known] if known else []
+    nodes: list[int | None] = walked.nodes[:known] if known else []
     parent, matching, is_open, prev_tool, reused = ROOT, True, False, False, 0
-    for i, msg in enumerate(messages):
-        key = msg.key(salt if i == 0 else "")
+    n_known = 0
+    if known:
+        parent, reused, n_known = walked.nodes[known - 1], known, walked.ends[known - 1]
+        is_open, prev_tool = walked.opens[known - 1]
+    for i in range(known, len(messages)):
+        msg, key = messages[i], keys[i]
         if matching:
             nid = tree.find_child(parent, key)
             if nid is not None:
@@ -216,8 +297,33 @@ def prepare_call(r: Renderer, session: ExecutionSession, messages: list[Message]
         nodes.append(None)
         prev_tool = msg.role == "tool"
     prompt = ([r.im_end] if is_open else []) + r.newline + r.assistant_head
-    n_input = sum(len(s.tokens) for s in segments) + len(prompt)
-    return PreparedCall(segments, prompt, n_input, reused, nodes)
+    n_input = n_known + sum(len(s.tokens) for s in segments[known:]) + len(prompt)
+    return PreparedCall(segments, prompt, n_input, reused, nodes, walked, known)
+
+
+def remember(session: ExecutionSession, prepared: PreparedCall, raw: list, salt: str, offset: int,
+             messages: list[Message], keys: list[str], im_end: int, dicts: list[dict] | None = None) -> None:
+    """After a call is recorded: keep its request's walk for the next call (see `Walked`). Costs
+    the messages the call's own walk did not take from an earlier one."""
+    tree, w = session.tree, prepared.walked
+    known = w.valid(prepared.known, session) if w is not None else 0
+    segments = w.segments[:known] if known else []
+    nodes = w.nodes[:known] if known else []
+    ends = w.ends[:known] if known else []
+    opens = w.opens[:known] if known else []
+    parent = nodes[-1] if known else ROOT
+    for i in range(known, len(messages)):
+        nid = tree.find_child(parent, keys[i])
+        if nid is None:
+            break
+        node, role = tree.nodes[nid], messages[i].role
+        segments.append(Segment(keys[i], node.tokens, node.message_role))
+        nodes.append(nid)
+        ends.append((ends[-1] if ends else 0) + len(node.tokens))
+        opens.append((role == "tool" or (node.is_target and int(node.tokens[-1]) != im_end), role == "tool"))
+        session.walk_depth[(parent, keys[i])] = i
+        parent = nid
+    session.walked = Walked(raw, salt, offset, messages, keys, segments, nodes, ends, opens, len(tree.nodes), dicts)
 
 
 def record_call(session: ExecutionSession, prepared: PreparedCall, reply: Message, output_ids: list[int],
@@ -228,10 +334,13 @@ def record_call(session: ExecutionSession, prepared: PreparedCall, reply: Messag
     of this reply reuses (forced tool-call ids + output, when tool_choice forced a call);
     ``sampling``: the engine's sampling parameters, stored with the call."""
     key = reply.key()
+    known = prepared.walked.valid(prepared.known, session) if prepared.walked is not None else 0
+    path = (known, prepared.walked.nodes[known - 1], prepared.walked.ends[known - 1]) if known else None
     rec = session.tree.add_call(
         prepared.segments, key, prepared.prompt_tokens, output_ids, logprobs, agent_role=agent_role,
         weight_version=weight_version, policy_version=policy_version_of(weight_version),
-        endpoint=endpoint, finish_reason=finish_reason, t_start=t_start, t_end=time.time(), sampling=sampling)
+        endpoint=endpoint, finish_reason=finish_reason, t_start=t_start, t_end=time.time(), sampling=sampling,
+        path=path)
     session.generated[key] = list(output_ids if replay_ids is None else replay_ids)
     if reply.reasoning:  # a harness that drops reasoning_content when it replays the turn: same ids
         session.generated[Message(reply.role, reply.content, reply.tool_calls).key()] = session.generated[key]

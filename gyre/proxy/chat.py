@@ -100,12 +100,13 @@ def canonical_arguments(args: Any, where: str) -> str:
         raise MessageError(f"{where}.function.arguments: JSON nested too deeply") from None
 
 
-def parse_messages(raw: Any) -> list[Message]:
+def parse_messages(raw: Any, start: int = 0) -> list[Message]:
+    """``raw[start:]`` parsed (``start``: messages the caller already holds parsed)."""
     if not isinstance(raw, list) or not raw:
         raise MessageError("messages: expected a non-empty list of message objects")
     out = []
-    for i, m in enumerate(raw):
-        where = f"messages[{i}]"
+    for i in range(start, len(raw)):
+        m, where = raw[i], f"messages[{i}]"
         if not isinstance(m, dict):
             raise MessageError(f"{where}: expected an object, got {type(m).__name__}")
         role = m.get("role")

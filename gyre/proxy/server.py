@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -39,14 +40,14 @@ from gyre.engine.router import RouterError
 from gyre.model.chat_template import ChatTemplate, end_token_ids
 from gyre.model.parsers import parse
 from gyre.model.tokenizer import load_tokenizer
-from gyre.proxy.capture import (ExecutionSession, PreparedCall, Renderer, new_api_key,
-                                prepare_call, record_call, wire_ids)
+from gyre.proxy.capture import (ExecutionSession, PreparedCall, Renderer, message_keys, new_api_key,
+                                prepare_call, record_call, remember, tools_salt, wire_ids)
 from gyre.proxy.chat import (DEFAULT_TOOL_SYSTEM, Message, MessageError, ParsedOutput, ToolCall, canonical_arguments,
                              parse_messages, parse_output, strip_end_tokens, validate_tools)
 from gyre.proxy.fairness import CallGate
 from gyre.proxy.journal import Journal
 from gyre.proxy.offload import INLINE_CHARS, PrepareWorkers, max_token_chars, text_chars
-from gyre.proxy.params import CallParams, RequestError, check_depth, forced_prefix, parse_params
+from gyre.proxy.params import MAX_DEPTH, CallParams, RequestError, check_depth, forced_prefix, parse_params
 from gyre.proxy.replay import Replay
 from gyre.proxy.streaming import ContentStream, ReasoningStream
 from gyre.proxy.template_capture import check_template, prepare_call_template
@@ -135,6 +136,9 @@ class Call:
     engine_s: float = 0.0  # time on the wire to the engine and back (not the proxy's own work)
     priority: int | None = None  # the engines admit higher first (gyre.proxy.fairness)
     wire: Any = None  # the input ids as sent (their key journals the call, gyre.proxy.journal)
+    # the request's messages for the next call's walk (capture.remember): raw, tools salt, offset,
+    # parsed messages, their keys
+    walk: tuple = ()
 
     @property
     def id(self) -> str:
@@ -212,10 +216,12 @@ class Proxy:
         self.template, self.history = chat_template, history
         self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
         self.template_conformance: dict | None = None
+        self.template_window = False  # render only the new end of the conversation (append-only templates)
         if chat_template is None:
             self.renderer.require_chatml()
         else:  # refused here, with the reason, when its segments' ids are not the whole prompt's
             self.template_conformance = check_template(self.renderer, chat_template)
+            self.template_window = all(self.template_conformance[k] for k in ("append_only", "incremental_exact"))
             if not self.template_conformance["append_only"]:
                 log.warning("the model's chat template is not append-only (%s); proxy.history=%s: %s",
                             self.template_conformance["breaks"][0]["why"], history,
@@ -318,18 +324,28 @@ class Proxy:
             return await self.workers.run(self._prepare, sess, body, role, limit)
 
     def _prepare(self, sess: ExecutionSession, body: dict, role: str, limit: int | None) -> Call:
-        check_names(body, self.template_tokens)
-        messages = parse_messages(body.get("messages"))
+        raw = body.get("messages")
+        check_depth({k: v for k, v in body.items() if k != "messages"})
         tools = validate_tools(body.get("tools"))
+        salt, w = tools_salt(tools), sess.walked
+        # messages the execution's last recorded call sent too are checked and parsed already
+        same = w.common(raw, salt) if w is not None and isinstance(raw, list) else 0
+        check_depth(raw[same:] if same else raw, MAX_DEPTH - 1)
+        check_names(body, self.template_tokens, same)
+        offset = w.offset if same else 0
+        messages = (w.messages[:same + offset] if same else []) + parse_messages(raw, same)
         p = parse_params(body, tools, self.default_max_tokens, self.max_tokens_cap)
+        if self.template is None and not same and tools and messages[0].role != "system":
+            # as the Qwen template: tools go in a system turn
+            messages, offset = [Message("system", DEFAULT_TOOL_SYSTEM), *messages], 1
+        same += offset if same else 0
+        keys = message_keys(messages, salt, w.keys[:same] if same else ())
         if self.template is not None:
             # the model's own template renders tools with or without a system turn, as it does
-
-            prepared = prepare_call_template(self.renderer, self.template, sess, messages, tools, self.history)
+            prepared = prepare_call_template(self.renderer, self.template, sess, messages, tools, self.history,
+                                             keys, same, self.template_window)
         else:
-            if tools and messages[0].role != "system":  # as the Qwen template: tools go in a system turn
-                messages = [Message("system", DEFAULT_TOOL_SYSTEM), *messages]
-            prepared = prepare_call(self.renderer, sess, messages, tools)
+            prepared = prepare_call(self.renderer, sess, messages, tools, keys, same)
         # plain-text encoding: a name can hold no control token (refused above), and never becomes one
         forced = self.renderer.encode_text(forced_prefix(p)) if forced_prefix(p) else []
         n_prompt = prepared.n_input + len(forced)
@@ -346,7 +362,8 @@ class Proxy:
         if p.seed is not None:
             eparams["sampling_seed"] = p.seed
         rid = f"{sess.record.execution_id}-{uuid.uuid4().hex[:12]}"
-        return Call(sess, body, role, p, tools, prepared, forced, eparams, rid, time.time())
+        return Call(sess, body, role, p, tools, prepared, forced, eparams, rid, time.time(),
+                    walk=(raw, salt, offset, messages, keys))
 
     def _generate_args(self, c: Call) -> tuple:
         return (c.sess.record.execution_id, wire_ids(c.sess, c.prepared, c.forced), c.engine_params)
@@ -382,12 +399,13 @@ class Proxy:
         reply = Message("assistant", parsed.content or "", tuple(parsed.tool_calls), reasoning or "")
         prepared = c.prepared
         if c.forced:  # forced ids are context the model saw, not samples
-            prepared = PreparedCall(prepared.segments, prepared.prompt_tokens + c.forced,
-                                    prepared.n_input + len(c.forced), prepared.n_reused, prepared.nodes)
+            prepared = dataclasses.replace(prepared, prompt_tokens=prepared.prompt_tokens + c.forced,
+                                           n_input=prepared.n_input + len(c.forced))
         call = record_call(sess, prepared, reply, out_ids, lps, agent_role=c.role,
                            weight_version=str(res.weight_version), endpoint=res.endpoint,
                            finish_reason=res.finish_reason, t_start=c.t0, replay_ids=c.forced + out_ids,
                            sampling=c.engine_params)
+        remember(sess, prepared, *c.walk, self.renderer.im_end, prepared.dicts)
         if self.journal is not None and c.wire is not None:  # durable past a SIGKILL before the harness hears
             self.journal.append(sess.record.execution_id, c.wire, out_ids, lps, res.finish_reason,
                                 str(res.weight_version))
@@ -465,7 +483,7 @@ class Proxy:
     async def complete(self, c: Call) -> dict:
         """Run one call to the end (non-streamed); returns the OpenAI response."""
         try:
-            args = self._generate_args(c)
+            args = self._generate_args(c)  # the input ids' JSON, built once per call
             c.wire = args[1]
             with self._track(c):
                 res = await self._engine(c, args).generate(*args, rid=c.rid, top_logprobs_num=c.params.top_logprobs,
@@ -597,7 +615,9 @@ class Proxy:
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")  # high (d800-dbff) or low (dc00-dfff)
 
 
-async def _read_json(request: web.Request) -> dict:
+async def _read_json(request: web.Request, depth: bool = True) -> dict:
+    """The request's JSON object; ``depth=False``: the caller checks its nesting (a chat call
+    skips the messages an earlier call of its execution sent)."""
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
@@ -620,7 +640,8 @@ async def _read_json(request: web.Request) -> dict:
         raise RequestError(400, f"request body is not acceptable JSON: {e}")
     if not isinstance(body, dict):
         raise RequestError(400, f"request body must be a JSON object, got {type(body).__name__}")
-    check_depth(body)
+    if depth:
+        check_depth(body)
     if "\\u" in text and _SURROGATE_ESCAPE.search(text):  # cheap test first: bodies reach MBs
         try:  # a pair is joined by json.loads; a lone half cannot be encoded
             json.dumps(body, ensure_ascii=False).encode("utf-8")
@@ -665,7 +686,7 @@ def create_app(proxy: Proxy, *, admin_key: str, max_body_bytes: int = 8 << 20,
     async def chat(request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()
         sess = proxy.session_for(request.headers.get("Authorization"))
-        body = await _read_json(request)
+        body = await _read_json(request, depth=False)
         with proxy.gate.admit(sess.record.execution_id) as priority:  # 429 beyond proxy.max_calls_in_flight
             call = await proxy.prepare(sess, body, agent_role_of(body.get("model"), request.headers.get(ROLE_HEADER)))
             call.priority = priority

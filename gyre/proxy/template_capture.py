@@ -31,11 +31,13 @@ import re
 
 from gyre.config import History
 from gyre.model.chat_template import PROBE_TOOLS, PROBES, ChatTemplate, TemplateError, conformance
-from gyre.proxy.capture import ExecutionSession, PreparedCall, Renderer, tools_salt
+from gyre.proxy.capture import ExecutionSession, PreparedCall, Renderer, message_keys, tools_salt, walk_start
 from gyre.proxy.chat import Message, MessageError
 from gyre.traj.tree import ROOT, Segment
 
 HISTORY_MODES = ("exact", "template")
+WINDOW = 8  # matched messages a windowed render keeps before the new ones (see prepare_call_template)
+BRIDGE_CHARS = 32  # the end of the message before the window that must precede it as stored
 
 
 class TemplateRefused(ValueError):
@@ -144,59 +146,113 @@ def _resume_offset(template: ChatTemplate, dicts: list[dict], j: int, tools, sto
     return at + len(tail) if at >= 0 else 0  # 0: the caller falls back to the stable end
 
 
+def _node_text(r: Renderer, session: ExecutionSession, nid: int) -> str:
+    """A node's decoded text, decoded once per execution (a node's tokens never change)."""
+    text = session.texts.get(nid)
+    if text is None:
+        text = session.texts[nid] = r.decode(session.tree.nodes[nid].tokens.tolist())
+    return text
+
+
+def _window(r: Renderer, template: ChatTemplate, session: ExecutionSession, dicts: list[dict], matched: list[int],
+            tools: list[dict]) -> tuple[list[dict], int, int] | None:
+    """The conversation cut to its first message, one bridge message, the last WINDOW matched ones
+    and the new ones, when the template renders it as the first message's stored text, then the
+    bridge ending as stored, then the matched ones exactly as stored; returns ``(view, base,
+    cut)``: message i at view index ``i - base``, the stored text ending at ``cut``. None: render
+    the whole conversation. (The bridge's own opening depends on the message before it, which
+    the window leaves out, so only its end is compared.)"""
+    j = len(matched)
+    a = j - WINDOW
+    if a < 2:
+        return None
+    view = dicts[:1] + dicts[a - 1:]
+    first = _node_text(r, session, matched[0])
+    bridge_end = _node_text(r, session, matched[a - 1])[-BRIDGE_CHARS:]
+    stored = "".join(_node_text(r, session, n) for n in matched[a:])
+    try:
+        prompt = template.render(view, tools, add_generation_prompt=True)
+    except TemplateError:
+        return None
+    at = prompt.find(stored, len(first) + len(bridge_end)) if prompt.startswith(first) else -1
+    if at < 0 or not prompt.startswith(bridge_end, at - len(bridge_end)):
+        return None
+    return view, a - 2, at + len(stored)
+
+
 def prepare_call_template(r: Renderer, template: ChatTemplate, session: ExecutionSession, messages: list[Message],
-                          tools: list[dict], history: str = "exact") -> PreparedCall:
+                          tools: list[dict], history: str = "exact", keys: list[str] | None = None,
+                          same: int = 0, window: bool = False) -> PreparedCall:
+    """``keys``/``same`` as for `gyre.proxy.capture.prepare_call` (the leading messages of the
+    execution's last walk are taken from it, not walked, converted or decoded again).
+
+    ``window`` (an append-only template, `conformance`): the template renders only the first
+    message, the last WINDOW + 1 matched ones and the new ones, as long as it renders those
+    matched ones exactly as stored (else the whole conversation, as without): per-call work
+    then follows the call's new messages, not the execution so far."""
     if history not in HISTORY_MODES:
         raise ValueError(f"proxy.history {history!r}: choose one of {', '.join(HISTORY_MODES)}")
     if not template.atoms:  # not bound at start (a direct caller): bind to this tokenizer once
         bind_template(r, template)
     try:
-        return _prepare(r, template, session, messages, tools, history)
+        return _prepare(r, template, session, messages, tools, history, keys, same, window)
     except TemplateError as e:  # the template's own rule (e.g. "No user query found"): the request's fault
         raise MessageError(f"messages: {e}") from None
 
 
 def _prepare(r: Renderer, template: ChatTemplate, session: ExecutionSession, messages: list[Message],
-             tools: list[dict], history: str) -> PreparedCall:
-    tree, salt = session.tree, tools_salt(tools)
-    keys = [m.key(salt if i == 0 else "") for i, m in enumerate(messages)]
-    dicts = [as_template_message(m) for m in messages]
-    matched: list[int] = []
-    parent = ROOT
-    for key in keys:
+             tools: list[dict], history: str, keys: list[str] | None, same: int, window: bool) -> PreparedCall:
+    tree = session.tree
+    keys = keys if keys is not None else message_keys(messages, tools_salt(tools))
+    walked, known = walk_start(session, same)
+    old = walked.dicts if walked is not None and walked.dicts is not None else []
+    dicts = old[:min(same, len(old))] + [as_template_message(m) for m in messages[min(same, len(old)):]]
+    matched: list[int] = walked.nodes[:known] if known else []
+    parent = matched[-1] if known else ROOT
+    for key in keys[known:]:
         nid = tree.find_child(parent, key)
         if nid is None:
             break
         matched.append(nid)
         parent = nid
-    texts = [r.decode(list(tree.nodes[nid].tokens)) for nid in matched]
-    if history == History.TEMPLATE and matched:
-        # follow the template: keep matched messages only while it renders them as stored
-        prompt = template.render(dicts, tools, add_generation_prompt=True)
-        acc = ""
-        for i, t in enumerate(texts):
-            if not prompt.startswith(acc + t):
-                matched, texts = matched[:i], texts[:i]
-                break
-            acc += t
+    cut_view = _window(r, template, session, dicts, matched, tools) if window else None
+    if cut_view is not None:
+        view, base, cut = cut_view
+    else:
+        view, base = dicts, 0
+        texts = [_node_text(r, session, nid) for nid in matched]
+        if history == History.TEMPLATE and matched:
+            # follow the template: keep matched messages only while it renders them as stored
+            prompt = template.render(dicts, tools, add_generation_prompt=True)
+            at = 0
+            for i, t in enumerate(texts):
+                if not prompt.startswith(t, at):
+                    matched, texts = matched[:i], texts[:i]
+                    break
+                at += len(t)
+        j = len(matched)
+        cut = _resume_offset(template, dicts, j, tools, "".join(texts)) if j else 0
+        if j and cut == 0:
+            cut = template.stable_end(dicts[:j], tools)
     j = len(matched)
-    segments = [Segment(keys[i], tree.nodes[nid].tokens, tree.nodes[nid].message_role) for i, nid in enumerate(matched)]
+    known = min(known, j)
+    segments = (walked.segments[:known] if known else []) + [
+        Segment(keys[i], tree.nodes[nid].tokens, tree.nodes[nid].message_role) for i, nid in enumerate(matched[known:], known)]
     nodes: list[int | None] = list(matched)
-    cut = _resume_offset(template, dicts, j, tools, "".join(texts)) if j else 0
-    if j and cut == 0:
-        cut = template.stable_end(dicts[:j], tools)
-    new_texts, gen = template.segments(dicts, tools, start=j, cut=cut)
+    new_texts, gen = template.segments(view, tools, start=j - base, cut=cut)
     reused = j
     for i, text in zip(range(j, len(messages)), new_texts):
         msg = messages[i]
         out_ids = session.generated.get(keys[i]) if msg.role == "assistant" else None
         if out_ids is not None and history == History.EXACT:
-            toks = _sampled_segment(r, text, template.segments(dicts[:i], tools, start=i)[1] if i else "", out_ids)
+            v = i - base
+            toks = _sampled_segment(r, text, template.segments(view[:v], tools, start=v)[1] if v else "", out_ids)
             reused += 1
         else:
             toks = encode_segment(r, text, [msg.reasoning, msg.content])
         segments.append(Segment(keys[i], toks, msg.role))
         nodes.append(None)
     prompt_ids = encode_segment(r, gen, [])
-    n_input = sum(len(s.tokens) for s in segments) + len(prompt_ids)
-    return PreparedCall(segments, prompt_ids, n_input, reused, nodes)
+    n_known = walked.ends[known - 1] if known else 0
+    n_input = n_known + sum(len(s.tokens) for s in segments[known:]) + len(prompt_ids)
+    return PreparedCall(segments, prompt_ids, n_input, reused, nodes, walked, known, dicts)

@@ -20,8 +20,8 @@ def template_tokens(tokenizer) -> tuple[str, ...]:
     return tuple(sorted({t.content for t in tokenizer.get_added_tokens_decoder().values() if t.content}))
 
 
-def _names(body: dict) -> Iterable[tuple[str, Any]]:
-    """(field, value) of every name the request carries."""
+def _names(body: dict, start: int = 0) -> Iterable[tuple[str, Any]]:
+    """(field, value) of every name the request carries (messages from ``start`` on)."""
     for i, t in enumerate(body.get("tools") or [] if isinstance(body.get("tools"), list) else []):
         fn = t.get("function") if isinstance(t, dict) else None
         if isinstance(fn, dict):
@@ -30,7 +30,9 @@ def _names(body: dict) -> Iterable[tuple[str, Any]]:
     if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
         yield "tool_choice.function.name", choice["function"].get("name")
     messages = body.get("messages")
-    for i, m in enumerate(messages if isinstance(messages, list) else []):
+    messages = messages if isinstance(messages, list) else []
+    for i in range(start, len(messages)):
+        m = messages[i]
         if not isinstance(m, dict):
             continue
         yield f"messages[{i}].name", m.get("name")
@@ -41,9 +43,10 @@ def _names(body: dict) -> Iterable[tuple[str, Any]]:
                 yield f"messages[{i}].tool_calls[{j}].function.name", fn.get("name")
 
 
-def check_names(body: dict, tokens: tuple[str, ...]) -> None:
-    """Refuse a name holding a template token (400, naming the field and the token)."""
-    for where, name in _names(body):
+def check_names(body: dict, tokens: tuple[str, ...], start: int = 0) -> None:
+    """Refuse a name holding a template token (400, naming the field and the token); messages
+    before ``start`` were checked already (an earlier call of the execution sent them)."""
+    for where, name in _names(body, start):
         if isinstance(name, str):
             hit = next((t for t in tokens if t in name), None)
             if hit is not None:

@@ -93,15 +93,46 @@ class ShardError(Exception):
         super().__init__(f"{self.path}: {dataset}: {reason}")
 
 
+class Parts:
+    """A bulk dataset as the per-node arrays that hold it, in order: written chunk by chunk and
+    checksummed part by part, never concatenated (a 1M-token execution is not copied whole)."""
+
+    def __init__(self, arrays: list[np.ndarray], dtype: str):
+        self.arrays, self.dtype = arrays, np.dtype(dtype)
+        self.n = int(sum(len(a) for a in arrays))
+
+    def __len__(self) -> int:
+        return self.n
+
+    def chunks(self, rows: int) -> Iterator[np.ndarray]:
+        """The data in consecutive blocks of ``rows`` (the last one shorter), through one buffer."""
+        buf, fill = np.empty(rows, self.dtype), 0
+        for a in self.arrays:
+            at = 0
+            while at < len(a):
+                n = min(rows - fill, len(a) - at)
+                buf[fill:fill + n] = a[at:at + n]
+                fill, at = fill + n, at + n
+                if fill == rows:
+                    yield buf
+                    fill = 0
+        if fill:
+            yield buf[:fill]
+
+
 # -- canonical bytes and checksums ----------------------------------------------------------
 def _le_bytes(col: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(col, col.dtype.newbyteorder("<") if col.dtype.kind in "iuf" else col.dtype)
 
 
-def digest(arr: np.ndarray) -> str:
+def digest(arr: "np.ndarray | Parts") -> str:
     """sha256 of a dataset's canonical bytes: a plain array's little-endian bytes; a table's
     columns in order, each as name + NUL + its little-endian (strings: NUL-padded) bytes."""
     h = hashlib.sha256()
+    if isinstance(arr, Parts):  # the same bytes as the concatenated array's
+        for a in arr.arrays:
+            h.update(_le_bytes(np.asarray(a, arr.dtype)))
+        return h.hexdigest()
     if arr.dtype.names is None:
         h.update(_le_bytes(arr))
         return h.hexdigest()
@@ -150,8 +181,9 @@ _CALL_FIELDS = tuple(name for name, _ in CALL_COLUMNS if name != "execution")
 _CALL_GET = operator.attrgetter(*("index" if f == "call" else f for f in _CALL_FIELDS))
 
 
-def pack(records: list[ExecutionRecord]) -> dict[str, np.ndarray]:
-    """The shard's five datasets for ``records``, in shard order."""
+def pack(records: list[ExecutionRecord], concat: bool = True) -> dict[str, "np.ndarray | Parts"]:
+    """The shard's five datasets for ``records``, in shard order; ``concat=False``: the bulk
+    ``tokens``/``logprobs`` as `Parts` of the nodes' own arrays (what `ShardWriter.write` uses)."""
     all_nodes = [n for r in records for n in r.tree.nodes]
     all_calls = [c for r in records for c in r.tree.calls]
     n_nodes = np.array([len(r.tree.nodes) for r in records], np.int64)
@@ -185,6 +217,9 @@ def pack(records: list[ExecutionRecord]) -> dict[str, np.ndarray]:
     ev.update(node_start=np.cumsum(n_nodes) - n_nodes, node_count=n_nodes,
               call_start=np.cumsum(n_calls) - n_calls, call_count=n_calls)
     et = _table(EXECUTION_COLUMNS, ev, len(records))
+    if not concat:
+        return {"tokens": Parts(tok_parts, "<i4"), "logprobs": Parts(lp_parts, "<f4"),
+                "nodes": nt, "calls": ct, "executions": et}
     return {
         "tokens": np.concatenate(tok_parts, dtype="<i4") if tok_parts else np.zeros(0, "<i4"),
         "logprobs": np.concatenate(lp_parts, dtype="<f4") if lp_parts else np.zeros(0, "<f4"),
@@ -292,9 +327,9 @@ class ShardWriter:
         """Write ``records`` as one new shard; returns its final path."""
         if not records:
             raise ValueError("no executions to write")
-        return self.write_packed(pack(records), extra_attrs, suffix)
+        return self.write_packed(pack(records, concat=False), extra_attrs, suffix)
 
-    def write_packed(self, data: dict[str, np.ndarray], extra_attrs: dict | None = None,
+    def write_packed(self, data: dict[str, "np.ndarray | Parts"], extra_attrs: dict | None = None,
                      suffix: str = ".h5") -> Path:
         """Write already packed datasets (``pack``) as one new shard."""
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -321,8 +356,17 @@ class ShardWriter:
     def _table_rows(arr: np.ndarray) -> int:
         return max(1, min(len(arr), TABLE_CHUNK_ROWS))
 
-    def _create(self, f: h5py.File, name: str, arr: np.ndarray, deflated: list[bytes] | None) -> h5py.Dataset:
+    def _create(self, f: h5py.File, name: str, arr: "np.ndarray | Parts", deflated: list[bytes] | None) -> h5py.Dataset:
         # maxshape None: an empty dataset still gets a valid (1-row) chunk
+        if isinstance(arr, Parts):  # chunk-aligned blocks straight from the nodes' arrays
+            rows = max(1, min(len(arr), self.chunk_tokens))
+            ds = f.create_dataset(name, shape=(len(arr),), dtype=arr.dtype, chunks=(rows,), maxshape=(None,),
+                                  **self._bulk_filters())
+            at = 0
+            for block in arr.chunks(rows):
+                ds.write_direct(block, dest_sel=np.s_[at:at + len(block)])
+                at += len(block)
+            return ds
         if deflated is None:
             rows = max(1, min(len(arr), self.chunk_tokens))
             return f.create_dataset(name, data=arr, chunks=(rows, *arr.shape[1:]),

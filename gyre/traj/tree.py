@@ -147,21 +147,26 @@ class TrajectoryTree:
                  output_tokens: list[int], logprobs: list[float], *, agent_role: str,
                  weight_version: str = "0", policy_version: int = 0, endpoint: str = "",
                  finish_reason: str = "", t_start: float = 0.0, t_end: float = 0.0,
-                 sampling: dict | None = None) -> CallRecord:
+                 sampling: dict | None = None, path: tuple[int, int, int] | None = None) -> CallRecord:
         """Record one call: its input messages, then its generation prompt + sampled output.
 
         ``sampling``: the engine's sampling parameters (``temperature``, ``top_p``, ``top_k``,
         ``min_p``; missing ones take the engine's defaults).
 
         Returns the call record; its ``leaf`` is the target node. Existing nodes are reused
-        only when key *and* tokens match, so recorded history is never altered.
+        only when key *and* tokens match, so recorded history is never altered. ``path``
+        ``(k, node, tokens)``: the first k segments are the tree's path ending at ``node``
+        (their tokens in all), as the caller's walk found them, so they are not compared again.
         """
         if len(logprobs) != len(output_tokens):
             raise ValueError(f"{len(logprobs)} log-probs for {len(output_tokens)} output tokens")
         index = len(self.calls)
-        parent = ROOT
-        n_input = 0
-        for seg in segments:
+        parent, n_input, skip = ROOT, 0, 0
+        if path is not None:
+            skip, parent, n_input = path
+            if not 0 < skip <= len(segments) or self.nodes[parent].key != segments[skip - 1].key:
+                raise ValueError(f"path {path[:2]} does not end at segment {skip - 1}'s node")
+        for seg in segments[skip:]:
             toks = np.asarray(seg.tokens, dtype=np.int32)
             n_input += len(toks)
             # an earlier output re-sent as context continues *through* its target node (so

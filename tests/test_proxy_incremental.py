@@ -1,0 +1,232 @@
+"""Per-call proxy work follows the call's new messages (issue 28, ARCHITECTURE.md invariant 10):
+a call starts from the execution's last walk (gyre.proxy.capture.Walked) and, under an
+append-only chat template, renders only the end of the conversation (template_capture._window).
+Both must give exactly the ids of the full computation: the same harness conversation goes through
+two proxies, one as shipped and one that forgets its walk after every call and renders whole
+conversations, and the engine must receive the same input ids and the trees hold the same nodes."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+
+from gyre.engine.router import Router
+from gyre.model.chat_template import ChatTemplate
+from gyre.proxy import template_capture
+from gyre.proxy.capture import ExecutionSession, message_keys, prepare_call, record_call, remember
+from gyre.proxy.chat import Message, parse_messages
+from gyre.proxy.server import Proxy, create_app, start_site
+from gyre.traj.record import ExecutionRecord
+from support.loop_thread import LoopThread
+from support.scripted_engine import ScriptedEngine
+from support.chat_templates import TEMPLATES, TOOLS
+from support.proxy_stack import R, TOKENIZER
+
+
+def _call_text(i: int, reasoning: bool) -> str:
+    think = f"<think>\nstep {i}: look around\n</think>\n\n" if reasoning else ""
+    cmd = "ls" if i % 3 == 0 else f"cat mod_{i}.py"  # repeated calls: periodic text
+    return think + '<tool_call>\n{"name": "bash", "arguments": {"command": "%s"}}\n</tool_call>' % cmd
+
+
+class Pair:
+    """Two proxies behind their own scripted engines, fed the same requests."""
+
+    def __init__(self, template: str | None, history: str, reasoning: bool, force_window: bool):
+        self.lt = LoopThread()
+        kw = {} if template is None else {
+            "chat_template": ChatTemplate((TEMPLATES / f"{template}.jinja").read_text()), "history": history,
+            "reasoning_parser": "qwen3" if reasoning else "none"}
+        self.engines = [ScriptedEngine(decode=R.decode), ScriptedEngine(decode=R.decode)]
+        for e in self.engines:
+            e.script = [R.encode(_call_text(i, reasoning)) + [R.im_end] for i in range(60)]
+        self.proxies, self.ports, self.keys = [], [], []
+
+        async def up():
+            self.down = []
+            for e in self.engines:
+                erunner, eport = await start_site(e.app(), "127.0.0.1", 0)
+                router = Router([f"http://127.0.0.1:{eport}"])
+                proxy = Proxy(router, TOKENIZER, **kw)
+                prunner, port = await start_site(create_app(proxy, admin_key="a"), "127.0.0.1", 0)
+                self.proxies.append(proxy)
+                self.ports.append(port)
+                self.down += [prunner.cleanup, router.close, erunner.cleanup]
+
+        self.lt.run(up())
+        self.proxies[0].template_window = self.proxies[0].template_window or force_window
+        self.proxies[1].template_window = False
+        self.keys = [p.register("e", task="t") for p in self.proxies]
+
+    def post(self, messages: list[dict]) -> dict:
+        out = []
+        for k, (port, key) in enumerate(zip(self.ports, self.keys)):
+            body = json.dumps({"model": "main", "messages": messages, "tools": TOOLS}).encode()
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body, method="POST",
+                                         headers={"Content-Type": "application/json",
+                                                  "Authorization": f"Bearer {key}"})
+            with urllib.request.urlopen(req, timeout=30) as r:
+                out.append(json.loads(r.read()))
+            if k == 1:  # the reference forgets its walk: every call walks, parses and keys all
+                self.proxies[1].by_id["e"].walked = None
+        return out[0]
+
+    def close(self):
+        async def down():
+            for f in self.down:
+                await f()
+        self.lt.run(down())
+        self.lt.close()
+
+
+def _drive(pair: Pair, calls: int = 26) -> None:
+    """An agent conversation with what breaks prefixes: two tool results at once, a user turn in
+    the middle, a retry of the same request, a compaction that restarts the history."""
+    system = {"role": "system", "content": "You are a coding agent."}
+    task = {"role": "user", "content": "Fix the failing test in the repository."}
+    messages = [system, task]
+    for i in range(calls):
+        msg = pair.post(messages)["choices"][0]["message"]
+        if i == 7:  # a retry: the harness sends the same request again
+            msg = pair.post(messages)["choices"][0]["message"]
+        turn = {"role": "assistant", "content": msg["content"], "tool_calls": msg["tool_calls"]}
+        if msg.get("reasoning_content"):
+            turn["reasoning_content"] = msg["reasoning_content"]
+        messages.append(turn)
+        messages.append({"role": "tool", "tool_call_id": "c", "content": "ok" if i % 3 == 0 else f"line {i}\n" * 3})
+        if i % 5 == 4:
+            messages.append({"role": "tool", "tool_call_id": "d", "content": "ok"})
+        if i == 11:
+            messages.append({"role": "user", "content": "Also keep the old behaviour."})
+        if i == 17:  # compaction: the history restarts from a summary
+            messages = [system, task, {"role": "user", "content": "Summary: tests fixed up to step 17."}]
+
+
+@pytest.mark.parametrize("template,history,reasoning,force_window", [
+    (None, "exact", False, False),
+    ("chatml_hermes", "exact", False, False),
+    ("chatml_hermes", "template", False, False),
+    # not append-only: the proxy renders it whole; forced to try the window, its check must see it
+    ("chatml_drop_reasoning", "exact", True, True),
+])
+def test_incremental_calls_give_the_full_computations_ids(template, history, reasoning, force_window, monkeypatch):
+    windows = []
+    orig = template_capture._window
+    monkeypatch.setattr(template_capture, "_window",
+                        lambda *a: windows.append(orig(*a) is not None) or orig(*a))
+    pair = Pair(template, history, reasoning, force_window)
+    try:
+        _drive(pair)
+        got, want = (e.requests for e in pair.engines)
+        assert len(got) == len(want) == 27
+        for k, (a, b) in enumerate(zip(got, want)):
+            assert a["input_ids"] == b["input_ids"], f"call {k}"
+        trees = [p.by_id["e"].tree for p in pair.proxies]
+        assert [(n.parent, n.key, n.tokens.tolist()) for n in trees[0].nodes] == \
+               [(n.parent, n.key, n.tokens.tolist()) for n in trees[1].nodes]
+        if template == "chatml_hermes":
+            assert sum(windows) >= 10  # the late calls of each history rendered only their end
+    finally:
+        pair.close()
+
+
+def test_a_call_parses_and_keys_only_its_new_messages(monkeypatch):
+    """With the execution's earlier messages repeated, the proxy computes a key (hash of the
+    message text) only for the messages the last call did not send."""
+    counted = []
+    orig = Message.key
+    monkeypatch.setattr(Message, "key", lambda self, salt="": counted.append(1) or orig(self, salt))
+    pair = Pair(None, "exact", False, False)
+    try:
+        messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+        per_call = []
+        for i in range(12):
+            before = len(counted)
+            msg = pair.post(messages)["choices"][0]["message"]
+            per_call.append(len(counted) - before)
+            messages += [{"role": "assistant", "content": msg["content"], "tool_calls": msg["tool_calls"]},
+                         {"role": "tool", "tool_call_id": "c", "content": f"out {i}"}]
+        # per call: the reference keys every message (2 + 2i), the shipped proxy its 2 new ones,
+        # plus one key each for the reply both record
+        assert per_call[0] == 2 * (2 + 1)
+        assert per_call[1:] == [(2 + 2 * i + 1) + (2 + 1) for i in range(1, 12)]
+    finally:
+        pair.close()
+
+
+def test_a_node_recorded_after_the_walk_takes_over():
+    """Calls of one execution overlap: while a call runs, a retry of an earlier request samples the
+    same text with other ids, and the tree's newest node for that message is what a fresh walk
+    finds from then on; the kept walk must stop before it, or the next call would be built on
+    the older ids."""
+    sess = ExecutionSession(ExecutionRecord("e", "t", 0), "k")
+
+    def prepare(raw, use_walk=True):
+        messages = parse_messages(raw)
+        keys = message_keys(messages, "")
+        same = sess.walked.common(raw, "") if use_walk and sess.walked is not None else 0
+        return raw, messages, keys, prepare_call(R, sess, messages, [], keys, same)
+
+    def record(call, out):
+        raw, messages, keys, prepared = call
+        reply = Message("assistant", R.decode(out[:-1]))
+        record_call(sess, prepared, reply, out, [-1.0] * len(out), agent_role="main", weight_version="0",
+                    endpoint="x", finish_reason="stop", t_start=0.0)
+        remember(sess, prepared, raw, "", 0, messages, keys, R.im_end)
+
+    ids_a = R.encode("All done here.") + [R.im_end]
+    ids_b = R.encode("All do") + R.encode("ne here.") + [R.im_end]  # same text, other ids
+    assert R.decode(ids_a) == R.decode(ids_b) and ids_a != ids_b
+    base = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    turn = base + [{"role": "assistant", "content": "All done here."}, {"role": "user", "content": "more"}]
+    record(prepare(base), ids_a)
+    record(prepare(turn), R.encode("Next.") + [R.im_end])
+    running = prepare(turn + [{"role": "assistant", "content": "Next."}, {"role": "user", "content": "again"}])
+    assert running[3].known == 4  # it started from the kept walk
+    record(prepare(base), ids_b)  # the retry ends first: a sibling node with the same key
+    record(running, R.encode("Last.") + [R.im_end])
+    nxt = turn + [{"role": "assistant", "content": "Next."}, {"role": "user", "content": "again"},
+                  {"role": "assistant", "content": "Last."}, {"role": "user", "content": "end"}]
+    want = prepare(nxt, use_walk=False)[3].input_ids
+    assert prepare(nxt)[3].input_ids == want
+    assert want[len(prepare(base, use_walk=False)[3].input_ids):][:len(ids_b) - 1] == ids_b[:-1]
+
+
+@pytest.mark.slow  # transformers and three model directories: ~25 s on 2 cores
+@pytest.mark.parametrize("name", ["qwen2_5", "qwen3_coder", "llama3_1"])
+def test_windowed_render_of_real_templates_equals_transformers(tmp_path, name, monkeypatch):
+    """The append-only real templates (tests/templates/SOURCES) over a 16-call conversation, long
+    enough that the later calls render only their window: every call's ids are transformers'."""
+    from openai import OpenAI
+
+    from support.template_fixtures import FIXTURES, TOOLS as REAL_TOOLS, Reference, model_dir, script, serve
+
+    windows = []
+    orig = template_capture._window
+    monkeypatch.setattr(template_capture, "_window", lambda *a: windows.append(orig(*a) is not None) or orig(*a))
+    f = FIXTURES[name]
+    directory = model_dir(name, tmp_path / name)
+    ref = Reference(directory)
+    end = "<|eot_id|>" if f.llama else "<|im_end|>"
+    turns = script(f)
+    plan = turns[:1] + [(new, {**turn, "content": f"{turn['content']} ({k})"})
+                        for k in range(4) for new, turn in turns[1:]]
+    overrides = ["proxy.history=exact", f"proxy.tool_parser={f.tool_parser}", f"proxy.reasoning_parser={f.reasoning_parser}"]
+    with serve(directory, overrides) as (proxy, engine, base_url):
+        client = OpenAI(base_url=base_url, api_key=proxy.register("e1", task="t"), max_retries=0)
+        messages: list[dict] = []
+        for i, (new, turn) in enumerate(plan):
+            messages += [{**m, "tool_call_id": f"call_{i}"} if m["role"] == "tool" else m for m in new]
+            engine.script = [ref.sampled(messages, turn, end)]
+            reply = client.chat.completions.create(model="main", messages=messages, tools=REAL_TOOLS)
+            assert engine.requests[-1]["input_ids"] == ref.ids(messages), f"{name} call {i}"
+            m = reply.choices[0].message
+            echo: dict = {"role": "assistant", "content": m.content}
+            if m.tool_calls:
+                echo["tool_calls"] = [{"id": f"call_{i}_{k}", "type": "function",
+                                       "function": {"name": t.function.name, "arguments": t.function.arguments}}
+                                      for k, t in enumerate(m.tool_calls)]
+            messages.append(echo)
+    assert len(plan) == 17 and sum(windows) >= 5
