@@ -13,7 +13,7 @@ from gyre.sim import calibration as cal
 from gyre.sim.bound import lower_bound, lower_bound_trained
 from gyre.sim.simulator import SimSpec, Simulator
 from gyre.sim.scenario import Scenario, nl2repo_cluster, pin_tool_time, preset_scenario
-from gyre.sim.workload import Workload
+from gyre.sim.workload import ExecSpec, GroupSpec, Workload
 
 
 def test_122b_e0_durations_come_out_of_tokens_and_tools():
@@ -153,7 +153,8 @@ def test_lower_bound_holds_on_the_work_trained_when_groups_drop():
     sim, r = _sim("C", 2, steps=8, q=4)
     assert r.dropped_groups > 0
     trained = [[g.id for g in s.groups] for s in sim.core.steps]
-    assert r.lower_bound_s == pytest.approx(lower_bound_trained(sim.w, sim.c, trained, arrival=False, max_open=4 * 3))
+    assert r.lower_bound_s == pytest.approx(lower_bound_trained(sim.w, sim.c, trained, arrival=True, max_open=4 * 3,
+                                                                   staleness=2))
     assert r.lower_bound_s <= r.makespan_s
     assert lower_bound(sim.w, sim.c, 8, 4, 2) != pytest.approx(r.lower_bound_s)  # not the first groups
 
@@ -179,3 +180,41 @@ def test_sim_does_not_import_report():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n.startswith("gyre.report") for n in names), f
+
+
+def _uniform_workload() -> Workload:
+    e = ExecSpec(nominal_s=3600, calls=1, tokens=2000, train_tokens=1000, context_tokens=2000,
+                 output_tokens=1000, tool_s=3600)
+    return Workload(lambda i: GroupSpec(str(i), (e, e)), 2, "uniform", 3600.0, 0.0)
+
+
+@pytest.mark.parametrize("scheme", ["E", "C", "A"])
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_bound_is_attained_on_a_trivially_schedulable_workload(scheme, k):
+    """Identical one-call groups on an idle cluster: any sane scheduler opens k + 1 steps' groups
+    at once, so the chain end(s) >= end(s - k - 1) + one group's time is what every scheme reaches."""
+    c = nl2repo_cluster(nodes=16, cell_nodes=4)
+    w = _uniform_workload()
+    sim = Simulator(Scenario(scheme, k, c, steps=6, groups_per_step=2, record=False).policy(w), w, c,
+                    SimSpec(steps=6, groups_per_step=2))
+    r = sim.run()
+    assert r.lower_bound_s <= r.makespan_s <= 1.02 * r.lower_bound_s
+    assert "per-step arrival at staleness" in r.bound_basis
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_bound_at_staleness_counts_the_version_chain(k):
+    """At k > 0 step s trains only groups of versions >= s - k, which cannot start before step
+    s - k - 1 ended: the bound follows that chain and is far above the work / concurrency limits
+    alone (which left `x bound` above 2 for every k = 2 run), yet never above the makespan."""
+    sim, r = _sim("E", k, steps=6, q=16)
+    trained = [[g.id for g in s.groups] for s in sim.core.steps]
+    loose = lower_bound_trained(sim.w, sim.c, trained, arrival=False, max_open=16 * (k + 1))
+    assert r.lower_bound_s <= r.makespan_s
+    assert r.lower_bound_s > 1.3 * loose
+    assert r.makespan_s / r.lower_bound_s < 1.5
+    # k only loosens the chain: the same groups at a larger staleness never bound higher
+    tighter = lower_bound_trained(sim.w, sim.c, trained, arrival=True, staleness=k - 1)
+    assert tighter >= r.lower_bound_s
+    with pytest.raises(ValueError, match="staleness"):
+        lower_bound_trained(sim.w, sim.c, trained, arrival=True, staleness=-1)
