@@ -272,8 +272,10 @@ def paper_vs_gyre(runs: list[dict], ratios: dict) -> list[dict]:
     e0, c2 = by[(P, "E0")], by[(P, "C2")]
     out = [{"claim": "122B, 32 nodes: E0 faster than C2 (held out)", "paper": "E0 < C2",
             "gyre": f"E0 {e0['hours']} h, C2 {c2['hours']} h", "holds": e0["hours"] < c2["hours"]},
-           {"claim": "122B, 32 nodes: rollout masks training (E0 slack, pinned)", "paper": "20.85% slack",
-            "gyre": f"slack {e0['slack']:.1%}", "holds": e0["slack"] > 0}]
+           # the family is pinned on short runs: the preset's full run must land in the same band
+           {"claim": "122B, 32 nodes: E0 slack of the full run within the pinned band", "paper": "20.85% slack",
+            "gyre": f"slack {e0['slack']:.1%} (band {SLACK - SLACK_TOL:.1%}–{SLACK + SLACK_TOL:.1%})",
+            "holds": abs(e0["slack"] - SLACK) <= SLACK_TOL}]
     b4 = by[(P, "E0 b4")]
     out.append({"claim": "E0 read as 4 optimizer steps per sync, vs C2 (held out)", "paper": "E0 < C2",
                 "gyre": f"E0 b4 {b4['hours']} h, C2 {c2['hours']} h", "holds": b4["hours"] < c2["hours"]})
@@ -287,11 +289,12 @@ def paper_vs_gyre(runs: list[dict], ratios: dict) -> list[dict]:
     for k in (0, 2):
         ae, ce = ratios.get(f"A{k}/E{k}"), ratios.get(f"C{k}/E{k}")
         if ae and ae["n"]:
-            out.append({"claim": f"family's predicted ratios, staleness {k} (122B, 8x4)",
-                        "paper": f"up to 1.85 (A/E), 1.78 (C/E)",
+            # E never slower than Async's best split or Colocate anywhere in the family
+            out.append({"claim": f"family's predicted ratios, staleness {k} (122B, 8x4): E fastest at every point",
+                        "paper": "up to 1.85 (A/E), 1.78 (C/E)",
                         "gyre": f"A/E {ae['min']}–{ae['max']} (median {ae['median']}), "
                                 f"C/E {ce['min']}–{ce['max']} (median {ce['median']})",
-                        "holds": ae["max"] >= 1.0 and ce["max"] >= 1.0})
+                        "holds": ae["min"] >= 1.0 and ce["min"] >= 1.0})
     return out
 
 

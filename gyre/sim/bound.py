@@ -10,14 +10,19 @@ Two limits, the larger wins:
   each decoded token reads its call's KV once, the weights cost nothing per token) and training
   at full rate, with no switches: (rollout cell-time + training cell-time) / cells.
   Optimizer steps and weight pushes occupy only one side of the cluster, so they are not added.
-- arrival (staleness 0 only): step s trains exactly the groups started under version s. A group
-  cannot be ready before its slowest execution has run alone on a replica (batch 1) and been
-  evaluated, and by time x the cells cannot have decoded more than cells * saturated rate * x.
-  So for any x, the training tokens of groups that cannot be ready by x are trained after x on
-  at most every cell: step >= x + those tokens / (all cells' training rate) + optimizer step, and
-  the next step's decoding waits for the weight push. The bound
-  takes the best x for every step (groups ready by x are credited greedily, which only makes the
-  bound lower). Under k > 0 or with bursts a policy may reorder which groups train when.
+- arrival (window rule, one step per sync): step s trains only groups started under version
+  s - k or later, and version v exists only once step v - 1 has ended (its optimizer step
+  included). A group cannot be ready before its slowest execution has run alone on a replica
+  (batch 1) and been evaluated, and by x after its start the cells cannot have decoded more than
+  cells * saturated rate * x. So for any x, the training tokens of step s's groups that cannot be
+  ready by x are trained after x on at most every cell:
+      end(s) >= end(s - k - 1) [+ the weight push at k = 0] + x + those tokens / (all cells'
+                training rate) + optimizer step,
+  taking the best x (groups ready by x are credited greedily, which only makes the bound lower);
+  and steps train one after another: end(s) >= end(s - 1) + step s's tokens / (all cells' rate)
+  + optimizer step. Each step is given the whole cluster (other steps' decoding overlapping it is
+  ignored), so this is what a perfect scheduler could do with the same groups and staleness. With
+  bursts or the counting rule a policy may reorder which groups train when, so it is not used.
 - concurrency (window rule): at most b x Q x (k + 1) groups are open at once, and each stays open
   at least as long as its slowest execution alone on a cell plus evaluation.
 """
@@ -36,39 +41,49 @@ def _solo_s(e: ExecSpec, c: ClusterModel) -> float:
 
 
 def _decode_cell_s(e: ExecSpec, c: ClusterModel) -> float:
-    """Cell-seconds its decode needs at least: every token reads its call's KV once (the weights
-    are shared by an unbounded batch and cost nothing per token in the limit)."""
-    return e.output_tokens * (e.context_tokens / 2) * c.replica.kv_bytes_per_token / c.replica.bandwidth / c.replicas
+    """Cell-seconds its decode needs at least: every token reads its call's KV and state once and
+    pays the engine's per-call time (the weights are shared by an unbounded batch and cost nothing
+    per token in the limit)."""
+    return e.output_tokens * c.replica.marginal_call_s(e.context_tokens / 2) / c.replicas
 
 
 def lower_bound_trained(w: Workload, c: ClusterModel, trained_by_step: list[list[int]], arrival: bool,
-                        max_open: int = 0) -> float:
-    """Bound on the groups trained, step by step (workload group ids); `arrival` at k = 0, b = 1.
+                        max_open: int = 0, staleness: int = 0) -> float:
+    """Bound on the groups trained, step by step (workload group ids); `arrival` under the window
+    rule with one step per sync, where step s trains groups of versions >= s - `staleness`.
 
     `max_open` (window rule: b x Q x (k + 1)) adds the concurrency limit: a group is open from its
     start until it trains, at least as long as its slowest execution alone plus its evaluation,
     and at most max_open groups are open at once, so the makespan is at least the sum of those
     times over the trained groups / max_open."""
-    roll = train = arr = busy = 0.0
-    n = len(trained_by_step)
+    if staleness < 0:
+        raise ValueError(f"staleness must be >= 0, got {staleness}")
+    roll = train = busy = 0.0
+    end: list[float] = []  # earliest end of each step (optimizer step included)
+    full = c.train_rate(c.cells)
+    push = c.push_s if staleness == 0 else 0.0  # at k > 0 a group may start during the push
     for s, ids in enumerate(trained_by_step):
         batch = [w.group(i) for i in ids]
+        tokens = 0.0
         for g in batch:
             for e in g.execs:
                 roll += _decode_cell_s(e, c)
                 train += e.train_tokens / c.train_rate(1)
+                tokens += e.train_tokens
             busy += max(_solo_s(e, c) for e in g.execs) + c.eval_s
-        if arrival and batch:
-            arr += _step_arrival_bound(batch, c) + c.opt_s + (c.push_s if s < n - 1 else 0.0)
+        if arrival:
+            opened = end[s - staleness - 1] + push if s > staleness else 0.0
+            after_prev = end[-1] + tokens / full if end else tokens / full
+            end.append(max(opened + (_step_arrival_bound(batch, c) if batch else 0.0), after_prev) + c.opt_s)
     work = (roll + train) / c.cells
     conc = busy / max_open if max_open > 0 else 0.0
-    return max(work, arr, conc)
+    return max(work, end[-1] if end else 0.0, conc)
 
 
 def lower_bound(w: Workload, c: ClusterModel, steps: int, groups_per_step: int, staleness: int) -> float:
     """The bound on the workload's first steps x Q groups (a plan before any run)."""
     ids = [list(range(s * groups_per_step, (s + 1) * groups_per_step)) for s in range(steps)]
-    return lower_bound_trained(w, c, ids, arrival=staleness == 0)
+    return lower_bound_trained(w, c, ids, arrival=True, staleness=staleness)
 
 
 def _step_arrival_bound(batch: list[GroupSpec], c: ClusterModel) -> float:

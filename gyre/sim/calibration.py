@@ -4,8 +4,10 @@ A preset is a workload profile, a model, a GPU and a layout. The cluster model's
 here from stated sources, never fitted to an end-to-end time the benchmark then reports:
 
 - decode: a roofline per serving replica (gyre/sim/roofline.py): FP8 weight bytes (dense, plus the
-  routed experts a batch touches) and the batch's KV bytes over HBM bandwidth, plus a fixed step
-  overhead; KV capacity = HBM left after the weights;
+  routed experts a batch touches) and the batch's KV bytes over HBM bandwidth, slowed by engine
+  terms (step overhead per layer, share of bandwidth reached, time per call in the batch) fitted
+  on published decode measurements of OTHER models and GPUs (``ENGINE_MEASUREMENTS``: never the
+  paper's); KV capacity = HBM left after the weights;
 - prefill (new tokens, and whole contexts after a lost prefix): FLOP-bound at a stated MFU;
 - training throughput: FLOP arithmetic (8 x active parameters + causal attention per token: forward,
   backward and the behaviour log-prob recomputation) at a stated MFU;
@@ -21,8 +23,12 @@ costs (``train_cost``), are pinned only by its secondary figures (benchmarks/ben
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field, replace
+from functools import cache
+
+import numpy as np
 
 from gyre.config import ConfigError
 from gyre.sim.cost_model import KEEP_SOLO_SPEED, ClusterModel
@@ -32,8 +38,12 @@ from gyre.sim.workload import DURATION_SCALE_2P4T, NL2REPO, NL2REPO_2P4T, Lognor
 # Assumptions shared by every preset.
 TRAIN_MEM_SHARE = 0.8    # share of HBM the training state may take; the rest: activations, buffers
 MEM_FRACTION = 0.88      # SGLang --mem-fraction-static: weights + KV share of a serving GPU's HBM
-STEP_OVERHEAD_MS = 2.5   # per decode step: kernel launches, TP all-reduce, scheduler (assumed)
 PREFILL_MFU = 0.4        # prefill is compute-bound; assumed MFU
+# Cross-node expert parallel (a replica over several nodes): DeepEP's low-latency all-to-all on
+# CX7 400 Gb/s InfiniBand reaches 48-53 GB/s per GPU at EP 32 (github.com/deepseek-ai/DeepEP README,
+# H800, 128 tokens, 7,168 hidden, top-8, FP8 dispatch / BF16 combine: 155 / 273 us, bandwidth-bound).
+RDMA_GB_S = 50.0
+A2A_FLOOR_US = 15.0      # per all-to-all at a tiny batch: launch + an RDMA round trip (assumed)
 
 
 @dataclass(frozen=True)
@@ -63,6 +73,8 @@ class ModelSpec:
     attn_layers: int           # layers with full (quadratic) attention
     attn_dim: int              # query heads x head dim of those layers
     replica_gpus: int          # GPUs per serving replica (SGLang tensor/expert parallel group)
+    layers: int = 0            # all decoder layers (full attention + linear); 0: attn_layers
+    hidden: int = 0            # model width: the bytes a token sends to each of its experts
     experts: int = 0           # routed experts per layer (0: dense)
     topk: int = 0              # experts routed per token
     kv_bytes_per_token: float = 0.0  # KV cache bytes per token of context (full-attention layers)
@@ -87,12 +99,31 @@ class ModelSpec:
         the recomputation of behaviour log-probs (1x) = 4x forward."""
         return 4 * (2 * self.active + 2 * self.attn_layers * self.attn_dim * seq)
 
-    def replica(self, hw: "Hardware") -> ReplicaSpec:
-        b = self.serve_bytes_per_param
+    @property
+    def n_layers(self) -> int:
+        return self.layers or self.attn_layers
+
+    def _cross_node_ep(self, hw: "Hardware") -> dict:
+        """A replica over n > 1 nodes sends (n - 1) / n of each token's routed experts over RDMA."""
+        nodes = math.ceil(self.replica_gpus / hw.gpus_per_node)
+        if nodes <= 1 or not self.experts:
+            return {}
+        if self.hidden <= 0:
+            raise ConfigError(f"model {self.name}: a replica over {nodes} nodes needs the model width "
+                              "(hidden) for its expert-parallel all-to-all")
+        return dict(ep_remote_share=1 - 1 / nodes, moe_layers=self.n_layers, rdma_gb_s=RDMA_GB_S,
+                    a2a_bytes_per_token=self.topk * self.hidden * (1 + 2), a2a_floor_us=A2A_FLOOR_US)
+
+    def replica(self, hw: "Hardware", engine: "EngineTerms | None" = None) -> ReplicaSpec:
+        """A serving replica on `hw`, slowed by the fitted engine terms (the bare roofline with
+        ``EngineTerms.roofline()``)."""
+        b, eng = self.serve_bytes_per_param, engine or engine_fit()
         return ReplicaSpec(gpus=self.replica_gpus, hbm_gb=hw.hbm_gb, hbm_tb_s=hw.hbm_tb_s, peak_tflops=hw.bf16_tflops,
                            dense_gb=self.dense_params * b / 1e9, expert_gb=self.routed_params * b / 1e9,
                            experts=self.experts, topk=self.topk, kv_bytes_per_token=self.kv_bytes_per_token,
-                           overhead_ms=STEP_OVERHEAD_MS, active_params=self.active,
+                           overhead_ms=eng.overhead_ms(self.n_layers), bw_efficiency=eng.bw_efficiency,
+                           per_call_ms=eng.per_call_ms(self.n_layers), active_params=self.active,
+                           **self._cross_node_ep(hw),
                            attn_flops_per_ctx_token=4 * self.attn_layers * self.attn_dim,
                            prefill_mfu=PREFILL_MFU, mem_fraction=MEM_FRACTION,
                            state_bytes_per_request=self.state_bytes_per_request)
@@ -105,15 +136,116 @@ GDN_STATE_BYTES = 32 * 128 * 128 * 4 + 3 * (2 * 16 * 128 + 32 * 128) * 2
 GDN_STATE_SOURCE = ("assumed Qwen3-Next's linear shape: 32 value heads x 128 x 128 x fp32 state + "
                     f"3 x 8,192 conv channels x bf16 = {GDN_STATE_BYTES:,} B per layer")
 
+
+@dataclass(frozen=True)
+class EngineTerms:
+    """How far a real engine's decode step is from the roofline: a fixed step overhead plus one per
+    layer (kernel launches, TP all-reduce, scheduler), the share of HBM bandwidth its reads reach,
+    and the time each call in the batch adds per layer (attention kernels, sampling)."""
+    fixed_ms: float
+    per_layer_ms: float
+    bw_efficiency: float
+    per_call_layer_ms: float
+
+    def overhead_ms(self, layers: int) -> float:
+        return self.fixed_ms + self.per_layer_ms * layers
+
+    def per_call_ms(self, layers: int) -> float:
+        return self.per_call_layer_ms * layers
+
+    @staticmethod
+    def roofline() -> "EngineTerms":
+        """The bare roofline (a check: what the model predicted before the engine terms)."""
+        return EngineTerms(0.0, 0.0, 1.0, 0.0)
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One published decode figure: `step_ms` between tokens per call at `batch` concurrent calls
+    of mean context `context` (input + half the output) on one replica of `model` on `hw`."""
+    model: ModelSpec
+    hw: Hardware
+    batch: int
+    context: float
+    step_ms: float
+    source: str
+
+
+# Qwen3-Coder-Next (Qwen3-Next-80B-A3B's architecture): 80B total, 3B active, 48 layers with full
+# attention every fourth (16 query heads, 2 KV heads of 256), 512 experts with 10 routed (+1 shared)
+# (SGLang cookbook; Qwen model card).
+def _coder_next(gpus: int, bytes_per_param: float) -> ModelSpec:
+    return ModelSpec("Qwen3-Coder-Next", params=80e9, active=3e9, attn_layers=12, layers=48, attn_dim=16 * 256,
+                     replica_gpus=gpus, experts=512, topk=10, kv_bytes_per_token=12 * 2 * 2 * 256 * 2,
+                     state_bytes_per_request=36 * GDN_STATE_BYTES, serve_bytes_per_param=bytes_per_param)
+
+
+# Qwen3.5-397B-A17B (BF16 checkpoint): 60 layers, full attention every fourth (32 query heads, 2 KV
+# heads of 256), 512 experts with 10 routed; linear layers assumed 64 value heads x 128 x 128 fp32.
+_Q397_STATE = 64 * 128 * 128 * 4 + 3 * (2 * 16 * 128 + 64 * 128) * 2
+_Q397 = ModelSpec("Qwen3.5-397B-A17B", params=397e9, active=17e9, attn_layers=15, layers=60, attn_dim=32 * 256,
+                  replica_gpus=8, experts=512, topk=10, kv_bytes_per_token=15 * 2 * 2 * 256 * 2,
+                  state_bytes_per_request=45 * _Q397_STATE, serve_bytes_per_param=2.0)
+# Qwen3-235B-A22B (BF16): 94 layers, all full attention (64 query heads, 4 KV heads of 128), 128
+# experts with 8 routed (Qwen3 model card). Not a hybrid: a different family from the paper's.
+_Q235 = ModelSpec("Qwen3-235B-A22B", params=235e9, active=22e9, attn_layers=94, attn_dim=64 * 128, replica_gpus=8,
+                  experts=128, topk=8, kv_bytes_per_token=94 * 2 * 4 * 128 * 2, serve_bytes_per_param=2.0)
+
+_MILLSTONE = ("millstoneai.com inference benchmark, Qwen3-Coder-Next FP8 on 1x H200 SXM (2026-02-09): 1,024 "
+              "output tokens, no prompt caching, no speculative decoding")
+_GIST = ("SGLang v0.5.8.post1 sweep on 8x B200 (gist BenHamm/78563d0d, 2026-02-16): sglang.bench_serving, "
+         "random 1K in / 1K out, cookbook configs, TPOT at concurrency 1")
+_LAMBDA = ("lambda.ai inference-models page: vllm bench serve, random 8,192 in / 1,024 out, 512 prompts, "
+           "32 parallel requests, ITL")
+# Every figure is of a model or GPU other than the paper's (Qwen3.5-122B / the 2.4T model on H200
+# at 64K context): the paper's figures are never in this list (a test checks it).
+ENGINE_MEASUREMENTS = (
+    Measurement(_coder_next(1, 1.0), H200, 1, 1024 + 512, 1e3 / 210.8, _MILLSTONE + ": 210.8 tok/s, 1K context"),
+    Measurement(_coder_next(1, 1.0), H200, 1, 262144 + 512, 1e3 / 152.8, _MILLSTONE + ": 152.8 tok/s, 256K context"),
+    Measurement(_coder_next(1, 1.0), H200, 10, 1024 + 512, 10e3 / 852.6,
+                _MILLSTONE + ": 852.6 tok/s system at 10 concurrent, 1K context"),
+    Measurement(_coder_next(2, 2.0), B200, 1, 1024 + 512, 4.53, _GIST + ": Qwen3-Coder-Next TP2 BF16, 4.53 ms"),
+    Measurement(_Q235, B200, 1, 1024 + 512, 6.70, _GIST + ": Qwen3-235B-A22B TP8 BF16, 6.70 ms"),
+    Measurement(_Q397, B200, 32, 8192 + 512, 24.0, _LAMBDA + " (SGLang server): Qwen3.5-397B-A17B on 8x B200, 24 ms"),
+    Measurement(_coder_next(2, 2.0), B200, 32, 8192 + 512, 16.0, _LAMBDA + ": Qwen3-Coder-Next on 2x B200, 16 ms"),
+    Measurement(_coder_next(4, 2.0), H100, 32, 8192 + 512, 16.0, _LAMBDA + ": Qwen3-Coder-Next on 4x H100, 16 ms"),
+)
+ENGINE_FIT_TOL = 0.2  # every measurement is reproduced within 20% (4 terms, 8 figures, 4 models, 3 GPUs)
+
+
+@cache
+def engine_fit(measurements: tuple[Measurement, ...] = ENGINE_MEASUREMENTS) -> EngineTerms:
+    """Least squares on relative error of t - roofline = fixed + per_layer x L + (1/eff - 1) x
+    roofline + B x L x per_call, every term >= 0 (an engine never beats the roofline): exact
+    non-negative least squares by trying each subset of the four terms."""
+    bare = EngineTerms.roofline()
+    rows, rhs = [], []
+    for m in measurements:
+        layers, roof = m.model.n_layers, m.model.replica(m.hw, bare).roofline_s(m.batch, m.context) * 1e3
+        rows.append([1.0 / m.step_ms, layers / m.step_ms, roof / m.step_ms, m.batch * layers / m.step_ms])
+        rhs.append(1.0 - roof / m.step_ms)
+    a, y = np.array(rows), np.array(rhs)
+    best, best_err = np.zeros(4), float(np.sum(y ** 2))
+    for cols in itertools.chain.from_iterable(itertools.combinations(range(4), n) for n in range(1, 5)):
+        x, *_ = np.linalg.lstsq(a[:, cols], y, rcond=None)
+        err = float(np.sum((a[:, cols] @ x - y) ** 2))
+        if (x >= 0).all() and err < best_err:
+            best, best_err = np.zeros(4), err
+            best[list(cols)] = x
+    fixed, per_layer, extra, per_call = map(float, best)
+    return EngineTerms(fixed, per_layer, 1.0 / (1.0 + extra), per_call)
+
+
 # Qwen3.5-122B-A10B (the paper's "Qwen 3.6 122B" is assumed to share its architecture): 122B total,
 # 10B active, 48 layers of which every fourth has full attention (the rest Gated DeltaNet), 256
 # experts with 8 routed.
 QWEN_122B = ModelSpec(
-    "122B-A10B", params=122e9, active=10e9, attn_layers=12, attn_dim=32 * 256, replica_gpus=2,
+    "122B-A10B", params=122e9, active=10e9, attn_layers=12, layers=48, attn_dim=32 * 256, replica_gpus=2,
     experts=256, topk=8, kv_bytes_per_token=12 * 2 * 2 * 256 * 2,
     state_bytes_per_request=36 * GDN_STATE_BYTES,
     sources={"params": "Qwen3.5-122B-A10B model card (vultr/NVIDIA docs): 122B total, 10B active",
              "attn_layers": "model card: 48 layers, full attention every fourth (12)",
+             "layers": "model card: 48 layers (12 full attention, 36 Gated DeltaNet)",
              "attn_dim": "assumed: 32 heads x 256 head dim (Qwen3-Next's head size)",
              "experts": "model card: 256 experts, 8 routed per token",
              "kv_bytes_per_token": "12 full-attention layers x K,V x 2 KV heads x 256 head dim x bf16 = "
@@ -124,12 +256,14 @@ QWEN_122B = ModelSpec(
 # The 2.4T model: nothing but the size is published. Assumed: ~4% active and 512 experts with 10
 # routed like Qwen3.5-397B-A17B.
 MODEL_2P4T = ModelSpec(
-    "2.4T", params=2.4e12, active=100e9, attn_layers=24, attn_dim=128 * 128, replica_gpus=32,
+    "2.4T", params=2.4e12, active=100e9, attn_layers=24, layers=96, hidden=8192, attn_dim=128 * 128, replica_gpus=32,
     experts=512, topk=10, kv_bytes_per_token=24 * 2 * 4 * 256 * 2,
     state_bytes_per_request=72 * GDN_STATE_BYTES,
     sources={"params": "paper: 2.4T parameters",
              "active": "assumed: 100B active (~4%, Qwen3.5-397B-A17B activates 4.3%)",
              "attn_layers": "assumed: 24 full-attention layers", "attn_dim": "assumed: 128 heads x 128",
+             "layers": "assumed: 96 layers (24 full attention + 72 Gated DeltaNet, Qwen3.5's 1 : 3), all MoE",
+             "hidden": "assumed: 8,192 (2x Qwen3.5-397B-A17B's 4,096)",
              "experts": "assumed: 512 experts, 10 routed (Qwen3.5-397B-A17B's layout)",
              "kv_bytes_per_token": "assumed: 24 layers x K,V x 4 KV heads x 256 x bf16 = 98,304 B",
              "state_bytes_per_request": "assumed: 72 Gated DeltaNet layers (3 per full-attention layer) x "
@@ -219,13 +353,31 @@ P122B = Preset(
     notes={"steps": "paper: the 122B runs (DeepSWE, TerminalBench) train 24 steps; the 32-node "
                     "NL2Repo configuration's step count is not stated",
            "groups_per_step": "unknown; a point of the family the secondary figures allow (bench_nl2repo.py)"})
+def _per_gpu_ratio(m: ModelSpec, cell_nodes: int, serve: bool) -> float:
+    """Bytes per GPU `m` moves in a switch or push over the 122B preset's: serving weights per
+    replica GPU (push, train -> rollout reload) or training state per cell GPU (rollout -> train)."""
+    def per_gpu(model, nodes):
+        if serve:
+            return model.params * model.serve_bytes_per_param / model.replica_gpus
+        return model.params * model.train_bytes_per_param / (nodes * H200.gpus_per_node)
+    return per_gpu(m, cell_nodes) / per_gpu(QWEN_122B, P122B.cell_nodes)
+
+
+# Every GPU moves its own share in parallel, so switch and push times scale with bytes per GPU.
+_SERVE_X, _TRAIN_X = _per_gpu_ratio(MODEL_2P4T, 48, True), _per_gpu_ratio(MODEL_2P4T, 48, False)
 P2P4T = Preset(
     name="nl2repo-2.4t", workload=NL2REPO_2P4T, model=MODEL_2P4T, nodes=384, cell_nodes=48, steps=48,
-    groups_per_step=256, mfu=0.25,
+    groups_per_step=256, mfu=0.25, to_train_s=round(P122B.to_train_s * _TRAIN_X, 2),
+    to_rollout_s=round(P122B.to_rollout_s * _SERVE_X, 2), push_s=round(P122B.push_s * _SERVE_X, 1),
     notes={"nodes": "assumed: 8 cells of 48 nodes (3,072 H200); the paper does not state the cluster",
            "cell_nodes": "computed: 2.4T x 16 bytes = 38.4 TB of training state needs >= 43 nodes of "
                          "8 x 141 GB at 80%: cells of 48 nodes",
            "groups_per_step": "unknown; taken as the 122B preset's",
+           "to_train_s": f"derived: the paper's 8.52 s x {_TRAIN_X:.2f}, training state per cell GPU "
+                         "(2.4T x 16 B / 384 GPUs) over the 122B's (122B x 16 B / 32)",
+           "to_rollout_s": f"derived: the paper's 3.46 s x {_SERVE_X:.2f}, FP8 weights per replica GPU "
+                           "(2.4 TB / 32) over the 122B's (122 GB / 2)",
+           "push_s": f"derived: the 122B's assumed 60 s x {_SERVE_X:.2f} (FP8 weights per replica GPU)",
            "durations": f"assumed: the 122B profile's calls, tokens and tool time (x {DURATION_SCALE_2P4T:g})"})
 PRESETS = {p.name: p for p in (P122B, P2P4T)}
 
@@ -248,6 +400,9 @@ def calibration(p: Preset) -> dict:
     def e(value, source, fitted_on=None):
         return {"value": value, "source": source, "fitted_on": fitted_on}
 
+    ef, ctx = engine_fit(), w.mean_context_tokens / 2
+    bare = m.replica(hw, EngineTerms.roofline())
+    fit_on = f"{len(ENGINE_MEASUREMENTS)} published decode figures of other models/GPUs (ENGINE_MEASUREMENTS)"
     prof = "paper's 122B workload profile: 1.93 h mean rollout, 2.96 h mean query, 9.51% >= 4 h"
     in_call = 1 - w.mean_tool_s / w.mean_duration_s
     return {
@@ -283,9 +438,24 @@ def calibration(p: Preset) -> dict:
         "replicas_per_cell": e(c.replicas, "computed: cell GPUs / replica GPUs"),
         "gpu": e(f"{hw.name} {hw.hbm_gb:g} GB, {hw.hbm_tb_s:g} TB/s, {hw.bf16_tflops:g} TFLOPS BF16",
                  "NVIDIA H200 SXM datasheet (dense BF16)"),
-        "step_overhead_ms": e(STEP_OVERHEAD_MS, "assumed: fixed cost of a decode step (launches, TP all-reduce)"),
-        "decode_step_ms_b1_b8_b32_b64": e([round(rep.step_s(b, w.mean_context_tokens / 2) * 1e3, 1) for b in (1, 8, 32, 64)],
-                                          "roofline at 64K context (paper-reading.md: ~3.7 / 7.3 / 17 / 25 ms)"),
+        "layers": e(m.n_layers, m.sources.get("layers", "")),
+        "step_overhead_ms": e(round(rep.overhead_ms, 2), f"engine fit: {ef.fixed_ms:.2f} ms + {ef.per_layer_ms * 1e3:.1f} us "
+                              f"x {m.n_layers} layers", fit_on),
+        "engine_bw_efficiency": e(round(rep.bw_efficiency, 3), "engine fit: share of HBM bandwidth decode reads reach",
+                                  fit_on),
+        "engine_per_call_ms": e(round(rep.per_call_ms, 3), f"engine fit: {ef.per_call_layer_ms * 1e3:.2f} us per call "
+                                f"per layer x {m.n_layers} layers", fit_on),
+        "engine_efficiency_b1_b8_b32_b64": e([round(rep.engine_efficiency(b, ctx), 3) for b in (1, 8, 32, 64)],
+                                             "fraction of the roofline reached at 64K context (engine fit)", fit_on),
+        "roofline_step_ms_b1_b8_b32_b64": e([round(bare.step_s(b, ctx) * 1e3, 1) for b in (1, 8, 32, 64)],
+                                            "bare roofline at 64K context: bytes over bandwidth (plus the "
+                                            "cross-node all-to-all of a replica over nodes), no engine terms"),
+        "ep_all_to_all_ms_b1_b32": e([round(rep.ep_all_to_all_s(b) * 1e3, 2) for b in (1, 32)],
+                                     f"cross-node expert parallel: {A2A_FLOOR_US:g} us floor x 2 per MoE layer "
+                                     f"(assumed) + remote bytes at {RDMA_GB_S:g} GB/s per GPU (DeepEP, EP 32); "
+                                     "0 inside one node"),
+        "decode_step_ms_b1_b8_b32_b64": e([round(rep.step_s(b, ctx) * 1e3, 1) for b in (1, 8, 32, 64)],
+                                          "roofline x engine terms at 64K context", fit_on),
         "mem_fraction": e(MEM_FRACTION, "assumed: SGLang --mem-fraction-static"),
         "kv_tokens_per_replica": e(round(rep.kv_capacity_tokens), "computed: (HBM x mem_fraction - weights) x KV "
                                    "share / KV bytes per token (KV share 1 / (1 + 0.9) for a hybrid: SGLang "
@@ -305,12 +475,13 @@ def calibration(p: Preset) -> dict:
                             "of its solo decode speed at the mean context"),
         "execs_per_cell": e(round(execs_per_cell(c, in_call, w.mean_context_tokens / 2), 2),
                             f"derived (E-paper only): each call keeps >= {KEEP_SOLO_SPEED:.0%} of its solo decode speed"),
-        "to_train_s": e(p.to_train_s, "paper: 8.52 s rollout -> train"),
-        "to_rollout_s": e(p.to_rollout_s, "paper: 3.46 s train -> rollout (includes the weight reload)"),
+        "to_train_s": e(p.to_train_s, p.notes.get("to_train_s", "paper: 8.52 s rollout -> train")),
+        "to_rollout_s": e(p.to_rollout_s, p.notes.get("to_rollout_s", "paper: 3.46 s train -> rollout "
+                                                                       "(includes the weight reload)")),
         "weight_reload_s": e(round(m.params * m.serve_bytes_per_param / (m.replica_gpus * 25e9), 2),
                              "check: FP8 weights per GPU at an assumed 25 GB/s host->device; inside the "
                              "paper's switch time"),
-        "push_s": e(p.push_s, "assumed: weight push per rollout round (decoding pauses)"),
+        "push_s": e(p.push_s, p.notes.get("push_s", "assumed: weight push per rollout round (decoding pauses)")),
         "opt_s": e(p.opt_s, "assumed: optimizer step per training step"),
         "eval_s": e(p.eval_s, "assumed: evaluating a workspace (CPU side)"),
         "train_state_tb": e(round(train_state_tb(m), 2), "16 bytes/param (bf16 weights, fp32 master, Adam)"),

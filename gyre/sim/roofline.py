@@ -19,6 +19,21 @@ ones. SGLang splits the HBM left after the weights into a state pool and a KV po
 requests a replica holds at once are bounded by the state pool (`state_slots`); every decode step
 reads and writes each running request's state (2 x state bytes per call, on top of its KV).
 
+A real engine reaches less than this roofline (kernel launches per layer, attention and sampling
+per request, HBM bandwidth not saturated by small GEMVs). Three engine terms say by how much:
+the step overhead, ``bw_efficiency`` (the share of HBM bandwidth the weight and KV reads reach)
+and ``per_call_ms`` (time each call in the batch adds to a step), so
+
+    t(B) = overhead + bytes read / (bandwidth x bw_efficiency) + B x per_call_ms
+
+and ``engine_efficiency(B, context)`` = bytes / bandwidth / t(B) is the fraction of the roofline
+reached. The presets take these from a fit on published measurements of other models and GPUs
+(``gyre.sim.calibration.ENGINE_MEASUREMENTS``); the defaults (1.0, 0) are the bare roofline.
+
+A replica that spans nodes (expert parallel over RDMA) also pays, in every MoE layer of every
+step, a dispatch and a combine all-to-all: a latency floor each plus the bytes its tokens send to
+experts on other nodes over the GPUs' RDMA bandwidth (``ep_all_to_all_s``).
+
 This is the decode model of the simulator (``gyre.sim.cost_model.ClusterModel``) and of the paced
 embedded engine (``engine.pace``), so a benchmark's live run and its simulation share one formula.
 Every number of a spec is stated with its source in ``gyre/sim/calibration.py``.
@@ -50,13 +65,26 @@ class ReplicaSpec:
     mem_fraction: float = 0.88     # share of HBM SGLang may use for weights + KV
     state_bytes_per_request: float = 0.0  # hybrid: recurrent state + conv window of one request
     state_memory_ratio: float = 0.9  # SGLang --mamba-full-memory-ratio (state pool : KV pool)
+    bw_efficiency: float = 1.0     # share of HBM bandwidth a real engine's decode reads reach
+    per_call_ms: float = 0.0       # per decode step, per call in the batch (attention, sampling)
+    # Cross-node expert parallelism (0 for a replica inside one node's NVLink domain):
+    ep_remote_share: float = 0.0   # share of a token's routed experts on other nodes
+    moe_layers: int = 0            # all-to-all pairs (dispatch + combine) per step
+    a2a_bytes_per_token: float = 0.0  # per MoE layer: topk x hidden x (FP8 dispatch + BF16 combine)
+    a2a_floor_us: float = 0.0      # per all-to-all, whatever the bytes
+    rdma_gb_s: float = 50.0        # per GPU
 
     def __post_init__(self) -> None:
         for name in ("gpus", "hbm_gb", "hbm_tb_s", "peak_tflops", "active_params", "prefill_mfu", "mem_fraction"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"replica spec: {name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.ep_remote_share < 1:
+            raise ConfigError(f"replica spec: ep_remote_share is a share in [0, 1), got {self.ep_remote_share}")
+        if not 0 < self.bw_efficiency <= 1:
+            raise ConfigError(f"replica spec: bw_efficiency is a share of HBM bandwidth in (0, 1], got {self.bw_efficiency}")
         for name in ("dense_gb", "expert_gb", "kv_bytes_per_token", "overhead_ms", "attn_flops_per_ctx_token",
-                     "state_bytes_per_request", "state_memory_ratio"):
+                     "state_bytes_per_request", "state_memory_ratio", "per_call_ms", "moe_layers",
+                     "a2a_bytes_per_token", "a2a_floor_us", "rdma_gb_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"replica spec: {name} must be >= 0, got {getattr(self, name)}")
         if self.expert_gb > 0 and not 0 < self.topk <= self.experts:
@@ -80,12 +108,37 @@ class ReplicaSpec:
             return 0.0
         return 1.0 - (1.0 - self.topk / self.experts) ** batch
 
-    def step_s(self, batch: float, context: float) -> float:
-        """Seconds of one decode step with `batch` calls of mean context `context` tokens."""
+    def roofline_s(self, batch: float, context: float) -> float:
+        """Bytes one decode step reads over the replica's HBM bandwidth: the physical floor."""
         b = max(batch, 1.0)
         read = (self.dense_gb + self.expert_gb * self.expert_share(b)) * 1e9 \
             + b * (context * self.kv_bytes_per_token + 2 * self.state_bytes_per_request)
-        return self.overhead_ms / 1e3 + read / self.bandwidth
+        return read / self.bandwidth
+
+    def step_s(self, batch: float, context: float) -> float:
+        """Seconds of one decode step with `batch` calls of mean context `context` tokens."""
+        b = max(batch, 1.0)
+        return (self.overhead_ms + b * self.per_call_ms) / 1e3 + self.roofline_s(b, context) / self.bw_efficiency \
+            + self.ep_all_to_all_s(b)
+
+    def ep_all_to_all_s(self, batch: float) -> float:
+        """Cross-node expert-parallel traffic of one decode step: per MoE layer a dispatch and a
+        combine, each a latency floor plus the batch's remote bytes over every GPU's RDMA link."""
+        if self.ep_remote_share <= 0 or self.moe_layers <= 0:
+            return 0.0
+        remote = max(batch, 1.0) * self.a2a_bytes_per_token * self.ep_remote_share
+        return self.moe_layers * (2 * self.a2a_floor_us / 1e6 + remote / (self.gpus * self.rdma_gb_s * 1e9))
+
+    def engine_efficiency(self, batch: float, context: float) -> float:
+        """Fraction of the roofline the engine reaches at this batch and context."""
+        return self.roofline_s(batch, context) / self.step_s(batch, context)
+
+    def marginal_call_s(self, context: float) -> float:
+        """What one more call at `context` adds to a step however large the batch (its KV and
+        state reads and its per-call time; the weights are shared): the saturated cost per token."""
+        read = context * self.kv_bytes_per_token + 2 * self.state_bytes_per_request
+        remote = self.moe_layers * self.a2a_bytes_per_token * self.ep_remote_share / (self.gpus * self.rdma_gb_s * 1e9)
+        return self.per_call_ms / 1e3 + read / (self.bandwidth * self.bw_efficiency) + remote
 
     def prefill_s(self, tokens: float, context: float = 0.0) -> float:
         """Seconds to prefill `tokens` new tokens appended to `context` cached ones."""

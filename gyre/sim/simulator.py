@@ -647,8 +647,10 @@ class Simulator:
         c = self.c
         exact = self.p.staleness == 0 and self.core.spec.steps_per_sync == 1
         window = self.core.spec.staleness_rule == StalenessRule.WINDOW
-        bound = lower_bound_trained(self.w, c, self.trained_by_step, arrival=exact, max_open=(
-            self.core.spec.steps_per_sync * self.core.spec.groups_per_step * (self.p.staleness + 1) if window else 0))
+        arrival = window and self.core.spec.steps_per_sync == 1  # versions bound which groups each step trains
+        bound = lower_bound_trained(self.w, c, self.trained_by_step, arrival=arrival, max_open=(
+            self.core.spec.steps_per_sync * self.core.spec.groups_per_step * (self.p.staleness + 1) if window else 0),
+            staleness=self.p.staleness)
         return SimResult(
             label=self.p.label, scheme=self.p.scheme, staleness=self.p.staleness, nodes=c.nodes,
             cells=c.cells, cell_size=c.cell_nodes, gpus_per_cell=c.gpus_per_cell, steps=self.core.spec.steps,
@@ -671,7 +673,7 @@ class Simulator:
             # a step's rollout window is defined only when each step rolls out its own batch
             slack=(sum(self.slacks) / len(self.slacks) if self.slacks else 0.0) if exact else None,
             bound_basis=("the groups actually trained: work" + (", open-group concurrency" if window else "")
-                         + (", per-step arrival" if exact else "")),
+                         + (f", per-step arrival at staleness {self.p.staleness}" if arrival else "")),
             outcomes=self.outcomes,
             roles=[[(a, b, role) for role, a, b in st.intervals(i) if b > a] for i in st.cell_ids()],
             idle=[st.idle_spans(i) if self.s.record else [] for i in st.cell_ids()])

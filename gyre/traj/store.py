@@ -219,7 +219,7 @@ def pack(records: list[ExecutionRecord], concat: bool = True) -> dict[str, "np.n
     et = _table(EXECUTION_COLUMNS, ev, len(records))
     if not concat:
         return {"tokens": Parts(tok_parts, "<i4"), "logprobs": Parts(lp_parts, "<f4"),
-                "nodes": nt, "calls": ct, "executions": et}
+                "nodes": nt, "calls": ct, "executions": et, **_pack_routing(records)}
     return {
         "tokens": np.concatenate(tok_parts, dtype="<i4") if tok_parts else np.zeros(0, "<i4"),
         "logprobs": np.concatenate(lp_parts, dtype="<f4") if lp_parts else np.zeros(0, "<f4"),
