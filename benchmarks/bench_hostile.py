@@ -12,7 +12,7 @@
 2. **Limits** (``limits_enforced``): each default limit, exercised by a real process that passes
    it; listed when it stopped (or capped) the harness with an error naming its key.
 3. **Fuzz** (``fuzz_*``): FUZZ seeded mutations of a full request over the schema
-   (tests/request_fuzz.py) against the proxy; ``fuzz_5xx`` must be 0.
+   (tests/support/request_fuzz.py) against the proxy; ``fuzz_5xx`` must be 0.
 4. **Flood** (``flood_*``, issue 34): one execution keeps FLOOD calls of ``max_tokens`` 1,024 going at
    once (each refused one is sent again 50 ms later) while a sibling makes 2-token calls one after
    the other; ``flood_sibling_p99_ms`` is the sibling's 99th-percentile latency (goal < 500 ms).
@@ -56,9 +56,9 @@ from tokenizers import Tokenizer  # noqa: E402
 from gyre.engine.router import Router  # noqa: E402
 from gyre.proxy.capture import Renderer  # noqa: E402
 from gyre.proxy.server import Proxy, create_app, start_site  # noqa: E402
-from loop_thread import LoopThread  # noqa: E402
-from request_fuzz import cases  # noqa: E402
-from scripted_engine import ScriptedEngine  # noqa: E402
+from support.loop_thread import LoopThread  # noqa: E402
+from support.request_fuzz import cases  # noqa: E402
+from support.scripted_engine import ScriptedEngine  # noqa: E402
 
 TOKENIZER = Tokenizer.from_file(str(ROOT / "gyre" / "assets" / "tokenizer.json"))
 R = Renderer(TOKENIZER)

@@ -9,7 +9,7 @@ Configurations (at `--size full`, the default `make bench` runs: 3 seeds x 14 st
   update, `train.minibatches_per_step = 1`, and the clip against pi_prox cannot act);
 - E2 with each correction: none, tis, decoupled (E2_tis is E2's configuration: its runs are
   E2's runs, reported under both labels);
-- E0 with `sched.steps_per_sync = 4` and `train.burst_order` stream vs shuffle.
+- E0 with `sched.steps_per_sync = 4` and `sched.burst_order` stream vs shuffle.
 
 Written to benchmarks/results/learning.json (flat): `final_reward_{label}` (mean over seeds of the
 run's mean reward in its last two steps) with `_ci95` (t interval over seeds; null with one seed)
@@ -71,7 +71,7 @@ def configs() -> dict[str, list[str]]:
         out[f"E2_{corr}"] = [*SCHEMES["E"], "sched.staleness=2", f"train.off_policy={corr}"]
     for order in ("stream", "shuffle"):
         out[f"E0_b{BURST}_{order}"] = [*SCHEMES["E"], "sched.staleness=0", f"sched.steps_per_sync={BURST}",
-                                       f"train.burst_order={order}"]
+                                       f"sched.burst_order={order}"]
     return out
 
 

@@ -12,7 +12,7 @@ Then the simulator runs the same parameters: the paced ReplicaSpec, the rates ea
 measured (switch times, weight push and optimizer step, evaluation delay, training tokens per
 cell-second) and that run's executions as a trace (calls, output tokens, unique tokens, context,
 tool time = wall time minus model-call time), with the live run's own policy object
-(policy_from_config of the same config). Reported: live_s_* (head loop wall time), sim_over_live_*,
+(RunSpec.from_config of the same config). Reported: live_s_* (head loop wall time), sim_over_live_*,
 and whether the ranking matches. Nothing is fitted to a makespan.
 
     python benchmarks/bench_live_sched.py            # writes benchmarks/results/live_sched.json
@@ -51,7 +51,7 @@ HARNESS = ["{python}", "-m", "gyre.harness.long_tail_agent", "--execution-id", "
 # Policy hints (the live head's and the simulated policy's: the same config): this machine's
 # order of magnitude from earlier runs (benchmarks/results/online.json), not tuned to a result.
 HINTS = ["sched.to_train_s=0.1", "sched.to_rollout_s=0.1", "sched.push_s=0.3", "sched.min_dwell_s=0.5",
-         "sim.train_tokens_per_s=2000", "sim.eval_s=0.5"]
+         "sched.train_tokens_per_s=2000", "sched.eval_s=0.5"]
 
 
 def common() -> list[str]:
@@ -214,7 +214,7 @@ def measured_rates(report: dict, run_dir: Path, rows: list[dict]) -> dict:
 # ---- simulation ----------------------------------------------------------------------------------
 def kv_tokens() -> int:
     from gyre.config import default_tiny_dir, load_config
-    from gyre.engine.qwen import read_spec
+    from gyre.model.spec import read_spec
     from gyre.model.tiny import ensure_tiny_model
 
     s = read_spec(Path(ensure_tiny_model(default_tiny_dir(load_config(None, [])))))
@@ -241,13 +241,13 @@ def cluster_from(rates: dict, decode_factor: float = 1.0):
 def simulate_scheme(scheme: str, split: int, cluster, trace: Path):
     """The live run's policy (same config, same hints) on the cluster model and the trace."""
     from gyre.config import load_config
-    from gyre.sched import policy_from_config
+    from gyre.sched import RunSpec
     from gyre.sim.simulator import SimSpec, simulate
     from gyre.sim.workload import Workload
 
     cfg = load_config(str(CONFIG), [*common(), *scheme_overrides(scheme, split)])
-    spec = SimSpec(steps=STEPS, groups_per_step=GROUPS, segments=CALLS, tick_s=0.1, record=False)
-    return simulate(policy_from_config(cfg), Workload.from_trace(trace), cluster, spec)
+    sim = SimSpec(segments=CALLS, tick_s=0.1, record=False)
+    return simulate(RunSpec.from_config(cfg), Workload.from_trace(trace), cluster, sim)
 
 
 def ranking(times: dict) -> list[str]:
@@ -376,7 +376,7 @@ def main() -> int:
             "(median head round trip per direction), push_s (median weight push), opt_s (median reduce + "
             "optimizer step), eval_s (median delay from a step's first complete group's last end to the step's "
             "start), training tokens per cell-second; decode from the paced spec; the policy is "
-            "policy_from_config of the live config (same hints both sides); the sim re-decides every 0.1 s",
+            "RunSpec.from_config of the live config (same hints both sides); the sim re-decides every 0.1 s",
             "sim_s_with_E_rates: the same schemes simulated on the E run's rates and executions only",
             "*_decode_spec_tokens_per_token: live call time against the paced spec at the load its own engine had "
             "(1 = exact; above 1 = per-call overheads: proxy, HTTP, the prefill round, steps whose compute overran "

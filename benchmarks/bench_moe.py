@@ -111,11 +111,11 @@ def family_figures(family: str, megatron) -> dict:
 
 
 def ep_figures() -> dict:
-    """Megatron MoE, EP=2 over gloo (two processes) vs one process (tests/test_megatron_moe.py)."""
+    """Megatron MoE, EP=2 over gloo (two processes) vs one process (tests/test_megatron_moe.py, tests/support/megatron_moe.py)."""
     import torch.multiprocessing as mp
 
     sys.path.insert(0, str(ROOT / "tests"))
-    from test_megatron_moe import _CFG, _batch, _model, _rank
+    from support.megatron_moe import _CFG, _batch, _model, _rank
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -46,7 +46,7 @@ import head_memory  # noqa: E402  (the head's RSS over a 40-step toy run: head_r
 from gyre.config import load_config  # noqa: E402
 from gyre.engine.pace import PACED_REPLICA  # noqa: E402
 from gyre.events import BUCKETS, bucket_seconds  # noqa: E402
-from gyre.sched import policy_from_config  # noqa: E402
+from gyre.sched import RunSpec  # noqa: E402
 from gyre.sim.cost_model import ClusterModel  # noqa: E402
 from gyre.sim.roofline import ReplicaSpec  # noqa: E402
 from gyre.sim.simulator import SimSpec, simulate  # noqa: E402
@@ -259,10 +259,8 @@ def sim_compare(scheme: str, report: dict, rates: dict, trace_csv: Path) -> dict
                            to_rollout_s=rates["to_rollout_s"], push_s=rates["push_s"], eval_s=rates["eval_s"],
                            opt_s=rates["opt_s"], kv_tokens_per_replica=kv_tokens())
     workload = Workload.from_trace(trace_csv)
-    spec = SimSpec(steps=cfg.run.steps, groups_per_step=cfg.run.groups_per_step, segments=rates["segments"],
-                   tick_s=0.1)  # the head decides every 0.1 s
-    policy = policy_from_config(cfg)  # the live run's policy, with the live run's hints
-    res = simulate(policy, workload, cluster, spec)
+    sim_spec = SimSpec(segments=rates["segments"], tick_s=0.1)  # the head decides every 0.1 s
+    res = simulate(RunSpec.from_config(cfg), workload, cluster, sim_spec)  # the live run's spec and hints
     sim = fractions(res.cell_stats)
     live = fractions(report["cells"])
     diffs = [abs(s[b] - l[b]) for s, l in zip(sim, live) for b in BUCKETS]
@@ -289,7 +287,7 @@ SIM_NOTES = [
     "simulator's rollout/train/switch/idle buckets over its makespan. sim_gap = mean |sim - live| over "
     "3 cells x 4 buckets (cell i = cell i: both drivers pick cells by the same policy code); "
     "sim_gap_pooled = the same on the cell-mean fractions",
-    "policy: policy_from_config of the live run's config (its [sched] hints: to_train_s, push_s, "
+    "policy: RunSpec.from_config of the live run's config (its [sched] hints: to_train_s, push_s, "
     "execs_per_cell, min_dwell_s, ...), not hints built from the measured rates, so both drivers run the "
     "same policy object; the sim re-decides every 0.1 s like the head",
     "cluster: 3 cells of one 'node', cell scale 1; switch costs = median head round trip per direction "

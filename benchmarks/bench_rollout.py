@@ -14,7 +14,7 @@ proxy and the evaluator cost on top of generation on this machine.
      proxy path) and the same evaluation (a builtin task's reference solution), bare
      (harness.sandbox = none) and sandboxed, interleaved; seconds added and the ratio;
    - image_task_scored: an NL2RepoBench-shaped task run and scored inside a task image built
-     offline (tests/task_image.py), its harness and its evaluation each in a fresh instance;
+     offline (tests/support/task_image.py), its harness and its evaluation each in a fresh instance;
    - scoring_parity_cases / _mismatches: Gyre's scorer against the official analyze_pytest_results
      (read from the benchmark's repository where at hand, else the corpus's hand-worked counts).
 
@@ -151,7 +151,7 @@ def sandbox_cost(reps: int = 5) -> dict:
 
 def image_task() -> dict:
     """An NL2RepoBench-shaped task, harness and evaluation inside its (offline-built) image."""
-    import task_image
+    from support import task_image
 
     from gyre.harness.evaluator import EvalOptions, evaluate_workspace
     from gyre.harness.runner import HarnessPool
@@ -179,9 +179,9 @@ def image_task() -> dict:
 def scoring_parity() -> dict:
     """Gyre's scorer against NL2RepoBench's own analyze_pytest_results (where its repository is at
     hand, else the hand-worked counts): the corpus of outputs, plus commands with exit status,
-    stdout and stderr apart, read as the official runner reads them (tests/scoring_corpus.py)."""
-    from official_scorer import load_official
-    from scoring_corpus import CASES, STREAM_CASES, official_score
+    stdout and stderr apart, read as the official runner reads them (tests/support/scoring_corpus.py)."""
+    from support.official_scorer import load_official
+    from support.scoring_corpus import CASES, STREAM_CASES, official_score
 
     from gyre.harness import scoring
 

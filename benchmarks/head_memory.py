@@ -37,7 +37,7 @@ from gyre.sched.protocol import ReduceReply, TrainReply  # noqa: E402
 from gyre.sched.state import Role  # noqa: E402
 from gyre.services.fleet import WeightPaths  # noqa: E402
 from gyre.services.rollout import RolloutService  # noqa: E402
-from gyre.services.training import Reduced  # noqa: E402
+from gyre.services.training import StepReduced  # noqa: E402
 from gyre.traj.record import ExecutionRecord  # noqa: E402
 from gyre.traj.select import SelectionSpec  # noqa: E402
 from gyre.traj.tree import Segment, TrajectoryTree  # noqa: E402
@@ -91,14 +91,15 @@ def run(keep_records: bool) -> dict:
         for g in head._start_groups(Q, now):
             for m in range(G):
                 eid = f"q{g.id}-task-g{m}"
-                head._execution_done(eid, toy_record(eid, g.id, m, head.core.rollout_version, rollout.engine_url, now),
-                                     now + 10)
+                rec = toy_record(eid, g.id, m, head.core.rollout_version, rollout.engine_url, now)
+                head.rollout.settle(rec, lambda r, eid=eid: head._execution_scored(eid, r, now + 10))
+                head._execution_recorded(eid, rec, now + 10)
         while (mb := head.core.next_microbatch()) is not None:
             asyncio.run(head.training.train(trainer, mb))
         now += 20
         head.core.step_ending(now)
         res = head._step_ended(now)
-        head._step_committed(res, Reduced([trainer], [ReduceReply(seq=0, cell=trainer.id, grad_norm=0.1)], 0.0), 0.0)
+        head._step_committed(res, StepReduced([trainer], [ReduceReply(seq=0, cell=trainer.id, grad_norm=0.1)], 0.0), 0.0)
         if step + 1 in (5, STEPS):
             out[f"step{step + 1}"] = rss_mb()
             out[f"records_step{step + 1}"] = len(head.training.records)

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # the fixture driver, the scripted engine, the loop thread
 
-from template_fixtures import FIXTURES, drive, model_dir, script  # noqa: E402
+from support.template_fixtures import FIXTURES, drive, model_dir, script  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "token_truth_templates.json"
 

@@ -4,7 +4,7 @@ write/read time and peak memory for executions of 0.25M to 2M tokens (issue 28, 
 Proxy: one execution of CALLS sequential agent calls (assistant tool call + tool result per turn,
 tool outputs sized so the execution processes ~PROXY_TOKENS prompt + output tokens in all) sent
 over loopback HTTP to the REAL proxy, router and engine client. The engine is the scripted engine
-of tests/ (tests/scripted_engine.py: SGLang's /generate over HTTP, answers a chosen tool call at
+of tests/ (tests/support/scripted_engine.py: SGLang's /generate over HTTP, answers a chosen tool call at
 once, no model), so the figure is the proxy's own work. The per-call time is the proxy's own
 measure (handler time minus the time on the wire to the engine, ``Proxy.overhead_s``); the
 execution is run PROXY_REPEATS times and each call's minimum kept (the machine is shared: load
@@ -61,8 +61,8 @@ from gyre.proxy.capture import Renderer  # noqa: E402
 from gyre.proxy.server import Proxy, create_app, start_site  # noqa: E402
 from gyre.traj.store import ShardWriter, read_shard  # noqa: E402
 from gyre.traj.synthetic import CASE_STUDY, Lengths, case_study, generate  # noqa: E402
-from loop_thread import LoopThread  # noqa: E402
-from scripted_engine import ScriptedEngine  # noqa: E402
+from support.loop_thread import LoopThread  # noqa: E402
+from support.scripted_engine import ScriptedEngine  # noqa: E402
 
 PROXY_TOKENS = 1_000_000
 CALLS = 100

@@ -27,7 +27,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("gyre.cluster.slurm:status_", "show a run's cells, roles and progress"),
     "inspect": ("gyre.traj.inspect", "summarise an HDF5 trajectory shard, draw one execution's tree"),
     "plan": ("gyre.sim.plan", "sweep cell layouts and schemes for a workload (for HPC admins)"),
-    "config": ("gyre.report.config_file:config_", "print the resolved configuration (`gyre config show`)"),
+    "config": ("gyre.report.config_file:config_", "print the resolved configuration (`gyre config show`) or the "
+               "configuration reference (`gyre config reference`)"),
 }
 
 

@@ -50,6 +50,35 @@ class TrainBackend(StrEnum):
     MEGATRON = "megatron"
 
 
+def _choices(name: str, doc: str, *values: str) -> type[StrEnum]:
+    """A StrEnum whose members are `values` (upper-cased names, '-' as '_'): one line per key."""
+    kind = StrEnum(name, [(v.upper().replace("-", "_"), v) for v in values])
+    kind.__doc__ = doc
+    kind.__module__ = __name__  # pickles (submitit, the trainer pipe) find it here
+    return kind
+
+
+WandbMode = _choices("WandbMode", "`run.wandb_mode`", "offline", "online", "disabled")
+TemplateSource = _choices("TemplateSource", "`proxy.chat_template`", "builtin", "model")
+History = _choices("History", "`proxy.history`", "exact", "template")
+ToolParser = _choices("ToolParser", "`proxy.tool_parser`", "hermes", "qwen3_coder", "llama3", "none")
+ReasoningParser = _choices("ReasoningParser", "`proxy.reasoning_parser`", "none", "qwen3")
+Compression = _choices("Compression", "`store.compression`", "gzip", "lzf", "none")
+Layout = _choices("Layout", "`train.layout`", "tree", "expanded")
+Advantage = _choices("Advantage", "`train.advantage`", "grpo", "rloo", "reward")
+OffPolicyMode = _choices("OffPolicyMode", "`train.off_policy`", "auto", "none", "tis", "decoupled")
+Dtype = _choices("Dtype", "`train.dtype`", "auto", "float32", "bfloat16")
+BurstOrder = _choices("BurstOrder", "`sched.burst_order`", "stream", "shuffle")
+Sandbox = _choices("Sandbox", "`harness.sandbox`", "auto", "bwrap", "none")
+ImageRuntime = _choices("ImageRuntime", "`harness.runtime`", "auto", "bwrap", "apptainer", "singularity", "enroot",
+                        "podman", "docker")
+SandboxNetwork = _choices("SandboxNetwork", "`harness.sandbox_network`", "proxy", "host")
+ResumeMode = _choices("ResumeMode", "`harness.resume`", "replay", "restart")
+EvalNetwork = _choices("EvalNetwork", "`eval.network`", "auto", "on", "off")
+EvalExecutor = _choices("EvalExecutor", "`eval.executor`", "pool", "submitit-local", "submitit-slurm")
+EvalOutput = _choices("EvalOutput", "`eval.output`", "official", "merged")
+
+
 def enum_value(key: str, value: Any, kind: type[Enum]) -> Any:
     """``value`` as a member of ``kind``, or a ConfigError naming the key, the value and the choices."""
     try:
@@ -91,7 +120,8 @@ def _f(default: Any, *, choices: tuple | None = None, min: float | None = None,
 
 
 @dataclass
-class RunConfig:
+class RunConfig(_EnumFields):
+    _SECTION = "run"
     name: str = _f("gyre", help="run name, used in directory and job names")
     dir: str = _f("runs/gyre", help="run directory (private to the user, 0700)")
     seed: int = _f(0, min=0)
@@ -101,7 +131,7 @@ class RunConfig:
     loggers: list = _f(["jsonl", "tensorboard", "wandb"],
                        help="metrics backends: metrics.jsonl is always written; tensorboard and wandb are "
                             "used when installed (see gyre/report/metrics.py)")
-    wandb_mode: str = _f("offline", choices=("offline", "online", "disabled"),
+    wandb_mode: WandbMode = _f(WandbMode.OFFLINE,
                          help="W&B mode; offline runs sync later with `wandb sync`")
     keep_checkpoints: int = _f(0, min=0, help="trainer checkpoints kept in the run directory, newest first "
                                              "(the one state.json resumes from is always among them); 0 = all")
@@ -143,7 +173,8 @@ class EngineConfig(_EnumFields):
     max_new_tokens_cap: int = _f(4096, min=1, help="hard cap on max_new_tokens per request")
     max_body_bytes: int = _f(8 << 20, min=1024)
     request_timeout_s: float = _f(600.0, min=0.001)
-    connect_retries: int = _f(3, min=0)
+    connect_retries: int = _f(1, min=0, help="times the router retries an engine it cannot reach (connection "
+                                             "refused or reset) before the call goes to another endpoint")
     sglang_launcher: str = _f("sglang.launch_server",
                               help="module run as `python -m MODULE` for engine.backend = sglang; tests use "
                                    "gyre.engine.sglang_standin (same flags, serves with the embedded engine)")
@@ -157,38 +188,39 @@ class EngineConfig(_EnumFields):
 
 
 @dataclass
-class ProxyConfig:
+class ProxyConfig(_EnumFields):
+    _SECTION = "proxy"
     host: str = _f("127.0.0.1")
     port: int = _f(0, min=0, max=65535, help="0 = any free port (harnesses are given the URL)")
     max_body_bytes: int = _f(8 << 20, min=1024, help="largest request body accepted (bytes)")
     default_max_tokens: int = _f(512, min=1)
     max_tokens_cap: int = _f(4096, min=1)
-    request_retries: int = _f(3, min=0, help="times a call is retried on another endpoint")
     max_calls_in_flight: int = _f(8, min=1, help="calls of one execution running at once; beyond, 429 with "
                                   "Retry-After (a few parallel tool calls; gyre/proxy/fairness.py)")
     max_executions: int = _f(10_000, min=1, help="executions registered at once (POST /gyre/executions "
                                                  "beyond it is a 429)")
-    chat_template: str = _f("builtin", choices=("builtin", "model"),
+    chat_template: TemplateSource = _f(TemplateSource.BUILTIN,
                             help="builtin: Gyre's ChatML (Qwen2.5 format); model: the model directory's own Jinja "
                                  "template (chat_template.jinja or tokenizer_config.json), checked by token ids at start "
                                  "(refused, with the reason, when Gyre cannot follow it exactly)")
-    history: str = _f("exact", choices=("exact", "template"),
+    history: History = _f(History.EXACT,
                       help="with a template that is not append-only: exact keeps sampled turns as sampled; "
                            "template follows the template and branches the tree where it rewrites history")
-    tool_parser: str = _f("hermes", choices=("hermes", "qwen3_coder", "llama3", "none"),
+    tool_parser: ToolParser = _f(ToolParser.HERMES,
                           help="tool-call format of the model's output (chat_template = model)")
-    reasoning_parser: str = _f("none", choices=("none", "qwen3"),
+    reasoning_parser: ReasoningParser = _f(ReasoningParser.NONE,
                                help="qwen3: <think>...</think> goes to reasoning_content (chat_template = model)")
 
 
 @dataclass
-class StoreConfig:
+class StoreConfig(_EnumFields):
+    _SECTION = "store"
     dir: str = _f("", help="shard directory; empty = <run.dir>/shards")
     # benchmarks/results/store.json: "none" writes at ~0.6x numpy.save + fsync (0.1-0.35x of a
     # page-cache-only numpy.save) with the shard ~0.97x the raw size (tables always deflated);
     # gzip level 1 halves the size but writes ~10x slower on a 2-core head; lzf needs a plugin
     # outside h5py (HDFView cannot read it)
-    compression: str = _f("none", choices=("gzip", "lzf", "none"),
+    compression: Compression = _f(Compression.NONE,
                           help="filter for the tokens/logprobs arrays (tables are always gzip)")
     compression_level: int = _f(1, min=0, max=9, help="gzip level when compression = gzip")
     chunk_tokens: int = _f(1 << 16, min=256, help="HDF5 chunk of the tokens/logprobs arrays (elements)")
@@ -237,16 +269,16 @@ class TrainConfig(_EnumFields):
     backend: TrainBackend = _f(TrainBackend.EMBEDDED)
     lr: float = _f(1e-4, min=0.0)
     micro_batch_tokens: int = _f(4096, min=16)
-    layout: str = _f("tree", choices=("tree", "expanded"))
-    advantage: str = _f("grpo", choices=("grpo", "rloo", "reward"))
+    layout: Layout = _f(Layout.TREE)
+    advantage: Advantage = _f(Advantage.GRPO)
     clip_low: float = _f(0.2, min=0.0)
     clip_high: float = _f(0.28, min=0.0)
-    staleness: int = _f(0, min=0)
     clip: bool = _f(True, help="PPO-style ratio clipping with clip_low/clip_high; false = plain IS ratio")
     staleness_weights: list = _f([], help="loss weight per policy lag [w0, w1, ...]; lags past the "
                                       "list are masked; empty = weight 1 for every admitted lag")
-    off_policy: str = _f("auto", choices=("auto", "none", "tis", "decoupled"),
-                         help="correction for stale and mismatched samples (README, 'The loss'): none = PPO "
+    off_policy: OffPolicyMode = _f(OffPolicyMode.AUTO,
+                         help="correction for stale and mismatched samples (benchmarks/README.md, 'The loss'): "
+                              "none = PPO "
                               "clip against the behaviour log-probs; tis = clip against pi_old (the trainer "
                               "at the step start, one extra no-grad forward) times min(pi_old/pi_behaviour, "
                               "is_cap); decoupled = AReaL's decoupled PPO, clip against pi_prox (the same "
@@ -264,16 +296,12 @@ class TrainConfig(_EnumFields):
     is_mask_high: float = _f(2.0, min=0.0)
     mismatch_warn_k3: float = _f(0.01, min=0.0, help="warn when the k3 KL between trainer and engine "
                                  "log-probs at lag 0 (same weights) exceeds this; 0 = never")
-    burst_order: str = _f("stream", choices=("stream", "shuffle"),
-                          help="with sched.steps_per_sync > 1: stream = a round's groups train in the order "
-                               "they finish (early steps hold short executions); shuffle = wait for the "
-                               "round, then deal its groups to its steps in a seeded random order")
     grad_clip: float = _f(1.0, min=0.0, help="clip the global grad norm to this; 0 = no clipping")
     weight_decay: float = _f(0.0, min=0.0)
     adam_beta1: float = _f(0.9, min=0.0, max=1.0)
     adam_beta2: float = _f(0.999, min=0.0, max=1.0)
     adam_eps: float = _f(1e-8, min=0.0)
-    dtype: str = _f("auto", choices=("auto", "float32", "bfloat16"),
+    dtype: Dtype = _f(Dtype.AUTO,
                     help="training dtype; auto = bfloat16 on CUDA, float32 on CPU")
     export_dir: str = _f("", help="where weights are exported for the engines; empty = <run.dir>/weights")
     checkpoint_dir: str = _f("", help="trainer checkpoints; empty = <run.dir>/checkpoints")
@@ -310,6 +338,13 @@ class SchedConfig(_EnumFields):
     min_dwell_s: float = _f(60.0, min=0.0, help="schemes E, E-paper: least time a cell stays in a role")
     calls_per_cell: float = _f(4.0, min=0.001, help="scheme E: calls one rollout cell decodes while each keeps "
                                "~80% of its solo speed (engines per cell x their batch knee)")
+    train_tokens_per_s: float = _f(43800.0, min=0.001, help="schemes E, E-paper: training tokens/s of one 4-node "
+                                   "cell (nl2repo-122b-32n: FLOP arithmetic at 25% MFU, gyre/sim/calibration.py)")
+    eval_s: float = _f(60.0, min=0.0, help="schemes E, E-paper: expected evaluation time of a finished execution")
+    burst_order: BurstOrder = _f(BurstOrder.STREAM,
+                          help="with steps_per_sync > 1: stream = a round's groups train in the order "
+                               "they finish (early steps hold short executions); shuffle = wait for the "
+                               "round, then deal its groups to its steps in a seeded random order")
     skip_zero_variance: bool = _f(True, help="a group whose executions all scored the same reward "
                                   "(no signal for grpo/rloo) is recorded as not admitted, reason zero_variance, "
                                   "and replaced by a new group (dynamic sampling)")
@@ -318,19 +353,8 @@ class SchedConfig(_EnumFields):
 
 
 @dataclass
-class SimConfig:
-    preset: str = _f("nl2repo", help="workload preset or a trace file path")
-    steps: int = _f(48, min=1)
-    nodes: int = _f(32, min=1)
-    groups_per_step: int = _f(16, min=1, help="queries per training step (G executions each)")
-    seed: int = _f(0, min=0, help="workload seed")
-    train_tokens_per_s: float = _f(43800.0, min=0.001, help="training tokens/s of one 4-node cell "
-                                   "(nl2repo-122b-32n: FLOP arithmetic at 25% MFU, gyre/sim/calibration.py)")
-    eval_s: float = _f(60.0, min=0.0, help="evaluation time of a finished execution")
-
-
-@dataclass
-class HarnessConfig:
+class HarnessConfig(_EnumFields):
+    _SECTION = "harness"
     suite: str = _f("builtin", help="task suite: 'builtin', 'learnable' (the demo's) or a directory in NL2RepoBench layout")
     command: list = _f(["{python}", "-m", "gyre.harness.reference_agent"],
                        help="harness argv; placeholders {prompt} {prompt_file} {workspace} {task_dir} "
@@ -360,43 +384,44 @@ class HarnessConfig:
                                         "with a warning and count it); `--strict` on the command line")
     image_template: str = _f("ghcr.io/multimodal-art-projection/nl2repobench/{task}:1.0",
                              help="image of a task that does not ship its tests ({task} = task name)")
-    sandbox: str = _f("auto", choices=("auto", "bwrap", "none"),
+    sandbox: Sandbox = _f(Sandbox.AUTO,
                       help="sandbox of harnesses and task commands without an image: auto = bubblewrap "
                            "where installed; none = no isolation (warns)")
-    runtime: str = _f("auto", choices=("auto", "bwrap", "apptainer", "singularity", "enroot", "podman", "docker"),
+    runtime: ImageRuntime = _f(ImageRuntime.AUTO,
                       help="runtime of task images; auto = by the file found in image_dir "
                            "(<task>/ rootfs: bwrap, <task>.sif: apptainer, <task>.sqsh: enroot)")
     image_dir: str = _f("", help="where task images live: <task>.sif, <task>.sqsh or an unpacked <task>/")
     image_python: str = _f("python3", help="the Python inside task images (runs Gyre's launcher)")
-    sandbox_network: str = _f("proxy", choices=("proxy", "host"),
+    sandbox_network: SandboxNetwork = _f(SandboxNetwork.PROXY,
                               help="proxy: an instance reaches only the proxy (where the runtime can "
                                    "restrict it); host: the host's network")
     sandbox_binds: list = _f([], help="extra read-only host paths SRC[:DST] a sandboxed harness needs "
                                       "(e.g. its own virtualenv)")
     infra_retries: int = _f(2, min=0, help="an execution whose sandbox or process could not start is tried "
                                           "again this many times (alone, in a fresh workspace), then recorded lost")
-    resume: str = _f("replay", choices=("replay", "restart"),
+    resume: ResumeMode = _f(ResumeMode.REPLAY,
                      help="an execution stopped mid-run (preemption, SIGTERM) on resume: replay = its harness "
                           "restarts in a fresh workspace and every request equal to a recorded call is answered "
                           "from the recording; restart = from scratch, recorded calls unused")
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(_EnumFields):
+    _SECTION = "eval"
     timeout_s: float = _f(300.0, min=0.0, help="time limit for all test commands of one evaluation of a task "
                                                "that ships its tests; 0 = none")
     image_timeout_s: float = _f(0.0, min=0.0, help="the same for a task scored in its image (NL2RepoBench: the "
                                                    "official runner has none, one task has 2,182 tests); 0 = none")
     command_timeout_s: float = _f(0.0, min=0.0, help="time limit of each test command; 0 = none")
-    network: str = _f("auto", choices=("auto", "on", "off"),
+    network: EvalNetwork = _f(EvalNetwork.AUTO,
                       help="network of the test commands: auto = on for tasks scored in their image (NL2RepoBench's "
                            "commands `pip install`, as its containers allow), off otherwise")
     workers: int = _f(2, min=1, help="evaluations running at once")
-    executor: str = _f("pool", choices=("pool", "submitit-local", "submitit-slurm"))
+    executor: EvalExecutor = _f(EvalExecutor.POOL)
     scratch_dir: str = _f("", help="where workspaces are copied for scoring; empty = the system temp dir")
     keep_scratch: bool = _f(False, help="keep the scored copy (for debugging a score)")
     max_output_mb: int = _f(64, min=1, help="largest file (log included) a test command may write")
-    output: str = _f("official", choices=("official", "merged"),
+    output: EvalOutput = _f(EvalOutput.OFFICIAL,
                      help="what is scored of a test command: official = stdout when it succeeds, stdout and "
                           "stderr in python-on-whales' error text when it fails (NL2RepoBench); merged = both always")
     max_copy_mb: int = _f(20480, min=0, help="data of a workspace copied for scoring (MB; sparse holes are "
@@ -418,7 +443,6 @@ class GyreConfig:
     selection: SelectionConfig = field(default_factory=SelectionConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sched: SchedConfig = field(default_factory=SchedConfig)
-    sim: SimConfig = field(default_factory=SimConfig)
     harness: HarnessConfig = field(default_factory=HarnessConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
@@ -543,16 +567,16 @@ def _cross_check(cfg: GyreConfig) -> None:
                           f"({t.is_mask_high})")
 
 
-def resolved_off_policy(cfg: GyreConfig) -> str:
+def resolved_off_policy(cfg: GyreConfig) -> OffPolicyMode:
     """`train.off_policy` with `auto` decided: decoupled when groups can lag (sched.staleness > 0,
     or bursts of sched.steps_per_sync > 1 steps on one round's weights) and a step makes several
     updates (train.minibatches_per_step > 1), so that its clip against pi_prox can act; else tis.
     Measured: with one update per step clip_frac is 0 at every step (bench_token_truth.py), and
     the learning benchmark's staleness-2 runs favour tis (benchmarks/results/learning.json)."""
-    if cfg.train.off_policy != "auto":
+    if cfg.train.off_policy is not OffPolicyMode.AUTO:
         return cfg.train.off_policy
-    lagged = cfg.sched.staleness > 0 or cfg.sched.steps_per_sync > 1 or cfg.train.staleness > 0
-    return "decoupled" if lagged and cfg.train.minibatches_per_step > 1 else "tis"
+    lagged = cfg.sched.staleness > 0 or cfg.sched.steps_per_sync > 1
+    return OffPolicyMode.DECOUPLED if lagged and cfg.train.minibatches_per_step > 1 else OffPolicyMode.TIS
 
 
 def trainer_config(cfg: GyreConfig) -> TrainConfig:

@@ -22,6 +22,10 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Union
 
+# statuses (gyre.traj.record.Status words; this module imports nothing of Gyre) of a harness that
+# broke: not one that timed out or gave a wrong answer
+HARNESS_BROKE = ("failed", "crashed")
+
 # Role names as the cell book spells them (`gyre.sched.state.Role` values); plain strings here so
 # that this module and the report depend on nothing of the scheduler.
 ROLLOUT, TRAIN, TO_TRAIN, TO_ROLLOUT, FAILED = "rollout", "train", "to_train", "to_rollout", "failed"
@@ -247,7 +251,7 @@ class _Window:
 
     def add(self, ev: ExecutionEvaluated, run: list | None) -> None:
         self.n += 1
-        self.failed += ev.status in ("failed", "crashed")  # the harness broke (not: timed out, wrong answer)
+        self.failed += ev.status in HARNESS_BROKE
         self.tokens += ev.tokens
         if run is not None:
             self.seconds += ev.t - run[0]
@@ -289,7 +293,7 @@ class RunStats:
         self.dropped_reasons: dict[str, int] = {}
         self.groups_dropped = 0
         self.steps: list[dict] = []
-        # running sums of the lag of trained groups (flat memory; the same figures as LagStats)
+        # running sums of the lag of trained groups (flat memory; the same figures as the groups would give)
         self._n = 0
         self._lag_sum = [0, 0]          # steps, syncs
         self._lag_tok = [0.0, 0.0]

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Callable
 
 from gyre import faults
-from gyre.config import GyreConfig, default_tiny_dir
+from gyre.config import GyreConfig, ResumeMode, default_tiny_dir
 from gyre.events import (CallRecorded, CellRoleChanged, ExecutionEvaluated, ExecutionStarted, GroupDropped, GroupLag,
                          RunEnded, RunStarted, RunStats, StepEnded, WeightsPushed)
 from gyre.harness.execute import check_scorable, load_tasks
@@ -51,14 +51,14 @@ from gyre.report import config_file
 from gyre.report.health import Health, Thresholds
 from gyre.report.metrics import MetricsSink
 from gyre.report.progress import Progress
-from gyre.sched import policy_from_config
 from gyre.sched.cells import Cell
-from gyre.sched.core import Admission, Coordinator, CoreSpec, GroupRecord, StepResult
+from gyre.sched.core import Admission, Coordinator, GroupRecord, StepResult
+from gyre.sched.runspec import RunSpec
 from gyre.sched.state import Role
 from gyre.services.fleet import CellFleet, WeightPaths
 from gyre.services.ledger import Ledger, execution_id
 from gyre.services.rollout import RecordError, RolloutService, journal_dir
-from gyre.services.training import Reduced, TrainingDispatch
+from gyre.services.training import StepReduced, TrainingDispatch
 from gyre.train.step_stats import lag0_warning
 from gyre.traj.audit import Audit, audit_warning
 from gyre.traj.record import FINISHED, Status
@@ -77,9 +77,11 @@ def prune_checkpoints(root: Path, newest: int, keep: int) -> list[Path]:
 
 
 class Head:
-    def __init__(self, cfg: GyreConfig, link, n_cells: int, *, resume: bool = False,
+    def __init__(self, cfg: GyreConfig, link, n_cells: int, *, resume: bool = False, engine_key: str = "",
                  clock: Callable[[], float] = time.time, progress_bar: bool = False):
+        """`engine_key`: the job's secret the cells' engines accept (the router sends it)."""
         self.cfg, self.link, self.resume, self.clock = cfg, link, resume, clock
+        self.engine_key = engine_key
         self.progress_bar = progress_bar                 # a bar of the step's executions (a terminal)
         self.run_dir = Path(cfg.run.dir)
         self.t0 = clock()
@@ -95,6 +97,7 @@ class Head:
         self.ledger = Ledger(self.run_dir, cfg.shard_dir(), emit=self._emit, clock=clock)
         self.rollout: RolloutService | None = None       # started by run
         self.core: Coordinator | None = None
+        self.spec: RunSpec | None = None                # the run spec the core and the policy come from
         self.policy = None
         self._committed = 0                              # version of the last step written down
         self._stop = asyncio.Event()
@@ -186,31 +189,30 @@ class Head:
         self.rollout = rollout
         self._committed = core.version
 
+    def schedule(self, version: int = 0, first_group: int = 0) -> Coordinator:
+        """The policy and a coordinator core for this run, from its one run spec (the simulator
+        builds its own from the same `RunSpec.from_config`); a resumed run starts at `version`."""
+        self.spec = RunSpec.from_config(self.cfg, start_version=version, first_group=first_group)
+        self.policy = self.spec.policy()
+        return self.spec.coordinator(self.policy)
+
     async def run(self) -> dict:
         cfg = self.cfg
         private_dir(self.run_dir)
         model_dir = Path(cfg.model.path or ensure_tiny_model(default_tiny_dir(cfg), cfg.model.tiny_family))
-        self.policy = policy_from_config(cfg)
         tasks = load_tasks(cfg)  # harness.suite, strict_suite, image_template, tasks
         envs = Environments(SandboxConfig.from_config(cfg.harness))  # one placement per task, shared
         check_scorable(tasks, envs, cfg.harness.min_scorable_share)  # refused before any work
-        rollout = RolloutService(cfg, envs, model_dir, model_identity(model_dir), private_dir(cfg.shard_dir()))
+        rollout = RolloutService(cfg, envs, model_dir, model_identity(model_dir), private_dir(cfg.shard_dir()),
+                                 fault_scope="head")
         if self.resume:
             rollout.compact()  # finish one a crash cut short
         version, first_group = self.ledger.load_state() if self.resume else (0, 0)
         self.replays = (self.ledger.stopped_to_replay(journal_dir(cfg))
-                        if self.resume and cfg.harness.resume == "replay" else {})
+                        if self.resume and cfg.harness.resume is ResumeMode.REPLAY else {})
         self.ledger.open()
         config_file.write(cfg, self.run_dir)  # what `--resume` and `gyre config show --run` read back
-        s = cfg.sched
-        core = Coordinator(CoreSpec(
-            steps=cfg.run.steps, groups_per_step=cfg.run.groups_per_step, group_size=cfg.harness.group_size,
-            staleness=s.staleness, staleness_rule=s.staleness_rule, steps_per_sync=s.steps_per_sync,
-            start_version=version, first_group=first_group,
-            # equal rewards carry no signal only for a baseline-relative advantage
-            skip_zero_variance=s.skip_zero_variance and cfg.train.advantage != "reward",
-            max_replacements_per_step=s.max_replacements_per_step, burst_order=cfg.train.burst_order,
-            seed=cfg.run.seed), self.policy.admission_key)
+        core = self.schedule(version, first_group)
         paths = WeightPaths(model_dir, Path(cfg.train.export_dir or self.run_dir / "weights"),
                             Path(cfg.train.checkpoint_dir or self.run_dir / "checkpoints"))
         self.attach(core, tasks, paths, SelectionSpec.from_config(cfg.selection), rollout)
@@ -227,7 +229,7 @@ class Head:
         for c in self.cells:  # the role each cell is in at time zero
             self._emit(CellRoleChanged(now, c.id, c.role.value))
         self.metrics = MetricsSink(self.run_dir, cfg.run.loggers, name=cfg.run.name, config=asdict(cfg),
-                                   wandb_mode=cfg.run.wandb_mode)
+                                   wandb_mode=cfg.run.wandb_mode.value)
         self.progress = Progress(cfg.run.steps, cfg.run.groups_per_step * cfg.harness.group_size,
                                  first_step=version, bar=self.progress_bar)
         print(f"gyre: run {self.run_dir} started: {cfg.run.steps - version} steps to go ({len(self.cells)} cells, "
@@ -237,7 +239,7 @@ class Head:
         for cell in self.cells:
             cell.since, cell.last_seen = now, now
         await rollout.start([c.engine_url for c, r in zip(self.cells, roles) if r is Role.ROLLOUT],
-                            engine_key=self.link.engine_key, wait_for_endpoint_s=120.0)
+                            engine_key=self.engine_key, wait_for_endpoint_s=120.0)
         # cells boot as rollout; the policy's initial train cells switch once, before any work
         await asyncio.gather(*(self._to_train(c) for c, r in zip(self.cells, roles) if r is Role.TRAIN))
         if core.rollout_version > 0:
@@ -332,8 +334,8 @@ class Head:
             self.rollout.add_endpoint(cell.engine_url)
 
     # ==== executions ============================================================================
-    # The sync handlers below (_start_groups, _execution_done, _step_ended, _step_committed) are
-    # the head's whole translation of what happened into core events; the async code around them
+    # The sync handlers below (_start_groups, _execution_scored, _execution_recorded, _step_ended,
+    # _step_committed) are the head's whole translation of what happened into core events; the async code around them
     # is messaging and I/O. tests/test_coordinator_core.py replays a simulator trace through them.
     def _start_groups(self, n: int, now: float) -> list[GroupRecord]:
         started = self.core.start_groups(n, now)
@@ -355,8 +357,9 @@ class Head:
         if replay:
             self.ledger.resuming(eid, replay[0])
         rec = await self.rollout.execute(task, eid, gid, replay=replay[1] if replay else None,
-                                         on_ended=lambda _status: self.core.execution_ended(eid, self.clock()))
-        self._execution_done(eid, rec, self.clock())
+                                         on_ended=lambda _status: self.core.execution_ended(eid, self.clock()),
+                                         on_scored=lambda r: self._execution_scored(eid, r, self.clock()))
+        self._execution_recorded(eid, rec, self.clock())
         if replay:  # replay-resume: which stopped execution this one continued, and what it saved
             source = replay[1]
             recorded = source.recorded if isinstance(source, Replay) else len(source.calls)
@@ -364,24 +367,25 @@ class Head:
             if self.rollout.proxy is not None and self.rollout.proxy.journal is not None:
                 self.rollout.proxy.journal.discard(replay[0])  # a killed run's journal: taken over
 
-    def _execution_done(self, eid: str, rec, now: float) -> None:
-        """An execution ended and was scored: its record is on disk (its own small shard, compacted
-        at the end) before the core hears of it, so a SIGKILL from here on loses none of it."""
-        faults.hit("head", "execution_ended")
-        self.rollout.record([rec])  # durable before anything counts it (RecordError: the run stops, saying why)
-        usable = rec.status in FINISHED and math.isfinite(rec.reward)
-        reward = rec.reward if math.isfinite(rec.reward) else None
+    def _execution_scored(self, eid: str, rec, now: float) -> None:
+        """An execution ended, was scored and is on disk (its own small shard, compacted at the end):
+        written down and told, before the core hears of it (the rollout service's `settle`)."""
+        reward, usable = _reward_of(rec)
         self.ledger.execution_ended(eid, reward, "" if usable else rec.reward_source or f"status {rec.status}",
                                     unscorable=rec.reward_source)
         url_cell = {u: c.id for c in self.cells for u in self.fleet.urls_of(c) if u}
         for call in rec.tree.calls:
             self._emit(CallRecorded(call.t_start, call.t_end, url_cell.get(call.endpoint), eid, call.n_input, call.n_output))
-        tokens = float(rec.tree.stats().unique_tokens)
-        self._emit(ExecutionEvaluated(now, eid, rec.group, rec.status, reward, rec.min_version, tokens, usable))
+        self._emit(ExecutionEvaluated(now, eid, rec.group, rec.status, reward, rec.min_version,
+                                      float(rec.tree.stats().unique_tokens), usable))
+
+    def _execution_recorded(self, eid: str, rec, now: float) -> None:
+        """Its record is on disk and written down: only now does the core hear of it, so a SIGKILL
+        from here on loses none of it."""
+        reward, usable = _reward_of(rec)
         self.training.hold(rec)
-        faults.hit("head", "execution_recorded")
-        adm = self.core.execution_evaluated(eid, now, version=rec.min_version, tokens=tokens, usable=usable,
-                                            reward=reward if usable else None)
+        adm = self.core.execution_evaluated(eid, now, version=rec.min_version, tokens=float(rec.tree.stats().unique_tokens),
+                                            usable=usable, reward=reward if usable else None)
         self._on_admission(adm)
 
     def _on_admission(self, adm: Admission) -> None:
@@ -425,14 +429,14 @@ class Head:
         faults.hit("head", "step_end")
         return self.core.step_ended(now)
 
-    def _step_committed(self, res: StepResult, red: Reduced, push_s: float) -> None:
+    def _step_committed(self, res: StepResult, red: StepReduced, push_s: float) -> None:
         """(Weights pushed if the round ended) the step is written down; the next one fills."""
         if res.push_due:
             self.core.weights_pushed(res.version)
         self._close_step(res, red, push_s)
         self._on_admission(res.admission)
 
-    def _close_step(self, res: StepResult, red: Reduced, push_s: float) -> None:
+    def _close_step(self, res: StepResult, red: StepReduced, push_s: float) -> None:
         """Step rows and ledger lines, then state.json: the commit point of the step."""
         for g in res.groups:  # written only now: admitted means trained in this step
             for eid, stal in self.training.admitted.pop(g.id, []):
@@ -487,3 +491,9 @@ class Head:
                 "intervals": {c.id: st.intervals(c.id, t1) for c in self.cells},
                 "idle": {c.id: st.idle_spans(c.id, t1) for c in self.cells},
                 "metrics": self.metrics.describe() if self.metrics else None}
+
+
+def _reward_of(rec) -> tuple[float | None, bool]:
+    """(reward, whether it can train): a finished execution with a finite reward."""
+    reward = rec.reward if math.isfinite(rec.reward) else None
+    return reward, rec.status in FINISHED and reward is not None

@@ -28,8 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gyre import faults
-from gyre.config import GyreConfig, default_tiny_dir, load_config
+from gyre.config import GyreConfig, ResumeMode, default_tiny_dir, load_config
 from gyre.engine.reaper import ProcessList, reap
 from gyre.harness.execute import check_scorable, read_tasks, select_tasks
 from gyre.harness.runner import private_dir
@@ -196,7 +195,7 @@ class Rollout:
             self.summary.reaped = reap(run_dir)
         if resume:  # executions that were running when the run was killed: their journals
             replays.update(journal_replays(journal_dir(cfg), previous, replays))
-        if cfg.harness.resume != "replay":
+        if cfg.harness.resume is not ResumeMode.REPLAY:
             replays = {}
         todo, self.summary.skipped_resume = plan(tasks, cfg.harness.group_size, previous, used_attempts(run_dir),
                                                  replays)
@@ -262,10 +261,7 @@ class Rollout:
 
     async def _one(self, p: Planned, service: RolloutService, bar) -> None:
         # one query = one group of G executions
-        rec = await service.execute(p.task, p.execution_id, 0, replay=p.replay)
-        faults.hit("rollout", "execution_ended")
-        service.record([rec])  # durable before it counts: a SIGKILL from here on loses nothing of it
-        faults.hit("rollout", "execution_recorded")
+        rec = await service.execute(p.task, p.execution_id, 0, replay=p.replay)  # durable when it returns
         for f in journal_dir(self.cfg).glob(f"{p.base_id}-a*.jsonl"):  # a killed attempt's: replayed or superseded
             if _split(f.stem)[0] == p.base_id and _split(f.stem)[1] < p.attempt:
                 f.unlink(missing_ok=True)

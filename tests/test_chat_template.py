@@ -17,12 +17,10 @@ from gyre.proxy.capture import ExecutionSession, Renderer, prepare_call, record_
 from gyre.proxy.chat import Message, ToolCall, parse_messages
 from gyre.proxy.template_capture import prepare_call_template
 from gyre.traj.record import ExecutionRecord
+from support.chat_templates import TEMPLATES, TOOLS
 
 ROOT = Path(__file__).parents[1]
-TEMPLATES = Path(__file__).parent / "templates"
 R = Renderer(Tokenizer.from_file(str(ROOT / "gyre" / "assets" / "tokenizer.json")))
-TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run a shell command",
-                                           "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}}]
 
 
 def tpl(name: str) -> ChatTemplate:
@@ -167,14 +165,14 @@ def test_proxy_over_http_with_the_model_template_and_parsers(tmp_path):
     """The real proxy (HTTP, the openai client, a scripted engine) configured from [proxy]:
     renders with the directory's template, splits reasoning, parses Qwen3-Coder XML calls."""
     from gyre.config import load_config
-    from gyre.proxy.server import proxy_options
-    from test_proxy import Stack
+    from gyre.proxy.server import template_options
+    from support.proxy_stack import Stack
 
     (tmp_path / "chat_template.jinja").write_text((TEMPLATES / "qwen3_coder_xml.jinja").read_text())
     (tmp_path / "tokenizer.json").write_text((ROOT / "gyre" / "assets" / "tokenizer.json").read_text())
     cfg = load_config(None, ["proxy.chat_template=model", "proxy.tool_parser=qwen3_coder",
                              "proxy.reasoning_parser=qwen3"])
-    opts = proxy_options(cfg.proxy, tmp_path)
+    opts = template_options(cfg.proxy, tmp_path)
     s = Stack()
     try:
         s.proxy.template, s.proxy.tool_parser, s.proxy.reasoning_parser = (
@@ -194,11 +192,11 @@ def test_proxy_over_http_with_the_model_template_and_parsers(tmp_path):
     finally:
         s.close()
     with pytest.raises(ValueError, match="has no chat template"):
-        proxy_options(cfg.proxy, tmp_path / "none")
+        template_options(cfg.proxy, tmp_path / "none")
 
 
 def test_streamed_reasoning_and_content_equal_the_whole_answer(tmp_path):
-    from test_proxy import Stack
+    from support.proxy_stack import Stack
 
     s = Stack()
     try:

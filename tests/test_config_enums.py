@@ -5,8 +5,11 @@ section was built, still reads as its word in files, and the code compares membe
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import pickle
+import typing
+from enum import Enum
 from pathlib import Path
 
 import pytest
@@ -75,10 +78,33 @@ def test_execution_status_keeps_its_words_on_disk():
     assert "timeout" in FINISHED and Status("stopped") in NOT_FINISHED  # a word read back from a shard
 
 
-# comparisons that pick behaviour by these words, outside the definitions
-_WORDS = {"E", "E-paper", "A", "C", "window", "count", "embedded", "sglang", "megatron",
-          "done", "failed", "crashed", "timeout", "stopped", "lost", "running"}
-_FIELDS = {"scheme", "staleness_rule", "backend", "status", "rule"}
+def _enum_fields() -> dict[str, set[str]]:
+    """Every choice key of the configuration (its field name) and its words."""
+    out: dict[str, set[str]] = {}
+    for sec in dataclasses.fields(GyreConfig):
+        hints = typing.get_type_hints(type(sec.default_factory()))
+        for name, kind in hints.items():
+            if isinstance(kind, type) and issubclass(kind, Enum):
+                out.setdefault(name, set()).update(m.value for m in kind)
+    return out
+
+
+# comparisons that pick behaviour by these words, outside the definitions: every choice key of the
+# configuration, the execution status and the staleness rule's other name
+_CHOICES = _enum_fields() | {"status": {s.value for s in Status}, "rule": {r.value for r in StalenessRule}}
+_WORDS = set().union(*_CHOICES.values())
+_FIELDS = set(_CHOICES)
+
+
+def test_every_choice_key_is_an_enum():
+    """A key with a fixed list of words is a StrEnum (checked once), not a str with `choices`."""
+    for sec in dataclasses.fields(GyreConfig):
+        for f in dataclasses.fields(sec.default_factory()):
+            assert not (f.metadata.get("choices") and not isinstance(f.default, Enum)) or f.name == "tiny_family", \
+                f"{sec.name}.{f.name}: make it a StrEnum in gyre/config.py"
+    assert {"advantage", "layout", "off_policy", "dtype", "chat_template", "history", "tool_parser",
+            "reasoning_parser", "sandbox", "runtime", "resume", "executor", "network", "output", "compression",
+            "burst_order", "sandbox_network", "wandb_mode"} <= _FIELDS
 
 
 def test_code_compares_members_not_words():
@@ -91,7 +117,9 @@ def test_code_compares_members_not_words():
                 continue
             names = {_name(x) for x in [node.left, *node.comparators]}
             words = {x.value for x in [node.left, *node.comparators] if isinstance(x, ast.Constant)}
-            if names & _FIELDS and words & _WORDS:
+            words |= {e.value for x in node.comparators if isinstance(x, (ast.Tuple, ast.List, ast.Set))
+                      for e in x.elts if isinstance(e, ast.Constant)}
+            if any(words & _CHOICES[n] for n in names & _FIELDS):
                 bad.append(f"{f.name}:{node.lineno}")
     assert not bad, f"compare enum members, not strings: {bad}"
 

@@ -6,9 +6,10 @@ import pytest
 
 from gyre.sched import make_policy
 from gyre.sched.admission import start_budget
-from gyre.sched.core import Coordinator, CoreError, CoreSpec, GroupState, LagStats
+from gyre.sched.core import Coordinator, CoreError, CoreSpec, GroupState
 from gyre.sched.state import CellView, Role
-from replay_head import NOTHING_REDUCED, head_for_replay
+from support.replay_head import NOTHING_REDUCED, execution_done, head_for_replay, run_config
+from support.lag_oracle import LagStats, lag_of
 
 S = GroupState
 
@@ -177,7 +178,7 @@ def test_count_rule_bounds_starts_by_rollout_version_and_drops_nothing():
     adm = finish(c, late, 6.0, version=0)      # lag 2 > k: the count rule drops nothing
     assert adm.assigned == (c.groups[late],) and not adm.dropped
     end_step(c, 7.0)
-    assert c.groups[late].lag_steps == 2 and c.lag_stats().worst_steps == 2
+    assert c.groups[late].lag_steps == 2 and lag_of(c).worst_steps == 2
 
 
 def test_burst_pushes_once_per_round_and_records_both_lags():
@@ -196,7 +197,7 @@ def test_burst_pushes_once_per_round_and_records_both_lags():
     assert (ga.lag_steps, ga.lag_syncs) == (0, 0) and (gb.lag_steps, gb.lag_syncs) == (1, 0)
     assert ga.sync == gb.sync == 0
     assert c.start_budget() == 2
-    lag = c.lag_stats()
+    lag = lag_of(c)
     assert lag.worst_steps == 1 and lag.worst_syncs == 0 and lag.group_mean_steps == 0.5
 
 
@@ -209,7 +210,7 @@ def test_lag_stats_weigh_groups_and_tokens():
     finish(c, gs[2], 3.0, version=0, tokens=30)    # lag 1, heavy
     finish(c, gs[3], 3.0, version=1, tokens=10)    # lag 0
     train_and_end(c, 4.0)
-    lag = c.lag_stats()
+    lag = lag_of(c)
     assert lag.groups == 4 and lag.worst_steps == 1
     assert lag.group_mean_steps == pytest.approx(1 / 4)
     assert lag.token_mean_steps == pytest.approx(30 / 60)
@@ -316,11 +317,14 @@ class RecordingCoordinator(Coordinator):
         return super().weights_pushed(version)
 
 
-def simulated_trace(k: int, b: int, steps: int, q: int, g: int, slow_group: int, zero_variance_share: float = 0.0,
-                    max_replacements: int = 4):
+def simulated_trace(cfg, slow_group: int, zero_variance_share: float = 0.0):
+    """The simulator of `cfg`'s run (its RunSpec, as the head builds its own) on a scripted workload."""
+    from gyre.sched import RunSpec
     from gyre.sim.cost_model import ClusterModel
     from gyre.sim.simulator import Simulator, SimSpec
     from gyre.sim.workload import ExecSpec, GroupSpec, Workload
+
+    g = cfg.harness.group_size
 
     def group(i: int) -> GroupSpec:  # fixed durations; one group far slower than the others
         d = 40_000.0 if i == slow_group else 1_000.0 + 37.0 * (i % 5)
@@ -331,9 +335,8 @@ def simulated_trace(k: int, b: int, steps: int, q: int, g: int, slow_group: int,
     w = Workload(group, g, "scripted", 1_000.0, 0.1)
     cluster = ClusterModel(nodes=2, cell_nodes=1, gpus_per_node=1, min_cell_nodes=1,
                            eval_s=0, push_s=0, opt_s=0, to_train_s=0, to_rollout_s=0)
-    sim = Simulator(make_policy("E", k), w, cluster,
-                    SimSpec(steps=steps, groups_per_step=q, segments=1, tick_s=500.0, steps_per_sync=b,
-                            zero_variance_share=zero_variance_share, max_replacements_per_step=max_replacements))
+    sim = Simulator(RunSpec.from_config(cfg), w, cluster,
+                    SimSpec(segments=1, tick_s=500.0, zero_variance_share=zero_variance_share))
     sim.core = RecordingCoordinator(sim.core.spec, sim.core.key)
     sim.run()
     return sim.core
@@ -349,11 +352,15 @@ def record(eid: str, gid: int, member: int, version: int, reward: float | None =
     return ExecutionRecord(eid, "task", gid, "done", float(member % 2) if reward is None else reward, "tests", tree=t)
 
 
-@pytest.mark.parametrize("k,b", [(1, 1), (0, 2), (2, 1)])
-def test_one_trace_through_the_simulator_and_the_head_gives_the_same_steps(tmp_path, k, b):
+@pytest.mark.parametrize("k,b,order", [(1, 1, "stream"), (0, 2, "stream"), (0, 2, "shuffle"), (2, 1, "stream")])
+def test_one_trace_through_the_simulator_and_the_head_gives_the_same_steps(tmp_path, k, b, order):
+    """Both drivers are built from one configuration (RunSpec.from_config): a field that reaches
+    one driver and not the other (the burst order did not reach the simulator) fails here."""
     steps, q, g = 5, 2, 2
-    sim = simulated_trace(k, b, steps, q, g, slow_group=1)
-    head = head_for_replay(tmp_path, sim.spec, sim.key)
+    cfg = run_config(tmp_path, steps, q, g, k, b, burst_order=order)
+    sim = simulated_trace(cfg, slow_group=1)
+    head = head_for_replay(tmp_path, cfg)
+    assert head.core.spec == sim.spec and head.core.key == sim.key
     eid_of = {}
     for ev in sim.trace:
         kind = ev[0]
@@ -366,7 +373,7 @@ def test_one_trace_through_the_simulator_and_the_head_gives_the_same_steps(tmp_p
         elif kind == "evaluated":
             gid, m = eid_of[ev[1]]
             eid = f"q{gid}-task-g{m}"
-            head._execution_done(eid, record(eid, gid, m, ev[3]), ev[2])
+            execution_done(head, eid, record(eid, gid, m, ev[3]), ev[2])
         elif kind == "step_ending":
             while (mb := head.core.next_microbatch()) is not None:  # the trainers' replies
                 head.core.microbatch_trained(mb)
@@ -394,7 +401,9 @@ def test_one_trace_through_the_simulator_and_the_head_gives_the_same_steps(tmp_p
     trained = {(r["group"], r["step"]) for r in rows if r["admitted"]}
     assert trained == {(gid, s) for s, gids in enumerate(sim_steps) for gid in gids}
     assert all(not r["admitted"] and r["reason"].startswith("stale") for r in rows if r["group"] in dropped)
-    assert head.core.lag_stats().worst_syncs == sim.lag_stats().worst_syncs <= k
+    worst = {max((x.lag_syncs for x in c.groups.values() if x.lag_syncs is not None), default=0)
+             for c in (head.core, sim)}
+    assert len(worst) == 1 and worst.pop() <= k
 
 
 def test_head_requeues_a_lost_micro_batch_once(tmp_path):
@@ -403,12 +412,11 @@ def test_head_requeues_a_lost_micro_batch_once(tmp_path):
     had trained again: the step never ended and that gradient would have counted twice)."""
     from gyre.sched.protocol import PrepareReduceReply as Reply
 
-    c = core(steps=1, q=1, g=2, k=0)
-    head = head_for_replay(tmp_path, c.spec, c.key)
+    head = head_for_replay(tmp_path, run_config(tmp_path, steps=1, q=1, g=2))
     head._start_groups(1, 0.0)
     for m in range(2):
         eid = f"q0-task-g{m}"
-        head._execution_done(eid, record(eid, 0, m, 0), 1.0)
+        execution_done(head, eid, record(eid, 0, m, 0), 1.0)
     core_ = head.core
     c1, c2 = head.cells[0], head.cells[1]
     a = core_.next_microbatch()
@@ -527,9 +535,11 @@ def test_zero_variance_same_groups_replaced_in_the_simulator_and_the_head(tmp_pa
     import json
 
     steps, q, g = 4, 2, 2
-    sim = simulated_trace(0, 1, steps, q, g, slow_group=-1, zero_variance_share=0.5, max_replacements=1)
+    cfg = run_config(tmp_path, steps, q, g, max_replacements_per_step=1)
+    sim = simulated_trace(cfg, slow_group=-1, zero_variance_share=0.5)
     assert sim.spec.skip_zero_variance and sim.zero_variance_dropped >= 2
-    head = head_for_replay(tmp_path, sim.spec, sim.key)
+    head = head_for_replay(tmp_path, cfg)
+    assert head.core.spec == sim.spec
     eid_of = {}
     for ev in sim.trace:
         if ev[0] == "start":
@@ -539,7 +549,7 @@ def test_zero_variance_same_groups_replaced_in_the_simulator_and_the_head(tmp_pa
         elif ev[0] == "evaluated":
             gid, m = eid_of[ev[1]]
             eid = f"q{gid}-task-g{m}"
-            head._execution_done(eid, record(eid, gid, m, ev[3], reward=ev[4]), ev[2])
+            execution_done(head, eid, record(eid, gid, m, ev[3], reward=ev[4]), ev[2])
         elif ev[0] == "step_ending":
             while (mb := head.core.next_microbatch()) is not None:
                 head.core.microbatch_trained(mb)

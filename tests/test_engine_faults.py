@@ -17,7 +17,7 @@ from gyre.engine.router import Router
 from gyre.model.tiny import ensure_tiny_model
 from gyre.model.tokenizer import load_tokenizer
 from gyre.proxy.server import Proxy, create_app, start_site
-from loop_thread import LoopThread
+from support.loop_thread import LoopThread
 
 pytestmark = pytest.mark.slow
 

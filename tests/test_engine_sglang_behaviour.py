@@ -21,7 +21,7 @@ from gyre.engine.launch import start_engine
 from gyre.model.checksums import MANIFEST, write_checksums
 from gyre.model.tiny import ensure_tiny_model
 from gyre.model.tokenizer import load_tokenizer
-from test_engine import PROMPT, generate, request, stream_generate
+from support.engine_http import PROMPT, generate, request, stream_generate
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from gyre.engine.launch import start_engine
 from gyre.model.tiny import ensure_tiny_model
-from test_engine import PROMPT, generate, request
+from support.engine_http import PROMPT, generate, request
 
 
 @pytest.fixture(scope="module")

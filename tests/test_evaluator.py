@@ -11,26 +11,13 @@ import pytest
 
 from gyre.harness.evaluator import (PACKAGING_FILES, EvalOptions, EvaluatorPool, evaluate_workspace,
                                     parse_pytest_summary)
-from gyre.harness.tasks import BUILTIN_DIR, load_suite, load_task
-
-SOLUTIONS = Path(BUILTIN_DIR).parent / "builtin_solutions"
-TASKS = {t.name: t for t in load_suite("builtin")}
+from gyre.harness.tasks import load_suite, load_task
+from support.eval_tasks import SOLUTIONS, TASKS, workspace
 
 
 @pytest.fixture
 def opts(tmp_path):
     return EvalOptions(timeout_s=60, scratch_dir=str(tmp_path / "scratch"))
-
-
-def workspace(tmp_path, files: dict | None = None, solution: str | None = None) -> Path:
-    ws = tmp_path / "ws"
-    ws.mkdir(parents=True, exist_ok=True)
-    if solution:
-        shutil.copytree(SOLUTIONS / solution, ws, dirs_exist_ok=True)
-    for rel, text in (files or {}).items():
-        (ws / rel).parent.mkdir(parents=True, exist_ok=True)
-        (ws / rel).write_text(text)
-    return ws
 
 
 @pytest.mark.parametrize("name", sorted(TASKS))

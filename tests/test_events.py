@@ -3,7 +3,7 @@
 The head is driven through its real handlers (core, ledger, HDF5 shards, materializer; only the
 cell agents and harnesses are absent), and what the events give is checked against what the head
 computed before the events existed: step rows from the core's step results and the records, lag
-from `Coordinator.lag_stats`, per-cell time from the old cell book's own logs (`cell_stats`, kept
+from the core's group records (tests/support/lag_oracle.py), per-cell time from the old cell book's own logs (`cell_stats`, kept
 here as the oracle) over the calls read back from the shards."""
 
 from __future__ import annotations
@@ -22,34 +22,12 @@ from gyre.events import (CallRecorded, CellBusy, CellRoleChanged, ExecutionDropp
                          ExecutionStarted, GroupLag, MicroBatchDone, RunEnded, RunStarted, RunStats, StepEnded,
                          WeightsPushed, bucket_seconds, summarise)
 from gyre.sched.cells import Cell
-from gyre.sched.core import CoreSpec
 from gyre.sched.state import Role
 from gyre.sched.protocol import ReduceReply
-from gyre.services.training import Reduced
-from replay_head import NOTHING_REDUCED, head_for_replay, set_clock
-
-
-class LoggedCell(Cell):
-    """The cell book as it was before the events: it logs its own role intervals and training
-    work, the independent record `cell_stats` (the old computation, kept here as the oracle) reads."""
-
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.intervals: list[tuple[str, float, float]] = []
-        self.busy_intervals: list[tuple[float, float]] = []
-        self.switches = 0
-
-    def set_role(self, role: Role, now: float) -> None:
-        if role is self.role:
-            return
-        self.intervals.append((self.role.value, self.since, now))
-        if role in (Role.TO_TRAIN, Role.TO_ROLLOUT):
-            self.switches += 1
-        self.role, self.since = role, now
-
-    def close(self, now: float) -> None:
-        self.intervals.append((self.role.value, self.since, now))
-        self.since = now
+from gyre.services.training import StepReduced
+from support.replay_head import NOTHING_REDUCED, execution_done, run_config, set_clock
+from support.lag_oracle import lag_of
+from support.head_records import LoggedCell, make_head, record
 
 
 def cell_stats(cell: Cell, t0: float, t1: float, rollout_busy: list[tuple[float, float]]) -> dict:
@@ -90,29 +68,6 @@ def _merge(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in out]
 
 
-def make_head(tmp_path, spec: CoreSpec, per_shard: int = 1, clock=None):
-    head = head_for_replay(tmp_path, spec, per_shard=per_shard, **({"clock": clock} if clock else {}))
-    head.fleet.cells = [LoggedCell(i, i + 1) for i in range(len(head.cells))]
-    for c in head.cells:
-        c.engine_url = f"http://engine{c.id}"
-    return head
-
-
-def record(eid: str, gid: int, member: int, version: int, t: float, endpoint: str, status: str = "done",
-           reward: float | None = None):
-    from gyre.traj.record import ExecutionRecord
-    from gyre.traj.tree import Segment, TrajectoryTree
-
-    tree = TrajectoryTree()
-    for k in range(2):  # two calls, the second 3 s after the first ends
-        a = t + 5.0 * k
-        tree.add_call([Segment("task", [5, 6, 7, member + 8 + k], "user")], f"a{k}", [3, 4],
-                      [20 + member, 30 + k, 31], [-0.5, -1.0, -0.25], agent_role="main", policy_version=version,
-                      endpoint=endpoint, t_start=a, t_end=a + 2.0)
-    r = float(member % 3) / 2 if reward is None else reward
-    return ExecutionRecord(eid, "task", gid, status, r, "tests" if status == "done" else "", tree=tree)
-
-
 def train_reply(ok: bool = True, loss: float = 0.0):
     from gyre.sched.protocol import TrainReply
 
@@ -145,7 +100,7 @@ def play(head, steps: int, rng: random.Random, monkeypatch, t0: float = 1000.0):
                              status="failed" if failed else "done",
                              reward=float("nan") if failed and m % 2 else None)
                 told["records"][eid] = rec
-                head._execution_done(eid, rec, now + 12.0 + m)
+                execution_done(head, eid, rec, now + 12.0 + m)
         now += 20.0
         clock.now = now
         while (mb := head.core.next_microbatch()) is not None:
@@ -162,7 +117,7 @@ def play(head, steps: int, rng: random.Random, monkeypatch, t0: float = 1000.0):
         now = clock.now + 1.0
         head.core.step_ending(now)
         res = head._step_ended(now)
-        head._step_committed(res, Reduced([trainer], [ReduceReply(seq=0, cell=1, grad_norm=0.25)], 1.5), 0.0)
+        head._step_committed(res, StepReduced([trainer], [ReduceReply(seq=0, cell=1, grad_norm=0.25)], 1.5), 0.0)
         now += 1.0
     return now, told
 
@@ -183,7 +138,7 @@ def old_step_row(res, records, losses, t0) -> dict:
 def test_step_rows_lag_and_cell_time_from_events_equal_what_the_head_computed(tmp_path, monkeypatch):
     from gyre.traj.store import iter_executions
 
-    head = make_head(tmp_path, CoreSpec(steps=4, groups_per_step=2, group_size=3))
+    head = make_head(tmp_path, run_config(tmp_path, steps=4, q=2, g=3, per_shard=1, skip_zero_variance=False))
     t1, told = play(head, 4, random.Random(7), monkeypatch)
     for c in head.cells:
         c.close(t1)
@@ -196,7 +151,7 @@ def test_step_rows_lag_and_cell_time_from_events_equal_what_the_head_computed(tm
     # steps.jsonl carries exactly the rows of the report
     head.ledger.close()
     assert [json.loads(x) for x in (tmp_path / "steps.jsonl").read_text().splitlines()] == rep["steps"]
-    assert rep["lag"] == asdict(head.core.lag_stats())
+    assert rep["lag"] == asdict(lag_of(head.core))
     # cell time: the old computation read every call back from the shards
     by_url: dict[str, list] = {}
     for rec in iter_executions(tmp_path / "shards"):
@@ -216,13 +171,13 @@ def test_step_rows_lag_and_cell_time_from_events_equal_what_the_head_computed(tm
 
 def test_a_record_leaves_memory_once_its_shard_is_durable_and_its_group_materialized(tmp_path):
     # k = 1: two groups run for step 0; the second waits in the admission queue until step 1
-    head = make_head(tmp_path, CoreSpec(steps=2, groups_per_step=1, group_size=2, staleness=1), per_shard=100)
+    head = make_head(tmp_path, run_config(tmp_path, steps=2, q=1, g=2, k=1, per_shard=100, skip_zero_variance=False))
     started = head._start_groups(2, 0.0)
     assert [g.id for g in started] == [0, 1]
     for g in started:
         for m in range(2):
             eid = f"q{g.id}-task-g{m}"
-            head._execution_done(eid, record(eid, g.id, m, 0, 1.0, head.cells[0].engine_url), 10.0 + g.id)
+            execution_done(head, eid, record(eid, g.id, m, 0, 1.0, head.cells[0].engine_url), 10.0 + g.id)
     # every record is durable as soon as it ends (its own small shard); group 0 was materialized
     # (its micro-batches hold what training needs) and left memory; group 1 still waits
     assert len(list((tmp_path / "shards").glob("*.h5"))) == 4

@@ -1,4 +1,4 @@
-"""Failures one at a time (gyre.harness.execute): an execution whose sandbox or process could not
+"""Failures one at a time (the rollout service's execution life cycle, gyre.services.rollout): an execution whose sandbox or process could not
 start is retried alone, in a fresh workspace, a bounded number of times; one that never gets to
 run is `lost` (never scored as a real 0); a reused id is `lost`, never scored from the current
 directory. Real harness processes, the real proxy object and the real evaluator."""
@@ -11,14 +11,17 @@ import os
 import warnings
 from pathlib import Path
 
+from gyre.config import GyreConfig
 from gyre.engine.router import Router
 from gyre.harness.evaluator import EvalOptions, EvaluatorPool
-from gyre.harness.execute import FINISHED, run_and_evaluate
 from gyre.harness.runner import HarnessPool
 from gyre.harness.sandbox import Environments, SandboxConfig
 from gyre.harness.tasks import load_suite
 from gyre.model.tokenizer import load_tokenizer
 from gyre.proxy.server import Proxy
+from gyre.services.rollout import RolloutService
+from gyre.traj.record import FINISHED
+from gyre.traj.store import iter_executions
 
 ASSETS = Path(__file__).resolve().parents[1] / "gyre" / "assets"
 TASK = {t.name: t for t in load_suite("builtin")}["fizzbuzz"]
@@ -34,13 +37,19 @@ def run(tmp_path: Path, eid: str, retries: int):
     evaluators = EvaluatorPool(EvalOptions(timeout_s=60, scratch_dir=str(tmp_path / "scratch")), workers=1,
                                workspaces_root=tmp_path / "run" / "workspaces")
 
+    cfg = GyreConfig()
+    cfg.harness.infra_retries = retries
+    service = RolloutService(cfg, envs, ASSETS, {"model_hash": "m" * 8, "tokenizer_hash": "t" * 8}, tmp_path / "shards")
+    service.pool, service.evaluators, service.base_url = pool, evaluators, "http://127.0.0.1:9/v1"
+
     async def main():
-        proxy = Proxy(Router([]), load_tokenizer(ASSETS))
+        service.proxy = Proxy(Router([]), load_tokenizer(ASSETS))
         try:
-            return await run_and_evaluate(proxy, pool, evaluators, TASK, eid, 0, "http://127.0.0.1:9/v1",
-                                          infra_retries=retries)
+            rec = await service.execute(TASK, eid, 0)
+            assert rec.execution_id in {r.execution_id for r in iter_executions(tmp_path / "shards")}  # durable
+            return rec
         finally:
-            await proxy.router.close()
+            await service.proxy.router.close()
     try:
         return asyncio.run(main())
     finally:

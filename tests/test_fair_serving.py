@@ -17,8 +17,8 @@ from gyre.engine.runtime import Engine
 from gyre.engine.sampling import SamplingParams
 from gyre.engine.sglang_launch import SGLangSpec
 from gyre.model.tiny import ensure_tiny_model
-from test_proxy import Stack
-from test_proxy_hostile import raw_post
+from support.proxy_stack import Stack
+from support.raw_http import raw_post
 
 
 @pytest.fixture

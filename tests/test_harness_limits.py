@@ -11,7 +11,7 @@ import pytest
 from gyre.config import HarnessConfig
 from gyre.harness.limits import allocated_bytes, tree_usage
 from gyre.harness.runner import Limits
-from test_harness_runner import MODES, pool, run
+from support.harness_pool import MODES, pool, run
 
 PY = sys.executable
 
@@ -126,7 +126,7 @@ def test_harnesses_that_cannot_start_are_infrastructure_and_break_the_pool(tmp_p
     import asyncio
 
     from gyre.harness.runner import SandboxBroken
-    from test_harness_runner import TASK
+    from support.harness_pool import TASK
     script = "import sys; sys.stderr.write('bwrap: execvp /x/.venv/bin/python: No such file or directory\\n'); sys.exit(1)"
     p = pool(tmp_path, [PY, "-c", script], limits=limits())
     p.max_start_failures = 2

@@ -4,7 +4,7 @@ the package index run with the environment Gyre gives a harness (the recipes in 
 the openai SDK, litellm, mini-swe-agent), the execution ended over the new admin route, and its
 shard read back with the roles the harness labelled.
 
-The engine is the scripted stand-in (tests/scripted_engine.py: the outputs are chosen, so that
+The engine is the scripted stand-in (tests/support/scripted_engine.py: the outputs are chosen, so that
 mini-swe-agent's shell commands are real ones); everything else is what a user runs."""
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import pytest
 
 from gyre.proxy.server import start_site
 from gyre.traj.store import read_shard
-from loop_thread import LoopThread
-from scripted_engine import ScriptedEngine
-from test_proxy import R
+from support.loop_thread import LoopThread
+from support.scripted_engine import ScriptedEngine
+from support.proxy_stack import R
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "docs" / "recipes"

@@ -1,11 +1,11 @@
 """The harness runner: workspaces, environment, placeholders, limits, statuses, concurrency."""
 
 import asyncio
+import signal
 import json
 import os
 import shutil
 import stat
-import sys
 import time
 from pathlib import Path
 
@@ -13,29 +13,11 @@ import pytest
 
 from gyre.harness.runner import (HarnessPool, Limits, WorkspaceExists, classify, cleanup_workspaces,
                                  expand_argv)
-from gyre.harness.sandbox import Environments, SandboxConfig, UnsandboxedWarning
-from gyre.harness.tasks import load_suite
-
-TASK = {t.name: t for t in load_suite("builtin")}["fizzbuzz"]
-PY = sys.executable
+from support.harness_pool import envs, MODES, pool, PY, run, TASK
 
 
 # The pool's mechanics hold in both modes: bare on the host (harness.sandbox = none) and in the
 # default sandbox (bubblewrap); tests of the host layout itself run bare.
-MODES = ["none", pytest.param("auto", marks=pytest.mark.skipif(shutil.which("bwrap") is None,
-                                                               reason="bubblewrap is not installed"))]
-
-
-def envs(mode: str) -> Environments:
-    if mode != "none":
-        return Environments(SandboxConfig(sandbox=mode))
-    with pytest.warns(UnsandboxedWarning):
-        return Environments(SandboxConfig(sandbox="none"))
-
-
-def pool(tmp_path, command, mode="none", **kw):
-    limits = kw.pop("limits", Limits(timeout_s=30, kill_grace_s=0.5))
-    return HarnessPool(tmp_path / "run", command, limits=limits, environments=envs(mode), **kw)
 
 
 def token() -> str:
@@ -58,10 +40,6 @@ def args_gone(arg: str, within_s: float = 5.0) -> bool:
             return True
         time.sleep(0.05)
     return False
-
-
-def run(p: HarnessPool, eid="e1", task=TASK, **kw):
-    return asyncio.run(p.run_execution(task, eid, api_key="key-" + eid, base_url="http://127.0.0.1:9/v1", **kw))
 
 
 def group_gone(pgid: int, within_s: float = 5.0) -> bool:
@@ -179,12 +157,16 @@ def test_sleeping_forever_is_killed_at_the_limit(tmp_path, mode):
         assert group_gone(int((ws / "pgid").read_text()))
 
 
+@pytest.mark.parametrize("timeout_s", [0.5, 0.001])
 @pytest.mark.parametrize("mode", MODES)
-def test_term_is_enough_for_a_polite_harness(tmp_path, mode):
-    p = pool(tmp_path, ["sleep", "1000"], mode, limits=Limits(timeout_s=0.5, kill_grace_s=5))
-    t0 = time.monotonic()
+def test_term_is_enough_for_a_polite_harness(tmp_path, mode, timeout_s):
+    """The limit's SIGTERM ends a harness that does not ignore it, wherever it lands: 0.001 s lands
+    while the sandbox is still starting (it ignores TERM until its launcher can pass it on; before,
+    that TERM was lost and the harness was SIGKILLed after its grace). The grace is long, so only a
+    lost TERM could end it with SIGKILL; no clock decides the outcome."""
+    p = pool(tmp_path, ["sleep", "1000"], mode, limits=Limits(timeout_s=timeout_s, kill_grace_s=120))
     res = run(p, "polite")
-    assert (res.status, res.signal) == ("timeout", "SIGTERM") and time.monotonic() - t0 < 4
+    assert (res.status, res.signal) == ("timeout", "SIGTERM"), res
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -315,3 +297,35 @@ def test_kill_all_now(tmp_path, mode):
     res = asyncio.run(main())
     assert (res.status, res.signal) == ("stopped", "SIGKILL")
     assert args_gone(t)
+
+
+@pytest.mark.parametrize("repeat", [True, False])
+def test_a_term_that_lands_while_the_sandbox_starts_is_not_lost(tmp_path, repeat):
+    """The launcher chain of a sandbox (TERM ignored from the start, then gyre.harness.sandbox_init
+    passing TERM on to the harness), without bubblewrap. The chain is held at a named point (TERM
+    already ignored, the launcher not yet running: `ignoring` exists, it waits on a FIFO) while the
+    limit's TERM is sent, then let go. Repeated during the grace, the TERM ends the polite harness;
+    sent once (`repeat=False`, as before) it was lost and only the grace's SIGKILL ended it."""
+    from gyre.harness import sandbox_init
+    from gyre.harness.runner import _Running
+    from gyre.harness.sandbox import _IGNORE_TERM
+
+    ignoring, gate = tmp_path / "ignoring", tmp_path / "gate"
+    os.mkfifo(gate)
+    chain = f"touch {ignoring}; read go < {gate}; exec {PY} {sandbox_init.__file__} -- sleep 1000"
+
+    async def main():
+        process = await asyncio.create_subprocess_exec(PY, "-S", "-c", _IGNORE_TERM, "/bin/sh", "-c", chain,
+                                                       start_new_session=True)
+        while not ignoring.exists():  # the named point: TERM is ignored, the launcher not started
+            await asyncio.sleep(0.01)
+        running = _Running(process, sandboxed=repeat)
+        stopping = asyncio.create_task(running.terminate("timeout", 30.0 if repeat else 2.0))
+        await asyncio.sleep(0)  # the first TERM is sent
+        with open(gate, "w") as g:  # let the launcher start
+            g.write("go\n")
+        await stopping
+        return await process.wait()
+
+    rc = asyncio.run(main())
+    assert rc == (-signal.SIGTERM if repeat else -signal.SIGKILL), rc

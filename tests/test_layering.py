@@ -155,11 +155,3 @@ def test_report_imports_no_driver_and_events_do_no_io():
              for a in ([SimpleNamespace(name=n.module or "")] if isinstance(n, ast.ImportFrom) else n.names)}
     assert not names & {"os", "io", "pathlib", "subprocess", "socket", "asyncio", "time", "h5py", "json"}, names
     assert not [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "open"]
-
-
-def test_the_simulator_buckets_are_the_events_buckets():
-    """report reads cell time in gyre.events.BUCKETS; the simulator fills the same names."""
-    from gyre.events import BUCKETS
-    from gyre.sim.result import BUCKETS as SIM
-
-    assert SIM == BUCKETS

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from loop_thread import ServedApp
+from support.loop_thread import ServedApp
 
 from gyre.harness.answer_agent import FOLLOW_UP
 from gyre.harness.builtin_learnable import scoring

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from loop_thread import ServedApp
+from support.loop_thread import ServedApp
 
 from gyre.harness.long_tail_agent import TOOL_RESULT, group_key, tool_seconds
 

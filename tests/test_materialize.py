@@ -15,7 +15,7 @@ from gyre.train.loss import policy_loss, token_logprobs
 from gyre.train.toy import random_qwen2, tiny_qwen2_config
 from gyre.train.qwen2 import Qwen2LM
 from gyre.train.tree_attention import TreeMask
-from gyre.traj.materialize import (TreeArrays, assign_to_groups, best_fit, materialize,
+from gyre.traj.materialize import (TreeArrays, best_fit, materialize,
                                    prepare_step, union_preorder)
 from gyre.traj.record import ExecutionRecord
 from gyre.traj.select import SelectionSpec
@@ -328,31 +328,6 @@ def test_loss_detects_a_wrong_mask(model):
         good = float(policy_loss(logits_of(model, mb), mb, clip=False)[0])
         bad = float(policy_loss(logits_of(model, causal), causal, clip=False)[0])
     assert abs(good - bad) > 1e-3
-
-
-def test_groups_keep_executions_whole_and_balance():
-    rng = np.random.default_rng(6)
-    recs = [record(i, hand_tree(rng, scale=s), float(i % 2)) for i, s in enumerate([1, 6, 2, 3, 1, 4, 2])]
-    step = prepare_step(recs, SelectionSpec(k="all"), step_version=3)
-    groups = assign_to_groups(step.executions, 3)
-    assert sorted(e.index for g in groups for e in g) == list(range(len(step.executions)))
-    loads = [sum(e.n_tokens for e in g) for g in groups]
-    biggest = max(e.n_tokens for e in step.executions)
-    assert max(loads) - min(loads) <= biggest  # LPT bound
-    assert max(loads) <= sum(loads) / 3 + biggest
-    whole = all_targets(materialize(step.executions, layout="tree", micro_batch_tokens=300))
-    parts = [all_targets(materialize(g, layout="tree", micro_batch_tokens=300)) for g in groups if g]
-    for gi, (keys, _) in enumerate(parts):
-        assert len(set(keys[:, 0].tolist()) & set().union(*[set(p[0][:, 0].tolist())
-                                                            for p in parts[gi + 1:]])) == 0
-    keys = np.concatenate([p[0] for p in parts])
-    w = np.concatenate([p[1]["weights"] for p in parts])
-    order = np.lexsort(keys.T[::-1])
-    assert np.array_equal(keys[order], whole[0])
-    assert np.array_equal(w[order], whole[1]["weights"])  # weights fixed per step, not per group
-    assert [len(g) for g in assign_to_groups(step.executions[:2], 4)] == [1, 1, 0, 0]
-    with pytest.raises(ValueError):
-        assign_to_groups(step.executions, 0)
 
 
 def test_best_fit_packs_and_respects_capacity():

@@ -13,12 +13,11 @@ import pytest
 import gyre.fsio
 from gyre.config import GyreConfig
 from gyre.events import ExecutionEvaluated
-from gyre.sched.core import CoreSpec
 from gyre.services.rollout import RecordError, RolloutService
 from gyre.traj.store import iter_executions
-from replay_head import IDENTITY
-from test_events import make_head, record
-from test_services import record as small_record
+from support.replay_head import IDENTITY, execution_done, run_config
+from support.head_records import make_head, record
+from support.service_records import record as small_record
 
 
 def failing_fsync(monkeypatch, error: OSError, times: int = 10**9):
@@ -71,14 +70,14 @@ def test_a_transient_write_error_is_retried_and_a_lasting_one_is_said(tmp_path, 
 
 
 def test_the_head_stops_loudly_when_a_record_cannot_be_written(tmp_path, monkeypatch, capsys):
-    head = make_head(tmp_path, CoreSpec(steps=1, groups_per_step=1, group_size=2, staleness=0))
+    head = make_head(tmp_path, run_config(tmp_path, steps=1, q=1, g=2, per_shard=1, skip_zero_variance=False))
     seen = []
     head._emit = lambda ev: seen.append(ev)
     g = head._start_groups(1, 0.0)[0]
-    head._execution_done("q0-task-g0", record("q0-task-g0", g.id, 0, 0, 1.0, "http://engine0"), 10.0)
+    execution_done(head, "q0-task-g0", record("q0-task-g0", g.id, 0, 0, 1.0, "http://engine0"), 10.0)
     failing_fsync(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
     with pytest.raises(RecordError):
-        head._execution_done("q0-task-g1", record("q0-task-g1", g.id, 1, 0, 1.0, "http://engine0"), 11.0)
+        execution_done(head, "q0-task-g1", record("q0-task-g1", g.id, 1, 0, 1.0, "http://engine0"), 11.0)
     # nothing counted what is not on disk: the core and the statistics never heard of it
     assert [e.execution for e in seen if isinstance(e, ExecutionEvaluated)] == ["q0-task-g0"]
     assert "q0-task-g1" not in head.ledger.ended
@@ -90,7 +89,7 @@ def test_the_head_stops_loudly_when_a_record_cannot_be_written(tmp_path, monkeyp
         assert head.failed is None and not head._stop.is_set()
 
         async def execution():
-            head._execution_done("q0-task-g1", record("q0-task-g1", g.id, 1, 0, 1.0, "http://engine0"), 11.0)
+            execution_done(head, "q0-task-g1", record("q0-task-g1", g.id, 1, 0, 1.0, "http://engine0"), 11.0)
 
         await asyncio.gather(head._spawn(execution(), name="execution q0-task-g1"), return_exceptions=True)
         await asyncio.sleep(0)  # done callbacks run on the next turn of the loop
@@ -108,7 +107,7 @@ def test_gyre_rollout_exits_non_zero_naming_the_execution_it_could_not_record(tm
     """Issue 34: on a full store.dir, 7 of 8 executions were dropped and `gyre rollout` exited 0."""
     from gyre import offline_rollout
     from gyre.traj.store import ShardWriter
-    from test_rollout import cfg_for
+    from support.rollout_config import cfg_for
 
     real = ShardWriter.write
 

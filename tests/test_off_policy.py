@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gyre.batch import MicroBatch, expanded_batch
-from gyre.config import ConfigError, GyreConfig, TrainConfig, load_config, resolved_off_policy
+from gyre.config import ConfigError, GyreConfig, TrainConfig, load_config, resolved_off_policy, trainer_config
 from gyre.train.loss import OffPolicy, policy_loss, token_logprobs
 from gyre.train.step_stats import hist_quantile, merge, summarize
 
@@ -153,8 +153,9 @@ def test_off_policy_config_auto_and_validation(tmp_path):
         load_config(None, ["train.is_mask=true", "train.is_mask_low=3"])
     with pytest.raises(ConfigError, match="train.is_cap"):
         load_config(None, ["train.is_cap=0.5"])
-    assert OffPolicy.from_config(TrainConfig(staleness=1)).mode == "tis"
-    assert OffPolicy.from_config(TrainConfig(staleness=1, minibatches_per_step=4)).mode == "decoupled"
+    staleness_1 = ["sched.staleness=1", "train.minibatches_per_step=4"]
+    assert OffPolicy.from_config(trainer_config(load_config(None, staleness_1))).mode == "decoupled"
+    assert OffPolicy.from_config(TrainConfig()).mode == "tis"  # alone: no schedule, nothing lags
     with pytest.raises(ConfigError, match="train.minibatches_per_step"):
         load_config(None, ["train.minibatches_per_step=0"])
     from gyre.services.training import TrainingDispatch  # a live run reduces once per step: refused, not ignored

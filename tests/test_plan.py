@@ -10,6 +10,7 @@ import pytest
 from gyre.cli import main
 from gyre.config import ConfigError
 from gyre.sim import plan
+from gyre.sim.workload import Workload
 
 
 def args(*argv: str) -> argparse.Namespace:
@@ -125,6 +126,24 @@ def test_feasible_layouts_pass_the_memory_check():
     check_layout(MODEL_2P4T, 48)
     with pytest.raises(ConfigError, match="42-node cell"):
         check_layout(MODEL_2P4T, 42)
+
+
+def test_config_sweeps_around_a_real_run(tmp_path):
+    """`gyre plan --config run.toml`: the run's schedule is the sweep's default, and what the flags
+    do not vary (the burst order, the zero-variance rule) reaches every simulated point."""
+    run = tmp_path / "run.toml"
+    run.write_text('[run]\nsteps = 3\ngroups_per_step = 2\n[sched]\nscheme = "C"\nstaleness = 1\ncells = 2\n'
+                   'cell_nodes = 8\nsteps_per_sync = 2\nburst_order = "shuffle"\nmax_replacements_per_step = 1\n')
+    scs = plan.scenarios(args("--config", str(run)))
+    assert [(s.scheme, s.staleness, s.cluster.nodes, s.cluster.cell_nodes, s.steps, s.groups_per_step,
+             s.steps_per_sync) for s in scs] == [("C", 1, 16, 8, 3, 2, 2)]
+    spec = scs[0].spec(Workload.named(scs[0].workload, 0))
+    assert spec.core.burst_order == "shuffle" and spec.core.max_replacements_per_step == 1
+    assert spec.core.steps == 3 and spec.policy().label == "C1"
+    wider = plan.scenarios(args("--config", str(run), "--staleness", "0,2", "--schemes", "E"))
+    assert {(s.scheme, s.staleness) for s in wider} == {("E", 0), ("E", 2)}
+    with pytest.raises(ConfigError, match="does not exist"):
+        plan.scenarios(args("--config", str(tmp_path / "missing.toml")))
 
 
 def test_colocate_at_high_staleness_with_few_groups_runs():

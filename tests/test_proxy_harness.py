@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from test_proxy import R, TOOLS, Stack, post
+from support.proxy_stack import R, TOOLS, Stack, post
 
 
 @pytest.fixture

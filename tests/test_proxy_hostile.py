@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import gzip
 import json
-import urllib.error
-import urllib.request
 
 import httpx
 import pytest
 
-from request_fuzz import cases
-from test_proxy import R, TOOLS, Stack, post
+from support.request_fuzz import cases
+from support.proxy_stack import R, TOOLS, Stack, post
+from support.raw_http import raw_post
 
 
 @pytest.fixture
@@ -21,18 +20,6 @@ def stack():
     s = Stack(max_body=1 << 20)
     yield s
     s.close()
-
-
-def raw_post(url: str, data: bytes, key: str | None, headers: dict | None = None) -> tuple[int, bytes]:
-    req = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": "application/json",
-                                                                         **(headers or {})})
-    if key:
-        req.add_header("Authorization", f"Bearer {key}")
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
 
 
 def chat(stack, key, **body):
@@ -192,7 +179,7 @@ def test_a_lagging_reader_parses_the_last_cumulative_snapshot_only():
     from aiohttp import web
 
     from gyre.engine.client import EngineClient
-    from test_proxy import start_site
+    from support.proxy_stack import start_site
 
     n = 300
 

@@ -19,10 +19,10 @@ from gyre.proxy.capture import ExecutionSession, message_keys, prepare_call, rec
 from gyre.proxy.chat import Message, parse_messages
 from gyre.proxy.server import Proxy, create_app, start_site
 from gyre.traj.record import ExecutionRecord
-from loop_thread import LoopThread
-from scripted_engine import ScriptedEngine
-from test_chat_template import TEMPLATES, TOOLS
-from test_proxy import R, TOKENIZER
+from support.loop_thread import LoopThread
+from support.scripted_engine import ScriptedEngine
+from support.chat_templates import TEMPLATES, TOOLS
+from support.proxy_stack import R, TOKENIZER
 
 
 def _call_text(i: int, reasoning: bool) -> str:
@@ -201,7 +201,7 @@ def test_windowed_render_of_real_templates_equals_transformers(tmp_path, name, m
     enough that the later calls render only their window: every call's ids are transformers'."""
     from openai import OpenAI
 
-    from template_fixtures import FIXTURES, TOOLS as REAL_TOOLS, Reference, model_dir, script, serve
+    from support.template_fixtures import FIXTURES, TOOLS as REAL_TOOLS, Reference, model_dir, script, serve
 
     windows = []
     orig = template_capture._window

@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from test_proxy import TOKENIZER, Stack
-from test_proxy_hostile import raw_post
+from support.proxy_stack import TOKENIZER, Stack
+from support.raw_http import raw_post
 
 
 @pytest.fixture

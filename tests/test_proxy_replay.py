@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from gyre.proxy.replay import REPLAY_ENDPOINT
-from test_proxy import R, TOOLS, Stack
+from support.proxy_stack import R, TOOLS, Stack
 
 CALL = R.encode('<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>') + [R.im_end]
 FINAL = R.encode("Done: two files.") + [R.im_end]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from loop_thread import ServedApp
+from support.loop_thread import ServedApp
 
 from gyre.harness.reference_agent import EXPLORER_SYSTEM, MAIN_SYSTEM
 from gyre.harness.tasks import BUILTIN_DIR, load_suite

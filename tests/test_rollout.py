@@ -15,20 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from gyre.config import load_config
-from gyre.harness.execute import FINISHED
+from gyre.traj.record import FINISHED
 from gyre.offline_rollout import Rollout
 from gyre.traj.store import iter_executions
-
-AGENT = ["{python}", "-m", "gyre.harness.reference_agent", "--max-tokens", "32", "--max-turns", "4",
-         "--compact-chars", "600", "--subagent-turn", "1", "--subagent-max-turns", "1"]
-
-
-def cfg_for(run_dir: Path, *extra: str, command: list[str] = AGENT):
-    cmd = "[" + ", ".join(f'"{c}"' for c in command) + "]"
-    return load_config(None, [f"run.dir={run_dir}", "engine.endpoints=2", "harness.group_size=2",
-                              "harness.concurrency=4", 'harness.tasks=["fizzbuzz", "roman"]',
-                              f"harness.command={cmd}", "harness.timeout_s=120", "eval.timeout_s=60", *extra])
+from support.rollout_config import AGENT, cfg_for
 
 
 def records(run_dir: Path):

@@ -62,7 +62,7 @@ def test_replayed_routing_is_used_and_changes_logits(moe_dir):
 
 def test_engine_http_returns_routed_experts(moe_dir):
     from gyre.engine.client import EngineClient
-    from gyre.engine.launch import InProcessEngine
+    from support.inprocess_engine import InProcessEngine
     import shutil
     from pathlib import Path
 

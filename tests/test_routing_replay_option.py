@@ -151,7 +151,7 @@ def test_replay_on_a_dense_model_is_refused():
 
 def test_engine_answers_routing_only_when_asked_and_at_the_end_of_a_stream(tmp_path, moe_model):
     from gyre.engine.client import EngineClient
-    from gyre.engine.launch import InProcessEngine
+    from support.inprocess_engine import InProcessEngine
 
     moe_model.save_pretrained(tmp_path)
     shutil.copyfile(Path(__file__).parents[1] / "gyre" / "assets" / "tokenizer.json", tmp_path / "tokenizer.json")
@@ -176,14 +176,14 @@ def test_proxy_asks_for_routing_and_stores_it_per_node(tmp_path):
     streamed) lands per node, equal to the trainer's own routing of the same ids at the same weights."""
     from openai import OpenAI
 
-    from gyre.engine.launch import InProcessEngine
+    from support.inprocess_engine import InProcessEngine
     from gyre.engine.router import Router
     from gyre.model.tiny import ensure_tiny_model
     from gyre.model.tokenizer import load_tokenizer
     from gyre.proxy.server import Proxy, create_app, routing_options, start_site
     from gyre.traj.routing import path_lengths
     from gyre.train.qwen2 import Qwen2LM
-    from loop_thread import LoopThread
+    from support.loop_thread import LoopThread
 
     model = ensure_tiny_model(tmp_path / "moe", "qwen3_moe")
     opts = routing_options(TrainConfig(routing_replay=True), model)

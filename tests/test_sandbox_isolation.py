@@ -28,7 +28,7 @@ from gyre.harness.runner import HarnessPool
 from gyre.harness.sandbox import Environments, SandboxConfig, UnsandboxedWarning
 from gyre.harness.tasks import BUILTIN_DIR, load_suite
 
-from scripted_engine import ScriptedEngine
+from support.scripted_engine import ScriptedEngine
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 

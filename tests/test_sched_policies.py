@@ -162,16 +162,19 @@ def test_unknown_scheme_and_bad_staleness():
         make_policy("E", -1)
 
 
-def test_policy_from_config_and_preset_defaults_agree():
+def test_run_spec_policy_and_preset_defaults_agree():
     from gyre.config import load_config
-    from gyre.sched import policy_from_config
+    from gyre.sched import RunSpec
     from gyre.sim.calibration import P122B
 
-    cfg = load_config(overrides=["sched.scheme=E-paper", "sched.staleness=2", "sched.to_train_s=10"])
-    p = policy_from_config(cfg)
-    assert p.label == "E2-paper" and p.hints.to_train_s == 10.0
+    cfg = load_config(overrides=["sched.scheme=E-paper", "sched.staleness=2", "sched.to_train_s=10",
+                                 "sched.rollout_cells_async=3"])
+    spec = RunSpec.from_config(cfg)
+    p = spec.policy()
+    assert p.label == "E2-paper" and p.hints.to_train_s == 10.0 and spec.off_policy == "tis"  # one update a step
+    assert spec.replace(scheme="A").policy().rollout_cells == 3
     c = P122B.cluster()
-    assert cfg.sim.train_tokens_per_s == pytest.approx(c.train_tokens_per_s, rel=1e-3)
+    assert cfg.sched.train_tokens_per_s == pytest.approx(c.train_tokens_per_s, rel=1e-3)
 
 
 def test_sync_lag_and_both_rules_under_bursts():

@@ -8,8 +8,8 @@ import pytest
 from gyre.harness import scoring
 from gyre.harness.evaluator import parse_pytest_summary
 
-from scoring_corpus import CASES, STREAM_CASES, official_score
-from official_scorer import load_official
+from support.scoring_corpus import CASES, STREAM_CASES, official_score
+from support.official_scorer import load_official
 
 
 def test_corpus_is_large_enough():

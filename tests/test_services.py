@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 from pathlib import Path
 
 import aiohttp
@@ -21,11 +20,10 @@ from gyre.sched.state import Role
 from gyre.services.fleet import CellFleet, WeightPaths
 from gyre.services.ledger import Ledger
 from gyre.services.rollout import RolloutService
-from gyre.services.training import Reduced, TrainingDispatch
-from gyre.traj.record import ExecutionRecord
+from gyre.services.training import StepReduced, TrainingDispatch
 from gyre.traj.store import iter_executions
-from gyre.traj.tree import Segment, TrajectoryTree
-from replay_head import IDENTITY
+from support.replay_head import IDENTITY
+from support.service_records import record
 
 
 class Link:
@@ -187,7 +185,7 @@ def test_reduce_retries_when_nothing_was_applied_and_stops_when_replicas_may_dis
     assert asyncio.run(td.reduce(0)) == "step 0: reduce failed: cell 1: commit failed"
     mode["reduce"] = "ok"
     red = asyncio.run(td.reduce(0))
-    assert isinstance(red, Reduced) and red.grad_norm == 0.5 and [c.id for c in red.participants] == [0, 1]
+    assert isinstance(red, StepReduced) and red.grad_norm == 0.5 and [c.id for c in red.participants] == [0, 1]
     reduces = [cmd for _, cmd in link.sent if isinstance(cmd, Reduce)]
     assert reduces[-1].leader == 0 and reduces[-1].weights_dir == "/w/v1" and reduces[-1].checkpoint_dir == "/c/v1"
 
@@ -223,14 +221,6 @@ def test_ledger_lines_are_each_execution_s_last_word(tmp_path):
     assert rows[1]["reason"] == "run stopped before step 1 closed (group waiting)"
     assert told == [ExecutionDropped(7.0, "b", 0, rows[1]["reason"])] and led.ended == {}
     assert led.unscorable == {"no reward": 1}
-
-
-def record(eid, gid, status="done", calls=1):
-    t = TrajectoryTree()
-    for k in range(calls):
-        t.add_call([Segment("task", [5, 6, k], "user")], "a", [3, 4], [20, 30], [-0.5, -1.0], agent_role="main",
-                   policy_version=0)
-    return ExecutionRecord(eid, "t", gid, status, 1.0 if status == "done" else math.nan, "tests", tree=t)
 
 
 def test_ledger_resume_rolls_back_an_uncommitted_step_and_accounts_for_everything(tmp_path):

@@ -115,8 +115,7 @@ def _sim(scheme, k, rule="window", b=1, steps=6, q=4, seed=0, **over):
     sc = Scenario(scheme, k, c, steps=steps, groups_per_step=q, seed=seed, record=False,
                   staleness_rule=rule, steps_per_sync=b)
     w = Workload.named("nl2repo", seed)
-    sim = Simulator(sc.policy(w), w, c, SimSpec(steps=steps, groups_per_step=q, staleness_rule=rule,
-                                                 steps_per_sync=b))
+    sim = Simulator(sc.spec(w), w, c, SimSpec())
     return sim, sim.run()
 
 
@@ -198,8 +197,7 @@ def test_bound_is_attained_on_a_trivially_schedulable_workload(scheme, k):
     at once, so the chain end(s) >= end(s - k - 1) + one group's time is what every scheme reaches."""
     c = nl2repo_cluster(nodes=16, cell_nodes=4)
     w = _uniform_workload()
-    sim = Simulator(Scenario(scheme, k, c, steps=6, groups_per_step=2, record=False).policy(w), w, c,
-                    SimSpec(steps=6, groups_per_step=2))
+    sim = Simulator(Scenario(scheme, k, c, steps=6, groups_per_step=2, record=False).spec(w), w, c, SimSpec())
     r = sim.run()
     assert r.lower_bound_s <= r.makespan_s <= 1.02 * r.lower_bound_s
     assert "per-step arrival at staleness" in r.bound_basis

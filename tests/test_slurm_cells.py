@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_slurm import REPO, _tail, cluster, sbatch, wait_gone  # noqa: E402,F401  (cluster: fixture)
+from support.devcluster import REPO, _tail, cluster, sbatch, wait_gone  # noqa: E402,F401  (cluster: fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 NODES = [["node01", "node02"], ["node03", "node04"]]

@@ -3,7 +3,6 @@ file and dataset while the good ones are still read."""
 
 from __future__ import annotations
 
-import csv
 import math
 import os
 import re
@@ -21,23 +20,12 @@ import pytest
 from gyre.cli import main as gyre_main
 from gyre.config import StoreConfig
 from gyre.traj.record import ExecutionRecord
-from gyre.traj.store import (SCHEMA_VERSION, ShardError, ShardWriter, digest, export_trace,
-                             iter_executions, pack, read_attrs, read_shard, shard_paths)
-from gyre.traj.synthetic import Shape, generate
+from gyre.traj.store import (SCHEMA_VERSION, ShardError, ShardWriter, digest, iter_executions, pack, read_attrs,
+                             read_shard, shard_paths)
 from gyre.traj.tree import Segment, TrajectoryTree
+from support.store_records import IDENTITY, records
 
-IDENTITY = {"tokenizer": "sha256:tok0", "model": "sha256:model0"}
 ROOT_DIR = Path(__file__).resolve().parents[1]
-
-
-def records(n: int = 3, seed: int = 0) -> list[ExecutionRecord]:
-    out = [generate(Shape(calls=24 + 6 * k, subagents=1, subagent_calls=4, compactions=1, retries=1,
-                          versions_every=7, seed=seed + k), execution_id=f"exec-{seed}-{k}",
-                    task=f"täsk/{k}", group=k // 2, t0=1.7e9 + k) for k in range(n)]
-    out[0].status, out[0].reward_source, out[0].workspace = "timeout", "tests-after-timeout", "/ws/é 0"
-    # an execution that ended before its first call, with no reward
-    out.append(ExecutionRecord("exec-empty", "t/empty", 9, "crashed", float("nan"), "unscorable"))
-    return out
 
 
 def writer(tmp_path: Path, **kw) -> ShardWriter:
@@ -290,21 +278,7 @@ ShardWriter({str(d)!r}, identity={IDENTITY!r}).write([generate(Shape(calls=20))]
     assert list(iter_executions(d, on_error=errors.append)) == [] and errors == []
 
 
-# -- trace export, inspect, documented checksum -------------------------------------------------
-def test_export_trace(tmp_path):
-    w, paths = three_shards(tmp_path)
-    paths[1].write_bytes(b"garbage")
-    out = tmp_path / "trace.csv"
-    assert export_trace(w.dir, out) == 4
-    rows = list(csv.DictReader(out.open()))
-    assert list(rows[0]) == ["execution_id", "task", "group", "duration_s", "calls", "tokens"]
-    r0 = read_shard(paths[0])[0]
-    assert rows[0]["execution_id"] == r0.execution_id and int(rows[0]["calls"]) == len(r0.tree.calls)
-    assert int(rows[0]["tokens"]) == r0.tree.stats().unique_tokens
-    assert float(rows[0]["duration_s"]) == pytest.approx(r0.t_end - r0.t_start, abs=1e-3)
-    assert rows[1]["calls"] == "0" and stat.S_IMODE(out.stat().st_mode) == 0o600
-
-
+# -- inspect, documented checksum -------------------------------------------------
 def test_inspect_prints_summary_and_tree(tmp_path, capsys):
     path = writer(tmp_path).write(records(2))
     assert gyre_main(["inspect", str(path), "--execution", "exec-0-1"]) == 0
@@ -406,7 +380,7 @@ def test_a_compaction_cut_short_by_sigkill_shows_every_execution_once(tmp_path):
 
     shards = tmp_path / "shards"
     script = ("import sys; sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[2])\n"
-              "from test_store import records, IDENTITY\n"
+              "from support.store_records import records, IDENTITY\n"
               "from gyre.traj.store import ShardWriter, compact\n"
               "w = ShardWriter(sys.argv[3], identity=IDENTITY)\n"
               "[w.write([r]) for r in records(3, seed=5)]\n"

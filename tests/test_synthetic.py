@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from test_tree_oracle import Recorder, count_trie, count_tuples, tree_counts
+from support.tree_oracle import Recorder, count_trie, count_tuples, tree_counts
 
 from gyre.traj.synthetic import (CASE_STUDY, GEN_PROMPT, IM_END, Lengths, Shape, case_study, generate,
                                  generate_group)

@@ -16,7 +16,7 @@ from gyre.harness.runtimes import ImageRef, Instance, Mount, get_runtime
 from gyre.harness.sandbox import Environments, SandboxConfig
 from gyre.harness.tasks import read_suite
 
-import task_image
+from support import task_image
 
 needs_image = pytest.mark.skipif(shutil.which("bwrap") is None or task_image.available() is not None,
                                  reason=f"bubblewrap or the test image's sources are missing: {task_image.available()}")

@@ -1,5 +1,5 @@
 """Real chat templates (tests/templates/SOURCES) through the real proxy, compared by token ids
-with transformers' ``apply_chat_template`` (tests/template_fixtures.py drives a 5-call agent:
+with transformers' ``apply_chat_template`` (tests/support/template_fixtures.py drives a 5-call agent:
 system message, parallel tool calls, reasoning, a new user turn). Each named failure of issue 29
 item 1 is a case here: Qwen3-Coder's ``<|im_end|>`` split by a character cut, cuts inside
 ``<tool_call>``/``<think>`` in template mode, Qwen3.5's "No user query found" on a system-only
@@ -20,7 +20,7 @@ from gyre.proxy.capture import ExecutionSession, Renderer
 from gyre.proxy.chat import MessageError, parse_messages
 from gyre.proxy.template_capture import TemplateRefused, check_template, prepare_call_template
 from gyre.traj.record import ExecutionRecord
-from template_fixtures import FIXTURES, TOOLS, Reference, drive, model_dir, serve
+from support.template_fixtures import FIXTURES, TOOLS, Reference, drive, model_dir, serve
 
 APPEND_ONLY = ("qwen2_5", "qwen3_coder", "llama3_1")
 

@@ -13,7 +13,9 @@ import torch
 from gyre.batch import expanded_batch
 from gyre.config import TrainConfig
 from gyre.train.backends import make_trainer
-from gyre.train.weights_push import push_from_disk
+from gyre.engine.sglang_api import SGLangAdmin
+
+from support.inprocess_engine import InProcessEngine
 
 pytestmark = pytest.mark.slow  # an engine subprocess and a tiny model built from scratch
 
@@ -23,7 +25,6 @@ PROMPTS = [[11, 12, 13, 14, 15], [21, 22, 23]]
 
 @pytest.fixture(scope="module", params=["qwen2", "qwen3_moe"])
 def engine(tmp_path_factory, request):
-    from gyre.engine.launch import InProcessEngine
     from gyre.model.tiny import ensure_tiny_model
 
     model_dir = ensure_tiny_model(tmp_path_factory.mktemp("engine") / "tiny", request.param)
@@ -51,7 +52,7 @@ def sample(engine, seed):
 @pytest.mark.parametrize("backend", ["embedded", "megatron"])
 def test_engine_and_trainer_logprobs_agree_across_a_weight_push(engine, backend, tmp_path):
     # start from the initial weights whatever an earlier test pushed
-    asyncio.run(push_from_disk([engine.url], str(engine.model_dir), "0", api_key="k"))
+    SGLangAdmin(engine.url, "k").update_weights_from_disk(str(engine.model_dir), "0")  # as the cell agent does
     mb, versions = sample(engine, seed=1)
     assert mb.num_targets == 20 and versions == {"0"}
     trainer = make_trainer(TrainConfig(backend=backend, lr=1e-3, dtype="float32"), engine.model_dir)
@@ -61,7 +62,7 @@ def test_engine_and_trainer_logprobs_agree_across_a_weight_push(engine, backend,
     trainer.optimizer_step()
     version = f"{backend}-1"
     out = trainer.export_weights(tmp_path / "w1", weight_version=version)
-    asyncio.run(push_from_disk([engine.url], str(out), version, api_key="k"))
+    SGLangAdmin(engine.url, "k").update_weights_from_disk(str(out), version)
 
     mb2, versions = sample(engine, seed=2)
     assert versions == {version}

@@ -19,13 +19,13 @@ REQUESTS = [
     m.Start(cfg=dataclasses.asdict(TrainConfig()), model_dir="/models/tiny", seed=3, offloaded=True,
             checkpoint="/ck/step-2"),
     m.ForwardBackward(wire_mb={"input_ids": b"\x01\x02", "shape": (1, 2)}, step=4),
-    m.Stash(step=4), m.Reduce(step=4, members=(0, 2), attempt=1), m.Apply(step=4), m.Offload(), m.Restore(),
+    m.Stash(step=4), m.ReduceGrads(step=4, members=(0, 2), attempt=1), m.Apply(step=4), m.Offload(), m.Restore(),
     m.SaveCheckpoint(path="/ck"), m.LoadCheckpoint(path="/ck"), m.ExportWeights(out_dir="/w", version=5),
     m.Hostnames(), m.Close(),
 ]
 REPLIES = [
     m.Started(num_grad_elements=10, ranks=2), m.Stashed(held=True),
-    m.Reduced(form_ms=1.5, cached=False, wait_ms=0.2, grad_norm_total=3.0),
+    m.GradsReduced(form_ms=1.5, cached=False, wait_ms=0.2, grad_norm_total=3.0),
     m.Applied(step=5, grad_norm=2.5, stats={"loss": 0.1, "step": 5}),
     m.Reply(value=m.Stashed(held=False), step=4), m.Reply(error="RuntimeError: no", step=None),
 ]
@@ -68,9 +68,9 @@ def test_dispatch_by_type_and_unknown_types_refused():
 
 
 def test_rank_zero_combines_the_cells_answer():
-    red = [m.Reply(value=m.Reduced(form_ms=f, cached=c, wait_ms=0.0, grad_norm_total=1.0))
+    red = [m.Reply(value=m.GradsReduced(form_ms=f, cached=c, wait_ms=0.0, grad_norm_total=1.0))
            for f, c in ((2.0, True), (5.0, False))]
-    assert combine(m.Reduce(0, (0,), 1), red).value == m.Reduced(form_ms=5.0, cached=False, wait_ms=0.0,
+    assert combine(m.ReduceGrads(0, (0,), 1), red).value == m.GradsReduced(form_ms=5.0, cached=False, wait_ms=0.0,
                                                                   grad_norm_total=1.0)
     assert combine(m.Hostnames(), [m.Reply(value="a"), m.Reply(value="b")]).value == ["a", "b"]
     assert combine(m.Apply(0), [m.Reply(value=1), m.Reply(value=2)]).value == 1  # rank 0's own

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_tree_oracle import Recorder, count_trie, count_tuples, tree_counts
+from support.tree_oracle import Recorder, count_trie, count_tuples, tree_counts
 
 from gyre.traj.tree import ROOT, Segment, TrajectoryTree
 

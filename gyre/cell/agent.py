@@ -41,8 +41,9 @@ from gyre.cell.placement import Placement
 from gyre.config import GyreConfig, trainer_config
 from gyre.engine.reaper import ProcessList
 from gyre.fsio import atomic_write_json
-from gyre.sched.protocol import (TAG_STORE, Command, Event, PrepareReduce, PushWeights, Reduce, Reply, Role, Stop,
+from gyre.sched.protocol import (TAG_STORE, Command, Event, PrepareReduce, PushWeights, Reduce, Reply, Stop,
                                  ToRollout, ToTrain, Train, reply_for)
+from gyre.sched.state import Role
 from gyre.train.groups import abort_attempt, attempt_key, connect_store, serve_store
 from gyre.train.worker import TrainerDied, TrainerError, TrainerProcess
 

@@ -43,13 +43,13 @@ class CellEngine:
 
     @property
     def pid(self) -> int | None:
-        return self.handle.proc.pid if self.handle else None
+        return self.handle.procs[0].pid if self.handle else None
 
     def alive(self) -> bool:
         return self.handle is not None and self.handle.alive()
 
     def exit_code(self) -> int | None:
-        return self.handle.proc.poll() if self.handle else None
+        return self.handle.procs[0].poll() if self.handle else None
 
     def start(self) -> None:
         """Start an engine serving what the last one served. It boots from the model directory

@@ -80,8 +80,8 @@ def run_head(comm, args: argparse.Namespace) -> int:
             loop.call_soon_threadsafe(head.on_message, msg)
 
         link = HeadLink(comm, deliver).start()
-        link.engine_key = Path(args.engine_key_file).read_text().strip()
-        head = Head(cfg, link, n_cells, resume=args.resume, progress_bar=args.progress_bar)
+        head = Head(cfg, link, n_cells, resume=args.resume, progress_bar=args.progress_bar,
+                    engine_key=Path(args.engine_key_file).read_text().strip())
         try:
             return await head.run()
         finally:

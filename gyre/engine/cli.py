@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    from gyre.engine.qwen import ModelFormatError  # as above
+    from gyre.model.families import ModelFormatError  # as above
 
     try:
         engine = Engine(model, weight_version=args.weight_version, max_running=cfg.engine.max_running_requests,

@@ -3,13 +3,11 @@
 :func:`start_cell_engine` is THE seam: it starts a cell's engine, embedded or SGLang, and is what
 ``gyre engine``, ``gyre rollout`` and the cell agent call (its contract is in its docstring). Below it, :func:`start_engine` runs ``python -m gyre.engine.cli`` as a
 subprocess and returns once it printed its ``GYRE_ENGINE_LISTENING`` line (tests and benchmarks use
-it directly); :class:`InProcessEngine` runs the same server on a background thread of this process
-(no process start-up; used by benchmarks).
+it directly).
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import contextlib
 import os
@@ -26,8 +24,7 @@ from pathlib import Path
 from typing import Sequence
 
 from gyre.config import ConfigError, EngineBackend
-from gyre.engine.runtime import Engine
-from gyre.engine.server import READY_MARKER, EngineServer
+from gyre.engine.server import READY_MARKER
 from gyre.engine.sglang_launch import SGLangSpec, srun_step
 from gyre.model.families import ModelFormatError, family_of, text_config
 from gyre.model.spec import read_config
@@ -116,33 +113,6 @@ def start_engine(model_dir: str | os.PathLike | None = None, port: int = 0, api_
     return EngineProcess(proc, ready[0], key_file)
 
 
-class InProcessEngine:
-    """An :class:`~gyre.engine.runtime.Engine` and its HTTP server on a background thread."""
-
-    def __init__(self, model_dir: str | os.PathLike, api_key: str | None = None, host: str = "127.0.0.1",
-                 port: int = 0, **engine_kwargs):
-        self.engine = Engine(model_dir, **engine_kwargs)
-        self._loop = asyncio.new_event_loop()
-        self._server = EngineServer(self.engine, host, port, api_key)
-        self._thread = threading.Thread(target=self._loop.run_forever, name="gyre-engine-http", daemon=True)
-        self._thread.start()
-        self.url = asyncio.run_coroutine_threadsafe(self._server.start(), self._loop).result(30)
-
-    def stop(self) -> None:
-        if not self._loop.is_closed():
-            asyncio.run_coroutine_threadsafe(self._server.close(), self._loop).result(30)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10)
-            self._loop.close()
-            self.engine.close()
-
-    def __enter__(self) -> "InProcessEngine":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
 HEALTH_POLL_S = 0.2
 
 
@@ -177,11 +147,6 @@ class EngineHandle:
                 p.kill()
             raise EngineStartError(f"cannot start {commands[len(procs)][:3]}: {e}") from e
         return cls(procs, url, backend, nodes, api_key, output)
-
-    @property
-    def proc(self) -> subprocess.Popen:
-        """Node rank 0's process (or the srun step): ``proc.pid`` / ``proc.poll()`` for old callers."""
-        return self.procs[0]
 
     @property
     def pids(self) -> list[int]:

@@ -20,11 +20,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gyre.model.families import ModelFormatError
 from gyre.model.moe import route, tokens_per_expert
 from gyre.model.spec import ModelSpec, apply_rope, load_weights, read_spec
-
-__all__ = ["CausalLM", "KVCache", "ModelFormatError", "ModelSpec", "load_weights", "read_spec"]
 
 # Attention scores of one prompt chunk are computed for a few queries at a time, so that a chunk
 # over a 256K-token context holds O(queries x context) scores, not O(chunk x context) (2 GB).

@@ -31,7 +31,9 @@ import torch
 from gyre.engine.pace import Pacer
 from gyre.engine.prefix_cache import PrefixCache
 from gyre.engine.hybrid import causal_lm
-from gyre.engine.qwen import CausalLM, KVCache, ModelFormatError, load_weights, read_spec
+from gyre.engine.qwen import CausalLM, KVCache
+from gyre.model.families import ModelFormatError
+from gyre.model.spec import load_weights, read_spec
 from gyre.engine.sampling import SamplingParams, sample
 from gyre.model.checksums import WeightCheckError, check_finite, require_regular_files, verify_checksums
 from gyre.model.identity import model_identity

@@ -26,10 +26,8 @@ count is not part of SGLang's API: drains read the router's per-engine count ins
 from __future__ import annotations
 
 import json
-import time
 import urllib.error
 import urllib.request
-from typing import Callable
 
 MEMORY_TAGS = ("kv_cache", "weights")     # what a role switch releases (cuda_graph stays)
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -134,27 +132,3 @@ def _message(raw: bytes, default: str) -> str:
         if data.get("message"):
             return str(data["message"])
     return str(default)
-
-
-def release_when_idle(admin: SGLangAdmin, tags=MEMORY_TAGS, *, timeout_s: float = 30.0, poll_s: float = 0.02,
-                      on_wait: Callable[[], None] | None = None) -> int:
-    """Release memory once nothing runs, aborting whatever still does; returns the aborts sent.
-
-    SGLang tells no in-flight count (``/health`` is an empty 200): the coordinator drains a cell
-    through the router's per-engine count before asking for a release. What is left (a request
-    that slipped in) is aborted here, and SGLang's own refusal to release while requests run
-    (400) is the signal to try again. ``on_wait`` runs between attempts (heartbeats)."""
-    deadline = time.monotonic() + timeout_s
-    aborts = 0
-    while True:
-        try:
-            admin.release_memory_occupation(tags)
-            return aborts
-        except SGLangAPIError as e:
-            if e.status != 400 or time.monotonic() > deadline:
-                raise
-        admin.abort_request(abort_all=True)   # aborted requests end at their next scheduler step
-        aborts += 1
-        if on_wait is not None:
-            on_wait()
-        time.sleep(poll_s)

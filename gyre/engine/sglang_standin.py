@@ -210,7 +210,7 @@ def leader(args, peers: list[socket.socket]) -> int:
     import torch
 
     from gyre.config import EngineConfig  # the stand-in is a separate program: its serving stack loads when it serves
-    from gyre.engine.qwen import ModelFormatError  # as above
+    from gyre.model.families import ModelFormatError  # as above
     from gyre.engine.runtime import Engine  # as above
     from gyre.engine.server import serve  # as above
 

@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gyre.config import EvalExecutor, EvalNetwork
 from gyre.harness import proc, scoring
 from gyre.harness.runner import workspace_path
 from gyre.harness.runtimes import Mount
@@ -276,7 +277,7 @@ def eval_network(opts: EvalOptions, place: Placement) -> bool:
     """Whether the test commands get the network: NL2RepoBench's containers have it (100 of its
     102 tasks start with ``pip install -e .``, which fetches build requirements), so a task
     scored in its image gets it under ``auto``; tests shipped with a suite run without."""
-    return opts.network == "on" or (opts.network == "auto" and place.kind == "image")
+    return opts.network == EvalNetwork.ON or (opts.network == EvalNetwork.AUTO and place.kind == "image")
 
 
 def _to_host(path: str, mounts: list[Mount]) -> str:
@@ -446,7 +447,7 @@ class EvaluatorPool:
         self.kind = executor
         self._threads = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gyre-eval")
         self._submitit = None
-        if executor != "pool":
+        if executor != EvalExecutor.POOL:
             self._submitit = _Submitit(self._make_submitit(executor, submitit_dir, slurm or {}))
 
     @classmethod

@@ -71,14 +71,6 @@ def kill_group(pgid: int, sig: int = signal.SIGKILL) -> bool:
         return False
 
 
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
-
-
 def signal_name(num: int) -> str:
     try:
         return signal.Signals(num).name

@@ -33,6 +33,7 @@ from gyre.harness.runtimes import Mount
 from gyre.harness.tasks import Task
 from gyre.traj.record import Status
 
+INFRA_PREFIX = "cannot start the harness"  # the error of a try whose sandbox or process could not start
 STATUSES = (Status.DONE, Status.FAILED, Status.CRASHED, Status.TIMEOUT, Status.STOPPED)  # a harness ends so
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 _PLACEHOLDER = re.compile(r"\{(prompt|prompt_file|workspace|task_dir|python|execution_id|base_url)\}")
@@ -105,10 +106,6 @@ def workspace_path(run_dir: str | os.PathLike, execution_id: str) -> Path:
     return Path(run_dir) / "workspaces" / check_execution_id(execution_id)
 
 
-def log_dir_path(run_dir: str | os.PathLike, execution_id: str) -> Path:
-    return Path(run_dir) / "logs" / check_execution_id(execution_id)
-
-
 def prepare_workspace(run_dir: str | os.PathLike, execution_id: str, task: Task) -> tuple[Path, Path]:
     """A fresh private workspace holding the task's start.md, and its log folder."""
     run = private_dir(Path(run_dir))
@@ -169,11 +166,17 @@ def classify(returncode: int | None, we_signalled: str | None) -> tuple[str, str
     return Status.FAILED, None
 
 
+TERM_REPEAT_S = 0.2  # a sandboxed harness is sent SIGTERM again this often during its grace period
+
+
 class _Running:
     """One live execution, so that the pool can stop it."""
 
-    def __init__(self, process: asyncio.subprocess.Process):
+    def __init__(self, process: asyncio.subprocess.Process, sandboxed: bool = False):
         self.process = process
+        # A sandbox ignores SIGTERM until its launcher is ready to pass it on (gyre.harness.sandbox):
+        # a TERM that lands while it starts is lost, so it is repeated (the launcher passes on one).
+        self.sandboxed = sandboxed
         self.reason: str | None = None  # "timeout", "stopped" or "failed" (a limit) once we signal it
         self.limit_error: str | None = None  # the [harness] limit it passed
         self.done = asyncio.Event()
@@ -181,11 +184,17 @@ class _Running:
     async def terminate(self, reason: str, grace_s: float) -> None:
         if self.reason is None:
             self.reason = reason
-        proc.kill_group(self.process.pid, signal.SIGTERM)
-        try:
-            await asyncio.wait_for(asyncio.shield(self.process.wait()), grace_s)
-        except asyncio.TimeoutError:
-            pass
+        deadline = time.monotonic() + grace_s
+        while True:
+            proc.kill_group(self.process.pid, signal.SIGTERM)
+            left = deadline - time.monotonic()
+            try:
+                await asyncio.wait_for(asyncio.shield(self.process.wait()),
+                                       min(left, TERM_REPEAT_S) if self.sandboxed else left)
+                break
+            except asyncio.TimeoutError:
+                if not self.sandboxed or time.monotonic() >= deadline:
+                    break
         proc.kill_group(self.process.pid, signal.SIGKILL)
 
 
@@ -303,11 +312,11 @@ class HarnessPool:
                 sink.start()
         except (OSError, ValueError, RuntimeError) as e:  # not found, argv too long, bad command, runtime set-up
             await self._cleanup(bridge, teardown, launch_env)
-            res = result(Status.FAILED, error=f"cannot start the harness: {e}")
+            res = result(Status.FAILED, error=f"{INFRA_PREFIX}: {e}")
             res.start_failure = True
             return res
         try:
-            return await self._wait(process, result, ws)
+            return await self._wait(process, result, ws, sandboxed=place.kind != "host")
         finally:
             await asyncio.to_thread(lambda: [sink.finish() for sink, _ in sinks])
             await self._cleanup(bridge, teardown, launch_env)
@@ -351,9 +360,9 @@ class HarnessPool:
         if bridge is not None:
             await bridge.close()
 
-    async def _wait(self, process, result, ws: Path | None = None) -> ExecutionResult:
+    async def _wait(self, process, result, ws: Path | None = None, sandboxed: bool = False) -> ExecutionResult:
         lim = self.limits
-        run = _Running(process)
+        run = _Running(process, sandboxed)
         self._running.add(run)
         self.max_running_seen = max(self.max_running_seen, len(self._running))
         watcher = asyncio.create_task(self._watch(run, ws)) if lim.tree().any() else None

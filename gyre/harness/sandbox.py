@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from gyre.config import ConfigError, env as config_env
+from gyre.config import ConfigError, ImageRuntime, Sandbox, env as config_env
 from gyre.harness.runtimes import ImageRef, Instance, Launch, Mount, Runtime, get_runtime
 from gyre.harness.runtimes.image_env import image_environment
 
@@ -115,24 +115,24 @@ class Environments:
     def __init__(self, config: SandboxConfig | None = None):
         self.config = config or SandboxConfig()
         c = self.config
-        if c.runtime != "auto":
+        if c.runtime != ImageRuntime.AUTO:
             try:
                 get_runtime(c.runtime)
             except ValueError as e:
                 raise SandboxError(f"harness.runtime: {e}") from None
-        if c.sandbox not in ("auto", "bwrap", "none"):
+        if c.sandbox not in tuple(Sandbox):
             raise SandboxError(f"harness.sandbox: {c.sandbox!r}; use auto, bwrap or none")
         self._host: Runtime | None = None
-        if c.sandbox != "none":
+        if c.sandbox != Sandbox.NONE:
             rt = get_runtime("bwrap")
             why = rt.missing()
             if why is None:
                 self._host = rt
-            elif c.sandbox == "bwrap":
+            elif c.sandbox == Sandbox.BWRAP:
                 raise SandboxError(f"harness.sandbox = bwrap but {why}; install it (Debian: apt-get "
                                    f"install bubblewrap) or set harness.sandbox = none")
         if self._host is None:
-            why = "harness.sandbox = none" if c.sandbox == "none" else "bubblewrap (bwrap) is not installed"
+            why = "harness.sandbox = none" if c.sandbox == Sandbox.NONE else "bubblewrap (bwrap) is not installed"
             warnings.warn(f"harnesses and task commands run WITHOUT a sandbox ({why}): they can read "
                           f"each other's workspaces, keys and the hidden tests", UnsandboxedWarning, stacklevel=2)
         self._places: dict[str, Placement] = {}
@@ -164,7 +164,7 @@ class Environments:
             if missing is None:
                 return ref, rt, ""
             reasons.append(f"{ref.location} found but {missing}")
-        if self.config.runtime != "auto" or any(" found but " in r for r in reasons):
+        if self.config.runtime != ImageRuntime.AUTO or any(" found but " in r for r in reasons):
             return None, None, "; ".join(reasons)
         d, t = self.config.image_dir or "DIR", task.name
         where = (f"no {d}/{t}.sif, {d}/{t}.sqsh or unpacked {d}/{t}/" if self.config.image_dir

@@ -76,17 +76,30 @@ def forward(port, path):
 
 
 def run_harness(argv):
-    box = []
+    box, pending, passed = [], [], set()
+
     # handlers before the child starts: it then begins with default dispositions (bwrap was
-    # started with TERM ignored), and a TERM here is passed on: the harness gets its grace period
+    # started with TERM ignored), and a TERM here is passed on, once (Gyre repeats it until one
+    # lands): the harness gets its grace period. One that comes before the child exists waits for it.
+    def on_signal(n, f):
+        if n in passed:
+            return
+        passed.add(n)
+        if box:
+            box[0].send_signal(n)
+        else:
+            pending.append(n)
+
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda n, f: box and box[0].send_signal(n))
+        signal.signal(sig, on_signal)
     try:
         child = subprocess.Popen(argv)
     except OSError as e:
         sys.stderr.write("gyre sandbox: cannot run %r: %s\n" % (argv[0], e))
         return 127
     box.append(child)
+    for n in pending:
+        child.send_signal(n)
     rc = child.wait()
     if rc < 0:  # died of a signal: die of the same one, so the status reads the same outside
         signal.signal(-rc, signal.SIG_DFL)

@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import secrets
 import sys
 from pathlib import Path
 from typing import Callable
 
-from tokenizers import Tokenizer
-
 from gyre.config import default_tiny_dir, env, load_config
 from gyre.engine.router import Router
 from gyre.model.identity import model_identity
 from gyre.model.tiny import ensure_tiny_model
-from gyre.proxy.server import Proxy, create_app, proxy_options, routing_options, start_site
+from gyre.proxy.server import Proxy, create_app, start_site
 from gyre.traj.record import ExecutionRecord
 from gyre.traj.store import ShardWriter, shard_identity
 
@@ -44,12 +41,9 @@ async def serve(args: argparse.Namespace) -> None:
               file=sys.stderr)
         raise SystemExit(2)
     admin_key = args.admin_key or env("GYRE_ADMIN_KEY") or secrets.token_urlsafe(24)
-    router = Router(args.engine, api_key=args.engine_api_key or env("GYRE_ENGINE_API_KEY"))
-    proxy = Proxy(router, Tokenizer.from_file(str(tok_file)), identity=model_identity(model_dir),
-                  default_max_tokens=cfg.proxy.default_max_tokens, max_tokens_cap=cfg.proxy.max_tokens_cap,
-                  max_executions=cfg.proxy.max_executions, max_calls_in_flight=cfg.proxy.max_calls_in_flight,
-                  context_length=_context_length(model_dir), **proxy_options(cfg.proxy, model_dir),
-                  **routing_options(cfg.train, model_dir))
+    router = Router(args.engine, api_key=args.engine_api_key or env("GYRE_ENGINE_API_KEY"),
+                    timeout_s=cfg.engine.request_timeout_s, connect_retries=cfg.engine.connect_retries)
+    proxy = Proxy.from_config(cfg, router, model_dir, model_identity(model_dir))
     shard_dir = Path(args.shard_dir or cfg.store.dir or "shards")
     app = create_app(proxy, admin_key=admin_key, max_body_bytes=cfg.proxy.max_body_bytes,
                      on_end=shard_sink(cfg, shard_dir, model_identity(model_dir)))
@@ -82,15 +76,6 @@ def shard_sink(cfg, shard_dir: Path, identity: dict) -> Callable[[ExecutionRecor
         return {"shard": str(writer.write([rec]).resolve())}
 
     return write
-
-
-def _context_length(model_dir: Path) -> int | None:
-    """max_position_embeddings from config.json; None (ask the engines) when there is none."""
-    try:
-        v = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get("max_position_embeddings")
-    except (OSError, ValueError):
-        return None
-    return v if isinstance(v, int) and v > 1 else None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -27,12 +27,14 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError
 from aiohttp.web_protocol import RequestPayloadError
 
+from gyre.config import History, ReasoningParser, TemplateSource
 from gyre.engine.client import EngineError
 from gyre.engine.router import RouterError
 from gyre.model.chat_template import ChatTemplate, end_token_ids
@@ -143,10 +145,10 @@ class Call:
         return f"chatcmpl-{self.rid}"
 
 
-def proxy_options(proxy_cfg, model_dir) -> dict:
+def template_options(proxy_cfg, model_dir) -> dict:
     """Proxy keyword arguments for the model directory's chat template from `[proxy]` (the
     template is loaded, and refused with a clear error, here)."""
-    if proxy_cfg.chat_template != "model":
+    if proxy_cfg.chat_template != TemplateSource.MODEL:
         return {}
 
     template = ChatTemplate.from_dir(model_dir)
@@ -156,6 +158,15 @@ def proxy_options(proxy_cfg, model_dir) -> dict:
     tokenizer = load_tokenizer(model_dir)
     return {"chat_template": template, "history": proxy_cfg.history, "tool_parser": proxy_cfg.tool_parser,
             "reasoning_parser": proxy_cfg.reasoning_parser, "end_ids": end_token_ids(model_dir, tokenizer.token_to_id)}
+
+
+def context_length(model_dir: Path) -> int | None:
+    """max_position_embeddings from config.json; None (ask the engines) when there is none."""
+    try:
+        v = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8")).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
+    return v if isinstance(v, int) and v > 1 else None
 
 
 def routing_options(train_cfg, model_dir) -> dict:
@@ -174,6 +185,18 @@ def routing_options(train_cfg, model_dir) -> dict:
 
 class Proxy:
     """Sessions, rendering and capture; `create_app` exposes it over HTTP."""
+
+    @classmethod
+    def from_config(cls, cfg, router, model_dir, identity: dict) -> "Proxy":
+        """The proxy every driver serves (`gyre rollout`, the head, `gyre proxy`) from a GyreConfig:
+        the model directory's tokenizer, context length and (proxy.chat_template = model) template,
+        `[proxy]`'s limits and (train.routing_replay) the experts to record."""
+        proxy_cfg = cfg.proxy
+        return cls(router, load_tokenizer(model_dir), identity=identity,
+                   default_max_tokens=proxy_cfg.default_max_tokens, max_tokens_cap=proxy_cfg.max_tokens_cap,
+                   max_executions=proxy_cfg.max_executions, max_calls_in_flight=proxy_cfg.max_calls_in_flight,
+                   context_length=context_length(model_dir), **template_options(proxy_cfg, model_dir),
+                   **routing_options(cfg.train, model_dir))
 
     def __init__(self, router, tokenizer, *, model_name: str = "gyre", default_max_tokens: int = 512,
                  max_tokens_cap: int = 4096, identity: dict | None = None, context_length: int | None = None,
@@ -202,7 +225,7 @@ class Proxy:
             if not self.template_conformance["append_only"]:
                 log.warning("the model's chat template is not append-only (%s); proxy.history=%s: %s",
                             self.template_conformance["breaks"][0]["why"], history,
-                            "sampled turns are kept as sampled" if history == "exact"
+                            "sampled turns are kept as sampled" if history == History.EXACT
                             else "the tree branches where the template rewrites history")
         self.model_name = model_name
         self.default_max_tokens, self.max_tokens_cap = default_max_tokens, max_tokens_cap
@@ -240,6 +263,10 @@ class Proxy:
         self.sessions[key] = sess
         self.by_id[execution_id] = sess
         return key
+
+    def calls_made(self, execution_id: str) -> int:
+        """Calls recorded so far for a registered execution."""
+        return len(self.by_id[execution_id].tree.calls)
 
     def end(self, execution_id: str, status: str = "done") -> ExecutionRecord:
         """Revoke the execution's key and hand back its record (tree included)."""
@@ -480,7 +507,7 @@ class Proxy:
         content = ContentStream(c.engine_params.get("stop", []), tools_on)
         if c.forced:
             content.closed = True  # the whole output is a tool call
-        reasoning = ReasoningStream(content) if self.template is not None and self.reasoning_parser != "none" \
+        reasoning = ReasoningStream(content) if self.template is not None and self.reasoning_parser != ReasoningParser.NONE \
             else None
 
         stop_ids = set(self.renderer.stop_ids())

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import re
 
+from gyre.config import History
 from gyre.model.chat_template import PROBE_TOOLS, PROBES, ChatTemplate, TemplateError, conformance
 from gyre.proxy.capture import ExecutionSession, PreparedCall, Renderer, message_keys, tools_salt, walk_start
 from gyre.proxy.chat import Message, MessageError
@@ -220,7 +221,7 @@ def _prepare(r: Renderer, template: ChatTemplate, session: ExecutionSession, mes
     else:
         view, base = dicts, 0
         texts = [_node_text(r, session, nid) for nid in matched]
-        if history == "template" and matched:
+        if history == History.TEMPLATE and matched:
             # follow the template: keep matched messages only while it renders them as stored
             prompt = template.render(dicts, tools, add_generation_prompt=True)
             at = 0
@@ -243,7 +244,7 @@ def _prepare(r: Renderer, template: ChatTemplate, session: ExecutionSession, mes
     for i, text in zip(range(j, len(messages)), new_texts):
         msg = messages[i]
         out_ids = session.generated.get(keys[i]) if msg.role == "assistant" else None
-        if out_ids is not None and history == "exact":
+        if out_ids is not None and history == History.EXACT:
             v = i - base
             toks = _sampled_segment(r, text, template.segments(view[:v], tools, start=v)[1] if v else "", out_ids)
             reused += 1

@@ -16,6 +16,7 @@ from enum import Enum
 from pathlib import Path
 
 from gyre.config import GyreConfig, load_config
+from gyre.config_reference import reference_markdown
 from gyre.fsio import atomic_write_text
 
 FILE = "config.toml"
@@ -75,9 +76,14 @@ def config_add_arguments(p: argparse.ArgumentParser) -> None:
     show.add_argument("--config", help="TOML configuration file")
     show.add_argument("--run", metavar="RUN_DIR", help="show the configuration a run stored (run.dir/config.toml)")
     show.add_argument("overrides", nargs="*", help="section.key=value configuration overrides")
+    sub.add_parser("reference", help="print the configuration reference (Markdown) generated from gyre/config.py "
+                                     "(docs/configuration.md is its output)")
 
 
 def config_run(args: argparse.Namespace) -> int:
+    if args.config_command == "reference":
+        print(reference_markdown(), end="")
+        return 0
     path = args.config
     if args.run:
         path = stored(args.run)

@@ -39,14 +39,13 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Hashable, Iterable
 
-from gyre.config import StalenessRule
+from gyre.config import BurstOrder, StalenessRule
 from gyre.sched.admission import (RULES, AdmissionKey, count_budget, expired, fifo_key, pick,
                                   sync_of, window_budget)
 from gyre.sched.state import CellView, ClusterState, ExecView, GroupView
 
 _EPS = 1e-6
 ZERO_VARIANCE = "zero_variance"  # the ledger's reason for a group dropped for equal rewards
-BURST_ORDERS = ("stream", "shuffle")
 
 
 class CoreError(RuntimeError):
@@ -80,7 +79,7 @@ class CoreSpec:
     first_group: int = 0          # next group id (a resumed job never reuses ids)
     skip_zero_variance: bool = False   # drop (and replace) groups whose rewards are all equal
     max_replacements_per_step: int = 0  # ... at most this many per open step
-    burst_order: str = "stream"   # stream: a round's groups go to its steps as they finish;
+    burst_order: BurstOrder = BurstOrder.STREAM  # stream: a round's groups go to its steps as they finish;
     #                               shuffle: once the round's groups are in, in a seeded random order
     seed: int = 0                 # of the shuffle
 
@@ -93,8 +92,9 @@ class CoreSpec:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.staleness < 0:
             raise ValueError(f"staleness must be >= 0, got {self.staleness}")
-        if self.burst_order not in BURST_ORDERS:
-            raise ValueError(f"burst_order must be one of {BURST_ORDERS}, got {self.burst_order!r}")
+        if self.burst_order not in tuple(BurstOrder):
+            raise ValueError(f"burst_order must be one of {tuple(BurstOrder)}, got {self.burst_order!r}")
+        object.__setattr__(self, "burst_order", BurstOrder(self.burst_order))
         if self.max_replacements_per_step < 0:
             raise ValueError(f"max_replacements_per_step must be >= 0, got {self.max_replacements_per_step}")
 
@@ -202,34 +202,6 @@ class StepResult:
     replaced: int = 0                     # zero-variance groups dropped (and replaced) while it was open
 
 
-@dataclass(frozen=True)
-class LagStats:
-    """Staleness of trained groups: group-weighted mean, token-weighted mean, worst; both units."""
-    groups: int
-    group_mean_steps: float
-    token_mean_steps: float
-    worst_steps: int
-    group_mean_syncs: float
-    token_mean_syncs: float
-    worst_syncs: int
-
-    @staticmethod
-    def of(groups: Iterable[GroupRecord]) -> "LagStats":
-        gs = [g for g in groups if g.lag_steps is not None]
-        if not gs:
-            return LagStats(0, 0.0, 0.0, 0, 0.0, 0.0, 0)
-        tok = sum(g.train_tokens for g in gs)
-
-        def tmean(attr: str) -> float:
-            if tok <= 0:
-                return sum(getattr(g, attr) for g in gs) / len(gs)
-            return sum(getattr(g, attr) * g.train_tokens for g in gs) / tok
-
-        return LagStats(len(gs), sum(g.lag_steps for g in gs) / len(gs), tmean("lag_steps"),
-                        max(g.lag_steps for g in gs), sum(g.lag_syncs for g in gs) / len(gs),
-                        tmean("lag_syncs"), max(g.lag_syncs for g in gs))
-
-
 class Coordinator:
     def __init__(self, spec: CoreSpec, admission_key: AdmissionKey = fifo_key) -> None:
         self.spec = spec
@@ -305,9 +277,6 @@ class Coordinator:
             starts_allowed=0 if self.done else self.start_budget(), steps_per_sync=s.steps_per_sync,
             staleness_rule=s.staleness_rule, step_ready=self.step_ready(),
             calls_in_flight=self.calls_in_flight)
-
-    def lag_stats(self) -> LagStats:
-        return LagStats.of(self.groups_in(GroupState.TRAINED))
 
     # ---- groups and executions ----------------------------------------------------------------
     def start_groups(self, n: int, now: float) -> list[GroupRecord]:
@@ -419,7 +388,7 @@ class Coordinator:
         if not self._waiting:
             return Admission()
         waiting = [g.view() for g in self._waiting.values()]
-        if s.burst_order == "shuffle" and s.steps_per_sync > 1:
+        if s.burst_order is BurstOrder.SHUFFLE and s.steps_per_sync > 1:
             chosen = self._shuffled_pick(waiting, room)
         else:
             chosen = pick(waiting, self.version, s.staleness, room, self.key, s.steps_per_sync,

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable
 
-from gyre.config import SchedConfig, SimConfig
+from gyre.config import SchedConfig
 from gyre.sched.admission import AdmissionKey, fifo_key
 from gyre.sched.state import CellView, ClusterState, Decision, Role, Switch
 
@@ -19,16 +19,16 @@ from gyre.sched.state import CellView, ClusterState, Decision, Role, Switch
 @dataclass(frozen=True)
 class Hints:
     """What a policy may assume about costs; the coordinator fills these from config (live:
-    `gyre.sched.policy_from_config`) or from the cost model (simulated: `gyre.sim.scenario.hints_for`).
-    The defaults are config's (`[sched]`, `[sim]`: the one source of cost defaults; the simulator's
+    `gyre.sched.runspec.RunSpec.from_config`) or from the cost model (simulated: `gyre.sim.scenario.hints_for`).
+    The defaults are config's (`[sched]`: the one source of cost defaults; the simulator's
     `ClusterModel` takes the same), so an unconfigured policy assumes what an unconfigured run does."""
     to_train_s: float = SchedConfig.to_train_s
     to_rollout_s: float = SchedConfig.to_rollout_s
     push_s: float = SchedConfig.push_s
-    eval_s: float = SimConfig.eval_s
+    eval_s: float = SchedConfig.eval_s
     execs_per_cell: float = SchedConfig.execs_per_cell  # E-paper: executions one rollout cell serves at near full speed
     cell_scale: float = 1.0          # one cell's throughput in cells of train_tokens_per_s
-    train_tokens_per_s: float = SimConfig.train_tokens_per_s  # per cell
+    train_tokens_per_s: float = SchedConfig.train_tokens_per_s  # per cell
     min_dwell_s: float = SchedConfig.min_dwell_s  # a cell stays in a role at least this long (anti-thrash)
     switch_share: float = 0.02       # E: a switch round trip may cost this share of a trainer's time
     calls_per_cell: float = SchedConfig.calls_per_cell  # E: calls one rollout cell decodes while each keeps ~80% of its solo speed

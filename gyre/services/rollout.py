@@ -3,7 +3,8 @@
 One object holds the router over the engines that serve rollout, the OpenAI-compatible proxy in
 front of it, the harness pool, the evaluator pool and the shard writer. `gyre rollout` (engines
 of its own) and the head (the rollout cells' engines, which come and go) use the same object, so
-an execution runs, is scored and is made durable the same way in both.
+an execution runs, is scored and is made durable the same way in both: `execute` is an
+execution's whole life (a key at the proxy, its harness, its evaluation, its durable record).
 """
 
 from __future__ import annotations
@@ -11,16 +12,17 @@ from __future__ import annotations
 import logging
 import secrets
 from pathlib import Path
+from typing import Callable
 
+from gyre import faults
 from gyre.config import GyreConfig
 from gyre.fsio import storage_full
 from gyre.engine.router import Router
 from gyre.harness.evaluator import EvaluatorPool
-from gyre.harness.execute import run_and_evaluate
-from gyre.harness.runner import HarnessPool
-from gyre.model.tokenizer import load_tokenizer
+from gyre.harness.runner import INFRA_PREFIX, HarnessPool
 from gyre.proxy.journal import Journal
-from gyre.proxy.server import Proxy, create_app, proxy_options, routing_options, start_site
+from gyre.proxy.server import Proxy, create_app, start_site
+from gyre.traj.record import FINISHED, ExecutionRecord, Status
 from gyre.traj.store import ShardWriter, compact, shard_identity
 
 log = logging.getLogger("gyre.rollout")
@@ -37,8 +39,11 @@ class RecordError(RuntimeError):
 
 
 class RolloutService:
-    def __init__(self, cfg: GyreConfig, envs, model_dir: str | Path, identity: dict, shard_dir: str | Path):
+    def __init__(self, cfg: GyreConfig, envs, model_dir: str | Path, identity: dict, shard_dir: str | Path,
+                 *, fault_scope: str = "rollout"):
+        """`fault_scope`: the process named in the fault phases of an execution's end (gyre.faults)."""
         self.cfg, self.envs, self.model_dir, self.identity = cfg, envs, Path(model_dir), identity
+        self.fault_scope = fault_scope
         # the writer exists before anything runs: a resumed job compacts what a crash cut short first
         self.writer = ShardWriter.from_config(cfg.store, shard_dir, shard_identity(identity))
         self.router: Router | None = None
@@ -52,12 +57,9 @@ class RolloutService:
         """Router over ``endpoints``, the proxy serving on ``proxy.host:proxy.port``, the pools."""
         cfg = self.cfg
         kw = {} if wait_for_endpoint_s is None else {"wait_for_endpoint_s": wait_for_endpoint_s}
-        self.router = Router(list(endpoints), api_key=engine_key, timeout_s=cfg.engine.request_timeout_s, **kw)
-        self.proxy = Proxy(self.router, load_tokenizer(self.model_dir), identity=self.identity,
-                           default_max_tokens=cfg.proxy.default_max_tokens, max_tokens_cap=cfg.proxy.max_tokens_cap,
-                           max_executions=cfg.proxy.max_executions, max_calls_in_flight=cfg.proxy.max_calls_in_flight,
-                           **proxy_options(cfg.proxy, self.model_dir),
-                           **routing_options(cfg.train, self.model_dir))
+        self.router = Router(list(endpoints), api_key=engine_key, timeout_s=cfg.engine.request_timeout_s,
+                             connect_retries=cfg.engine.connect_retries, **kw)
+        self.proxy = Proxy.from_config(cfg, self.router, self.model_dir, self.identity)
         self._site, port = await start_site(create_app(self.proxy, admin_key=secrets.token_urlsafe(24),
                                                        max_body_bytes=cfg.proxy.max_body_bytes),
                                             cfg.proxy.host, cfg.proxy.port)
@@ -75,11 +77,79 @@ class RolloutService:
         await self.router.remove_endpoint(url, abort=True)
 
     # ---- executions ----------------------------------------------------------------------------
-    async def execute(self, task, execution_id: str, group: int, *, on_ended=None, replay=None):
-        """Run one execution and score it (gyre.harness.execute); returns its ExecutionRecord."""
-        return await run_and_evaluate(self.proxy, self.pool, self.evaluators, task, execution_id, group,
-                                      self.base_url, on_ended=on_ended, replay=replay,
-                                      infra_retries=self.cfg.harness.infra_retries)
+    async def execute(self, task, execution_id: str, group: int, *, on_ended: Callable[[str], None] | None = None,
+                      on_scored: Callable[[ExecutionRecord], None] | None = None, replay=None) -> ExecutionRecord:
+        """One execution's life: a key at the proxy, its harness, its evaluation, its durable record.
+
+        Returns the ExecutionRecord, on disk when this returns (status, workspace, tree and, for
+        executions that ended by themselves, reward, passed/total and reward source; stopped ones say
+        why they were not scored). `on_ended(status)` is called when the harness has ended, before
+        the evaluation (the coordinator stops counting it as running rollout work then);
+        `on_scored` as in `settle`. ``replay``: what a stopped (its tree) or killed (its journal)
+        earlier run of this execution recorded (replay-resume, gyre.proxy.replay).
+        """
+        key = self.proxy.register(execution_id, task=task.name, group=group, replay=replay)
+        status, workspace, error, own, log_dir, start_failure = await self._run_harness(task, execution_id, key)
+        rec = self.proxy.end(execution_id, status)
+        rec.workspace = workspace
+        if on_ended is not None:
+            on_ended(status)
+        await self._evaluate(rec, task, own, log_dir, start_failure, error)
+        self.settle(rec, on_scored)
+        return rec
+
+    def settle(self, rec: ExecutionRecord, on_scored: Callable[[ExecutionRecord], None] | None = None) -> None:
+        """An ended, scored execution made durable: its record on disk first (RecordError: the run
+        stops, saying why), then `on_scored(rec)` (what the driver writes down of it); only then may
+        anyone count it. The fault phases `execution_ended` and `execution_recorded` sit before and
+        after (gyre.faults)."""
+        faults.hit(self.fault_scope, "execution_ended")
+        self.record([rec])
+        if on_scored is not None:
+            on_scored(rec)
+        faults.hit(self.fault_scope, "execution_recorded")
+
+    async def _run_harness(self, task, execution_id: str, key: str):
+        """The harness, tried again alone after an infrastructure failure (its sandbox or process
+        could not start: no harness ran, no call was made) up to `harness.infra_retries` times,
+        each try in a fresh workspace ``<id>.retry<n>``; after that it is ``lost`` (never scored as
+        a real 0). Returns (status, workspace, error, the id whose workspace may be scored, its log
+        folder, whether it never started)."""
+        own, tries = execution_id, []
+        while True:
+            start_failure, log_dir = False, ""
+            try:
+                result = await self.pool.run_execution(task, own, api_key=key, base_url=self.base_url)
+                status, workspace, error = result.status, result.workspace, result.error
+                log_dir, start_failure = result.log_dir, result.start_failure
+            except RuntimeError as e:  # the pool is stopping: this execution never started
+                status, workspace, error = Status.STOPPED, "", str(e)
+            except Exception as e:  # e.g. a reused id whose workspace is kept: Gyre's failure, not the harness's
+                status, workspace, error = Status.LOST, "", f"{type(e).__name__}: {e}"
+            infra = (start_failure or (status == Status.FAILED and (error or "").startswith(INFRA_PREFIX))) \
+                and not self.proxy.calls_made(execution_id)
+            if infra and self.pool.broken:  # the sandbox fails again and again: the run stops
+                return Status.LOST, workspace, error, own, log_dir, start_failure
+            if not infra:
+                return status, workspace, error, own, log_dir, start_failure
+            tries.append(error)
+            if len(tries) > self.cfg.harness.infra_retries:
+                return Status.LOST, workspace, f"{error} (tried {len(tries)} times)", own, log_dir, start_failure
+            own = f"{execution_id}.retry{len(tries)}"
+
+    async def _evaluate(self, rec: ExecutionRecord, task, own: str, log_dir: str, start_failure: bool,
+                        error: str | None) -> None:
+        if start_failure:  # infrastructure, not a score: never trained
+            rec.reward_source = f"not-evaluated: {rec.status}: infrastructure ({error})"
+        elif rec.status in FINISHED:
+            # its own workspace only: the evaluator refuses anything else (never the current directory);
+            # the evaluation's log beside the harness's, under run.dir (not the system temp dir)
+            ev = await self.evaluators.evaluate(task, rec.workspace, rec.status, execution_id=own,
+                                                log_path=f"{log_dir}/evaluation.log" if log_dir else None)
+            rec.reward = float("nan") if ev.reward is None else float(ev.reward)
+            rec.reward_source, rec.passed, rec.total = ev.source, ev.passed, ev.total
+        else:
+            rec.reward_source = f"not-evaluated: {rec.status}" + (f" ({error})" if error else "")
 
     def record(self, records) -> None:
         """Durable when it returns (one small shard, fsynced and renamed): only then may anyone count it.

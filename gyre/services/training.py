@@ -29,7 +29,7 @@ from gyre.train.step_stats import merge, summarize
 
 
 @dataclass
-class Reduced:
+class StepReduced:
     """A step whose reduce every participant applied."""
     participants: list[Cell]
     replies: list[ReduceReply]
@@ -142,10 +142,10 @@ class TrainingDispatch:
         return set(rep.lost) & cell.step_mbs
 
     # ---- the step's reduce ---------------------------------------------------------------------
-    async def reduce(self, index: int) -> Reduced | None | str:
+    async def reduce(self, index: int) -> StepReduced | None | str:
         """Prepare and reduce step ``index`` over every cell that holds its gradients.
 
-        Returns `Reduced` when every participant applied it; None when it must be tried again
+        Returns `StepReduced` when every participant applied it; None when it must be tried again
         (no trainer yet, or gradients were lost and are recomputed: the next tick retries); a
         message when the reduce failed after some cell may have applied it (replicas may now
         disagree: the run stops)."""
@@ -174,7 +174,7 @@ class TrainingDispatch:
             return None
         if bad:
             return f"step {index}: reduce failed: {'; '.join(bad)}"
-        return Reduced(cells, list(reps), self.clock() - t)
+        return StepReduced(cells, list(reps), self.clock() - t)
 
     def step_figures(self, stats: list[dict], replaced: int, groups: int,
                      microbatches=()) -> tuple[dict, dict, Audit]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gyre.config import ConfigError, SchedConfig, SimConfig
+from gyre.config import ConfigError, SchedConfig
 from gyre.sim.roofline import ReplicaSpec
 
 # The decode knee: a cell "needs" as many calls as it decodes while each keeps this share of its
@@ -33,12 +33,12 @@ class ClusterModel:
     replica: ReplicaSpec = field(default=TOY_REPLICA)
     # Training tokens per second of one cell of this size, streaming micro-batches (a preset: FLOP
     # arithmetic at a stated MFU).
-    # The defaults are config's ([sched], [sim]: the one source of cost defaults, as the policy's Hints).
-    train_tokens_per_s: float = SimConfig.train_tokens_per_s
+    # The defaults are config's ([sched]: the one source of cost defaults, as the policy's Hints).
+    train_tokens_per_s: float = SchedConfig.train_tokens_per_s
     to_train_s: float = SchedConfig.to_train_s      # paper: rollout -> train switch
     to_rollout_s: float = SchedConfig.to_rollout_s  # paper: train -> rollout switch
     push_s: float = SchedConfig.push_s    # weight push, once per rollout round; rollout cells pause decoding
-    eval_s: float = SimConfig.eval_s      # evaluating a finished execution's workspace (CPU side)
+    eval_s: float = SchedConfig.eval_s      # evaluating a finished execution's workspace (CPU side)
     # Optimizer step of every step (trainers busy, rollout unaffected); push_s above is paid once
     # per rollout round (steps_per_sync steps) and pauses decoding.
     opt_s: float = 0.0
@@ -93,12 +93,6 @@ class ClusterModel:
         if rollout_cells <= 0:
             return 0.0
         return 1.0 / self.replica.step_s(self.batch(decoding, rollout_cells), context)
-
-    def cell_tokens_per_s(self, decoding: float, rollout_cells: int, context: float) -> float:
-        """Decode throughput of one serving cell (tokens/s) at this load."""
-        if rollout_cells <= 0 or decoding <= 0:
-            return 0.0
-        return decoding / rollout_cells * self.token_rate(decoding, rollout_cells, context)
 
     def calls_per_cell(self, context: float, keep: float = KEEP_SOLO_SPEED) -> float:
         """Calls one rollout cell decodes while each keeps `keep` of its solo decode speed at mean

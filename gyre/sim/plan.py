@@ -25,8 +25,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from gyre.config import ConfigError, Scheme
-from gyre.sched import SCHEMES
+from gyre.config import ConfigError, Scheme, StalenessRule, load_config
+from gyre.sched import SCHEMES, RunSpec
 from gyre.sim.calibration import HARDWARE, MEM_FRACTION, PRESETS, check_layout, preset
 from gyre.sim.cost_model import divisors
 from gyre.sim.scenario import Scenario, best_async
@@ -96,17 +96,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default=_DEFAULT.name, choices=sorted(PRESETS),
                    help="model, hardware and rates (gyre/sim/calibration.py); its workload is the default")
     p.add_argument("--workload", default="", help="workload preset or trace file (CSV/JSON); default: the preset's")
-    p.add_argument("--nodes", type=_ints, default=[8, 16, 32], help="node budgets, e.g. 8,16,32")
-    p.add_argument("--cell-nodes", type=_ints, default=[4, 8], help="cell sizes in nodes, e.g. 4,8 "
-                   "(a cell too small for the model's training state is refused)")
+    p.add_argument("--config", type=Path, default=None,
+                   help="a run's TOML: sweep around that run (its scheme, staleness, steps, groups, cells, burst "
+                        "order and zero-variance rule are the defaults of the flags below)")
+    p.add_argument("--nodes", type=_ints, default=None, help="node budgets, e.g. 8,16,32 (default: 8,16,32)")
+    p.add_argument("--cell-nodes", type=_ints, default=None, help="cell sizes in nodes, e.g. 4,8 "
+                   "(default: 4,8; a cell too small for the model's training state is refused)")
     p.add_argument("--cells", type=_ints, default=None, help="only these cell counts (default: all that fit)")
-    p.add_argument("--staleness", type=_ints, default=[0, 2], help="staleness bounds, e.g. 0,1,2")
-    p.add_argument("--schemes", type=_words, default=["E", "A", "C"], help=f"any of {','.join(SCHEMES)}")
+    p.add_argument("--staleness", type=_ints, default=None, help="staleness bounds, e.g. 0,1,2 (default: 0,2)")
+    p.add_argument("--schemes", type=_words, default=None, help=f"any of {','.join(SCHEMES)} (default: E,A,C)")
     p.add_argument("--steps", type=int, default=None,
                    help="optimizer steps per simulated run (default: the preset's; fewer steps plan faster, "
                         "but under 12 the last step's drain decides close comparisons)")
-    p.add_argument("--groups-per-step", type=int, default=_DEFAULT.groups_per_step)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--groups-per-step", type=int, default=None, help=f"default: {_DEFAULT.groups_per_step}")
+    p.add_argument("--seed", type=int, default=None, help="workload seed (default: 0)")
     for name, what in (("to-train-s", "rollout->train switch"), ("to-rollout-s", "train->rollout switch"),
                        ("push-s", "weight push per rollout round"), ("eval-s", "evaluation of a workspace")):
         p.add_argument(f"--{name}", type=float, default=None, help=f"seconds per {what} (default: the preset's)")
@@ -119,8 +122,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="training tokens one execution costs, as a multiple of the workload's (default: the preset's)")
     p.add_argument("--tool-s", type=float, default=None,
                    help="tool/environment seconds per execution (default: the preset's, pinned to the 1.93 h profile)")
-    p.add_argument("--staleness-rule", choices=("window", "count"), default="window")
-    p.add_argument("--steps-per-sync", type=int, default=1, help="optimizer steps per rollout round")
+    p.add_argument("--staleness-rule", choices=tuple(StalenessRule), default=None, help="default: window")
+    p.add_argument("--steps-per-sync", type=int, default=None, help="optimizer steps per rollout round (default: 1)")
     p.add_argument("--executor", choices=("inline", "local", "slurm"), default="inline",
                    help="inline (default), or submitit jobs: local processes or Slurm")
     p.add_argument("--jobs-dir", default="gyre-plan-jobs", help="submitit log folder")
@@ -157,8 +160,30 @@ def with_model_config(p, path):
     return dataclasses.replace(p, model=model)
 
 
+_DEFAULTS = {"nodes": [8, 16, 32], "cell_nodes": [4, 8], "staleness": [0, 2], "schemes": ["E", "A", "C"],
+             "steps": None, "groups_per_step": _DEFAULT.groups_per_step, "seed": 0, "staleness_rule": "window",
+             "steps_per_sync": 1}
+
+
+def with_defaults(args: argparse.Namespace) -> RunSpec | None:
+    """Fill the flags not given: from the run of `--config` (returned as the spec the sweep varies)
+    or the built-in defaults."""
+    base, given = None, {}
+    if getattr(args, "config", None) is not None:
+        cfg = load_config(args.config)
+        base, s = RunSpec.from_config(cfg), cfg.sched
+        given = {"nodes": [s.cells * s.cell_nodes], "cell_nodes": [s.cell_nodes], "staleness": [s.staleness],
+                 "schemes": [str(s.scheme)], "steps": cfg.run.steps, "groups_per_step": cfg.run.groups_per_step,
+                 "seed": cfg.run.seed, "staleness_rule": str(s.staleness_rule), "steps_per_sync": s.steps_per_sync}
+    for name, default in _DEFAULTS.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, given.get(name, default))
+    return base
+
+
 def scenarios(args: argparse.Namespace) -> list[Scenario]:
     """Validate the sweep and list its runs; a bad parameter raises ConfigError naming it."""
+    base = with_defaults(args)
     for name in ("nodes", "cell_nodes", "staleness"):
         if not getattr(args, name):
             raise ConfigError(f"--{name.replace('_', '-')}: give at least one value")
@@ -220,7 +245,7 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
         out.append(Scenario(scheme, k, cluster, workload=workload, steps=args.steps,
                             groups_per_step=args.groups_per_step, seed=args.seed, record=False,
                             staleness_rule=args.staleness_rule, steps_per_sync=args.steps_per_sync,
-                            preset=p.name))
+                            preset=p.name, base=base))
     if not out:
         raise ConfigError("the sweep is empty: no (nodes, cell size, cells) combination is left")
     return out
@@ -313,7 +338,7 @@ def recommend(rows: list[dict]) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
-    scs = scenarios(args)
+    scs = scenarios(args)  # fills the flags not given (header and the summary line read them)
     print(header(args))
     steps = scs[0].steps
     print(f"{len(scs)} simulated points ({args.executor}) of {steps} steps; Async at its best split (searched)",

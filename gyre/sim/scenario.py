@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from gyre.config import Scheme
-from gyre.sched import Hints, Policy, make_policy
+from gyre.sched import CoreSpec, Hints, RunSpec
 from gyre.sim.calibration import KEEP_SOLO_SPEED, P122B, Preset, execs_per_cell, preset
 from gyre.sim.cost_model import ClusterModel
 from gyre.sim.simulator import SimSpec, simulate
@@ -52,18 +52,22 @@ class Scenario:
     staleness_rule: str = "window"
     steps_per_sync: int = 1
     preset: str = ""              # the preset it models (reported with the run)
+    # a real run's spec this scenario sweeps around (`gyre plan --config`): its burst order,
+    # zero-variance rule and seed are kept; the fields above replace the rest
+    base: RunSpec | None = None
 
-    def policy(self, workload: Workload) -> Policy:
-        n = self.cluster.cells
-        rc = self.async_rollout_cells or max(1, n // 2)
-        return make_policy(self.scheme, self.staleness, hints_for(self.cluster, workload), rollout_cells=rc)
+    def spec(self, workload: Workload) -> RunSpec:
+        """The run spec simulated: the cluster model gives the cost hints a live run configures."""
+        base = self.base or RunSpec(CoreSpec(steps=1, groups_per_step=1, group_size=1))
+        rc = self.async_rollout_cells or max(1, self.cluster.cells // 2)
+        return base.replace(scheme=self.scheme, hints=hints_for(self.cluster, workload), rollout_cells=rc,
+                            steps=self.steps, groups_per_step=self.groups_per_step, group_size=workload.group_size,
+                            staleness=self.staleness, staleness_rule=self.staleness_rule,
+                            steps_per_sync=self.steps_per_sync)
 
     def run(self, workload: Workload | None = None) -> SimResult:
         w = workload or Workload.named(self.workload, self.seed)
-        spec = SimSpec(steps=self.steps, groups_per_step=self.groups_per_step, record=self.record,
-                       segments=SEGMENTS, staleness_rule=self.staleness_rule,
-                       steps_per_sync=self.steps_per_sync)
-        r = simulate(self.policy(w), w, self.cluster, spec)
+        r = simulate(self.spec(w), w, self.cluster, SimSpec(record=self.record, segments=SEGMENTS))
         r.preset = self.preset
         r.async_rollout_cells = (self.async_rollout_cells or max(1, self.cluster.cells // 2)) if self.scheme == Scheme.A else 0
         return r

@@ -45,8 +45,8 @@ from gyre.config import ConfigError, StalenessRule
 from gyre.events import (ROLLOUT, TRAIN, CellBusy, CellRoleChanged, Event, ExecutionDropped, ExecutionEvaluated,
                          ExecutionStarted, GroupDropped, GroupLag, RunEnded, RunStarted, RunStats, StepEnded,
                          WeightsPushed)
-from gyre.sched.core import ZERO_VARIANCE, Coordinator, CoreSpec
-from gyre.sched.policy import Policy
+from gyre.sched.core import ZERO_VARIANCE
+from gyre.sched.runspec import RunSpec
 from gyre.sched.state import CellView, ClusterState, Decision, Role
 from gyre.sim.bound import lower_bound_trained
 from gyre.sim.cost_model import ClusterModel
@@ -63,29 +63,23 @@ class SimError(RuntimeError):
 
 @dataclass
 class SimSpec:
-    steps: int = 48
-    groups_per_step: int = 16
+    """What only a simulation has; the run itself (steps, staleness, bursts, the zero-variance rule,
+    the policy) is the `RunSpec` a live run of the same configuration uses."""
     segments: int = 8          # model-call/environment segments per execution
     tick_s: float = 300.0      # policy re-evaluation period when nothing else happens
     record: bool = True        # keep the idle spans of each cell (the Gantt chart's shading)
-    staleness_rule: str = "window"  # "window" (hard lag bound) or "count" (AReaL's start bound)
-    steps_per_sync: int = 1    # optimizer steps per rollout round (weights pushed once per round)
-    # zero-variance groups (the core's rule, as live): the workload has no reward model, so the
-    # share of groups whose executions all score alike is a parameter (measured live:
-    # benchmarks/results/learning.json, replaced_zero_variance_share); 0 = none
+    # the workload has no reward model, so the share of groups whose executions all score alike
+    # is a parameter (measured live: benchmarks/results/learning.json,
+    # replaced_zero_variance_share); 0 = none. The core's rule decides what happens to them.
     zero_variance_share: float = 0.0
-    skip_zero_variance: bool = True
-    max_replacements_per_step: int = 4
 
     def __post_init__(self) -> None:
-        if self.steps < 1 or self.groups_per_step < 1 or self.segments < 1 or self.steps_per_sync < 1:
-            raise ConfigError("steps, groups_per_step, segments and steps_per_sync must be >= 1")
-        if self.staleness_rule not in tuple(StalenessRule):
-            raise ConfigError(f"staleness_rule must be 'window' or 'count', got {self.staleness_rule!r}")
+        if self.segments < 1:
+            raise ConfigError(f"segments must be >= 1, got {self.segments}")
         if self.tick_s <= 0:
             raise ConfigError(f"tick_s must be positive, got {self.tick_s}")
-        if not 0.0 <= self.zero_variance_share <= 1.0 or self.max_replacements_per_step < 0:
-            raise ConfigError("zero_variance_share must be within [0, 1] and max_replacements_per_step >= 0")
+        if not 0.0 <= self.zero_variance_share <= 1.0:
+            raise ConfigError(f"zero_variance_share must be within [0, 1], got {self.zero_variance_share}")
 
 
 class _Exec:
@@ -120,21 +114,21 @@ class _Group:
 
 
 class Simulator:
-    def __init__(self, policy: Policy, workload: Workload, cluster: ClusterModel, spec: SimSpec,
+    def __init__(self, spec: RunSpec, workload: Workload, cluster: ClusterModel, sim: SimSpec | None = None,
                  on_event: Callable[[Event], object] | None = None) -> None:
-        """`on_event` is told every event after RunStats (a metrics sink, a test)."""
-        self.p, self.w, self.c, self.s = policy, workload, cluster, spec
+        """`spec` is the run (the live head builds its own from the same `RunSpec.from_config`);
+        `on_event` is told every event after RunStats (a metrics sink, a test)."""
+        if spec.core.group_size != workload.group_size:
+            raise ConfigError(f"the run has groups of {spec.core.group_size} executions (harness.group_size) "
+                              f"but the workload {workload.name!r} has {workload.group_size}; make them agree")
+        self.spec, self.w, self.c, self.s = spec, workload, cluster, sim or SimSpec()
+        self.p = policy = spec.policy()
         self.on_event = on_event
         n = cluster.cells
         roles = policy.initial_roles(n)
         if len(roles) != n:
             raise ConfigError(f"{policy.label}: initial_roles gave {len(roles)} roles for {n} cells")
-        self.core = Coordinator(CoreSpec(steps=spec.steps, groups_per_step=spec.groups_per_step,
-                                         group_size=workload.group_size, staleness=policy.staleness,
-                                         staleness_rule=spec.staleness_rule, steps_per_sync=spec.steps_per_sync,
-                                         skip_zero_variance=spec.skip_zero_variance and spec.zero_variance_share > 0,
-                                         max_replacements_per_step=spec.max_replacements_per_step),
-                                admission_key=policy.admission_key)
+        self.core = spec.coordinator(policy)
         self.role = list(roles)
         self.since = [0.0] * n
         self.now = 0.0
@@ -192,7 +186,7 @@ class Simulator:
         self._emit(RunStarted(0.0, n))
         for i, r in enumerate(roles):
             self._emit(CellRoleChanged(0.0, i, r.value))
-        self._push(spec.tick_s, _TICK, None)
+        self._push(self.s.tick_s, _TICK, None)
 
     def _emit(self, ev: Event) -> None:
         self.stats.apply(ev)
@@ -489,7 +483,7 @@ class Simulator:
             self.core.microbatches_added(g.id, mbs)
             self.mb_queue.extend(mbs.items())
             self.train_left += sum(mbs.values())
-        if self.win_open and len(self.core.step.groups) >= self.s.groups_per_step:
+        if self.win_open and len(self.core.step.groups) >= self.core.spec.groups_per_step:
             # the step's batch is complete: its rollout window closes
             work = sum(self.core.step.work.values()) / self.c.train_rate(1)  # cell-seconds
             if self.win_spare > 0:
@@ -651,16 +645,16 @@ class Simulator:
         roll_idle = sum(max(0.0, x["rollout_s"] - x["busy_rollout_s"] - x["pushing_s"]) for x in cells)
         train_idle = sum(max(0.0, x["train_s"] - x["busy_train_s"]) for x in cells)
         c = self.c
-        exact = self.p.staleness == 0 and self.s.steps_per_sync == 1
-        window = self.s.staleness_rule == StalenessRule.WINDOW
-        arrival = window and self.s.steps_per_sync == 1  # versions bound which groups each step trains
+        exact = self.p.staleness == 0 and self.core.spec.steps_per_sync == 1
+        window = self.core.spec.staleness_rule == StalenessRule.WINDOW
+        arrival = window and self.core.spec.steps_per_sync == 1  # versions bound which groups each step trains
         bound = lower_bound_trained(self.w, c, self.trained_by_step, arrival=arrival, max_open=(
-            self.s.steps_per_sync * self.s.groups_per_step * (self.p.staleness + 1) if window else 0),
+            self.core.spec.steps_per_sync * self.core.spec.groups_per_step * (self.p.staleness + 1) if window else 0),
             staleness=self.p.staleness)
         return SimResult(
             label=self.p.label, scheme=self.p.scheme, staleness=self.p.staleness, nodes=c.nodes,
-            cells=c.cells, cell_size=c.cell_nodes, gpus_per_cell=c.gpus_per_cell, steps=self.s.steps,
-            groups_per_step=self.s.groups_per_step, group_size=self.w.group_size, makespan_s=end,
+            cells=c.cells, cell_size=c.cell_nodes, gpus_per_cell=c.gpus_per_cell, steps=self.core.spec.steps,
+            groups_per_step=self.core.spec.groups_per_step, group_size=self.w.group_size, makespan_s=end,
             lower_bound_s=bound, cell_stats=cells, step_stats=st.steps, executions_started=self.next_exec,
             executions_trained=sum(1 for o in self.outcomes.values() if o[0] == "trained"),
             not_admitted=dict(st.dropped_reasons), unserved_s=self.unserved, events=self.n_events,
@@ -668,7 +662,7 @@ class Simulator:
             mean_rollout_h=self.exec_time / max(1, self.execs_ended) / 3600,
             mean_query_h=_mean([g.slowest for g in self.groups.values() if g.left == 0]) / 3600,
             query_ge_4h_share=_mean([float(g.slowest >= 4 * 3600) for g in self.groups.values() if g.left == 0]),
-            staleness_rule=self.s.staleness_rule, steps_per_sync=self.s.steps_per_sync,
+            staleness_rule=self.core.spec.staleness_rule, steps_per_sync=self.core.spec.steps_per_sync,
             lag=asdict(st.lag()), dropped_groups=st.groups_dropped,
             rollout_critical_share=self.crit_roll / end if end else 0.0,
             trainer_idle_share=train_idle / train if train else 0.0,
@@ -689,6 +683,6 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
 
-def simulate(policy: Policy, workload: Workload, cluster: ClusterModel, spec: SimSpec | None = None,
+def simulate(spec: RunSpec, workload: Workload, cluster: ClusterModel, sim: SimSpec | None = None,
              on_event: Callable[[Event], object] | None = None) -> SimResult:
-    return Simulator(policy, workload, cluster, spec or SimSpec(), on_event).run()
+    return Simulator(spec, workload, cluster, sim, on_event).run()

@@ -1,14 +1,20 @@
-"""gyre.train: policy loss, trainer backends (Megatron-Core, embedded torch), weight export and push.
+"""gyre.train: policy loss, trainer backends (Megatron-Core, embedded torch), a cell's trainer
+ranks, cross-cell gradient reduction, weight export.
 
 base           the Trainer interface every backend implements, shared helpers
 backends       the table of backends by name (`train.backend`), make_trainer
-trainer        EmbeddedTrainer: plain torch on the transformers model
-megatron_*     the Megatron-Core backend: model (Qwen2 clone + weight layouts, tree core
-               attention), trainer, CPU layer
+trainer        EmbeddedTrainer: plain torch on the model of qwen2.py (any gyre.model family)
+megatron_*     the Megatron-Core backend: model (weight layouts, tree core attention), trainer,
+               CPU layer
 tree_attention attention whose work follows the tree (block-sparse on CPU, FlexAttention on CUDA)
-loss           policy loss against recorded behaviour log-probs
+loss           policy loss against recorded behaviour log-probs, off-policy corrections
+step_stats     micro-batch statistics merged into a step's (torch-free: the head merges them)
 offload        host stash of accelerator storage for role switches
-export         atomic directories, transformers-layout weights; weights_push: engine endpoints
+export         atomic directories, transformers-layout weights (engines load them from disk)
+worker, rank   a cell's trainer: the agent's handle and its ranks; messages between them
+dist, groups   torch.distributed inside a cell, and the cross-cell reduce groups
+cli            `gyre train`: offline steps from HDF5 shards
+toy            small random models built in code (tests, benchmarks)
 
 The MicroBatch contract (gyre.batch) and advantage estimators (gyre.advantage) sit below both
 gyre.traj and gyre.train.

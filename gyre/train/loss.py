@@ -33,6 +33,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from gyre.config import OffPolicyMode
 from gyre.batch import MicroBatch
 from gyre.train.step_stats import LOG_RATIO_BINS, LOG_RATIO_HI, LOG_RATIO_LO
 
@@ -63,11 +64,9 @@ class OffPolicy:
 
     @classmethod
     def from_config(cls, cfg) -> "OffPolicy":
-        """From a TrainConfig; `auto` (a TrainConfig used on its own) follows `train.staleness` and
-        `train.minibatches_per_step` as `gyre.config.resolved_off_policy` does."""
-        mode = cfg.off_policy
-        if mode == "auto":
-            mode = "decoupled" if cfg.staleness > 0 and cfg.minibatches_per_step > 1 else "tis"
+        """From a TrainConfig whose `auto` a run resolved (gyre.config.trainer_config); a TrainConfig
+        used on its own has no schedule: nothing lags, so `auto` is tis."""
+        mode = OffPolicyMode.TIS if cfg.off_policy == OffPolicyMode.AUTO else cfg.off_policy
         return cls(mode, cfg.is_cap, cfg.is_mask, cfg.is_mask_low, cfg.is_mask_high)
 
 

@@ -5,7 +5,7 @@ caller reads fields of. They travel pickled over the ``multiprocessing.connectio
 the agent and rank 0 and over the cell's ``broadcast_object_list`` to the other ranks, so every
 field is a plain picklable value (a micro-batch in its :func:`gyre.batch.to_wire` form). The rank
 side dispatches on the request's type (``Rank.HANDLERS``); ``name`` is what errors and timeouts
-call the request, the same words the pipe used when it carried method names.
+call the request.
 
 Free-form statistics (a micro-batch's merged stats, offload/restore timings) stay dicts: their
 keys are the trainer's and go on unread into replies and logs.
@@ -50,7 +50,7 @@ class Stash(Request):
 
 
 @dataclass(frozen=True)
-class Reduce(Request):
+class ReduceGrads(Request):
     """Sum the held gradients over the member cells (cross-cell groups)."""
     name: ClassVar[str] = "reduce"
     step: int
@@ -118,7 +118,7 @@ class Stashed:
 
 
 @dataclass(frozen=True)
-class Reduced:
+class GradsReduced:
     form_ms: float               # forming the cross-cell group (0 when cached); the cell's slowest rank
     cached: bool                 # every rank found the membership's group formed already
     wait_ms: float

@@ -30,7 +30,7 @@ from typing import Any, Callable
 from gyre import faults
 from gyre.config import TrainBackend, TrainConfig, env
 from gyre.train.messages import (Applied, Apply, Close, ExportWeights, ForwardBackward, Hostnames, LoadCheckpoint,
-                                 Offload, Reduce, Reduced, Reply, Request, Restore, SaveCheckpoint, Start, Started,
+                                 Offload, ReduceGrads, GradsReduced, Reply, Request, Restore, SaveCheckpoint, Start, Started,
                                  Stash, Stashed)
 
 CTRL_TIMEOUT = datetime.timedelta(days=30)   # ranks wait for the agent's next request this long
@@ -168,7 +168,7 @@ class Rank:
             self._dist.all_reduce(n, group=self.ctrl)
         return int(n.item())
 
-    def reduce(self, m: Reduce) -> Reduced:
+    def reduce(self, m: ReduceGrads) -> GradsReduced:
         """Sum the held gradients over the member cells: shard ``dp_rank`` of the vector crosses
         cells among the ranks of the same coordinate, then the cell gathers the shards."""
         import torch
@@ -199,7 +199,7 @@ class Rank:
             self._dist.all_gather(pieces, total, group=self.dp_group)
             total = torch.cat(pieces)
         self.total, self.total_step = total.cpu(), step
-        return Reduced(form_ms=res.form_ms, cached=res.cached, wait_ms=res.wait_ms,
+        return GradsReduced(form_ms=res.form_ms, cached=res.cached, wait_ms=res.wait_ms,
                        grad_norm_total=float(total.double().norm()))
 
     def apply(self, m: Apply) -> Applied:
@@ -254,7 +254,7 @@ class Rank:
         return box[0]
 
     HANDLERS: dict[type[Request], Callable[[Rank, Any], Any]] = {
-        ForwardBackward: forward_backward, Stash: stash, Reduce: reduce, Apply: apply,
+        ForwardBackward: forward_backward, Stash: stash, ReduceGrads: reduce, Apply: apply,
         ExportWeights: export_weights, SaveCheckpoint: save_checkpoint, LoadCheckpoint: load_checkpoint,
         Offload: offload, Restore: restore, Hostnames: hostname}
 
@@ -275,12 +275,12 @@ def dispatch(handlers: dict, target: Any, req: Any) -> Reply:
         return Reply(error=f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}")
 
 
-def _merge_reduced(values: list[Reduced]) -> Reduced:
+def _merge_reduced(values: list[GradsReduced]) -> GradsReduced:
     return dataclasses.replace(values[0], form_ms=max(v.form_ms for v in values), cached=all(v.cached for v in values))
 
 
 # how rank 0 makes the cell's answer from every rank's value; other requests: rank 0's own
-MERGE: dict[type, Callable[[list], Any]] = {ForwardBackward: merge_stats, Hostnames: list, Reduce: _merge_reduced}
+MERGE: dict[type, Callable[[list], Any]] = {ForwardBackward: merge_stats, Hostnames: list, ReduceGrads: _merge_reduced}
 
 
 def combine(req: Request | None, results: list[Reply]) -> Reply:

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from gyre.config import TrainConfig
 from gyre.train.messages import (Applied, Apply, Close, ExportWeights, ForwardBackward, Hostnames, LoadCheckpoint,
-                                 Offload, Reduce, Reduced, Reply, Request, Restore, SaveCheckpoint, Start, Started,
+                                 Offload, ReduceGrads, GradsReduced, Reply, Request, Restore, SaveCheckpoint, Start, Started,
                                  Stash, Stashed)
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -141,9 +141,9 @@ class TrainerProcess:
         """Sum this step's gradients over the cell's ranks into the ranks' held vector."""
         return self.request(Stash(step), **kw)
 
-    def reduce(self, step: int, members: list[int], attempt: int, **kw) -> Reduced:
+    def reduce(self, step: int, members: list[int], attempt: int, **kw) -> GradsReduced:
         """Sum the held gradients over the member cells (cross-cell groups)."""
-        return self.request(Reduce(step, tuple(sorted(members)), attempt), **kw)
+        return self.request(ReduceGrads(step, tuple(sorted(members)), attempt), **kw)
 
     def apply(self, step: int, **kw) -> Applied:
         """The optimizer step with the last reduce's sum (``step`` after it, ``grad_norm``)."""

@@ -28,6 +28,7 @@ from typing import Callable, Iterator, Sequence, TypeVar
 import numpy as np
 import torch
 
+from gyre.config import Layout
 from gyre.advantage import ESTIMATORS, advantages as group_advantages
 from gyre.batch import MicroBatch
 from gyre.traj.record import ExecutionRecord
@@ -179,27 +180,6 @@ def prepare_step(records: Sequence[ExecutionRecord], spec: SelectionSpec, *, ste
     return StepBatch(kept, skipped)
 
 
-def assign_to_groups(executions: Sequence[SelectedExecution], n_groups: int
-                     ) -> list[list[SelectedExecution]]:
-    """Split a step over data-parallel groups, balancing tokens, never splitting an execution.
-
-    Longest-first onto the least-loaded group (ties: lowest group index); each group keeps the
-    step order of its executions.
-    """
-    if n_groups < 1:
-        raise ValueError(f"n_groups must be >= 1, got {n_groups}")
-    load = [0] * n_groups
-    owner: dict[int, int] = {}
-    for e in sorted(executions, key=lambda e: (-e.n_tokens, e.index)):
-        g = min(range(n_groups), key=lambda i: (load[i], i))
-        owner[e.index] = g
-        load[g] += e.n_tokens
-    out: list[list[SelectedExecution]] = [[] for _ in range(n_groups)]
-    for e in executions:
-        out[owner[e.index]].append(e)
-    return out
-
-
 # -- pieces: ancestor-closed node sets that go into a row --------------------------------------
 
 @dataclass
@@ -324,7 +304,7 @@ def plan_micro_batches(executions: Sequence[SelectedExecution], layout: str,
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
     budget = int(micro_batch_tokens)
-    if layout == "tree":
+    if layout == Layout.TREE:
         # one row per micro-batch; each unit is a whole execution or one piece of a large one
         units = [p for e in executions for p in tree_pieces(e, budget)]
         units.sort(key=lambda p: -p.n_tokens)  # stable: ties keep step order

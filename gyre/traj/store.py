@@ -13,7 +13,6 @@ naming the file and the dataset, and ``iter_executions`` reports it and goes on 
 
 from __future__ import annotations
 
-import csv
 import datetime as _dt
 import hashlib
 import itertools
@@ -32,7 +31,8 @@ import numpy as np
 
 import gyre
 from gyre import faults
-from gyre.fsio import atomic_open, atomic_path, fsync_path
+from gyre.config import Compression
+from gyre.fsio import atomic_path, fsync_path
 from gyre.traj.record import ExecutionRecord
 from gyre.traj.routing import RoutingTable, storage_dtype
 from gyre.traj.tree import CallRecord, Node, TrajectoryTree
@@ -288,7 +288,7 @@ class ShardWriter:
 
     def __post_init__(self) -> None:
         self.dir = Path(self.dir)
-        if self.compression not in ("gzip", "lzf", "none"):
+        if self.compression not in tuple(Compression):
             raise ValueError(f"compression {self.compression!r}: choose gzip, lzf or none")
         missing = [k for k in REQUIRED_IDENTITY if not (self.identity or {}).get(k)]
         if missing:
@@ -316,9 +316,9 @@ class ShardWriter:
             return final, tmp
 
     def _bulk_filters(self) -> dict:
-        if self.compression == "gzip":
+        if self.compression == Compression.GZIP:
             return {"compression": "gzip", "compression_opts": self.level, "shuffle": True}
-        if self.compression == "lzf":
+        if self.compression == Compression.LZF:
             return {"compression": "lzf", "shuffle": True}
         return {}
 
@@ -656,22 +656,3 @@ def iter_executions(paths_or_dirs: str | os.PathLike | Iterable[str | os.PathLik
             (on_error or _log_error)(err)
             continue
         yield from records
-
-
-TRACE_COLUMNS = ("execution_id", "task", "group", "duration_s", "calls", "tokens")
-
-
-def export_trace(paths: str | os.PathLike | Iterable[str | os.PathLike], out_csv: str | os.PathLike,
-                 on_error: Callable[[ShardError], None] | None = None) -> int:
-    """Write a simulator workload trace (TRACE_COLUMNS); ``tokens`` = unique tokens of the
-    execution's tree (what tree-layout training processes). Returns the number of rows."""
-    n = 0
-    with atomic_open(out_csv, "w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(TRACE_COLUMNS)
-        for r in iter_executions(paths, on_error=on_error):
-            tokens = int(sum(len(nd.tokens) for nd in r.tree.nodes))
-            w.writerow([r.execution_id, r.task, r.group, f"{r.t_end - r.t_start:.3f}",
-                        len(r.tree.calls), tokens])
-            n += 1
-    return n

@@ -215,9 +215,6 @@ class TrajectoryTree:
         leaf = self.nodes[call.leaf]
         return leaf.tokens[leaf.target_start:]
 
-    def depth_of(self, node_id: int) -> int:
-        return len(self.path(node_id))
-
     def stats(self) -> TreeStats:
         leaves = self.leaves()
         node_len = np.array([len(n.tokens) for n in self.nodes], dtype=np.int64)

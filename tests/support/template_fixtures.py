@@ -20,8 +20,8 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer
 
-TEMPLATES = Path(__file__).parent / "templates"
-TINY_TOKENIZER = Path(__file__).parents[1] / "gyre" / "assets" / "tokenizer.json"
+TEMPLATES = Path(__file__).parents[1] / "templates"
+TINY_TOKENIZER = Path(__file__).parents[2] / "gyre" / "assets" / "tokenizer.json"
 # a Llama 3 tokenizer has none of ChatML's tokens: the tiny one's are renamed, the rest added
 LLAMA3_RENAMED = {"<|endoftext|>": "<|end_of_text|>", "<|im_start|>": "<|start_header_id|>", "<|im_end|>": "<|eot_id|>"}
 LLAMA3_ADDED = ["<|begin_of_text|>", "<|end_header_id|>", "<|eom_id|>", "<|python_tag|>"]
@@ -176,9 +176,9 @@ def serve(directory: Path, overrides: list[str]):
     from gyre.config import load_config
     from gyre.engine.router import Router
     from gyre.model.tokenizer import load_tokenizer
-    from gyre.proxy.server import Proxy, create_app, proxy_options, start_site
-    from loop_thread import LoopThread
-    from scripted_engine import ScriptedEngine
+    from gyre.proxy.server import Proxy, create_app, start_site, template_options
+    from support.loop_thread import LoopThread
+    from support.scripted_engine import ScriptedEngine
 
     cfg = load_config(None, ["proxy.chat_template=model", *overrides])
     tokenizer = load_tokenizer(directory)
@@ -189,7 +189,7 @@ def serve(directory: Path, overrides: list[str]):
     async def up():
         state["erunner"], eport = await start_site(engine.app(), "127.0.0.1", 0)
         state["router"] = Router([f"http://127.0.0.1:{eport}"])
-        state["proxy"] = Proxy(state["router"], tokenizer, **proxy_options(cfg.proxy, directory))
+        state["proxy"] = Proxy(state["router"], tokenizer, **template_options(cfg.proxy, directory))
         state["prunner"], state["port"] = await start_site(create_app(state["proxy"], admin_key="admin"),
                                                            "127.0.0.1", 0)
 
