@@ -205,12 +205,13 @@ def test_off_policy_trainer_prox_is_one_no_grad_forward_at_the_step_start(backen
     trainer, twin = _trainer(backend, off_policy="tis"), _trainer(backend, off_policy="none")
     mb = _toy(trainer)
     calls = []
-    real = trainer._logits
-    monkeypatch.setattr(trainer, "_logits", lambda m: calls.append(torch.is_grad_enabled()) or real(m))
+    real = trainer._target_logprobs
+    monkeypatch.setattr(trainer, "_target_logprobs", lambda m: calls.append(torch.is_grad_enabled()) or real(m))
     st = trainer.forward_backward(mb)
     assert calls == [False, True]  # the extra forward, without gradients, then the one that trains
     assert st["truncated_n"] == 2 and st["prox_drift_max"] < 1e-5  # the two tokens shifted by -0.9
-    # the same step by hand: prox = the trainer's own log-probs now (not the behaviour's)
+    # the same step by hand, from full [B, S, V] logits (the trainer projects only the targets, in
+    # chunks): prox = the trainer's own log-probs now (not the behaviour's)
     z = twin._logits(mb.to(twin.device))
     loss, _ = policy_loss(z, mb, off_policy=OffPolicy("tis"), prox_logprobs=twin.logprobs(mb))
     loss.backward()

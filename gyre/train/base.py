@@ -23,7 +23,7 @@ from torch import Tensor
 from gyre.batch import MicroBatch
 from gyre.config import TrainConfig
 from gyre.train.export import save_torch_atomic, write_hf_weights
-from gyre.train.loss import OffPolicy, policy_loss, token_logprobs
+from gyre.train.loss import OffPolicy, policy_loss_from_logprobs
 from gyre.train.offload import PhaseTimer
 from gyre.train.step_stats import merge, summarize
 
@@ -53,8 +53,14 @@ class Trainer(ABC):
 
     # --- backend hooks ---------------------------------------------------------------------
     @abstractmethod
+    def _target_logprobs(self, mb: MicroBatch) -> Tensor:
+        """float32 log-probs [T] of the micro-batch's targets under the current policy, from the
+        hidden states at `pred_pos` in chunks of `train.logprob_chunk` (gyre.train.logprobs):
+        never the [B, S, V] logits."""
+
+    @abstractmethod
     def _logits(self, mb: MicroBatch) -> Tensor:
-        """[B, S, V] logits of the current policy."""
+        """[B, S, V] logits of the current policy: the dense reference for tests, not training."""
 
     @abstractmethod
     def _apply_gradients(self) -> float:
@@ -113,8 +119,8 @@ class Trainer(ABC):
             # pi_prox / pi_old: the extra forward, no gradient. Weights change only in
             # optimizer_step, so every micro-batch of a step sees the weights of the step's start.
             with torch.no_grad():
-                prox = token_logprobs(self._logits(mb), mb)
-        loss, stats = policy_loss(self._logits(mb), mb, self.cfg.clip_low, self.cfg.clip_high,
+                prox = self._target_logprobs(mb)
+        loss, stats = policy_loss_from_logprobs(self._target_logprobs(mb), mb, self.cfg.clip_low, self.cfg.clip_high,
                                   clip=self.cfg.clip, staleness_weights=self.cfg.staleness_weights,
                                   off_policy=self.off_policy, prox_logprobs=prox)
         extra, aux = self._moe_aux_loss()
@@ -229,7 +235,7 @@ class Trainer(ABC):
     def logprobs(self, mb: MicroBatch) -> Tensor:
         """Current log-probs of the micro-batch's targets (float32, on the CPU)."""
         mb = mb.to(self.device)
-        return token_logprobs(self._logits(mb), mb).cpu()
+        return self._target_logprobs(mb).cpu()
 
     # --- files ------------------------------------------------------------------------------
     def export_weights(self, out_dir: str | os.PathLike, weight_version: int | str) -> Path:

@@ -103,16 +103,23 @@ def importance_weights(prox: Tensor, behaviour: Tensor, off: OffPolicy) -> tuple
 
 
 def policy_loss(logits: Tensor, mb: MicroBatch, clip_low: float = 0.2, clip_high: float = 0.28,
-                *, clip: bool = True, staleness_weights: Sequence[float] | None = None,
-                off_policy: OffPolicy | None = None, prox_logprobs: Tensor | None = None) -> tuple[Tensor, dict]:
-    """(loss, stats) for one micro-batch; `loss` is a sum, ready for gradient accumulation.
+                **kw) -> tuple[Tensor, dict]:
+    """`policy_loss_from_logprobs` of full [B, S, V] logits (tests and small callers)."""
+    return policy_loss_from_logprobs(token_logprobs(logits, mb), mb, clip_low, clip_high, **kw)
+
+
+def policy_loss_from_logprobs(logp: Tensor, mb: MicroBatch, clip_low: float = 0.2, clip_high: float = 0.28,
+                              *, clip: bool = True, staleness_weights: Sequence[float] | None = None,
+                              off_policy: OffPolicy | None = None, prox_logprobs: Tensor | None = None
+                              ) -> tuple[Tensor, dict]:
+    """(loss, stats) for one micro-batch from its targets' current log-probs [T] (float32, with
+    gradient); `loss` is a sum, ready for gradient accumulation.
 
     `prox_logprobs`: pi_prox (no gradient), required by tis/decoupled; with `none` the mismatch
     figures use the detached current log-probs, which are the same weights within a step.
     """
     off = off_policy or OffPolicy()
-    dev = logits.device
-    logp = token_logprobs(logits, mb)
+    dev = logp.device
     behaviour = mb.old_logprobs.to(dev).float()
     if prox_logprobs is None:
         if off.needs_prox:

@@ -15,6 +15,7 @@ from gyre.batch import MicroBatch
 from gyre.train.dist import init_megatron
 from gyre.train.offload import HostStash, PhaseTimer
 from gyre.train.base import ATTENTION_PATHS, Trainer, phase_timings, torch_dtype
+from gyre.train.logprobs import rows_at, target_logprobs
 from gyre.train.tree_attention import TreeMask
 
 
@@ -36,7 +37,8 @@ class MegatronTrainer(Trainer):
         self.dtype = torch_dtype(cfg.dtype)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
-        model = build_gpt_model(hf_config, dtype=self.dtype, moe_aux_loss_coef=cfg.moe_aux_loss_coef)
+        model = build_gpt_model(hf_config, dtype=self.dtype, moe_aux_loss_coef=cfg.moe_aux_loss_coef,
+                                recompute=cfg.recompute)
         load_hf_weights(model, {k: v.to(self.dtype) for k, v in hf_state.items()}, hf_config)
         model.to(self.device)
         self.model = model
@@ -68,6 +70,29 @@ class MegatronTrainer(Trainer):
         clear_aux_losses_tracker()
         return None, value
 
+    def _target_logprobs(self, mb: MicroBatch) -> Tensor:
+        """Hidden states from GPTModel, then only the target rows through Megatron's output layer
+        (ColumnParallelLinear: a vocab shard per tensor-parallel rank) and its vocab-parallel
+        cross entropy, `train.logprob_chunk` rows at a time."""
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        self.model.return_hidden = True
+        try:
+            hidden = self._logits(mb)  # [S, B, H]
+        finally:
+            self.model.return_hidden = False
+        weight = self.model.shared_embedding_or_output_weight() \
+            if self.model.share_embeddings_and_output_weights else None
+
+        def project(rows: Tensor) -> Tensor:  # [t, H] -> [t, V / tp]; the layer takes [s, b, H]
+            return self.model.output_layer(rows[:, None], weight=weight)[0][:, 0]
+
+        def logp_of(logits: Tensor, targets: Tensor) -> Tensor:
+            return -vocab_parallel_cross_entropy(logits[:, None], targets[:, None])[:, 0]
+
+        return target_logprobs(rows_at(hidden, mb.pred_pos, seq_first=True), project, mb.target_ids,
+                               temperature=mb.temperature, chunk=self.cfg.logprob_chunk, logp_of=logp_of)
+
     def _logits(self, mb: MicroBatch) -> Tensor:
         self.ddp.train(torch.is_grad_enabled())
         if self.model.config.num_moe_experts and torch.is_grad_enabled():
@@ -82,7 +107,7 @@ class MegatronTrainer(Trainer):
         if self.attention == "tree" and mb.kv_end is not None:
             mask = TreeMask.build(mb.kv_end)  # TreeCoreAttention (megatron_model) follows it
         else:
-            mask = mb.attention_mask
+            mask = mb.dense_mask()
         return self.ddp(mb.input_ids, mb.position_ids, mask)
 
     def _apply_gradients(self) -> float:
