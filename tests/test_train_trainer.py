@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gyre.config import TrainConfig
-from gyre.batch import expanded_batch
+from gyre.batch import expanded_batch, select_rows
 from gyre.train.toy import random_qwen2
 
 BACKENDS = ["embedded", "megatron"]
@@ -85,7 +85,7 @@ def test_backends_agree():
     stats = []
     for t in (emb, meg):
         for half in (slice(0, 2), slice(2, 4)):  # the same step split into micro-batches
-            t.forward_backward(_rows(mb, half))
+            t.forward_backward(select_rows(mb, list(range(4))[half]))
         stats.append(t.optimizer_step())
     assert stats[0]["loss"] == pytest.approx(stats[1]["loss"], abs=1e-5)
     assert stats[0]["grad_norm"] == pytest.approx(stats[1]["grad_norm"], rel=1e-4)
@@ -93,21 +93,6 @@ def test_backends_agree():
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-7), k
         assert not torch.equal(a[k], random_qwen2(seed=0, std=0.1).state_dict()[k]) or "k_proj.bias" in k
-
-
-def _rows(mb, rows):
-    """The micro-batch restricted to some rows (targets re-indexed), weights unchanged."""
-    B, S = mb.input_ids.shape
-    r = range(B)[rows]
-    keep = (mb.pred_pos // S >= r.start) & (mb.pred_pos // S < r.stop)
-    out = copy.copy(mb)
-    out.input_ids, out.position_ids = mb.input_ids[rows], mb.position_ids[rows]
-    out.attention_mask = mb.attention_mask[rows]
-    out.kv_end = mb.kv_end[rows] if mb.kv_end is not None else None
-    out.pred_pos = mb.pred_pos[keep] - r.start * S
-    for name in ("target_ids", "old_logprobs", "advantages", "weights", "staleness", "execution_index"):
-        setattr(out, name, getattr(mb, name)[keep])
-    return out
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
