@@ -52,8 +52,15 @@ class TreeCoreAttention(DotProductAttention):
     own DotProductAttention. Tensor parallel 1 (heads are not split here).
     """
 
+    tree_mask: TreeMask | None = None  # set by QwenGPTModel.forward; its kv_end travels as the mask
+
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask,
                 attn_mask_type=None, attention_bias=None, packed_seq_params=None) -> Tensor:
+        if isinstance(attention_mask, Tensor) and attention_mask.dim() == 2 and self.tree_mask is not None:
+            if tuple(attention_mask.shape) != self.tree_mask.shape:
+                raise ValueError(f"tree mask is for {self.tree_mask.shape}, attention got a kv_end of "
+                                 f"{tuple(attention_mask.shape)}")
+            attention_mask = self.tree_mask
         if not isinstance(attention_mask, TreeMask):
             return super().forward(query, key, value, attention_mask, attn_mask_type,
                                    attention_bias, packed_seq_params)
@@ -104,6 +111,14 @@ class QwenGPTModel(GPTModel):
                 rep.set_target_indices(routed_experts[:, :, slot].transpose(0, 1).reshape(S * B, -1)
                                        .to(device=input_ids.device, dtype=torch.long))
                 rep.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        if isinstance(attention_mask, TreeMask):
+            # Megatron's recompute (CheckpointFunction) saves its arguments with
+            # save_for_backward, which takes tensors only: the layers get kv_end [B, S] and the
+            # core attention the plan (kept until the next forward, for the recompute in backward)
+            for m in self.modules():
+                if isinstance(m, TreeCoreAttention):
+                    m.tree_mask = attention_mask
+            attention_mask = attention_mask.kv_end
         self.rotary_pos_emb.positions = position_ids
         try:
             return super().forward(input_ids, position_ids, attention_mask, **kwargs)
