@@ -64,8 +64,11 @@ def _reset_peak() -> int:
 def _execution(point: str, vocab: int):
     from gyre.traj.synthetic import CASE_STUDY, generate, scaled
 
-    target = POINTS[point]
-    shape = CASE_STUDY if target is None else scaled(CASE_STUDY, target / CASE_PROCESSED)
+    if point.startswith("x"):  # xF: the case study scaled by F (quick checks: --points x0.05,x0.1)
+        shape = scaled(CASE_STUDY, float(point[1:]))
+    else:
+        target = POINTS[point]
+        shape = CASE_STUDY if target is None else scaled(CASE_STUDY, target / CASE_PROCESSED)
     rec = generate(shape, execution_id=f"xlong-{point}")
     if vocab:
         for node in rec.tree.nodes:  # the tiny model's vocabulary; the tree keeps its structure
@@ -190,7 +193,7 @@ if __name__ == "__main__":
     ap.add_argument("--out", default=str(OUT))
     a = ap.parse_args()
     pts = [p for p in a.points.split(",") if p]
-    bad = [p for p in pts if p not in POINTS]
+    bad = [p for p in pts if p not in POINTS and not p.startswith("x")]
     if bad:
         sys.exit(f"unknown points {bad}: choose from {', '.join(POINTS)}")
     result = main(pts, a.train_timeout, a.materialize_timeout, a.train_layouts.split(","))

@@ -49,10 +49,11 @@ def target_logprobs(rows: Tensor, project: Callable[[Tensor], Tensor], targets: 
     targets = targets.to(rows.device)
     grad = torch.is_grad_enabled() and rows.requires_grad
     out = []
-    for lo in range(0, T, chunk):
-        hi = min(lo + chunk, T)
-        temp = temperature[lo:hi, None] if isinstance(temperature, Tensor) else temperature
-        args = (rows[lo:hi], targets[lo:hi], temp, project, logp_of)
+    # split, not slicing: its backward concatenates the chunks' gradients once, where each
+    # slice's backward would write a zero-padded [T, hidden] gradient of its own
+    temps = temperature[:, None].split(chunk) if isinstance(temperature, Tensor) else None
+    for i, (r, t) in enumerate(zip(rows.split(chunk), targets.split(chunk))):
+        args = (r, t, temps[i] if temps is not None else temperature, project, logp_of)
         out.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False) if grad else _chunk_logprobs(*args))
     return torch.cat(out) if out else rows.new_zeros(0, dtype=torch.float32)
 

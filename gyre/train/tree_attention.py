@@ -18,8 +18,8 @@ reuses it:
   has kv_end > q's first position, so each key block is needed by one contiguous run of query
   blocks. Consecutive query blocks are grouped into chunks whose score matrix stays near
   `CHUNK_PAIRS` elements; a chunk gathers the key blocks it needs, builds its element mask from
-  `kv_end` and runs one `scaled_dot_product_attention`, under activation checkpointing, so
-  forward and backward hold one chunk's scores at a time: memory O(S x block) plus one chunk,
+  `kv_end` and runs one `scaled_dot_product_attention`; backward recomputes each chunk's scores
+  (`_ChunkedAttention`), so forward and backward hold one chunk's scores at a time: memory O(S x block) plus one chunk,
   work the tree's ancestor pairs at block granularity instead of S^2.
 
 Padding queries see only themselves (never NaN); no target reads them and no real query sees
@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 from gyre.batch import mask_from_kv_end
 
@@ -136,44 +135,65 @@ class TreeMask:
         B, H, S, D = query.shape
         if (B, S) != tuple(self.kv_end.shape):
             raise ValueError(f"tree mask is for {tuple(self.kv_end.shape)}, attention got {(B, S)}")
-        blk, nb = self.block, self.n_blocks
-        pad = nb * blk - S
+        pad = self.n_blocks * self.block - S
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
         end = F.pad(self.kv_end, (0, pad)).to(query.device)
-        grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
-        rows: list[list[Tensor]] = [[] for _ in range(B)]
-        filled = [0] * B  # query blocks of each row written so far
-        for c in self.chunks:
-            if c.q0 > filled[c.row]:  # skipped padding blocks: zeros
-                rows[c.row].append(q.new_zeros(H, (c.q0 - filled[c.row]) * blk, D))
-            args = (q[c.row], k[c.row], v[c.row], end[c.row], c.kv_blocks.to(q.device), c.q0, c.q1)
-            # checkpointed: backward recomputes one chunk's scores at a time, so neither pass
-            # keeps more than one chunk's score matrix
-            out = checkpoint(_chunk_attention, *args, blk, scale, use_reentrant=False) if grad \
-                else _chunk_attention(*args, blk, scale)
-            rows[c.row].append(out)
-            filled[c.row] = c.q1
-        for b in range(B):
-            if filled[b] < nb:
-                rows[b].append(q.new_zeros(H, (nb - filled[b]) * blk, D))
-        return torch.stack([torch.cat(r, dim=1) for r in rows])[:, :, :S]
+        return _ChunkedAttention.apply(q, k, v, end, self, scale)[:, :, :S]
 
 
-def _chunk_attention(q: Tensor, k: Tensor, v: Tensor, end: Tensor, kv_blocks: Tensor, q0: int, q1: int,
-                     blk: int, scale: float) -> Tensor:
-    """Queries of blocks [q0, q1) of one row ([H, S, D]) against the key blocks they need; the
-    element mask comes from `kv_end` here, so the plan holds no per-pair data."""
-    qpos = torch.arange(q0 * blk, q1 * blk, device=q.device)
-    kpos = (kv_blocks[:, None] * blk + torch.arange(blk, device=q.device)).view(-1)
-    kend = end[kpos]
+class _ChunkedAttention(torch.autograd.Function):
+    """Attention over a `TreeMask`'s chunks. Forward keeps q, k, v and the output (O(S));
+    backward recomputes one chunk's scores at a time and adds its gradients in place, so no pass
+    holds more than one chunk's score matrix and the work is the chunks' pairs, twice."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, end: Tensor, plan: "TreeMask", scale: float) -> Tensor:
+        out = q.new_zeros(q.shape)  # all-padding query blocks stay zero: nothing reads them
+        for c in plan.chunks:
+            sl, kpos, allowed = _chunk_index(c, end, plan.block)
+            out[c.row, :, sl] = _chunk_attention(q[c.row, :, sl], k[c.row], v[c.row], kpos, allowed, scale)
+        ctx.save_for_backward(q, k, v, end)
+        ctx.plan, ctx.scale = plan, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        q, k, v, end = ctx.saved_tensors
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for c in ctx.plan.chunks:
+            sl, kpos, allowed = _chunk_index(c, end, ctx.plan.block)
+            with torch.enable_grad():
+                qc = q[c.row, :, sl].detach().requires_grad_()
+                kc = k[c.row].index_select(1, kpos).detach().requires_grad_()
+                vc = v[c.row].index_select(1, kpos).detach().requires_grad_()
+                out = _chunk_attention(qc, kc, vc, None, allowed, ctx.scale)
+                gq, gk, gv = torch.autograd.grad(out, (qc, kc, vc), grad_out[c.row, :, sl])
+            dq[c.row, :, sl] += gq
+            dk[c.row].index_add_(1, kpos, gk)
+            dv[c.row].index_add_(1, kpos, gv)
+        return dq, dk, dv, None, None, None
+
+
+def _chunk_index(c: _Chunk, end: Tensor, blk: int) -> tuple[slice, Tensor, Tensor]:
+    """(query slice, key positions, element mask [queries, keys]) of one chunk; the mask comes
+    from `kv_end` here, so the plan holds no per-pair data."""
+    dev = end.device
+    qpos = torch.arange(c.q0 * blk, c.q1 * blk, device=dev)
+    kpos = (c.kv_blocks.to(dev)[:, None] * blk + torch.arange(blk, device=dev)).view(-1)
+    kend = end[c.row, kpos]
     allowed = ((kpos[None, :] <= qpos[:, None]) & (qpos[:, None] < kend[None, :])) \
         | (kpos[None, :] == qpos[:, None])  # padding queries see themselves: never NaN
-    qc = q[:, q0 * blk:q1 * blk]
-    kc, vc = k.index_select(1, kpos), v.index_select(1, kpos)
-    rep = qc.shape[0] // kc.shape[0]
-    if rep > 1:
-        kc, vc = kc.repeat_interleave(rep, 0), vc.repeat_interleave(rep, 0)
-    return F.scaled_dot_product_attention(qc[None], kc[None], vc[None], attn_mask=allowed, scale=scale)[0]
+    return slice(c.q0 * blk, c.q1 * blk), kpos, allowed
+
+
+def _chunk_attention(qc: Tensor, k: Tensor, v: Tensor, kpos: Tensor | None, allowed: Tensor,
+                     scale: float) -> Tensor:
+    """qc [H, Cq, D] against k/v [Hkv, *, D] (gathered at `kpos` unless None) under `allowed`."""
+    if kpos is not None:
+        k, v = k.index_select(1, kpos), v.index_select(1, kpos)
+    rep = qc.shape[0] // k.shape[0]
+    return F.scaled_dot_product_attention(qc[None], k[None], v[None], attn_mask=allowed, scale=scale,
+                                          enable_gqa=rep > 1)[0]
 
 
 # --- FlexAttention (CUDA) ------------------------------------------------------------------------
