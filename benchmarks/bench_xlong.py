@@ -176,7 +176,8 @@ def main(points: list[str], train_timeout: float, mat_timeout: float, train_layo
             exps[f"peak_mb_growth_exponent_{stage}_{layout}"] = round(k, 3)
     out.update(exps)
     out["peak_mb_growth_exponent"] = max(exps.values()) if exps else None
-    out["case_study_trains"] = int(out.get("train_step_s_tree_case") is not None) if "case" in points else None
+    if "case" in points and "tree" in train_layouts:
+        out["case_study_trains"] = int(out.get("train_step_s_tree_case") is not None)
     # --- merge point: xlong_serving.measure() (branch xlong-serve) adds proxy_call_ms_*, shard_* here
     return out
 

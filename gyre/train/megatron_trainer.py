@@ -78,7 +78,7 @@ class MegatronTrainer(Trainer):
 
         self.model.return_hidden = True
         try:
-            hidden = self._logits(mb)  # [S, B, H]
+            hidden = self._forward(mb)  # [S, B, H]
         finally:
             self.model.return_hidden = False
         weight = self.model.shared_embedding_or_output_weight() \
@@ -94,6 +94,10 @@ class MegatronTrainer(Trainer):
                                temperature=mb.temperature, chunk=self.cfg.logprob_chunk, logp_of=logp_of)
 
     def _logits(self, mb: MicroBatch) -> Tensor:
+        return self._forward(mb)
+
+    def _forward(self, mb: MicroBatch) -> Tensor:
+        """GPTModel's output: [B, S, V] logits, or [S, B, H] hidden states with return_hidden."""
         self.ddp.train(torch.is_grad_enabled())
         if self.model.config.num_moe_experts and torch.is_grad_enabled():
             from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, clear_aux_losses_tracker
