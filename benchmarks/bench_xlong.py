@@ -14,7 +14,8 @@ above that baseline (VmHWM - VmRSS before the stage). Writes benchmarks/results/
   train_step_s_<layout>_<pt>, train_peak_mb_<layout>_<pt>
                                one optimizer step of the tiny model (~/.cache/gyre/tiny-qwen) over
                                those micro-batches: tree attention, train.recompute, chunked
-                               log-probs; null where the point ran past --train-timeout
+                               log-probs; null where the point (or a shorter one of the same
+                               layout) ran past --train-timeout
   peak_mb_growth_exponent_<stage>_<layout>, peak_mb_growth_exponent (the largest)
                                slope of log peak memory against log tokens over the scaled points
   case_study_trains            1 when the case study (tree, K = 5) finished its step: the
@@ -125,6 +126,13 @@ def child(point: str, layout: str, stage: str) -> dict:
     return out
 
 
+def _size(point: str) -> float:
+    """Processed tokens a point stands for (runs go shortest first)."""
+    if point.startswith("x"):
+        return float(point[1:]) * CASE_PROCESSED
+    return POINTS[point] or CASE_PROCESSED
+
+
 def run_point(point: str, layout: str, stage: str, timeout: float) -> dict | None:
     cmd = [sys.executable, __file__, "--child", point, layout, stage]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -152,12 +160,17 @@ def slope(xs: list[float], ys: list[float]) -> float | None:
 def main(points: list[str], train_timeout: float, mat_timeout: float, train_layouts: list[str]) -> dict:
     out: dict = {"selection_k": K, "train_timeout_s": train_timeout}
     seen: dict[tuple[str, str], list[tuple[float, float]]] = {}
-    for pt in points:
+    too_long: set[str] = set()  # layouts whose training ran past the timeout at a shorter point
+    for pt in sorted(points, key=_size):
         for layout in LAYOUTS:
             for stage in ("materialize", "train"):
-                if stage == "train" and layout not in train_layouts:
+                if stage == "train" and (layout not in train_layouts or layout in too_long):
+                    if layout in too_long:
+                        out[f"train_step_s_{layout}_{pt}"] = out[f"train_peak_mb_{layout}_{pt}"] = None
                     continue
                 r = run_point(pt, layout, stage, mat_timeout if stage == "materialize" else train_timeout)
+                if stage == "train" and r is None:
+                    too_long.add(layout)  # a longer execution would not fit the timeout either
                 s_key = "materialize_s" if stage == "materialize" else "train_step_s"
                 m_key = "materialize_peak_mb" if stage == "materialize" else "train_peak_mb"
                 out[f"{s_key}_{layout}_{pt}"] = r and round(r["seconds"], 3)
@@ -188,7 +201,8 @@ if __name__ == "__main__":
         sys.exit(0)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--points", default=",".join(POINTS), help=f"comma list of {', '.join(POINTS)}")
-    ap.add_argument("--train-timeout", type=float, default=3600.0, help="seconds per training point")
+    ap.add_argument("--train-timeout", type=float, default=1800.0,
+                    help="seconds per training point; a layout past it skips its longer points (null)")
     ap.add_argument("--materialize-timeout", type=float, default=900.0)
     ap.add_argument("--train-layouts", default="tree,expanded")
     ap.add_argument("--out", default=str(OUT))
