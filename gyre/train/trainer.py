@@ -18,8 +18,8 @@ from gyre.batch import MicroBatch
 from gyre.config import TrainConfig
 from gyre.train.base import ATTENTION_PATHS, Trainer, phase_timings, torch_dtype
 from gyre.train.offload import HostStash, PhaseTimer
-from gyre.train.qwen2 import Qwen2LM
 from gyre.train.logprobs import rows_at, target_logprobs
+from gyre.train.qwen2 import Qwen2LM
 from gyre.train.tree_attention import TreeMask
 
 
