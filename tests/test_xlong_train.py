@@ -107,6 +107,7 @@ def test_a_field_without_an_axis_is_refused():
         select_rows(mb, [0])
 
 
+@pytest.mark.slow  # several trainer steps of the tiny model (> 3 s on 2 cores)
 def test_multi_rank_cell_keeps_the_tree_path(step, monkeypatch):
     """Each rank's rows keep kv_end (no S x S mask anywhere), train through the tree attention,
     and sum to the gradients of the whole micro-batch."""
@@ -161,6 +162,7 @@ def test_chunked_logprobs_equal_full_logits_with_gradients(chunk, temperature):
     assert torch.equal(rows_at(hidden.transpose(0, 1).contiguous(), pred, seq_first=True), rows_at(hidden, pred))
 
 
+@pytest.mark.slow  # several trainer steps of the tiny model (> 3 s on 2 cores)
 def test_trainer_logprobs_are_chunked_and_equal_the_full_logits(step):
     mb = materialize(step.executions, layout="tree", micro_batch_tokens=4096)[0]
     small, big = _trainer(logprob_chunk=5), _trainer()
@@ -176,6 +178,7 @@ def test_trainer_logprobs_are_chunked_and_equal_the_full_logits(step):
 
 # -- item 3: recompute, chunked tree attention -------------------------------------------------
 
+@pytest.mark.slow  # several trainer steps of the tiny model (> 3 s on 2 cores)
 def test_recompute_gives_the_same_gradients(step):
     mb = materialize(step.executions, layout="tree", micro_batch_tokens=4096)[0]
     plain, again = _trainer(), _trainer(recompute=True)
@@ -209,6 +212,7 @@ def test_scaled_shape_keeps_the_shape_and_grows_the_tokens():
         scaled(CASE_STUDY, 0)
 
 
+@pytest.mark.slow  # several trainer steps of the tiny model (> 3 s on 2 cores)
 def test_case_study_shape_trains_one_step_tree_k5():
     """The bench's end-to-end check (tree layout, K = 5) on the case-study shape scaled down:
     selection, materialization in one row per execution, a chunked, recomputed train step."""
