@@ -78,8 +78,9 @@ def agreement(t, mb, dtype: torch.dtype) -> dict:
         hf = AutoModelForCausalLM.from_pretrained(d, dtype=dtype, attn_implementation="eager").to(DEV).eval()
     mine = t.logprobs(mb)
     mb = mb.to(DEV)
-    mask = torch.zeros(mb.attention_mask.shape, dtype=dtype, device=DEV)
-    mask.masked_fill_(mb.attention_mask, torch.finfo(dtype).min)
+    dense = mb.dense_mask()  # the micro-batch carries kv_end; transformers takes the S x S form
+    mask = torch.zeros(dense.shape, dtype=dtype, device=DEV)
+    mask.masked_fill_(dense, torch.finfo(dtype).min)
     with torch.no_grad():
         logits = hf(input_ids=mb.input_ids, position_ids=mb.position_ids,
                     attention_mask=mask, use_cache=False).logits

@@ -110,6 +110,58 @@ timeout -k 10 120 python3 benchmarks/moe_gpu_check.py || status=$?
 # hybrid Gated DeltaNet families (issue 30): tree vs expanded on CUDA (FlexAttention + forked state,
 # fp32 and bf16) and Megatron's GDN layer with the state in and out vs Gyre's -> hybrid_gpu.json
 timeout -k 10 120 python3 benchmarks/hybrid_gpu_check.py || status=$?
+# issue 28 (xLong training): the FlexAttention tree path (block masks from kv_end), train.recompute
+# and chunked target log-probs on CUDA. (1) small rows: tree path + chunks == dense [B,S,V] logits
+# for both backends (Megatron: recompute through its CheckpointFunction, target rows through the
+# output layer and vocab-parallel cross entropy); (2) one step of a case-study-shaped tree row of
+# ~150K tokens (tree layout, K = 5), printing its time and peak CUDA memory.
+timeout -k 10 150 python3 - <<'PY' || status=$?
+import time
+import numpy as np
+import torch
+from gyre.batch import expanded_batch
+from gyre.config import TrainConfig
+from gyre.train.loss import token_logprobs
+from gyre.train.megatron_trainer import MegatronTrainer
+from gyre.train.toy import random_qwen2
+from gyre.train.trainer import EmbeddedTrainer
+from gyre.traj.materialize import materialize, prepare_step
+from gyre.traj.select import SelectionSpec
+from gyre.traj.synthetic import CASE_STUDY, generate, scaled
+
+hf = random_qwen2(seed=0, std=0.1)
+seqs = [[1, 2, 3] + list(range(10, 90)), [4, 5] + list(range(20, 60))]
+for name in ("embedded", "megatron"):
+    cfg = TrainConfig(backend=name, dtype="bfloat16", recompute=True, logprob_chunk=16, off_policy="none")
+    t = EmbeddedTrainer(cfg, hf) if name == "embedded" else MegatronTrainer(cfg, hf.config, hf.state_dict())
+    mb = expanded_batch(seqs, [3, 2], old_logprobs=[[0.0] * 80, [0.0] * 40], advantages=[1.0, -1.0],
+                        execution_index=[0, 1])
+    with torch.no_grad():
+        full = token_logprobs(t._logits(mb.to(t.device)), mb.to(t.device)).cpu()
+    got = t.logprobs(mb)
+    st = t.forward_backward(mb)
+    out = t.optimizer_step()
+    d = float((got - full).abs().max())
+    print(f"xlong_gpu {name}: chunked vs full logprobs max diff {d:.3g}, grad_norm {out['grad_norm']:.3g}", flush=True)
+    assert d < 0.05 and np.isfinite(out["grad_norm"]), (name, d, out)
+
+rec = generate(scaled(CASE_STUDY, 1.0))
+vocab = hf.config.vocab_size
+for n in rec.tree.nodes:
+    n.tokens = (n.tokens % (vocab - 1) + 1).astype(np.int32)
+step = prepare_step([rec], SelectionSpec(k=5), step_version=1, estimator="reward")
+e = step.executions[0]
+mat = materialize(step.executions, layout="tree", micro_batch_tokens=e.n_tokens)
+t = EmbeddedTrainer(TrainConfig(dtype="bfloat16", recompute=True, logprob_chunk=4096, off_policy="none"), hf)
+torch.cuda.reset_peak_memory_stats()
+t0 = time.perf_counter()
+for mb in mat:
+    t.forward_backward(mb)
+out = t.optimizer_step()
+torch.cuda.synchronize()
+print(f"xlong_gpu case study tree K=5: {e.n_tokens} tokens, {out['targets']} targets, "
+      f"step {time.perf_counter() - t0:.1f} s, peak {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB", flush=True)
+PY
 for f in ablation_gpu.json moe_gpu.json hybrid_gpu.json; do
     if [ -n "${OUT:-}" ] && [ -f "benchmarks/results/$f" ]; then
         cp "benchmarks/results/$f" "$OUT/"

@@ -7,36 +7,48 @@ A row is either *expanded* (one trajectory, causal mask, positions 0..S-1) or *t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import dataclasses
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
 from torch import Tensor
 
 
+# How `select_rows` carries each field: "row" fields are [B, ...] and follow the rows kept,
+# "target" fields are [T] and follow the targets of those rows, "scalar" fields are copied.
+# Every field must say which (a new one without it fails `select_rows` and its test).
+ROW, TARGET, SCALAR = "row", "target", "scalar"
+
+
+def _axis(kind: str, default=dataclasses.MISSING):
+    return field(default=default, metadata={"axis": kind})
+
+
 @dataclass
 class MicroBatch:
-    input_ids: Tensor        # [B, S] long, padded with 0
-    position_ids: Tensor     # [B, S] long: tree depth (packed) or 0..S-1 (expanded)
-    attention_mask: Tensor   # [B, 1, S, S] bool, True = masked (Megatron convention)
-    pred_pos: Tensor         # [T] long: flat index b*S+i of the position predicting each target
-    target_ids: Tensor       # [T] long
-    old_logprobs: Tensor     # [T] float: behaviour log-probs recorded by the engine
-    advantages: Tensor       # [T] float
-    weights: Tensor          # [T] float: 1/(unique targets of its execution)/(executions in step)
-    staleness: Tensor        # [T] long: policy lag of the token (step version - its node's policy version)
-    execution_index: Tensor  # [T] long
+    input_ids: Tensor = _axis(ROW)       # [B, S] long, padded with 0
+    position_ids: Tensor = _axis(ROW)    # [B, S] long: tree depth (packed) or 0..S-1 (expanded)
+    # [B, 1, S, S] bool, True = masked (Megatron convention), only for an arbitrary dense mask
+    # (tests); materialized rows leave it None and carry `kv_end`, the same mask in O(S).
+    attention_mask: Tensor | None = _axis(ROW)
+    pred_pos: Tensor = _axis(TARGET)     # [T] long: flat index b*S+i of the position predicting each target
+    target_ids: Tensor = _axis(TARGET)   # [T] long
+    old_logprobs: Tensor = _axis(TARGET)  # [T] float: behaviour log-probs recorded by the engine
+    advantages: Tensor = _axis(TARGET)   # [T] float
+    weights: Tensor = _axis(TARGET)      # [T] float: 1/(unique targets of its execution)/(executions in step)
+    staleness: Tensor = _axis(TARGET)    # [T] long: policy lag of the token (step version - its node's policy version)
+    execution_index: Tensor = _axis(TARGET)  # [T] long
     # [T] float: the divisor of the logits at each target, the temperature its call was sampled
     # with (1 for greedy calls): the engine reports log_softmax(logits / T) as SGLang does.
     # A number is broadcast to every target; None means 1.
-    temperature: Tensor | float | None = None
-    # the same mask in O(S): query i sees key j iff j <= i < kv_end[b, j] (padding keys: 0).
-    # Set by materialization for tree and expanded rows; None for an arbitrary dense mask.
-    # The tree attention path (gyre.train.tree_attention) works from this instead of S x S.
-    kv_end: Tensor | None = None  # [B, S] long
+    temperature: Tensor | float | None = _axis(TARGET, None)
+    # the structure of a row in O(S): query i sees key j iff j <= i < kv_end[b, j] (padding
+    # keys: 0). Set by materialization for tree and expanded rows; None only with a dense mask.
+    kv_end: Tensor | None = _axis(ROW, None)  # [B, S] long
     # routing replay (train.routing_replay): the experts the engine routed each position to,
     # [B, S, MoE layers, top_k] int16; -1 where not recorded (the trainer routes those itself)
-    routed_experts: Tensor | None = None
+    routed_experts: Tensor | None = _axis(ROW, None)
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, Tensor):
@@ -50,7 +62,14 @@ class MicroBatch:
     @property
     def num_tokens(self) -> int:
         """Tokens computed by the forward pass: positions that attend to themselves (not padding)."""
+        if self.kv_end is not None:
+            return int((self.kv_end > torch.arange(self.kv_end.shape[1], device=self.kv_end.device)).sum())
         return int((~self.attention_mask[:, 0].diagonal(dim1=-2, dim2=-1)).sum())
+
+    def dense_mask(self) -> Tensor:
+        """The [B,1,S,S] bool mask (True = masked), built on demand from `kv_end` when not given:
+        for the dense attention path and tests only (S^2 memory)."""
+        return self.attention_mask if self.attention_mask is not None else mask_from_kv_end(self.kv_end)
 
     def to(self, device) -> "MicroBatch":
         values = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -60,11 +79,16 @@ class MicroBatch:
         """Shape and range checks; a bad batch fails here, not deep inside a forward pass."""
         B, S = self.input_ids.shape
         T = self.num_targets
-        if self.position_ids.shape != (B, S) or self.attention_mask.shape != (B, 1, S, S):
-            raise ValueError(f"position_ids {tuple(self.position_ids.shape)} / attention_mask "
-                             f"{tuple(self.attention_mask.shape)} do not match input_ids {(B, S)}")
-        if self.attention_mask.dtype != torch.bool:
-            raise ValueError("attention_mask must be bool (True = masked)")
+        if self.position_ids.shape != (B, S):
+            raise ValueError(f"position_ids {tuple(self.position_ids.shape)} do not match input_ids {(B, S)}")
+        if self.attention_mask is None and self.kv_end is None:
+            raise ValueError("a micro-batch needs kv_end (or, for a dense test mask, attention_mask)")
+        if self.attention_mask is not None:
+            if self.attention_mask.shape != (B, 1, S, S):
+                raise ValueError(f"attention_mask {tuple(self.attention_mask.shape)} does not match "
+                                 f"input_ids {(B, S)}")
+            if self.attention_mask.dtype != torch.bool:
+                raise ValueError("attention_mask must be bool (True = masked)")
         for name in ("pred_pos", "old_logprobs", "advantages", "weights", "staleness",
                      "execution_index", "temperature"):
             if getattr(self, name).shape != (T,):
@@ -79,6 +103,37 @@ class MicroBatch:
                              f"({B}, {S}, MoE layers, top_k)")
         if T and float(self.temperature.min()) <= 0:
             raise ValueError(f"temperature must be > 0 at every target, got {float(self.temperature.min())}")
+
+
+def select_rows(mb: MicroBatch, rows: Tensor | list[int]) -> MicroBatch | None:
+    """The micro-batch restricted to ``rows`` (in that order), every field carried: row fields
+    indexed, target fields kept for the targets of those rows (``pred_pos`` re-indexed), scalars
+    copied. None when ``rows`` is empty. The one place rows of a micro-batch are selected (ranks
+    of a cell, data-parallel groups)."""
+    idx = torch.as_tensor(rows, dtype=torch.long)
+    if idx.numel() == 0:
+        return None
+    B, S = mb.input_ids.shape
+    row_of_target = mb.pred_pos // S
+    new_row = torch.full((B,), -1, dtype=torch.long)
+    new_row[idx] = torch.arange(len(idx))
+    keep = new_row[row_of_target] >= 0
+    values = {}
+    for f in fields(mb):
+        v, axis = getattr(mb, f.name), f.metadata.get("axis")
+        if axis is None:
+            raise TypeError(f"MicroBatch.{f.name} declares no axis (row, target or scalar): "
+                            f"select_rows cannot carry it")
+        if f.name == "pred_pos":
+            v = new_row[row_of_target[keep]] * S + v[keep] % S
+        elif v is None or axis == SCALAR:
+            pass
+        elif axis == ROW:
+            v = v[idx.to(v.device)]
+        else:
+            v = v[keep.to(v.device)]
+        values[f.name] = v
+    return MicroBatch(**values)
 
 
 def causal_kv_end(lengths: list[int], seq_len: int) -> Tensor:
@@ -143,7 +198,7 @@ def expanded_batch(sequences: list[list[int]], prompt_lens: list[int], *, old_lo
     mb = MicroBatch(
         input_ids=ids,
         position_ids=torch.arange(S).expand(B, S).clone(),
-        attention_mask=causal_mask([len(s) for s in sequences], S),
+        attention_mask=None,
         pred_pos=torch.tensor(pred, dtype=torch.long),
         target_ids=torch.tensor(tgt, dtype=torch.long),
         old_logprobs=torch.tensor(old, dtype=torch.float32),
@@ -164,27 +219,25 @@ def expanded_batch(sequences: list[list[int]], prompt_lens: list[int], *, old_lo
 
 def to_wire(mb: MicroBatch) -> dict:
     """``{field: np.ndarray}``; inverse of :func:`from_wire`.
-    Optional fields that are None (``kv_end``) are left out, and so is the S x S mask when
-    ``kv_end`` describes it (S numbers instead of S^2; the receiver rebuilds it)."""
+    Fields that are None (``attention_mask`` of materialized rows, or ``kv_end``) are left out:
+    a row travels as its O(S) ``kv_end``, never as an S x S mask."""
     out: dict = {}
     for f in fields(mb):
         v = getattr(mb, f.name)
-        if v is None or (f.name == "attention_mask" and mb.kv_end is not None):
-            continue
-        out[f.name] = v.detach().cpu().numpy()
+        if v is not None:
+            out[f.name] = v.detach().cpu().numpy()
     return out
 
 
 def from_wire(d: dict) -> MicroBatch:
     """A validated MicroBatch from :func:`to_wire` output; a missing field is a clear error."""
-    optional = ("temperature", "kv_end", "routed_experts") + (("attention_mask",) if "kv_end" in d else ())
+    optional = [f.name for f in fields(MicroBatch) if f.default is not dataclasses.MISSING] + ["attention_mask"]
     names = [f.name for f in fields(MicroBatch)]
     missing = [n for n in names if n not in d and n not in optional]
     if missing:
         raise ValueError(f"micro-batch on the wire lacks {missing}")
     values = {n: torch.from_numpy(np.ascontiguousarray(d[n])) for n in names if n in d}
-    if "attention_mask" not in values:
-        values["attention_mask"] = mask_from_kv_end(values["kv_end"])
+    values.setdefault("attention_mask", None)
     mb = MicroBatch(**values)
     mb.validate()
     return mb

@@ -317,6 +317,10 @@ class TrainConfig(_EnumFields):
                                           "them, and the trainer's forwards (pi_prox and training) use them")
     local_ranks: int = _f(1, min=1, help="trainer ranks per cell under `gyre run` (one machine); under Slurm a "
                                         "cell has one rank per GPU slot of its nodes (one per node on CPU)")
+    recompute: bool = _f(False, help="activation checkpointing per decoder layer: a layer keeps only its input "
+                                     "and runs again in backward (long rows: ~1/layers of the activations)")
+    logprob_chunk: int = _f(4096, min=1, help="target positions projected onto the vocabulary at once: peak "
+                                           "logits memory is logprob_chunk x vocab, never S x vocab")
 
 
 @dataclass

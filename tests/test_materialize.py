@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from gyre.batch import causal_kv_end
 from gyre.train.loss import policy_loss, token_logprobs
 from gyre.train.toy import random_qwen2, tiny_qwen2_config
 from gyre.train.qwen2 import Qwen2LM
@@ -98,7 +99,7 @@ def model():
 def logits_of(model, mb, attention="dense"):
     if attention == "tree":  # the trainers' path: block-sparse attention from kv_end
         return model(mb.input_ids, mb.position_ids, TreeMask.build(mb.kv_end, block=16))
-    return model(mb.input_ids, mb.position_ids, mb.attention_mask)  # dense: True = masked
+    return model(mb.input_ids, mb.position_ids, mb.dense_mask())  # dense: True = masked
 
 
 def loss_and_grads(model, mat, attention="dense"):
@@ -253,8 +254,9 @@ def test_budget_masks_and_token_counts(budget):
         for mb in mat:
             B, S = mb.input_ids.shape
             assert B * S <= budget
-            real = ~mb.attention_mask[:, 0].diagonal(dim1=-2, dim2=-1)
-            mask = mb.attention_mask[:, 0]
+            assert mb.attention_mask is None  # kv_end is the structure
+            mask = mb.dense_mask()[:, 0]
+            real = ~mask.diagonal(dim1=-2, dim2=-1)
             assert mask[~real].all() and mask.transpose(-1, -2)[~real].all()  # padding masked
             assert not (mb.input_ids[~real]).any()
             computed += mb.num_tokens
@@ -323,7 +325,7 @@ def test_loss_detects_a_wrong_mask(model):
     step = prepare_step(records()[:2], SelectionSpec(k="all"), step_version=5)
     mb = materialize(step.executions, layout="tree", micro_batch_tokens=4096)[0]
     S = mb.input_ids.shape[1]
-    causal = replace(mb, attention_mask=~torch.ones(S, S, dtype=torch.bool).tril()[None, None])
+    causal = replace(mb, kv_end=causal_kv_end([S], S))
     with torch.no_grad():
         good = float(policy_loss(logits_of(model, mb), mb, clip=False)[0])
         bad = float(policy_loss(logits_of(model, causal), causal, clip=False)[0])

@@ -218,12 +218,13 @@ def test_off_policy_trainer_prox_needs_no_extra_forward_before_an_update(backend
     trainer, twin = _trainer(backend, off_policy="tis"), _trainer(backend, off_policy="none")
     mb = _toy(trainer)
     calls = []
-    real = trainer._logits
-    monkeypatch.setattr(trainer, "_logits", lambda m: calls.append(torch.is_grad_enabled()) or real(m))
+    real = trainer._target_logprobs
+    monkeypatch.setattr(trainer, "_target_logprobs", lambda m: calls.append(torch.is_grad_enabled()) or real(m))
     st = trainer.forward_backward(mb)
     assert calls == [True]  # pi_prox = pi_theta before any update: only the forward that trains
     assert st["truncated_n"] == 2 and st["prox_drift_max"] < 1e-5  # the two tokens shifted by -0.9
-    # the same step by hand: prox = the trainer's own log-probs now (not the behaviour's)
+    # the same step by hand, from full [B, S, V] logits (the trainer projects only the targets, in
+    # chunks): prox = the trainer's own log-probs now (not the behaviour's)
     z = twin._logits(mb.to(twin.device))
     loss, _ = policy_loss(z, mb, off_policy=OffPolicy("tis"), prox_logprobs=twin.logprobs(mb))
     loss.backward()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gyre.config import TrainConfig
-from gyre.batch import expanded_batch
+from gyre.batch import expanded_batch, select_rows
 from gyre.train.toy import random_qwen2
 
 BACKENDS = ["embedded", "megatron"]
@@ -85,7 +85,7 @@ def test_backends_agree():
     stats = []
     for t in (emb, meg):
         for half in (slice(0, 2), slice(2, 4)):  # the same step split into micro-batches
-            t.forward_backward(_rows(mb, half))
+            t.forward_backward(select_rows(mb, list(range(4))[half]))
         stats.append(t.optimizer_step())
     assert stats[0]["loss"] == pytest.approx(stats[1]["loss"], abs=1e-5)
     assert stats[0]["grad_norm"] == pytest.approx(stats[1]["grad_norm"], rel=1e-4)
@@ -93,22 +93,6 @@ def test_backends_agree():
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-7), k
         assert not torch.equal(a[k], random_qwen2(seed=0, std=0.1).state_dict()[k]) or "k_proj.bias" in k
-
-
-def _rows(mb, rows):
-    """The micro-batch restricted to some rows (targets re-indexed), weights unchanged."""
-    B, S = mb.input_ids.shape
-    r = range(B)[rows]
-    keep = (mb.pred_pos // S >= r.start) & (mb.pred_pos // S < r.stop)
-    out = copy.copy(mb)
-    out.input_ids, out.position_ids = mb.input_ids[rows], mb.position_ids[rows]
-    out.attention_mask = mb.attention_mask[rows]
-    out.kv_end = mb.kv_end[rows] if mb.kv_end is not None else None
-    out.pred_pos = mb.pred_pos[keep] - r.start * S
-    for name in ("target_ids", "old_logprobs", "advantages", "weights", "staleness", "execution_index",
-                 "temperature"):
-        setattr(out, name, getattr(mb, name)[keep])
-    return out
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -184,3 +168,25 @@ def test_make_trainer_from_engine_model_dir(backend, tmp_path):
     assert type(trainer).__name__ == {"embedded": "EmbeddedTrainer", "megatron": "MegatronTrainer"}[backend]
     mb = toy_batch()
     assert torch.allclose(trainer.logprobs(mb), make("embedded").logprobs(mb), atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_chunked_logprobs_and_recompute_equal_the_full_computation(backend):
+    """train.logprob_chunk (targets projected a few at a time, only at pred_pos) and
+    train.recompute (per-layer activation checkpointing; Megatron's full recompute) change
+    memory, not the log-probs or the gradients: checked against the [B, S, V] logits."""
+    from gyre.train.loss import policy_loss, token_logprobs
+
+    lean, full = make(backend, logprob_chunk=3, recompute=True), make(backend)
+    mb = toy_batch(full)
+    mb.old_logprobs = mb.old_logprobs - 0.1  # off-policy: ratios != 1, so the loss has a gradient
+    with torch.no_grad():
+        want = token_logprobs(full._logits(mb.to(full.device)), mb)
+    assert torch.allclose(lean.logprobs(mb), want, atol=1e-5)
+    st = lean.forward_backward(mb)
+    z = full._logits(mb.to(full.device))  # the reference: every position's logits, then the loss
+    loss, _ = policy_loss(z, mb, off_policy=full.off_policy, prox_logprobs=full.logprobs(mb))
+    loss.backward()
+    ref = full.flat_grads()
+    assert st["loss"] == pytest.approx(float(loss), rel=1e-5)
+    assert float(ref.abs().max()) > 1e-4 and torch.allclose(lean.flat_grads(), ref, atol=1e-6)

@@ -57,8 +57,10 @@ def dense_attention(q, k, v, mask, scale):
 @pytest.mark.parametrize("layout,budget", [("tree", 4096), ("tree", 300), ("expanded", 4096)])
 def test_kv_end_is_the_dense_mask(step, layout, budget):
     for mb in batches(step, layout, budget):
-        assert torch.equal(dense_mask(mb.kv_end), mb.attention_mask)
-        assert torch.equal(kv_end_from_mask(mb.attention_mask), mb.kv_end)
+        assert mb.attention_mask is None  # materialization builds no S x S mask
+        dense = mb.dense_mask()  # on demand, for the dense path
+        assert torch.equal(dense, dense_mask(mb.kv_end))
+        assert torch.equal(kv_end_from_mask(dense), mb.kv_end)
     # a mask that is not of the tree form has no kv_end
     S = 6
     full = torch.zeros(1, 1, S, S, dtype=torch.bool)  # everything visible, future included
@@ -84,7 +86,7 @@ def test_block_path_equals_dense_attention(step, layout, budget, block):
         tm = TreeMask.build(mb.kv_end, block=block)
         got = tm.attend(q, k, v, 0.35)
         grads = torch.autograd.grad((got * w).sum(), (q, k, v))
-        want = dense_attention(q, k, v, mb.attention_mask, 0.35)
+        want = dense_attention(q, k, v, mb.dense_mask(), 0.35)
         ref = torch.autograd.grad((want * w).sum(), (q, k, v))
         assert torch.allclose(got * real, want * real, atol=1e-5)
         for a, b in zip(grads, ref):
@@ -96,18 +98,24 @@ def test_block_path_skips_what_no_query_sees(step):
     and the pairs computed stay well under the causal square."""
     mb = batches(step, "tree", 4096)[0]
     assert len(mb.execution_index.unique()) > 1  # several executions share the row
-    tm = TreeMask.build(mb.kv_end, block=16)
+    tm = TreeMask.build(mb.kv_end, block=16, chunk_pairs=16 * 16)  # chunks of one query block
     causal_blocks = tm.n_blocks * (tm.n_blocks + 1) // 2 * 16 * 16
     assert tm.pairs < 0.6 * causal_blocks
-    exact = int((~mb.attention_mask).sum())
+    exact = int((~mb.dense_mask()).sum())
     assert exact <= tm.pairs  # covers every visible pair (equality test above checks values)
     # two disjoint halves: no query block of the second needs a key block of the first
     ke = torch.tensor([[64] * 64 + [128] * 64])
-    two = TreeMask.build(ke, block=16)
-    for grp in two.groups:
-        q_half = grp.q_blocks // 4
-        assert bool(((grp.kv_blocks // 4) == q_half[:, None]).all())
+    two = TreeMask.build(ke, block=16, chunk_pairs=16 * 16)  # one query block per chunk
+    assert len(two.chunks) == 8
+    for c in two.chunks:
+        assert bool(((c.kv_blocks // 4) == c.q0 // 4).all()) and c.q1 == c.q0 + 1
     assert two.pairs == 2 * 10 * 16 * 16
+    # larger chunks batch query blocks and still never cross into the other half
+    big = TreeMask.build(ke, block=16, chunk_pairs=64 * 64)
+    assert [(c.q0, c.q1) for c in big.chunks] == [(0, 4), (4, 8)]
+    for c in big.chunks:  # each chunk's scores within the budget, its keys in its own half
+        assert (c.q1 - c.q0) * 16 * len(c.kv_blocks) * 16 <= 64 * 64
+        assert bool(((c.kv_blocks // 4) == c.q0 // 4).all())
 
 
 @pytest.mark.slow  # importing FlexAttention's eager path pulls in torch._dynamo: ~5-10 s
@@ -122,7 +130,7 @@ def test_flex_mask_mod_is_the_tree_mask(step):
     with warnings.catch_warnings():  # eager flex warns that it is the uncompiled reference
         warnings.simplefilter("ignore")
         got = flex.flex_attention(q, k, v, block_mask=bm, scale=0.35, enable_gqa=True)
-    want = dense_attention(q, k, v, mb.attention_mask, 0.35)
+    want = dense_attention(q, k, v, mb.dense_mask(), 0.35)
     assert torch.allclose(got, want, atol=1e-5)
 
 
@@ -183,7 +191,8 @@ def test_wire_carries_kv_end_not_the_square(step):
     wire = to_wire(mb)
     assert "attention_mask" not in wire and wire["kv_end"].shape == (1, S)
     back = from_wire(wire)
-    assert torch.equal(back.attention_mask, mb.attention_mask) and torch.equal(back.kv_end, mb.kv_end)
+    assert back.attention_mask is None and torch.equal(back.kv_end, mb.kv_end)
+    assert sum(v.size for v in wire.values() if isinstance(v, np.ndarray)) < 16 * S  # O(S), not S^2
     # a micro-batch with an arbitrary dense mask still travels whole
-    mb.kv_end = None
+    mb.attention_mask, mb.kv_end = mb.dense_mask(), None
     assert torch.equal(from_wire(to_wire(mb)).attention_mask, mb.attention_mask)

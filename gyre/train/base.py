@@ -27,7 +27,7 @@ from torch import Tensor
 from gyre.batch import MicroBatch
 from gyre.config import TrainConfig
 from gyre.train.export import save_torch_atomic, write_hf_weights
-from gyre.train.loss import OffPolicy, policy_loss, token_logprobs
+from gyre.train.loss import OffPolicy, policy_loss_from_logprobs
 from gyre.train.offload import PhaseTimer
 from gyre.train.step_stats import merge, summarize
 
@@ -57,8 +57,14 @@ class Trainer(ABC):
 
     # --- backend hooks ---------------------------------------------------------------------
     @abstractmethod
+    def _target_logprobs(self, mb: MicroBatch, entropy: list[float] | None = None) -> Tensor:
+        """float32 log-probs [T] of the micro-batch's targets under the current policy, from the
+        hidden states at `pred_pos` in chunks of `train.logprob_chunk` (gyre.train.logprobs):
+        never the [B, S, V] logits. `entropy`: a list to receive each chunk's entropy sum."""
+
+    @abstractmethod
     def _logits(self, mb: MicroBatch) -> Tensor:
-        """[B, S, V] logits of the current policy."""
+        """[B, S, V] logits of the current policy: the dense reference for tests, not training."""
 
     @abstractmethod
     def _apply_gradients(self) -> float:
@@ -116,9 +122,12 @@ class Trainer(ABC):
         so no extra forward runs."""
         t0 = time.perf_counter()
         mb = mb.to(self.device)
-        loss, stats = policy_loss(self._logits(mb), mb, self.cfg.clip_low, self.cfg.clip_high,
+        ent: list[float] = []  # the targets' entropy sums, chunk by chunk (no second pass)
+        loss, stats = policy_loss_from_logprobs(self._target_logprobs(mb, entropy=ent), mb, self.cfg.clip_low,
+                                                self.cfg.clip_high,
                                   clip=self.cfg.clip, staleness_weights=self.cfg.staleness_weights,
-                                  off_policy=self.off_policy, prox_logprobs=prox)
+                                                off_policy=self.off_policy, prox_logprobs=prox,
+                                                entropy=sum(ent) if ent else None)
         extra, aux = self._moe_aux_loss()
         if extra is not None:
             loss = loss + extra
@@ -132,7 +141,8 @@ class Trainer(ABC):
         for k in ("loss", "targets", "tokens", "fwd_bwd_s"):
             a[k] += stats[k]
         for k in _MEAN_STATS:
-            a[k] += stats[k] * stats["targets"]
+            if stats[k] is not None:  # entropy: None where the backend cannot tell it
+                a[k] += stats[k] * stats["targets"]
         a["micro_batches"] += 1
         return stats
 
@@ -260,7 +270,7 @@ class Trainer(ABC):
     def logprobs(self, mb: MicroBatch) -> Tensor:
         """Current log-probs of the micro-batch's targets (float32, on the CPU)."""
         mb = mb.to(self.device)
-        return token_logprobs(self._logits(mb), mb).cpu()
+        return self._target_logprobs(mb).cpu()
 
     # --- files ------------------------------------------------------------------------------
     def export_weights(self, out_dir: str | os.PathLike, weight_version: int | str) -> Path:

@@ -13,6 +13,7 @@ normalised hidden states; `forward` applies the LM head to them (the same hidden
 from __future__ import annotations
 
 import torch
+from torch.utils.checkpoint import checkpoint
 from torch import Tensor, nn
 
 from gyre.model.spec import ModelSpec, apply_rope, rms_norm
@@ -107,9 +108,15 @@ class HybridLM(Qwen2LM):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def hidden(self, input_ids: Tensor, position_ids: Tensor | None = None, attention_mask=None,
-               routed_experts: Tensor | None = None) -> Tensor:
+               routed_experts: Tensor | None = None, *, recompute: bool = False) -> Tensor:
         """Final normalised hidden states ``[B, S, hidden]``. `attention_mask`: a `TreeMask`, a
-        dense bool tree mask (True = masked) or None (causal rows)."""
+        dense bool tree mask (True = masked) or None (causal rows). `recompute`: activation
+        checkpointing per layer (not with replayed routing: the replay is module state here, which
+        a backward-time recomputation would no longer see)."""
+        recompute = recompute and torch.is_grad_enabled()
+        if recompute and routed_experts is not None:
+            raise ValueError("train.recompute with train.routing_replay is not supported for hybrid models; "
+                             "turn one of them off")
         B, S = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
@@ -121,7 +128,8 @@ class HybridLM(Qwen2LM):
             m.replay = None if routed_experts is None else routed_experts[:, :, slot].reshape(B * S, -1)
         try:
             for layer in self.model.layers:
-                x = layer(x, cos, sin, attention_mask, tree)
+                x = checkpoint(layer, x, cos, sin, attention_mask, tree, use_reentrant=False) if recompute \
+                    else layer(x, cos, sin, attention_mask, tree)
         finally:
             for m in moe:
                 m.replay = None

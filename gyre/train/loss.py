@@ -126,16 +126,25 @@ def importance_weights(prox: Tensor, behaviour: Tensor, off: OffPolicy) -> tuple
 
 
 def policy_loss(logits: Tensor, mb: MicroBatch, clip_low: float = 0.2, clip_high: float = 0.28,
-                *, clip: bool = True, staleness_weights: Sequence[float] | None = None,
-                off_policy: OffPolicy | None = None, prox_logprobs: Tensor | None = None) -> tuple[Tensor, dict]:
-    """(loss, stats) for one micro-batch; `loss` is a sum, ready for gradient accumulation.
+                **kw) -> tuple[Tensor, dict]:
+    """`policy_loss_from_logprobs` of full [B, S, V] logits (tests and small callers)."""
+    logp, rows = _target_log_softmax(logits, mb)
+    return policy_loss_from_logprobs(logp, mb, clip_low, clip_high, entropy=entropy_sum(rows), **kw)
+
+
+def policy_loss_from_logprobs(logp: Tensor, mb: MicroBatch, clip_low: float = 0.2, clip_high: float = 0.28,
+                              *, clip: bool = True, staleness_weights: Sequence[float] | None = None,
+                              off_policy: OffPolicy | None = None, prox_logprobs: Tensor | None = None,
+                              entropy: float | None = None) -> tuple[Tensor, dict]:
+    """(loss, stats) for one micro-batch from its targets' current log-probs [T] (float32, with
+    gradient); `loss` is a sum, ready for gradient accumulation.
 
     `prox_logprobs`: pi_prox (no gradient) when the weights moved since the step's start; None
-    means they did not, so pi_prox is pi_theta's own value (detached).
+    means they did not, so pi_prox is pi_theta's own value (detached). `entropy`: the sum over
+    targets of the policy's token entropy where the log-prob computation had it (None: not known).
     """
     off = off_policy or OffPolicy()
-    dev = logits.device
-    logp, rows = _target_log_softmax(logits, mb)
+    dev = logp.device
     behaviour = mb.old_logprobs.to(dev).float()
     if prox_logprobs is None:  # the weights of the step's start: pi_prox = pi_theta
         prox = logp.detach()
@@ -166,7 +175,7 @@ def policy_loss(logits: Tensor, mb: MicroBatch, clip_low: float = 0.2, clip_high
             "ratio_max": float(ratio.max()) if mb.num_targets else 0.0,
             "clip_frac": float(clipped_mask.float().sum() / n),
             "logp_mean": float(logp.sum() / n),
-            "entropy": entropy_sum(rows) / n,  # merged as a mean weighted by targets
+            "entropy": None if entropy is None else entropy / n,  # merged as a mean weighted by targets
             "kl_old": float((torch.exp(-d) - 1 + d).sum() / n),  # k3 estimator of KL(anchor || cur)
             "weight_sum": float(w.sum()),
             "is_weight_mean": float(c.sum() / n),

@@ -52,8 +52,15 @@ class TreeCoreAttention(DotProductAttention):
     own DotProductAttention. Tensor parallel 1 (heads are not split here).
     """
 
+    tree_mask: TreeMask | None = None  # set by QwenGPTModel.forward; its kv_end travels as the mask
+
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask,
                 attn_mask_type=None, attention_bias=None, packed_seq_params=None) -> Tensor:
+        if isinstance(attention_mask, Tensor) and attention_mask.dim() == 2 and self.tree_mask is not None:
+            if tuple(attention_mask.shape) != self.tree_mask.shape:
+                raise ValueError(f"tree mask is for {self.tree_mask.shape}, attention got a kv_end of "
+                                 f"{tuple(attention_mask.shape)}")
+            attention_mask = self.tree_mask
         if not isinstance(attention_mask, TreeMask):
             return super().forward(query, key, value, attention_mask, attn_mask_type,
                                    attention_bias, packed_seq_params)
@@ -72,6 +79,14 @@ class TreeCoreAttention(DotProductAttention):
 class QwenGPTModel(GPTModel):
     """GPTModel whose RoPE follows position_ids (tree depth for packed trees) and which can replay
     given MoE routing (`routed_experts` ``[B, S, MoE layers, top_k]``, Megatron's RouterReplay)."""
+
+    return_hidden = False  # forward returns the decoder's final normed hidden states [S, B, H]
+
+    def _postprocess(self, hidden_states, *args, **kwargs):
+        # Gyre projects only the target rows (gyre.train.logprobs), never [S, B, vocab] logits
+        if self.return_hidden:
+            return hidden_states
+        return super()._postprocess(hidden_states, *args, **kwargs)
 
     def _replays(self) -> list:
         """This model's RouterReplay instances in layer order (Megatron's own list is global to the
@@ -123,6 +138,14 @@ class QwenGPTModel(GPTModel):
                 rep.set_target_indices(routed_experts[:, :, slot].transpose(0, 1).reshape(S * B, -1)
                                        .to(device=input_ids.device, dtype=torch.long))
                 rep.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        if isinstance(attention_mask, TreeMask):
+            # Megatron's recompute (CheckpointFunction) saves its arguments with
+            # save_for_backward, which takes tensors only: the layers get kv_end [B, S] and the
+            # core attention the plan (kept until the next forward, for the recompute in backward)
+            for m in self.modules():
+                if isinstance(m, TreeCoreAttention):
+                    m.tree_mask = attention_mask
+            attention_mask = attention_mask.kv_end
         self.rotary_pos_emb.positions = position_ids
         try:
             return super().forward(input_ids, position_ids, attention_mask, **kwargs)
@@ -134,9 +157,15 @@ class QwenGPTModel(GPTModel):
 
 
 def transformer_config(hf_config, *, dtype: torch.dtype = torch.float32, use_cpu_initialization: bool = True,
-                       moe_aux_loss_coef: float = 0.0, routing_replay: bool = False) -> TransformerConfig:
-    """Megatron TransformerConfig with the architecture of a config of a `gyre.model` family."""
+                       moe_aux_loss_coef: float = 0.0, routing_replay: bool = False,
+                       recompute: bool = False) -> TransformerConfig:
+    """Megatron TransformerConfig with the architecture of a config of a `gyre.model` family;
+    `recompute`: Megatron's full activation recomputation of every layer (`train.recompute`)."""
     spec = _gpt_spec(hf_config)
+    if recompute:
+        recompute_keys = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    else:
+        recompute_keys = {}
     moe = {}
     if spec.experts:
         if len(spec.moe_layers) != spec.layers:
@@ -191,6 +220,7 @@ def transformer_config(hf_config, *, dtype: torch.dtype = torch.float32, use_cpu
         # not averaged: this makes Megatron DDP use a scaling factor of 1
         calculate_per_token_loss=True,
         **moe,
+        **recompute_keys,
     )
 
 
@@ -206,7 +236,7 @@ def _gpt_spec(hf_config):
 
 def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32, use_cpu_initialization: bool = True,
                     moe_aux_loss_coef: float = 0.0, grouped_gemm: bool | None = None,
-                    routing_replay: bool = False) -> QwenGPTModel:
+                    routing_replay: bool = False, recompute: bool = False) -> QwenGPTModel:
     """A GPTModel with the config's architecture (call after Megatron's parallel state is
     initialised). MoE families use SequentialMLP experts (the local spec) on the CPU; grouped GEMM
     (TEGroupedMLP, Transformer Engine) is for CUDA: `grouped_gemm` None = when CUDA and Transformer
@@ -217,7 +247,8 @@ def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32, use_cpu_in
 
         grouped_gemm = torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
     config = transformer_config(spec, dtype=dtype, use_cpu_initialization=use_cpu_initialization,
-                                moe_aux_loss_coef=moe_aux_loss_coef, routing_replay=routing_replay and bool(spec.experts))
+                                moe_aux_loss_coef=moe_aux_loss_coef, routing_replay=routing_replay and bool(spec.experts),
+                                recompute=recompute)
     layer = get_gpt_layer_local_spec(num_experts=spec.experts or None, moe_grouped_gemm=False,
                                      qk_layernorm=spec.qk_norm, normalization="RMSNorm")
     layer.submodules.self_attention.submodules.core_attention = TreeCoreAttention

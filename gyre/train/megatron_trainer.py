@@ -17,6 +17,7 @@ from gyre.train.dist import init_megatron
 from gyre.train.offload import HostStash, PhaseTimer
 from gyre.train.base import ATTENTION_PATHS, Trainer, phase_timings, torch_dtype
 from gyre.train.routing_replay import check_model, replayed
+from gyre.train.logprobs import rows_at, target_logprobs
 from gyre.train.tree_attention import TreeMask
 
 
@@ -40,7 +41,7 @@ class MegatronTrainer(Trainer):
             else torch.device("cpu")
         check_model(cfg, len(as_spec(hf_config).moe_layers))
         model = build_gpt_model(hf_config, dtype=self.dtype, moe_aux_loss_coef=cfg.moe_aux_loss_coef,
-                                routing_replay=cfg.routing_replay)
+                                routing_replay=cfg.routing_replay, recompute=cfg.recompute)
         load_hf_weights(model, {k: v.to(self.dtype) for k, v in hf_state.items()}, hf_config)
         model.to(self.device)
         self.model = model
@@ -72,7 +73,37 @@ class MegatronTrainer(Trainer):
         clear_aux_losses_tracker()
         return None, value
 
+    def _target_logprobs(self, mb: MicroBatch, entropy: list[float] | None = None) -> Tensor:
+        """Hidden states from GPTModel, then only the target rows through Megatron's output layer
+        (ColumnParallelLinear: a vocab shard per tensor-parallel rank) and its vocab-parallel
+        cross entropy, `train.logprob_chunk` rows at a time."""
+        from megatron.core.parallel_state import get_tensor_model_parallel_world_size
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        self.model.return_hidden = True
+        try:
+            hidden = self._forward(mb)  # [S, B, H]
+        finally:
+            self.model.return_hidden = False
+        weight = self.model.shared_embedding_or_output_weight() \
+            if self.model.share_embeddings_and_output_weights else None
+
+        def project(rows: Tensor) -> Tensor:  # [t, H] -> [t, V / tp]; the layer takes [s, b, H]
+            return self.model.output_layer(rows[:, None], weight=weight)[0][:, 0]
+
+        def logp_of(logits: Tensor, targets: Tensor) -> Tensor:
+            return -vocab_parallel_cross_entropy(logits[:, None], targets[:, None])[:, 0]
+
+        return target_logprobs(rows_at(hidden, mb.pred_pos, seq_first=True), project, mb.target_ids,
+                               temperature=mb.temperature, chunk=self.cfg.logprob_chunk, logp_of=logp_of,
+                               # entropy needs the whole vocabulary: one tensor-parallel rank holds it only at TP 1
+                               entropy=entropy if get_tensor_model_parallel_world_size() == 1 else None)
+
     def _logits(self, mb: MicroBatch) -> Tensor:
+        return self._forward(mb)
+
+    def _forward(self, mb: MicroBatch) -> Tensor:
+        """GPTModel's output: [B, S, V] logits, or [S, B, H] hidden states with return_hidden."""
         self.ddp.train(torch.is_grad_enabled())
         if self.model.config.num_moe_experts and torch.is_grad_enabled():
             from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, clear_aux_losses_tracker
@@ -86,7 +117,7 @@ class MegatronTrainer(Trainer):
         if self.attention == "tree" and mb.kv_end is not None:
             mask = TreeMask.build(mb.kv_end)  # TreeCoreAttention (megatron_model) follows it
         else:
-            mask = mb.attention_mask
+            mask = mb.dense_mask()
         return self.ddp(mb.input_ids, mb.position_ids, mask, routed_experts=replayed(self.cfg, mb))
 
     def _apply_gradients(self) -> float:

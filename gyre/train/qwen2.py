@@ -21,6 +21,7 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from gyre.model.moe import route, tokens_per_expert
 from gyre.model.spec import ModelSpec, apply_rope, checked_weights, load_weights, read_spec, rms_norm
@@ -150,6 +151,17 @@ class Decoder(nn.Module):
             return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def _run_layer(layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, mask, replay: Tensor | None) -> Tensor:
+    moe = layer.mlp if isinstance(layer.mlp, SparseMoE) else None
+    if moe is not None:
+        moe.replay = replay
+    try:
+        return layer(x, cos, sin, mask)
+    finally:
+        if moe is not None:
+            moe.replay = None
+
+
 class Qwen2LM(nn.Module):
     """Decoder plus LM head; ``forward`` returns logits ``[B, S, vocab]``."""
 
@@ -164,23 +176,34 @@ class Qwen2LM(nn.Module):
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, attention_mask=None,
                 routed_experts: Tensor | None = None) -> Tensor:
-        """`routed_experts` ``[B, S, MoE layers, top_k]``: replay this routing (what the engine
-        routed each position to) instead of routing anew."""
+        """[B, S, vocab] logits (tests, the dense reference): training goes through `hidden` and
+        `gyre.train.logprobs`, which project only the target positions."""
+        return self.lm_head(self.hidden(input_ids, position_ids, attention_mask, routed_experts))
+
+    def hidden(self, input_ids: Tensor, position_ids: Tensor | None = None, attention_mask=None,
+               routed_experts: Tensor | None = None, *, recompute: bool = False) -> Tensor:
+        """Final normed hidden states [B, S, hidden]. `routed_experts` ``[B, S, MoE layers,
+        top_k]``: replay this routing (what the engine routed each position to) instead of
+        routing anew. `recompute`: activation checkpointing per layer (under autograd a layer
+        keeps only its input; backward runs it again)."""
         B, S = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary(position_ids, x.dtype)
-        moe = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoE)]
-        for slot, m in enumerate(moe):
-            m.replay = None if routed_experts is None else routed_experts[:, :, slot].reshape(B * S, -1)
-        try:
-            for layer in self.model.layers:
-                x = layer(x, cos, sin, attention_mask)
-        finally:
-            for m in moe:
-                m.replay = None
-        return self.lm_head(self.model.norm(x))
+        slots = {}
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, SparseMoE):
+                slots[layer] = len(slots)
+        recompute = recompute and torch.is_grad_enabled()
+        for layer in self.model.layers:
+            replay = None
+            if routed_experts is not None and layer in slots:
+                replay = routed_experts[:, :, slots[layer]].reshape(B * S, -1)
+            # the replayed routing is an argument, so a recomputed layer routes as the first pass
+            x = checkpoint(_run_layer, layer, x, cos, sin, attention_mask, replay, use_reentrant=False) \
+                if recompute else _run_layer(layer, x, cos, sin, attention_mask, replay)
+        return self.model.norm(x)
 
     def moe_aux_loss(self) -> Tensor | None:
         """Sum of the MoE layers' load-balancing losses from the last training forward (None: dense)."""

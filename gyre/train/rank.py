@@ -52,29 +52,13 @@ def merge_stats(parts: list[dict | None]) -> dict:
 
 
 def rows_of(mb, rank: int, size: int):
-    """The rows ``rank::size`` of a micro-batch, targets re-indexed; None if it has none."""
-    import torch
-
-    from gyre.batch import MicroBatch  # torch: loaded in the trainer process only
+    """The rows ``rank::size`` of a micro-batch (every field, `gyre.batch.select_rows`); None if
+    it has none."""
+    from gyre.batch import select_rows  # torch: loaded in the trainer process only
 
     if size == 1:
         return mb
-    B, S = mb.input_ids.shape
-    rows = list(range(rank, B, size))
-    if not rows:
-        return None
-    row_of_target = mb.pred_pos // S
-    keep = torch.isin(row_of_target, torch.tensor(rows))
-    new_row = torch.full((B,), -1, dtype=torch.long)
-    new_row[rows] = torch.arange(len(rows))
-    pred = new_row[row_of_target[keep]] * S + mb.pred_pos[keep] % S
-    idx = torch.tensor(rows)
-    return MicroBatch(input_ids=mb.input_ids[idx], position_ids=mb.position_ids[idx],
-                      attention_mask=mb.attention_mask[idx], pred_pos=pred, target_ids=mb.target_ids[keep],
-                      old_logprobs=mb.old_logprobs[keep], advantages=mb.advantages[keep],
-                      weights=mb.weights[keep], staleness=mb.staleness[keep],
-                      execution_index=mb.execution_index[keep], temperature=mb.temperature[keep],
-                      routed_experts=None if mb.routed_experts is None else mb.routed_experts[idx])
+    return select_rows(mb, list(range(rank, mb.input_ids.shape[0], size)))
 
 
 class Rank:

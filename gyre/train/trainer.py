@@ -20,6 +20,7 @@ from gyre.train.base import ATTENTION_PATHS, Trainer, phase_timings, torch_dtype
 from gyre.train.offload import HostStash, PhaseTimer
 from gyre.model.spec import read_config
 from gyre.train.hybrid import lm_class
+from gyre.train.logprobs import rows_at, target_logprobs
 from gyre.train.qwen2 import Qwen2LM
 from gyre.train.routing_replay import check_model, replayed
 from gyre.train.tree_attention import TreeMask
@@ -66,15 +67,27 @@ class EmbeddedTrainer(Trainer):
         coef = self.cfg.moe_aux_loss_coef
         return (coef * aux if coef > 0 else None), float(aux.detach())
 
+    def _mask(self, mb: MicroBatch):
+        if self.attention == "tree" and mb.kv_end is not None:
+            return TreeMask.build(mb.kv_end)  # once per micro-batch, shared by every layer
+        return mb.dense_mask()  # bool, True = masked: the dense path (S x S, built here only)
+
+    def _autocast(self):
+        return torch.autocast(self.device.type, dtype=self.compute_dtype,
+                              enabled=self.compute_dtype != torch.float32)
+
+    def _target_logprobs(self, mb: MicroBatch, entropy: list[float] | None = None) -> Tensor:
+        self.model.train(torch.is_grad_enabled())
+        with self._autocast():
+            h = self.model.hidden(mb.input_ids, mb.position_ids, self._mask(mb), replayed(self.cfg, mb),
+                                  recompute=self.cfg.recompute)
+            return target_logprobs(rows_at(h, mb.pred_pos), self.model.lm_head, mb.target_ids,
+                                   temperature=mb.temperature, chunk=self.cfg.logprob_chunk, entropy=entropy)
+
     def _logits(self, mb: MicroBatch) -> Tensor:
         self.model.train(torch.is_grad_enabled())
-        if self.attention == "tree" and mb.kv_end is not None:
-            mask = TreeMask.build(mb.kv_end)  # once per micro-batch, shared by every layer
-        else:
-            mask = mb.attention_mask  # bool, True = masked: the dense path
-        with torch.autocast(self.device.type, dtype=self.compute_dtype,
-                            enabled=self.compute_dtype != torch.float32):
-            return self.model(mb.input_ids, mb.position_ids, mask, routed_experts=replayed(self.cfg, mb))
+        with self._autocast():
+            return self.model(mb.input_ids, mb.position_ids, self._mask(mb), routed_experts=replayed(self.cfg, mb))
 
     def _apply_gradients(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]

@@ -15,10 +15,12 @@ reuses it:
   by running FlexAttention's eager forward in tests.
 * CPU: FlexAttention in torch 2.13 has no CPU backward, so an exact block-sparse path: the row is
   cut into blocks of `block` tokens; query block q needs key block k (k <= q) iff some key of k
-  has kv_end > q's first position. Query blocks with the same number of needed key blocks are
-  batched: their key/value blocks are gathered and one `scaled_dot_product_attention` call with
-  the element mask runs per batch. Work is sum over query blocks of needed key blocks, i.e. the
-  tree's ancestor pairs at block granularity, instead of S^2.
+  has kv_end > q's first position, so each key block is needed by one contiguous run of query
+  blocks. Consecutive query blocks are grouped into chunks whose score matrix stays near
+  `CHUNK_PAIRS` elements; a chunk gathers the key blocks it needs, builds its element mask from
+  `kv_end` and runs one `scaled_dot_product_attention`; backward recomputes each chunk's scores
+  (`_ChunkedAttention`), so forward and backward hold one chunk's scores at a time: memory O(S x block) plus one chunk,
+  work the tree's ancestor pairs at block granularity instead of S^2.
 
 Padding queries see only themselves (never NaN); no target reads them and no real query sees
 them, so loss and gradients equal the dense path's. Written here rather than taken from a
@@ -37,6 +39,7 @@ from gyre.batch import mask_from_kv_end
 
 DEFAULT_BLOCK = 64        # CPU: small blocks follow short tree nodes closely
 FLEX_BLOCK = 128          # CUDA: FlexAttention's tile size
+CHUNK_PAIRS = 1 << 22    # CPU: score elements per head of one chunk (16 MB in float32)
 
 
 def kv_end_from_mask(attention_mask: Tensor) -> Tensor | None:
@@ -58,10 +61,11 @@ def dense_mask(kv_end: Tensor) -> Tensor:
 
 
 @dataclass
-class _Group:
-    q_blocks: Tensor   # [n] flat query block index b * n_blocks + qb
-    kv_blocks: Tensor  # [n, m] flat key block indices (same row)
-    allowed: Tensor    # [n, 1, block, m * block] bool, True = visible
+class _Chunk:
+    row: int           # b
+    q0: int            # first query block of the chunk (in the row)
+    q1: int            # one past the last
+    kv_blocks: Tensor  # [m] ascending key blocks that some query of [q0, q1) sees
 
 
 @dataclass
@@ -71,61 +75,55 @@ class TreeMask:
     kv_end: Tensor                 # [B, S] long
     block: int
     n_blocks: int = 0
-    groups: list[_Group] = field(default_factory=list)
+    chunks: list[_Chunk] = field(default_factory=list)
     flex: object = None            # a FlexAttention BlockMask (CUDA)
     pairs: int = 0                 # block-level (query, key) token pairs computed (CPU path)
 
     @classmethod
-    def build(cls, kv_end: Tensor, *, block: int | None = None, use_flex: bool | None = None
-              ) -> "TreeMask":
+    def build(cls, kv_end: Tensor, *, block: int | None = None, use_flex: bool | None = None,
+              chunk_pairs: int = CHUNK_PAIRS) -> "TreeMask":
         kv_end = kv_end.long()
         if use_flex is None:
             use_flex = kv_end.is_cuda
         if use_flex:
             return cls(kv_end, block or FLEX_BLOCK, flex=_flex_block_mask(kv_end, block or FLEX_BLOCK))
         mask = cls(kv_end, block or DEFAULT_BLOCK)
-        mask._plan_blocks()
+        mask._plan_chunks(chunk_pairs)
         return mask
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.kv_end.shape)
 
-    # --- CPU block plan ---------------------------------------------------------------------
-    def _plan_blocks(self) -> None:
+    # --- CPU plan -----------------------------------------------------------------------------
+    def _plan_chunks(self, chunk_pairs: int) -> None:
+        """Cut each row into runs of query blocks whose score matrix (queries x keys they need)
+        stays near `chunk_pairs` elements. O(S) numbers per row are kept, never S x S."""
         B, S = self.kv_end.shape
         blk = self.block
         nb = max(1, -(-S // blk))
-        Sp = nb * blk
-        dev = self.kv_end.device
-        end = F.pad(self.kv_end, (0, Sp - S))                       # padding keys: end 0
-        pos = torch.arange(Sp, device=dev)
-        real = end > pos                                            # [B, Sp] real tokens
-        blk_end = end.view(B, nb, blk).amax(-1)                     # [B, nb] max end per key block
-        blk_real = real.view(B, nb, blk).any(-1)                    # [B, nb]
-        qb = torch.arange(nb, device=dev)
-        # key block k < q is needed iff one of its keys is seen by q's first query
-        need = (qb[None, None, :] < qb[None, :, None]) & (blk_end[:, None, :] > (qb * blk)[None, :, None])
-        need |= torch.eye(nb, dtype=torch.bool, device=dev)[None]   # the diagonal block
-        need &= blk_real[:, :, None]                                # all-padding query blocks: skip
-        counts = need.sum(-1).view(-1)                              # [B*nb]
-        flat_need = need.view(B * nb, nb)
-        end_flat = end.view(B * nb, blk)
-        self.n_blocks, self.groups, self.pairs = nb, [], 0
-        for m in torch.unique(counts).tolist():
-            if m == 0:
-                continue
-            q = torch.nonzero(counts == m).view(-1)                 # [n]
-            rows = q // nb
-            kb = torch.nonzero(flat_need[q])[:, 1].view(len(q), m)  # ascending key blocks
-            kv = rows[:, None] * nb + kb                            # [n, m]
-            qpos = (q % nb)[:, None] * blk + torch.arange(blk, device=dev)         # [n, blk]
-            kpos = (kb[:, :, None] * blk + torch.arange(blk, device=dev)).view(len(q), m * blk)
-            kend = end_flat[kv].view(len(q), m * blk)
-            allowed = ((kpos[:, None, :] <= qpos[:, :, None]) & (qpos[:, :, None] < kend[:, None, :])) \
-                | (kpos[:, None, :] == qpos[:, :, None])            # padding queries see themselves
-            self.groups.append(_Group(q, kv, allowed[:, None]))
-            self.pairs += len(q) * blk * m * blk
+        end = F.pad(self.kv_end, (0, nb * blk - S)).view(B, nb, blk).cpu()
+        real = (end > torch.arange(nb * blk).view(nb, blk)).any(-1)            # [B, nb]
+        # key block k is seen by query blocks k .. last[k] (a key's queries are one contiguous run)
+        last = torch.where(real, (end.amax(-1) - 1) // blk, torch.full_like(real, -1, dtype=torch.long))
+        self.n_blocks, self.chunks, self.pairs = nb, [], 0
+        for b in range(B):
+            lb, rb = last[b], real[b]
+            q0 = 0
+            while q0 < nb:
+                if not rb[q0]:  # an all-padding query block: nothing reads it
+                    q0 += 1
+                    continue
+                # keys needed by queries [q0, q1): k < q1 with last[k] >= q0; grow q1 while the
+                # chunk's score matrix fits (at least one block)
+                seen = torch.cumsum((lb >= q0).long(), 0)                      # [nb]: keys < k+1
+                q1 = q0 + 1
+                while q1 < nb and rb[q1] and (q1 + 1 - q0) * int(seen[q1]) * blk * blk <= chunk_pairs:
+                    q1 += 1
+                kv = torch.nonzero(lb[:q1] >= q0).view(-1)
+                self.chunks.append(_Chunk(b, q0, q1, kv))
+                self.pairs += (q1 - q0) * blk * len(kv) * blk
+                q0 = q1
 
     # --- attention ----------------------------------------------------------------------------
     def attend(self, query: Tensor, key: Tensor, value: Tensor, scale: float) -> Tensor:
@@ -135,33 +133,67 @@ class TreeMask:
             return _flex_attention()(q, k, v, block_mask=self.flex, scale=scale,
                                      enable_gqa=q.shape[1] != k.shape[1])
         B, H, S, D = query.shape
-        Hkv = key.shape[1]
         if (B, S) != tuple(self.kv_end.shape):
             raise ValueError(f"tree mask is for {tuple(self.kv_end.shape)}, attention got {(B, S)}")
-        blk, nb = self.block, self.n_blocks
-        pad = nb * blk - S
+        pad = self.n_blocks * self.block - S
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
+        end = F.pad(self.kv_end, (0, pad)).to(query.device)
+        return _ChunkedAttention.apply(q, k, v, end, self, scale)[:, :, :S]
 
-        def blocks(x: Tensor, heads: int) -> Tensor:  # [B,h,S,D] -> [B*nb, h, blk, D]
-            x = F.pad(x, (0, 0, 0, pad))
-            return x.view(B, heads, nb, blk, D).permute(0, 2, 1, 3, 4).reshape(B * nb, heads, blk, D)
 
-        qb, kb, vb = blocks(query, H), blocks(key, Hkv), blocks(value, Hkv)
-        rep = H // Hkv
-        outs, idx = [], []
-        for g in self.groups:
-            n, m = g.kv_blocks.shape
-            k = kb[g.kv_blocks].transpose(1, 2).reshape(n, Hkv, m * blk, D)
-            v = vb[g.kv_blocks].transpose(1, 2).reshape(n, Hkv, m * blk, D)
-            if rep > 1:
-                k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-            outs.append(F.scaled_dot_product_attention(qb[g.q_blocks], k, v, attn_mask=g.allowed,
-                                                       scale=scale))
-            idx.append(g.q_blocks)
-        out = query.new_zeros(B * nb, H, blk, D)
-        if outs:
-            out = out.index_copy(0, torch.cat(idx), torch.cat(outs))
-        out = out.view(B, nb, H, blk, D).permute(0, 2, 1, 3, 4).reshape(B, H, nb * blk, D)
-        return out[:, :, :S]
+class _ChunkedAttention(torch.autograd.Function):
+    """Attention over a `TreeMask`'s chunks. Forward keeps q, k, v and the output (O(S));
+    backward recomputes one chunk's scores at a time and adds its gradients in place, so no pass
+    holds more than one chunk's score matrix and the work is the chunks' pairs, twice."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, end: Tensor, plan: "TreeMask", scale: float) -> Tensor:
+        out = q.new_zeros(q.shape)  # all-padding query blocks stay zero: nothing reads them
+        for c in plan.chunks:
+            sl, kpos, allowed = _chunk_index(c, end, plan.block)
+            out[c.row, :, sl] = _chunk_attention(q[c.row, :, sl], k[c.row], v[c.row], kpos, allowed, scale)
+        ctx.save_for_backward(q, k, v, end)
+        ctx.plan, ctx.scale = plan, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        q, k, v, end = ctx.saved_tensors
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for c in ctx.plan.chunks:
+            sl, kpos, allowed = _chunk_index(c, end, ctx.plan.block)
+            with torch.enable_grad():
+                qc = q[c.row, :, sl].detach().requires_grad_()
+                kc = k[c.row].index_select(1, kpos).detach().requires_grad_()
+                vc = v[c.row].index_select(1, kpos).detach().requires_grad_()
+                out = _chunk_attention(qc, kc, vc, None, allowed, ctx.scale)
+                gq, gk, gv = torch.autograd.grad(out, (qc, kc, vc), grad_out[c.row, :, sl])
+            dq[c.row, :, sl] += gq
+            dk[c.row].index_add_(1, kpos, gk)
+            dv[c.row].index_add_(1, kpos, gv)
+        return dq, dk, dv, None, None, None
+
+
+def _chunk_index(c: _Chunk, end: Tensor, blk: int) -> tuple[slice, Tensor, Tensor]:
+    """(query slice, key positions, element mask [queries, keys]) of one chunk; the mask comes
+    from `kv_end` here, so the plan holds no per-pair data."""
+    dev = end.device
+    qpos = torch.arange(c.q0 * blk, c.q1 * blk, device=dev)
+    kpos = (c.kv_blocks.to(dev)[:, None] * blk + torch.arange(blk, device=dev)).view(-1)
+    kend = end[c.row, kpos]
+    allowed = ((kpos[None, :] <= qpos[:, None]) & (qpos[:, None] < kend[None, :])) \
+        | (kpos[None, :] == qpos[:, None])  # padding queries see themselves: never NaN
+    return slice(c.q0 * blk, c.q1 * blk), kpos, allowed
+
+
+def _chunk_attention(qc: Tensor, k: Tensor, v: Tensor, kpos: Tensor | None, allowed: Tensor,
+                     scale: float) -> Tensor:
+    """qc [H, Cq, D] against k/v [Hkv, *, D] (gathered at `kpos` unless None) under `allowed`."""
+    if kpos is not None:
+        k, v = k.index_select(1, kpos), v.index_select(1, kpos)
+    rep = qc.shape[0] // k.shape[0]
+    return F.scaled_dot_product_attention(qc[None], k[None], v[None], attn_mask=allowed, scale=scale,
+                                          enable_gqa=rep > 1)[0]
 
 
 # --- FlexAttention (CUDA) ------------------------------------------------------------------------

@@ -415,16 +415,12 @@ def build_micro_batch(plan: MicroBatchPlan, routing: bool = False) -> tuple[Micr
             end[b, :r.length] = np.concatenate(r.span_end)
         for t in r.targets:
             cols.append({**t, "pred": t["pred"] + b * S})
-    # query i sees key j iff j <= i and i lies in the subtree span of j's node (ancestry + causal)
-    i = torch.arange(S)
-    end_t = torch.from_numpy(end)
-    allowed = (i[None, :] <= i[:, None])[None] & (i[None, :, None] < end_t[:, None, :])
     cat = {k: np.concatenate([c[k] for c in cols]) if cols else np.zeros(0) for k in
            ("pred", "target", "old", "adv", "weight", "stale", "temp", "exe", "node", "offset")}
     mb = MicroBatch(
         input_ids=torch.from_numpy(ids),
         position_ids=torch.from_numpy(pos),
-        attention_mask=~allowed[:, None],
+        attention_mask=None,  # kv_end is the structure: no S x S mask is built or sent
         pred_pos=torch.from_numpy(cat["pred"].astype(np.int64)),
         target_ids=torch.from_numpy(cat["target"].astype(np.int64)),
         old_logprobs=torch.from_numpy(cat["old"].astype(np.float32)),
@@ -433,7 +429,8 @@ def build_micro_batch(plan: MicroBatchPlan, routing: bool = False) -> tuple[Micr
         staleness=torch.from_numpy(cat["stale"].astype(np.int64)),
         execution_index=torch.from_numpy(cat["exe"].astype(np.int64)),
         temperature=torch.from_numpy(cat["temp"].astype(np.float32)),
-        kv_end=end_t,  # the same structure in O(S), for the tree attention path
+        # query i sees key j iff j <= i and i lies in the subtree span of j's node
+        kv_end=torch.from_numpy(end),
         routed_experts=_routed_experts(plan, S) if routing else None,
     )
     keys = np.stack([cat["exe"], cat["node"], cat["offset"]], axis=1).astype(np.int64)
@@ -477,7 +474,7 @@ class LayoutStats:
 
 @dataclass
 class Materialized:
-    """A step's micro-batches, built lazily (a [B,1,S,S] mask each) so a step never holds all."""
+    """A step's micro-batches, built lazily so a step never holds all their tensors at once."""
 
     layout: str
     plans: list[MicroBatchPlan]

@@ -89,6 +89,25 @@ CASE_STUDY = Shape(calls=636, subagents=3, subagent_calls=40, compactions=3, ret
                    retry_phase=0.325, parallel_every=7, versions_every=64)
 
 
+def scaled(shape: Shape, factor: float) -> Shape:
+    """The same shape (calls, branches, events) with every message ``factor`` times longer: the
+    executions behind the xLong measurements (0.25M .. 2M processed tokens, `bench_xlong`)."""
+    if not factor > 0:
+        raise ValueError(f"scale factor must be > 0, got {factor}")
+
+    def grow(x: Lengths) -> Lengths:
+        return replace(x, median=x.median * factor, hi=max(x.lo, int(round(x.hi * factor))))
+
+    return replace(shape, system=grow(shape.system), task=grow(shape.task), assistant=grow(shape.assistant),
+                   tool=grow(shape.tool), summary=grow(shape.summary))
+
+
+def processed_tokens(record: ExecutionRecord) -> int:
+    """Tokens an execution processed: each call's new input plus its output, i.e. every token
+    of its tree once (the paper's "about 1M tokens processed" per xLong execution)."""
+    return int(sum(len(n.tokens) for n in record.tree.nodes))
+
+
 def _key(role: str, content: np.ndarray) -> str:
     return hashlib.blake2b(role.encode() + content.tobytes(), digest_size=12).hexdigest()
 
