@@ -219,7 +219,7 @@ def test_off_policy_trainer_prox_needs_no_extra_forward_before_an_update(backend
     mb = _toy(trainer)
     calls = []
     real = trainer._target_logprobs
-    monkeypatch.setattr(trainer, "_target_logprobs", lambda m: calls.append(torch.is_grad_enabled()) or real(m))
+    monkeypatch.setattr(trainer, "_target_logprobs", lambda m, **kw: calls.append(torch.is_grad_enabled()) or real(m, **kw))
     st = trainer.forward_backward(mb)
     assert calls == [True]  # pi_prox = pi_theta before any update: only the forward that trains
     assert st["truncated_n"] == 2 and st["prox_drift_max"] < 1e-5  # the two tokens shifted by -0.9
@@ -249,8 +249,9 @@ def test_minibatches_update_within_a_step_against_the_step_start(n, monkeypatch)
     trainer = _trainer("embedded", off_policy="decoupled", lr=0.2)
     mbs = [_toy(trainer), _toy(trainer)]
     calls = []
-    real = trainer._logits
-    monkeypatch.setattr(trainer, "_logits", lambda m: calls.append(torch.is_grad_enabled()) or real(m))
+    real = trainer._target_logprobs
+    monkeypatch.setattr(trainer, "_target_logprobs",
+                        lambda m, **kw: calls.append(torch.is_grad_enabled()) or real(m, **kw))
     out = trainer.train_step(mbs, n)
     assert out["step"] == trainer.step == 1 and out["minibatches"] == n and len(out["minibatch_grad_norms"]) == n
     if n == 1:  # one update: pi_prox is pi_theta, no extra forward, and the clip against it cannot act

@@ -123,9 +123,9 @@ class Trainer(ABC):
         t0 = time.perf_counter()
         mb = mb.to(self.device)
         ent: list[float] = []  # the targets' entropy sums, chunk by chunk (no second pass)
-        loss, stats = policy_loss_from_logprobs(self._target_logprobs(mb, entropy=ent), mb, self.cfg.clip_low,
-                                                self.cfg.clip_high,
-                                  clip=self.cfg.clip, staleness_weights=self.cfg.staleness_weights,
+        logp = self._target_logprobs(mb, entropy=ent)
+        loss, stats = policy_loss_from_logprobs(logp, mb, self.cfg.clip_low, self.cfg.clip_high,
+                                                clip=self.cfg.clip, staleness_weights=self.cfg.staleness_weights,
                                                 off_policy=self.off_policy, prox_logprobs=prox,
                                                 entropy=sum(ent) if ent else None)
         extra, aux = self._moe_aux_loss()
