@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from benchmarks import routing_replay, token_truth_templates  # noqa: E402
 from benchmarks.learnability_check import SUITE, prompt_ids, sample_all  # noqa: E402
 from gyre.config import default_tiny_dir, load_config, trainer_config  # noqa: E402
 from gyre.engine.runtime import Engine  # noqa: E402
@@ -55,8 +56,8 @@ from gyre.traj.select import SelectionSpec  # noqa: E402
 from gyre.traj.tree import Segment, TrajectoryTree  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "token_truth.json"
-# template_ids_equal_<name>: merged from benchmarks/token_truth_templates.py (issue 29 item 1)
-# routing_replay_mismatch_with / _without: issue 29 item 5 (routing replay), not measured here
+# template_ids_equal_<name>: benchmarks/token_truth_templates.py (issue 29 item 1);
+# routing_replay_mismatch_with / _without: benchmarks/routing_replay.py (item 5); both run by main()
 
 
 def sampled_step(engine, renderer, prompts, n, sampling: dict, max_tokens: int, seed: int):
@@ -142,6 +143,8 @@ def main(argv=None) -> int:
         out[f"prox_drift_max_minibatches_{n}"] = max(s["prox_drift_max"] for s in per_step)
     out["audit_mismatched_tokens"] = audit.mismatched
     out["audit_tokens"] = audit.tokens
+    out.update(token_truth_templates.measure())  # real templates through the proxy, ids vs transformers
+    out.update(routing_replay.measure())         # the tiny MoE with and without routing replay
     out["wall_s"] = time.perf_counter() - t_start
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")

@@ -38,6 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks import xlong_serving  # noqa: E402  (the proxy/shard keys of xlong.json)
 
 OUT = ROOT / "benchmarks" / "results" / "xlong.json"
 POINTS = {"case": None, "250k": 250_000, "500k": 500_000, "1m": 1_000_000, "2m": 2_000_000}
@@ -157,7 +158,8 @@ def slope(xs: list[float], ys: list[float]) -> float | None:
     return sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
 
 
-def main(points: list[str], train_timeout: float, mat_timeout: float, train_layouts: list[str]) -> dict:
+def main(points: list[str], train_timeout: float, mat_timeout: float, train_layouts: list[str],
+         serving: bool = True) -> dict:
     out: dict = {"selection_k": K, "train_timeout_s": train_timeout}
     seen: dict[tuple[str, str], list[tuple[float, float]]] = {}
     too_long: set[str] = set()  # layouts whose training ran past the timeout at a shorter point
@@ -191,7 +193,8 @@ def main(points: list[str], train_timeout: float, mat_timeout: float, train_layo
     out["peak_mb_growth_exponent"] = max(exps.values()) if exps else None
     if "case" in points and "tree" in train_layouts:
         out["case_study_trains"] = int(out.get("train_step_s_tree_case") is not None)
-    # --- merge point: xlong_serving.measure() (branch xlong-serve) adds proxy_call_ms_*, shard_* here
+    if serving:  # the proxy's per-call cost over a ~1M-token execution, shard write/read (xlong_serving.py)
+        out.update(xlong_serving.measure())
     return out
 
 
@@ -205,13 +208,14 @@ if __name__ == "__main__":
                     help="seconds per training point; a layout past it skips its longer points (null)")
     ap.add_argument("--materialize-timeout", type=float, default=900.0)
     ap.add_argument("--train-layouts", default="tree,expanded")
+    ap.add_argument("--no-serving", action="store_true", help="skip the proxy and shard keys (xlong_serving.py)")
     ap.add_argument("--out", default=str(OUT))
     a = ap.parse_args()
     pts = [p for p in a.points.split(",") if p]
     bad = [p for p in pts if p not in POINTS and not p.startswith("x")]
     if bad:
         sys.exit(f"unknown points {bad}: choose from {', '.join(POINTS)}")
-    result = main(pts, a.train_timeout, a.materialize_timeout, a.train_layouts.split(","))
+    result = main(pts, a.train_timeout, a.materialize_timeout, a.train_layouts.split(","), not a.no_serving)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
     print(json.dumps(result, indent=1, sort_keys=True))
