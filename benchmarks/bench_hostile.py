@@ -17,7 +17,7 @@
    once (each refused one is sent again 50 ms later) while a sibling makes 2-token calls one after
    the other; ``flood_sibling_p99_ms`` is the sibling's 99th-percentile latency (goal < 500 ms).
    The stand-in engine serves every call at once (it has no admission queue), so the figure is the
-   proxy's share; the engine's admission by priority is tests/test_fair_serving.py.
+   proxy's share; the engine's admission by priority is tests/engine/test_fair_serving.py.
 5. **Big body** (``bigbody_*``, issue 34): a 7.5 MB message (under ``proxy.max_body_bytes``) and a
    400,000-character one (under the characters-per-token bound: tokenized, then refused as too
    long) sent again and again by one execution while a sibling makes 2-token calls;

@@ -111,7 +111,7 @@ def family_figures(family: str, megatron) -> dict:
 
 
 def ep_figures() -> dict:
-    """Megatron MoE, EP=2 over gloo (two processes) vs one process (tests/test_megatron_moe.py, tests/support/megatron_moe.py)."""
+    """Megatron MoE, EP=2 over gloo (two processes) vs one process (tests/train/test_megatron_moe.py, tests/support/megatron_moe.py)."""
     import torch.multiprocessing as mp
 
     sys.path.insert(0, str(ROOT / "tests"))

@@ -11,7 +11,7 @@ Figures (one flat JSON, benchmarks/results/resume.json):
 - resume_s_<p>_replay / _restart; diverged_<p>: resumed executions whose harness asked something
   that was not recorded before the recording ran out (the reference harness is deterministic
   given its answers, so 0 is expected; a harness with a clock in its prompt diverges at its first
-  call: tests/test_proxy_replay.py);
+  call: tests/proxy/test_proxy_replay.py);
 - full_run_s, full_run_calls: the uninterrupted run.
 On this toy the engine's generation is a small part of an execution (evaluation and process
 start-up dominate), so the time saved is small here; on the paper's profile it is ~2 h per

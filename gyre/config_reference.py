@@ -2,7 +2,7 @@
 
 Every key of every section with its type, default, allowed values or range and help text, as
 Markdown. `docs/configuration.md` is this output (`gyre config reference > docs/configuration.md`);
-tests/test_config_reference.py fails when the committed file and config.py disagree.
+tests/config/test_config_reference.py fails when the committed file and config.py disagree.
 """
 
 from __future__ import annotations

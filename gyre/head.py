@@ -336,7 +336,7 @@ class Head:
     # ==== executions ============================================================================
     # The sync handlers below (_start_groups, _execution_scored, _execution_recorded, _step_ended,
     # _step_committed) are the head's whole translation of what happened into core events; the async code around them
-    # is messaging and I/O. tests/test_coordinator_core.py replays a simulator trace through them.
+    # is messaging and I/O. tests/sched/test_coordinator_core.py replays a simulator trace through them.
     def _start_groups(self, n: int, now: float) -> list[GroupRecord]:
         started = self.core.start_groups(n, now)
         for g in started:

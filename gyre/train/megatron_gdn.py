@@ -11,7 +11,7 @@ both) or, without it, Megatron's own torch fallback ``torch_chunk_gated_delta_ru
 arguments). Sequence parallel and tensor parallel > 1 are not handled here (the split of q/k/v/z/b/a
 per TP rank would follow Megatron's in_proj layout).
 
-Checked on the CPU against Gyre's module through the torch fallback (tests/test_hybrid.py); the
+Checked on the CPU against Gyre's module through the torch fallback (tests/train/test_hybrid.py); the
 CUDA kernel path is in benchmarks/gpu_check.sh.
 """
 

@@ -6,7 +6,7 @@ Parameter names are the checkpoint's (``model.layers.0.self_attn.q_proj.weight``
 weights are interchangeable with transformers' ``save_pretrained`` directories; the forward is
 transformers' op for op (RMSNorm in float32, rotate-half RoPE from position ids, grouped-query
 attention, q/k RMSNorm for Qwen3, SiLU-gated MLP or top-k routed experts), which
-`tests/test_train_qwen2.py` and `tests/test_model_families.py` check logits and gradients against. Attention takes what the micro-batch carries: a `TreeMask` (the tree path), a
+`tests/train/test_train_qwen2.py` and `tests/model/test_model_families.py` check logits and gradients against. Attention takes what the micro-batch carries: a `TreeMask` (the tree path), a
 bool ``[B, 1, S, S]`` mask (True = masked; the dense path) or None (causal).
 
 Why not transformers' ``AutoModelForCausalLM``: importing its model code costs ~3-4 CPU-s in every

@@ -2,7 +2,7 @@
 
     mpiexec -n 3 python tests/mpi_scripts/cell_head.py RUN_DIR MODEL_DIR KEY_FILE OUT_JSON
 
-Rank 0 runs the scenario of tests/test_cell_agent.py and writes what it observed to OUT_JSON
+Rank 0 runs the scenario of tests/cell/test_cell_agent.py and writes what it observed to OUT_JSON
 (the test asserts on it); the other ranks run `gyre.cell.main.main`. The head always
 sends `stop` at the end, even when a check fails, so that every rank exits.
 """

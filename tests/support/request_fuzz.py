@@ -1,5 +1,5 @@
 """Seeded mutations of a valid chat-completion request over its schema, for the proxy's
-"no 5xx for a client's fault" check (tests/test_proxy_hostile.py, benchmarks/bench_hostile.py).
+"no 5xx for a client's fault" check (tests/proxy/test_proxy_hostile.py, benchmarks/bench_hostile.py).
 
 Each case is raw request bytes plus extra headers: a field of a full request (messages of every
 role, tools, tool calls, parameters) replaced by a value of another type or an extreme one

@@ -7,7 +7,7 @@ control tokens when the tiny one lacks them: Llama 3's header and end-of-turn to
 as ``chat_template.jinja``. `drive` runs a 5-call agent (system message, parallel tool calls,
 reasoning, a new user turn) with the openai client through the proxy over HTTP to a scripted
 engine, echoing each reply as a harness does, and returns, per call, the ids the engine got and the
-ids transformers gives for the same messages. Used by tests/test_templates_real.py and
+ids transformers gives for the same messages. Used by tests/proxy/test_templates_real.py and
 benchmarks/token_truth_templates.py.
 """
 

@@ -6,7 +6,7 @@ Pure and standard-library only. It is used three ways, which must agree:
   test per level (test i passes iff ``level_passes(task, answer, i)``), so the evaluator's reward
   passed / test_case_count is :func:`reward`;
 * ``benchmarks/learnability_check.py`` scores sampled answers with :func:`reward` directly;
-* ``tests/test_learnable_suite.py`` checks that the copies are identical to this file.
+* ``tests/harness/test_learnable_suite.py`` checks that the copies are identical to this file.
 
 Tasks (the answer is the text the harness wrote to ``answer.txt``):
 

@@ -103,7 +103,7 @@ MUST_NOT = {
     "services": DRIVERS | {"report", "cluster", "sim"},
 }
 # Arrows against the table that exist today, each to be removed when its cause goes
-# (tests/test_layering.py fails once an exception no longer occurs, so this list only shrinks).
+# (tests/core/test_layering.py fails once an exception no longer occurs, so this list only shrinks).
 KNOWN: dict[tuple[str, str], str] = {}
 
 

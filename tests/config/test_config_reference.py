@@ -10,7 +10,7 @@ from gyre.cli import main
 from gyre.config import GyreConfig
 from gyre.config_reference import reference_markdown
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 
 def test_committed_reference_is_up_to_date():

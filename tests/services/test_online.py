@@ -38,7 +38,7 @@ def test_elastic_run_switches_both_ways_and_trains(tmp_path):
     # each step's start, so every step moves a cell rollout -> train as its executions end and
     # train -> rollout for the next step. (The shipped E keeps a trainer while the calls in flight
     # leave rollout cells idle, which on this toy's millisecond calls is most of the time: its
-    # switching rules are tested on states in tests/test_sched_policies.py, and it runs live in
+    # switching rules are tested on states in tests/sched/test_sched_policies.py, and it runs live in
     # the stale-drop and fault tests here.)
     rc, out = gyre_run(tmp_path / "e", "sched.scheme=E-paper", "sched.execs_per_cell=4", "run.keep_checkpoints=1")
     assert rc == 0, out[-3000:]

@@ -10,7 +10,7 @@ import pytest
 from gyre.sim import calibration as cal
 
 _spec = importlib.util.spec_from_file_location(
-    "bench_nl2repo", Path(__file__).resolve().parent.parent / "benchmarks" / "bench_nl2repo.py")
+    "bench_nl2repo", Path(__file__).resolve().parents[2] / "benchmarks" / "bench_nl2repo.py")
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 

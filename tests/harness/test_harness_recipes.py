@@ -25,7 +25,7 @@ from support.loop_thread import LoopThread
 from support.scripted_engine import ScriptedEngine
 from support.proxy_stack import R
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "docs" / "recipes"
 ADMIN = "recipe-admin-key"
 

@@ -23,7 +23,7 @@ from gyre.services.rollout import RolloutService
 from gyre.traj.record import FINISHED
 from gyre.traj.store import iter_executions
 
-ASSETS = Path(__file__).resolve().parents[1] / "gyre" / "assets"
+ASSETS = Path(__file__).resolve().parents[2] / "gyre" / "assets"
 TASK = {t.name: t for t in load_suite("builtin")}["fizzbuzz"]
 SOLVE = "#!/bin/sh\nprintf 'def fizzbuzz(n):\\n    return %s\\n' \"'x'\" > fizzbuzz.py\n"
 

@@ -66,7 +66,7 @@ def test_engine_http_returns_routed_experts(moe_dir):
     import shutil
     from pathlib import Path
 
-    shutil.copyfile(Path(__file__).parents[1] / "gyre" / "assets" / "tokenizer.json", moe_dir / "tokenizer.json")
+    shutil.copyfile(Path(__file__).parents[2] / "gyre" / "assets" / "tokenizer.json", moe_dir / "tokenizer.json")
     with InProcessEngine(moe_dir, api_key="k") as eng:
         async def go():
             async with EngineClient(eng.url, api_key="k") as c:

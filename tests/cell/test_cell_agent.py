@@ -18,7 +18,7 @@ import pytest
 
 from gyre.model.tiny import ensure_tiny_model
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "mpi_scripts" / "cell_head.py"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 BOUND_S = 300

@@ -154,7 +154,7 @@ def test_engine_answers_routing_only_when_asked_and_at_the_end_of_a_stream(tmp_p
     from support.inprocess_engine import InProcessEngine
 
     moe_model.save_pretrained(tmp_path)
-    shutil.copyfile(Path(__file__).parents[1] / "gyre" / "assets" / "tokenizer.json", tmp_path / "tokenizer.json")
+    shutil.copyfile(Path(__file__).parents[2] / "gyre" / "assets" / "tokenizer.json", tmp_path / "tokenizer.json")
     params = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
     with InProcessEngine(tmp_path, api_key="k") as eng:
         async def go():

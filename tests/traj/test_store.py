@@ -25,7 +25,7 @@ from gyre.traj.store import (SCHEMA_VERSION, ShardError, ShardWriter, digest, it
 from gyre.traj.tree import Segment, TrajectoryTree
 from support.store_records import IDENTITY, records
 
-ROOT_DIR = Path(__file__).resolve().parents[1]
+ROOT_DIR = Path(__file__).resolve().parents[2]
 
 
 def writer(tmp_path: Path, **kw) -> ShardWriter:

@@ -15,7 +15,7 @@ from support.loop_thread import ServedApp
 
 from gyre.harness.long_tail_agent import TOOL_RESULT, group_key, tool_seconds
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class EchoServer(ServedApp):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from support.gyre_run import check_ledger, gyre_run, report  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

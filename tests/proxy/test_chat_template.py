@@ -19,7 +19,7 @@ from gyre.proxy.template_capture import prepare_call_template
 from gyre.traj.record import ExecutionRecord
 from support.chat_templates import TEMPLATES, TOOLS
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 R = Renderer(Tokenizer.from_file(str(ROOT / "gyre" / "assets" / "tokenizer.json")))
 
 

@@ -14,7 +14,7 @@ from gyre.cluster import slurm
 from gyre.cluster.slurm import SlurmEnvError, allocation_from_env, cell_blocks, expand_hostlist
 from gyre.config import load_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def het_env(cells: str = "node[01-08]", **extra) -> dict:

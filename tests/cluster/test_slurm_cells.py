@@ -5,7 +5,7 @@ Each agent starts its trainer as one `srun` step over its cell's two nodes (one 
 CPU). Checked from what the processes report: trainer ranks on both nodes of each cell, an engine
 per cell, the reduce over 2 cells x 2 ranks equal to one process on the same micro-batches, a
 reduce over one cell while the other leaves (and later rejoins) mid-step, and a trainer death
-recovered. Skipped where the dev cluster cannot run (see tests/test_slurm.py).
+recovered. Skipped where the dev cluster cannot run (see tests/cluster/test_slurm.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from support.devcluster import REPO, _tail, cluster, sbatch, wait_gone  # noqa: E402,F401  (cluster: fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
