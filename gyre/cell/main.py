@@ -63,7 +63,7 @@ def main(argv: list[str] | None, place: PlaceCell) -> int:
     p = argparse.ArgumentParser(prog="gyre cell agent", description=__doc__.splitlines()[0])
     add_arguments(p)
     args = p.parse_args(argv)
-    from mpi4py import MPI  # here, not at import: importing mpi4py initialises MPI
+    MPI = mpi_link.init_mpi()  # here, not at import: importing mpi4py initialises MPI
 
     comm = MPI.COMM_WORLD
     if comm.Get_rank() == 0:

@@ -2,13 +2,14 @@
 
 Cells are numbered ``cell = rank - 1`` (rank 0 is the head). Nothing here blocks without a
 bound: receives poll with ``Iprobe`` and short sleeps, so a loop can also watch its children,
-send heartbeats or notice a stop flag. mpi4py is imported by the caller (this module only uses
-the communicator it is given), so importing it never initialises MPI.
+send heartbeats or notice a stop flag. Importing this module never initialises MPI: the entry
+points call `init_mpi()` when they start.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -19,6 +20,21 @@ from gyre.sched.protocol import TAG_COMMAND, TAG_EVENT, TAG_REPLY, Command, Even
 log = logging.getLogger(__name__)
 
 HEAD = 0
+
+
+def init_mpi():
+    """Import mpi4py (which initialises MPI) and return its ``MPI`` module.
+
+    The PyPI ``mpich`` wheel defaults to its UCX netmod, which publishes every rank's whole UCX
+    address through PMI in run-length-coded segments; on a machine with more transports a segment's
+    request line passes the 1,024 bytes Slurm's pmi2 plugin reads ("value not properly terminated",
+    then UCX aborts on the torn address; seen in CI). Gyre's MPI carries control messages only, so
+    the OFI netmod (addresses of tens of bytes) is the default here; a site's own choice wins.
+    Other MPIs ignore the variable."""
+    os.environ.setdefault("MPIR_CVAR_CH4_NETMOD", "ofi")
+    from mpi4py import MPI
+
+    return MPI
 
 
 def cell_rank(cell: int) -> int:

@@ -14,7 +14,7 @@ import socket
 import sys
 from pathlib import Path
 
-from gyre.cell.mpi_link import HeadLink
+from gyre.cell.mpi_link import HeadLink, init_mpi
 from gyre.cluster.placement import cell_placement
 from gyre.config import default_tiny_dir, load_config
 from gyre.model.tiny import ensure_tiny_model
@@ -33,7 +33,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mpi4py import MPI  # here, not at import: importing mpi4py initialises MPI
+    MPI = init_mpi()  # here, not at import: importing mpi4py initialises MPI
 
     args = parse(argv)
     comm = MPI.COMM_WORLD

@@ -12,6 +12,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from gyre.model.checksums import MANIFEST, write_checksums
 from gyre.model.tiny import ensure_tiny_model
 from gyre.model.tokenizer import load_tokenizer
 from support.engine_http import PROMPT, generate, request, stream_generate
+from support.inprocess_engine import InProcessEngine
 
 
 @pytest.fixture(scope="module")
@@ -57,12 +59,33 @@ def test_stop_string_ends_generation_in_the_engine(engine, tiny):
     assert kept["text"].endswith(stop)
 
 
-def test_stream_is_sglangs_cumulative_sse_and_ends_like_the_plain_answer(engine):
-    plain = generate(engine.url, PROMPT, max_new_tokens=12, temperature=0, ignore_eos=True)
-    chunks = stream_generate(engine.url, PROMPT, max_new_tokens=12, temperature=0, ignore_eos=True)
+class _OneRoundPerChunk:
+    """A pacer (the engine's per-round seam) that lets the engine run one round per permit: the
+    reader hands a permit back for each chunk it reads, so every chunk is one token more, however
+    loaded the machine is (without it, tokens decoded before the stream wakes share a chunk, as in
+    SGLang)."""
+
+    def __init__(self):
+        self.permits = threading.Semaphore(1)
+
+    def start(self):
+        assert self.permits.acquire(timeout=60), "the reader stopped handing out rounds"
+
+    def finish(self, *_):
+        pass
+
+    def done(self):
+        pass
+
+
+def test_stream_is_sglangs_cumulative_sse_and_ends_like_the_plain_answer(tiny):
+    with InProcessEngine(tiny) as eng:
+        plain = generate(eng.url, PROMPT, max_new_tokens=12, temperature=0, ignore_eos=True)
+        eng.engine.pacer = gate = _OneRoundPerChunk()
+        chunks = stream_generate(eng.url, PROMPT, max_new_tokens=12, temperature=0, ignore_eos=True,
+                                 on_chunk=gate.permits.release)
     assert [c["meta_info"]["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
-    lengths = [len(c["output_ids"]) for c in chunks]
-    assert lengths == sorted(lengths) and lengths[-1] == 12 and len(chunks) >= 2
+    assert [len(c["output_ids"]) for c in chunks] == list(range(1, 13))  # the 12th is the finished chunk
     for c in chunks:  # cumulative: every chunk holds all ids and log-probs so far
         assert c["output_ids"] == plain["output_ids"][: len(c["output_ids"])]
         assert c["meta_info"]["completion_tokens"] == len(c["output_ids"])

@@ -250,7 +250,9 @@ def head_main(comm, run: Path, model: Path, key_file: Path, out_path: Path) -> i
 
 def main() -> int:
     run, model, key_file, out_path = map(Path, sys.argv[1:5])
-    from mpi4py import MPI
+    from gyre.cell.mpi_link import init_mpi
+
+    MPI = init_mpi()
 
     comm = MPI.COMM_WORLD
     if comm.Get_rank() != 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -50,6 +51,10 @@ def cluster():
     if reason:
         pytest.skip(reason)
     env = _env()
+    # One dev cluster per machine: a second suite (another clone's CI) waits here instead of
+    # cancelling this one's jobs or taking the cluster down under it.
+    lock = open(f"{STATE}.lock", "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)
     already = subprocess.run([str(DEVCLUSTER), "status"], env=env, capture_output=True, timeout=30).returncode == 0
     t = time.time()
     r = subprocess.run([str(DEVCLUSTER), "up"], env=env, capture_output=True, text=True, timeout=120)
@@ -60,6 +65,7 @@ def cluster():
     finally:
         if not already:
             subprocess.run([str(DEVCLUSTER), "down"], env=env, capture_output=True, timeout=120)
+        lock.close()
 
 
 def sbatch(env: dict, args: list, extra_env: dict | None = None) -> str:
@@ -89,9 +95,17 @@ def wait_gone(env: dict, job: str, timeout: float, out: Path) -> None:
         if not job_states(env, job):
             return
         time.sleep(0.5)
+    why = _why_waiting(env, job)
     subprocess.run(["scancel", job], env=env, capture_output=True, timeout=30)
     wait_gone_quiet(env, job, 30)
-    pytest.fail(f"job {job} still there after {timeout} s (cancelled); its output:\n{_tail(out)}")
+    pytest.fail(f"job {job} still there after {timeout} s (cancelled); {why}; its output:\n{_tail(out)}")
+
+
+def _why_waiting(env: dict, job: str) -> str:
+    """The job's state and reason and the nodes' states (a pending job says why it waits)."""
+    q = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T %r"], env=env, capture_output=True, text=True, timeout=30)
+    n = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T %E"], env=env, capture_output=True, text=True, timeout=30)
+    return f"squeue: {q.stdout.strip() or q.stderr.strip()}; nodes: {'; '.join(n.stdout.split(chr(10)))}"
 
 
 def wait_gone_quiet(env: dict, job: str, timeout: float) -> None:

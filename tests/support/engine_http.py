@@ -38,8 +38,9 @@ def generate(url, ids, **sp):
     return data
 
 
-def stream_generate(url, ids, started: threading.Event | None = None, incremental=False, **sp):
-    """Streamed /generate: the list of chunk objects (SSE ``data:`` events before ``[DONE]``)."""
+def stream_generate(url, ids, started: threading.Event | None = None, incremental=False, on_chunk=None, **sp):
+    """Streamed /generate: the list of chunk objects (SSE ``data:`` events before ``[DONE]``);
+    ``on_chunk()`` is called after each."""
     rid = sp.pop("rid", None)
     body = {"input_ids": ids, "sampling_params": sp, "return_logprob": True, "stream": True}
     if rid:
@@ -59,6 +60,8 @@ def stream_generate(url, ids, started: threading.Event | None = None, incrementa
         chunks.append(json.loads(line[6:]))
         if started is not None:
             started.set()
+        if on_chunk is not None:
+            on_chunk()
     conn.close()
     assert done, "stream ended without [DONE]"
     return chunks
