@@ -23,7 +23,6 @@ Writes benchmarks/results/moe.json. About a minute on 2 cores.
 from __future__ import annotations
 
 import json
-import socket
 import sys
 import tempfile
 import time
@@ -100,24 +99,12 @@ def family_figures(family: str, megatron) -> dict:
 
 def ep_figures() -> dict:
     """Megatron MoE, EP=2 over gloo (two processes) vs one process (tests/train/test_megatron_moe.py, tests/support/megatron_moe.py)."""
-    import torch.multiprocessing as mp
-
     sys.path.insert(0, str(ROOT / "tests"))
-    from support.megatron_moe import _CFG, _batch, _model, _rank
+    from support.megatron_moe import _CFG, _batch, _model, two_expert_parallel_ranks
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     hf = _model()
     state = {k: v.numpy().copy() for k, v in split_fused_experts(hf.state_dict()).items()}
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, hf.config, state, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    grad_norm, _, _, ep_size, params = q.get(timeout=300)
-    for p in procs:
-        p.join(timeout=60)
+    grad_norm, _, _, ep_size, params = two_expert_parallel_ranks(hf, state)
     ref = EmbeddedTrainer(TrainConfig(**_CFG), hf)
     ref.forward_backward(_batch([0, 1, 2, 3], 4))
     stats = ref.optimizer_step()
