@@ -66,9 +66,10 @@ class Limits:
     max_log_mb: int = 0
     max_workspace_mb: int = 0
     poll_s: float = 1.0
+    max_workspace_files: int = 0
 
     def tree(self) -> TreeLimits:
-        return TreeLimits(self.max_processes, self.max_memory_mb, self.max_workspace_mb)
+        return TreeLimits(self.max_processes, self.max_memory_mb, self.max_workspace_mb, self.max_workspace_files)
 
 
 @dataclass
@@ -225,7 +226,8 @@ class HarnessPool:
     def from_config(cls, cfg, environments: Environments | None = None) -> "HarnessPool":
         h = cfg.harness
         limits = Limits(h.timeout_s, h.kill_grace_s, h.cpu_limit_s, h.memory_limit_mb, h.max_processes,
-                        h.max_memory_mb, h.max_log_mb, h.max_workspace_mb, h.limits_poll_s)
+                        h.max_memory_mb, h.max_log_mb, h.max_workspace_mb, h.limits_poll_s,
+                        h.max_workspace_files)
         return cls(cfg.run.dir, h.command, concurrency=h.concurrency, limits=limits,
                    pass_env=h.pass_env, extra_env=proc.parse_env_list(h.env),
                    environments=environments or Environments(SandboxConfig.from_config(h)),
