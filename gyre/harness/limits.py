@@ -17,6 +17,7 @@ summaries count executions by the limit that stopped them (gyre.traj.record.limi
 from __future__ import annotations
 
 import os
+import re
 import select
 import threading
 import time
@@ -24,6 +25,27 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+# The kernel's cap in a sandbox (RLIMIT_NPROC) counts threads as well as processes: room for a
+# harness's threads and the launcher's relay threads (two per proxy connection), and above
+# max_processes, so the poll still sees a fork bomb pass the limit and stops it with its error.
+KERNEL_TASKS_PER_PROCESS = 2
+LAUNCHER_TASKS = 160
+
+
+def kernel_process_cap(max_processes: int) -> int:
+    """RLIMIT_NPROC inside a sandbox with a user namespace of its own, for `max_processes`."""
+    return KERNEL_TASKS_PER_PROCESS * max_processes + LAUNCHER_TASKS
+
+
+def kernel_counts_per_namespace() -> bool:
+    """RLIMIT_NPROC counted per user namespace (Linux 5.14, "ucounts"); before, one count per user
+    on the whole node, which would hold a sandbox to the user's other processes too.
+
+    Not cgroup v2's pids controller: a user job can use it only where systemd or Slurm delegates a
+    cgroup subtree to it, which most clusters (and this machine: cgroup v1, no controllers in the
+    unified hierarchy) do not; a user namespace is what bubblewrap gives everywhere."""
+    m = re.match(r"(\d+)\.(\d+)", os.uname().release)
+    return m is not None and (int(m[1]), int(m[2])) >= (5, 14)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from gyre.harness import proc
-from gyre.harness.limits import CappedLog, TreeLimits, WorkspaceClock, check as check_limits
+from gyre.harness.limits import (CappedLog, TreeLimits, WorkspaceClock, check as check_limits,
+                                 kernel_counts_per_namespace, kernel_process_cap)
 from gyre.harness.sandbox import (LIB, SOCKET, TASK, WORKSPACE, Environments, ProxyBridge, SandboxConfig,
                                   host_python, run_steps_async)
 from gyre.harness.runtimes import Mount
@@ -340,6 +341,10 @@ class HarnessPool:
                    PYTHONPATH=os.pathsep.join(filter(None, [LIB, env.get("PYTHONPATH")])))
         mounts = [Mount(str(ws), WORKSPACE, writable=True), Mount(str(task_dir), TASK)]
         argv = envs.launcher(place)
+        if self.limits.max_processes and place.runtime.private_users and kernel_counts_per_namespace():
+            # the kernel refuses a fork past the cap at once; the poll stops the harness (the kernel
+            # exempts root of the host: there the poll alone holds)
+            argv += ["--nproc", str(kernel_process_cap(self.limits.max_processes))]
         if bridge:
             mounts.append(Mount(str(bridge.path), SOCKET))
             argv += ["--forward", f"{bridge.inner_port}={SOCKET}"]
