@@ -3,8 +3,9 @@
 It is mounted alone (with the harness scripts) into an instance, so it must not import Gyre.
 
     sandbox_init.py [--nproc N] [--forward PORT=SOCKET] -- ARGV...
-        With --nproc, cap the tasks (processes and threads) of this uid at N with RLIMIT_NPROC
-        first: in the sandbox's own user namespace the kernel counts the sandbox alone. Listen on 127.0.0.1:PORT of the instance's own loopback and relay each connection to
+        With --nproc, first cap the tasks (processes and threads) of this uid at N with
+        RLIMIT_NPROC: in the sandbox's own user namespace the kernel counts the sandbox alone.
+        Listen on 127.0.0.1:PORT of the instance's own loopback and relay each connection to
         the Unix socket SOCKET (the host's end leads to the proxy), then run ARGV (the harness)
         and exit with its status. The instance has no other network.
 
