@@ -376,6 +376,12 @@ class HarnessConfig(_EnumFields):
     max_log_mb: int = _f(64, min=0, help="bytes of stdout and of stderr kept per harness (MB); the rest is dropped")
     max_workspace_mb: int = _f(20480, min=0, help="bytes a harness's workspace may hold on disk (MB); also "
                                                   "the largest file it may write")
+    max_workspace_files: int = _f(500000, min=0, help="entries (files, folders, links; empty ones too) a harness's "
+                                                     "workspace may hold: a harness cannot exhaust the run "
+                                                     "directory's inodes")
+    tmpfs_mb: int = _f(2048, min=0, help="size of a sandboxed harness's (and evaluation's) /tmp, its HOME, and "
+                                         "apart of its /dev/shm (MB; bubblewrap): what they hold is node memory "
+                                         "on top of harness.max_memory_mb (up to 2 x tmpfs_mb more); 0 = unsized")
     max_start_failures: int = _f(3, min=0, help="harnesses in a row that cannot start in their sandbox before "
                                                "the run stops with the sandbox's error; 0 = never stop")
     limits_poll_s: float = _f(1.0, min=0.05, help="how often the process, memory and workspace limits are checked")

@@ -61,7 +61,7 @@ from gyre.services.rollout import RecordError, RolloutService, journal_dir
 from gyre.services.training import StepReduced, TrainingDispatch
 from gyre.train.step_stats import lag0_warning
 from gyre.traj.audit import Audit, audit_warning
-from gyre.traj.record import FINISHED, Status
+from gyre.traj.record import FINISHED, Status, limit_of
 from gyre.traj.select import SelectionSpec
 
 
@@ -372,12 +372,12 @@ class Head:
         written down and told, before the core hears of it (the rollout service's `settle`)."""
         reward, usable = _reward_of(rec)
         self.ledger.execution_ended(eid, reward, "" if usable else rec.reward_source or f"status {rec.status}",
-                                    unscorable=rec.reward_source)
+                                    unscorable=rec.reward_source, error=rec.error)
         url_cell = {u: c.id for c in self.cells for u in self.fleet.urls_of(c) if u}
         for call in rec.tree.calls:
             self._emit(CallRecorded(call.t_start, call.t_end, url_cell.get(call.endpoint), eid, call.n_input, call.n_output))
         self._emit(ExecutionEvaluated(now, eid, rec.group, rec.status, reward, rec.min_version,
-                                      float(rec.tree.stats().unique_tokens), usable))
+                                      float(rec.tree.stats().unique_tokens), usable, limit_of(rec.error)))
 
     def _execution_recorded(self, eid: str, rec, now: float) -> None:
         """Its record is on disk and written down: only now does the core hear of it, so a SIGKILL
@@ -487,7 +487,7 @@ class Head:
                 "warnings": self.warnings,
                 "harness_errors": executions.get(Status.FAILED, 0) + executions.get(Status.CRASHED, 0), "events": events,
                 "groups_replaced_zero_variance": self.core.zero_variance_dropped,
-                "executions": executions, "version": self.version,
+                "executions": executions, "stopped_by_limits": dict(st.limit_counts), "version": self.version,
                 "intervals": {c.id: st.intervals(c.id, t1) for c in self.cells},
                 "idle": {c.id: st.idle_spans(c.id, t1) for c in self.cells},
                 "metrics": self.metrics.describe() if self.metrics else None}

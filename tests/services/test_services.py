@@ -212,13 +212,15 @@ def test_ledger_lines_are_each_execution_s_last_word(tmp_path):
     led.open()
     led.group_started(0, "t")
     led.execution_ended("a", 1.0, "")
-    led.execution_ended("b", None, "status failed", unscorable="")
+    led.execution_ended("b", None, "status failed", unscorable="",
+                        error="harness.max_workspace_files = 10 passed: the workspace holds more than 10 entries")
     led.line("a", Group(0), admitted=True, staleness=0, step=0)
     led.close_unfinished([Group(0, ["a", "b"])], "run stopped", 1)
     led.close()
     rows = [json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines()]
     assert [(r["execution"], r["admitted"], r["reward"]) for r in rows] == [("a", True, 1.0), ("b", False, None)]
     assert rows[1]["reason"] == "run stopped before step 1 closed (group waiting)"
+    assert rows[0]["error"] is None and rows[1]["error"].startswith("harness.max_workspace_files = 10 passed")
     assert told == [ExecutionDropped(7.0, "b", 0, rows[1]["reason"])] and led.ended == {}
     assert led.unscorable == {"no reward": 1}
 
