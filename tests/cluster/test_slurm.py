@@ -103,6 +103,7 @@ REFERENCE = ('harness.command=["{python}", "-m", "gyre.harness.reference_agent",
              '"--max-turns", "12", "--compact-chars", "900"]')
 
 
+@pytest.mark.timeout(1500)  # ~140 s alone; beside heavy neighbours each of its two restarts took minutes
 def test_preemption_requeue_replays_the_executions_it_stopped(cluster, tmp_path):
     """USR1 (as --signal=B:USR1@N sends it) while multi-call executions run (the reference harness,
     builtin suite): the head stops, the job requeues, resumes from state.json and finishes; each
