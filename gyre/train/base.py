@@ -26,6 +26,7 @@ from torch import Tensor
 
 from gyre.batch import MicroBatch
 from gyre.config import TrainConfig
+from gyre.sched.core import minibatch_parts
 from gyre.train.export import save_torch_atomic, write_hf_weights
 from gyre.train.loss import OffPolicy, policy_loss_from_logprobs
 from gyre.train.offload import PhaseTimer
@@ -41,15 +42,6 @@ def torch_dtype(name: str) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if torch.cuda.is_available() else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
-
-
-def minibatch_parts(items: Sequence, minibatches: int) -> list[list]:
-    """A step's micro-batches in ``minibatches`` consecutive, near-equal parts (never more parts
-    than micro-batches): the one split of PPO-style updates, offline (`Trainer.train_step`) and
-    live (gyre.sched.core)."""
-    items = list(items)
-    n = max(1, min(int(minibatches), len(items)))
-    return [items[i * len(items) // n:(i + 1) * len(items) // n] for i in range(n)]
 
 
 class Trainer(ABC):
