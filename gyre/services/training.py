@@ -115,8 +115,9 @@ class TrainingDispatch:
                 mid = self.core.next_microbatch()
                 if mid is None:
                     return
-                cell.mb_in_flight = mid
-                self.spawn(self.prox_of(cell, mid) if isinstance(mid, ProxJob) else self.train(cell, mid))
+                prox = isinstance(mid, ProxJob)
+                cell.mb_in_flight = mid.mb if prox else mid  # (cells.json: the micro-batch either way)
+                self.spawn(self.prox_of(cell, mid) if prox else self.train(cell, mid))
 
     async def prox_of(self, cell: Cell, job: ProxJob) -> None:
         """pi_prox of a later minibatch's micro-batch, before the step's first update."""

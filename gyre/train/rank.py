@@ -117,6 +117,8 @@ class Rank:
         from gyre.batch import from_wire  # as above
 
         faults.hit("trainer", "micro_batch")
+        if m.update:
+            faults.hit("trainer", "later_minibatch")
         self._new_step(m.step, m.update)
         mb = rows_of(from_wire(m.wire_mb), self.dp_rank, self.dp_size)
         return self.trainer.forward_backward(mb) if mb is not None else None

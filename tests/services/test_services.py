@@ -199,6 +199,74 @@ def test_reduce_waits_for_a_trainer():
     assert asyncio.run(td.reduce(0)) is None and link.sent == []
 
 
+def test_a_step_with_two_minibatches_asks_pi_prox_first_then_reduces_once_per_update():
+    # 4 micro-batches, 2 minibatches: parts [0, 1] and [2, 3]; pi_prox of 2 and 3 before update 0
+    core = Coordinator(CoreSpec(steps=1, groups_per_step=1, group_size=2, minibatches=2, prox=True))
+    (g,) = core.start_groups(1, 0.0)
+    for m in range(2):
+        core.execution_started(g.id, f"e{m}", 0.0)
+    for m in range(2):
+        core.execution_evaluated(f"e{m}", 1.0, version=0, tokens=10.0)
+    core.microbatches_added(g.id, {i: 1.0 for i in range(4)})
+    held: dict[int, list] = {0: [], 1: []}
+    lost_once = []
+
+    def answer(cell, cmd):
+        if isinstance(cmd, Train):
+            if cmd.prox:
+                return TrainReply(seq=cmd.seq, cell=cell, mb_id=cmd.mb_id, logprobs=[-float(cmd.mb_id)] * 2)
+            if cmd.update == 1 and not lost_once:  # a trainer dies between the updates, holding nothing of part 0
+                lost_once.append(cmd.mb_id)
+                return TrainReply(seq=cmd.seq, cell=cell, ok=False, lost=[0, 1, cmd.mb_id])
+            held[cell].append(cmd.mb_id)
+            return TrainReply(seq=cmd.seq, cell=cell, mb_id=cmd.mb_id, stats={"loss": 1.0})
+        if isinstance(cmd, PrepareReduce):
+            return PrepareReduceReply(seq=cmd.seq, cell=cell, mb_ids=list(held[cell]))
+        if isinstance(cmd, Reduce):
+            held[cell].clear()
+            return ReduceReply(seq=cmd.seq, cell=cell, grad_norm=0.5 + cmd.update)
+        return ok(cell, cmd)
+
+    td, fleet, link, told, _ = dispatch_with(answer, core)
+    td.batches = {i: {"mb": i} for i in range(4)}
+
+    async def train_update():
+        for _ in range(50):
+            td.dispatch()
+            await asyncio.sleep(0)
+            if core.step_ready():
+                return
+        raise AssertionError(f"the update never got ready: {core.step}")
+
+    async def go():
+        await train_update()
+        core.step_ending(2.0)
+        red = await td.reduce(0)
+        assert isinstance(red, StepReduced) and not red.final
+        td.update_applied(red)
+        await train_update()
+        core.step_ending(3.0)
+        return await td.reduce(0)
+
+    red = asyncio.run(go())
+    trains = [cmd for _, cmd in link.sent if isinstance(cmd, Train)]
+    prox = [c.mb_id for c in trains if c.prox]
+    assert sorted(prox) == [2, 3] and all(c.update == 0 for c in trains if c.prox)
+    first = trains.index(next(c for c in trains if c.update == 1))
+    assert sorted(c.mb_id for c in trains[:first] if not c.prox) == [0, 1]  # part 0, then part 1
+    later = [c for c in trains if c.update == 1]
+    assert {c.mb_id for c in later} == {2, 3} and len(later) == 3  # the one lost was trained again, alone
+    for c in later:  # each carries its own pi_prox from the step's start
+        assert list(c.batch["prox_logprobs"]) == [-float(c.mb_id)] * 2
+    assert all("prox_logprobs" not in c.batch for c in trains if c.update == 0)
+    reduces = [cmd for _, cmd in link.sent if isinstance(cmd, Reduce)]
+    assert [(r.update, r.final, r.checkpoint_dir) for r in reduces] == \
+        [(0, False, "/c/v0u1"), (0, False, "/c/v0u1"), (1, True, "/c/v1"), (1, True, "/c/v1")]
+    assert isinstance(red, StepReduced) and red.final and red.grad_norms == [0.5, 1.5]
+    assert core.step.update == 1 and core.step_ready() is False  # reducing: the driver ends the step
+    assert sorted(core.step_ended(4.0).microbatches) == [0, 1, 2, 3]
+
+
 class Group:  # the fields of a core GroupRecord the ledger reads
     def __init__(self, gid, executions=(), state="waiting"):
         self.id, self.version, self.sync, self.lag_syncs = gid, 0, 0, 0
