@@ -57,6 +57,15 @@ def minibatch_parts(items: Iterable, minibatches: int) -> list[list]:
     return [items[i * len(items) // n:(i + 1) * len(items) // n] for i in range(n)]
 
 
+def minibatch_scales(part_weights: list[float]) -> list[float]:
+    """Per part (from its summed loss weights): the factor that makes its weights sum to the
+    whole step's, so every update is a mean over its own tokens (1 with a single part)."""
+    total = sum(part_weights)
+    if len(part_weights) == 1:
+        return [1.0]
+    return [total / max(w, 1e-30) for w in part_weights]
+
+
 @dataclass(frozen=True)
 class ProxJob:
     """Queued work of a step with minibatches: pi_prox of micro-batch ``mb`` (a later part) at

@@ -24,7 +24,7 @@ import numpy as np
 from gyre.batch import to_wire
 from gyre.events import MicroBatchDone
 from gyre.sched.cells import Cell
-from gyre.sched.core import Coordinator, GroupRecord, ProxJob
+from gyre.sched.core import Coordinator, GroupRecord, ProxJob, minibatch_scales
 from gyre.sched.protocol import PrepareReduceReply, ReduceReply
 from gyre.sched.state import Role
 from gyre.traj.audit import Audit, audit_micro_batch
@@ -58,6 +58,7 @@ class TrainingDispatch:
         self.audits: dict[int, Audit] = {}              # micro-batch id -> its token-identity audit
         self.admitted: dict[int, list] = {}             # group id -> [(execution id, staleness)]
         self.prox: dict[int, np.ndarray] = {}           # micro-batch id -> pi_prox at its step's start
+        self.scale: dict[int, float] = {}               # micro-batch id -> its part's weight factor
         self.updates: list[StepReduced] = []            # the open step's updates applied so far
         self.mb_ids = itertools.count()
 
@@ -131,12 +132,23 @@ class TrainingDispatch:
             self.requeue(cell, set(rep.lost) & cell.step_mbs)
             self.core.microbatches_lost([job])
 
+    def _scale(self, mid: int) -> float:
+        """The factor of `mid`'s part (gyre.sched.core.minibatch_scales), once per step."""
+        if mid not in self.scale:
+            parts = self.core.step.parts
+            sums = [sum(float(self.batches[m]["weights"].sum()) for m in part) for part in parts]
+            for part, f in zip(parts, minibatch_scales(sums)):
+                self.scale.update(dict.fromkeys(part, f))
+        return self.scale[mid]
+
     async def train(self, cell: Cell, mid: int) -> None:
         t = self.clock()
         step, update = self.core.step.index, self.core.step.update
         batch = self.batches[mid]
+        if self.core.step.parts is not None:  # minibatches: each update is a mean over its own tokens
+            batch = {**batch, "weights": batch["weights"] * np.float32(self._scale(mid))}
         if mid in self.prox:  # a later minibatch: its clip and weights act against the step's start
-            batch = {**batch, "prox_logprobs": self.prox[mid]}
+            batch["prox_logprobs"] = self.prox[mid]
         rep = await self.fleet.train(cell, step, mid, batch, update)
         cell.mb_in_flight = None
         now = self.clock()
@@ -248,3 +260,4 @@ class TrainingDispatch:
             self.batches.pop(m, None)
             self.audits.pop(m, None)
             self.prox.pop(m, None)
+            self.scale.pop(m, None)

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from gyre.batch import MicroBatch
 from gyre.config import TrainConfig
-from gyre.sched.core import minibatch_parts
+from gyre.sched.core import minibatch_parts, minibatch_scales
 from gyre.train.export import save_torch_atomic, write_hf_weights
 from gyre.train.loss import OffPolicy, policy_loss_from_logprobs
 from gyre.train.offload import PhaseTimer
@@ -173,10 +173,9 @@ class Trainer(ABC):
         parts = minibatch_parts(mbs, minibatches)
         n = len(parts)
         prox = [[None] * len(p) if i == 0 else [self.logprobs(mb) for mb in p] for i, p in enumerate(parts)]
-        total = sum(float(mb.weights.sum()) for mb in mbs)
+        scales = minibatch_scales([sum(float(mb.weights.sum()) for mb in part) for part in parts])
         norms = []
-        for i, (part, part_prox) in enumerate(zip(parts, prox)):
-            scale = total / max(sum(float(mb.weights.sum()) for mb in part), 1e-30) if n > 1 else 1.0
+        for i, (part, part_prox, scale) in enumerate(zip(parts, prox, scales)):
             for mb, p in zip(part, part_prox):
                 if scale != 1.0:
                     mb = copy.copy(mb)
