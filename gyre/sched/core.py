@@ -108,7 +108,7 @@ class CoreSpec:
     #                               shuffle: once the round's groups are in, in a seeded random order
     seed: int = 0                 # of the shuffle
     minibatches: int = 1          # optimizer updates per step (train.minibatches_per_step), one reduce each
-    prox: bool = False            # the later minibatches need pi_prox at the step's start (decoupled)
+    prox: bool = False            # the later minibatches need pi_prox at the step's start (tis, decoupled)
 
     def __post_init__(self) -> None:
         if self.staleness_rule not in RULES:

@@ -148,7 +148,7 @@ class TrainingDispatch:
         if self.core.step.parts is not None:  # minibatches: each update is a mean over its own tokens
             batch = {**batch, "weights": batch["weights"] * np.float32(self._scale(mid))}
         if mid in self.prox:  # a later minibatch: its clip and weights act against the step's start
-            batch["prox_logprobs"] = self.prox[mid]
+            batch = {**batch, "prox_logprobs": self.prox[mid]}
         rep = await self.fleet.train(cell, step, mid, batch, update)
         cell.mb_in_flight = None
         now = self.clock()

@@ -61,6 +61,12 @@ def rows_of(mb, rank: int, size: int):
     return select_rows(mb, list(range(rank, mb.input_ids.shape[0], size)))
 
 
+def targets_of(mb, rank: int, size: int):
+    """Indices (numpy) in the whole micro-batch of the targets `rows_of(mb, rank, size)` keeps, in
+    its order."""
+    return ((mb.pred_pos // mb.input_ids.shape[1]) % size == rank).nonzero().view(-1).numpy()
+
+
 class Rank:
     """What every rank does for each request (all ranks call the same handler in the same order;
     ``HANDLERS`` maps each request type to its handler)."""
@@ -131,8 +137,7 @@ class Rank:
         mb = rows_of(full, self.dp_rank, self.dp_size)
         if mb is None:
             return None
-        mine = ((full.pred_pos // full.input_ids.shape[1]) % self.dp_size == self.dp_rank).nonzero().view(-1)
-        return mine.numpy(), self.trainer.logprobs(mb).numpy()
+        return targets_of(full, self.dp_rank, self.dp_size), self.trainer.logprobs(mb).numpy()
 
     def _local_grads(self):
         from gyre.train.trainer import Trainer  # as above
