@@ -67,13 +67,13 @@ from gyre.traj.select import SelectionSpec
 
 
 def prune_checkpoints(root: Path, newest: int, keep: int) -> list[Path]:
-    """Delete checkpoint directories `v<N>` (and `v<N>u<k>`, inside step N's updates) older than the
-    `keep` newest versions up to `newest` (run.keep_checkpoints); a version past `newest` (a step
-    being written) is never touched."""
+    """Delete checkpoint directories `v<N>` (and `v<N>u<k>`, inside step N's updates: older than
+    v<N+1>) older than the `keep` newest versions up to `newest` (run.keep_checkpoints); a version
+    past `newest` (a step being written) is never touched."""
     gone = []
     for d in root.glob("v*"):
         m = re.fullmatch(r"v(\d+)(u\d+)?", d.name)
-        if d.is_dir() and m and int(m[1]) + bool(m[2]) <= newest - keep:
+        if d.is_dir() and m and int(m[1]) <= newest - keep:
             shutil.rmtree(d, ignore_errors=True)
             gone.append(d)
     return gone
