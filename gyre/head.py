@@ -449,7 +449,8 @@ class Head:
                 self.ledger.line(eid, g, admitted=True, staleness=stal, step=res.index)
         extra, _, _ = self.training.step_figures(self.stats.microbatch_stats(res.microbatches),
                                                  res.replaced, len(res.groups), res.microbatches)
-        extra.update(minibatches=len(red.grad_norms), minibatch_grad_norms=red.grad_norms)
+        norms = red.grad_norms or [red.grad_norm]  # one per optimizer update of the step
+        extra.update(minibatches=len(norms), minibatch_grad_norms=norms)
         row = self._emit(StepEnded(
             res.started_at or res.ended_at, res.ended_at, res.index, res.version,
             tuple(GroupLag(g.id, g.version, g.lag_steps, g.lag_syncs, g.train_tokens) for g in res.groups),

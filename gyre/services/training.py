@@ -149,7 +149,7 @@ class TrainingDispatch:
             batch = {**batch, "weights": batch["weights"] * np.float32(self._scale(mid))}
         if mid in self.prox:  # a later minibatch: its clip and weights act against the step's start
             batch = {**batch, "prox_logprobs": self.prox[mid]}
-        rep = await self.fleet.train(cell, step, mid, batch, update)
+        rep = await self.fleet.train(cell, step, mid, batch, update=update)
         cell.mb_in_flight = None
         now = self.clock()
         stats = rep.stats if rep.ok else {}
