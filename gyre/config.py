@@ -288,7 +288,8 @@ class TrainConfig(_EnumFields):
                               "clip_frac 0, benchmarks/bench_token_truth.py)")
     minibatches_per_step: int = _f(1, min=1, help="PPO-style optimizer updates within a step (AReaL uses 4): the "
                                    "step's micro-batches in this many parts, one update each, pi_prox from the "
-                                   "step's start; `gyre train` only for now (a live run's cells reduce once per step)")
+                                   "step's start (tis, decoupled); live runs reduce once per update and export "
+                                   "weights once per step")
     is_cap: float = _f(2.0, min=1.0, help="tis: C in min(pi_old / pi_behaviour, C)")
     is_mask: bool = _f(False, help="tis/decoupled: drop (weight 0) tokens whose pi_old / pi_behaviour "
                                    "leaves [is_mask_low, is_mask_high]")
