@@ -24,7 +24,8 @@ import numpy as np
 from gyre.batch import to_wire
 from gyre.events import MicroBatchDone
 from gyre.sched.cells import Cell
-from gyre.sched.core import Coordinator, GroupRecord, ProxJob, minibatch_scales
+from gyre.minibatch import minibatch_scales
+from gyre.sched.core import Coordinator, GroupRecord, ProxJob
 from gyre.sched.protocol import PrepareReduceReply, ReduceReply
 from gyre.sched.state import Role
 from gyre.traj.audit import Audit, audit_micro_batch
@@ -133,7 +134,7 @@ class TrainingDispatch:
             self.core.microbatches_lost([job])
 
     def _scale(self, mid: int) -> float:
-        """The factor of `mid`'s part (gyre.sched.core.minibatch_scales), once per step."""
+        """The factor of `mid`'s part (gyre.minibatch.minibatch_scales), once per step."""
         if mid not in self.scale:
             parts = self.core.step.parts
             sums = [sum(float(self.batches[m]["weights"].sum()) for m in part) for part in parts]

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from gyre.batch import MicroBatch
 from gyre.config import TrainConfig
-from gyre.sched.core import minibatch_parts, minibatch_scales
+from gyre.minibatch import minibatch_parts, minibatch_scales
 from gyre.train.export import save_torch_atomic, write_hf_weights
 from gyre.train.loss import OffPolicy, policy_loss_from_logprobs
 from gyre.train.offload import PhaseTimer

@@ -606,7 +606,8 @@ def test_burst_order_shuffle_waits_for_the_round_then_deals_at_random():
 
 @pytest.mark.parametrize("prox", [True, False])
 def test_minibatches_split_a_full_step_and_each_update_trains_its_part(prox):
-    from gyre.sched.core import ProxJob, minibatch_parts
+    from gyre.minibatch import minibatch_parts
+    from gyre.sched.core import ProxJob
 
     assert minibatch_parts(range(5), 2) == [[0, 1], [2, 3, 4]] and minibatch_parts([7], 4) == [[7]]
     c = core(steps=1, q=2, minibatches=2, prox=prox)
