@@ -161,6 +161,12 @@ class Simulator:
         self.lru: list[OrderedDict] = [OrderedDict() for _ in range(n)]  # per cell: those holding a prefix
         self.kv_used = [0.0] * n   # tokens of KV held per cell
         self.kv_cap = cluster.kv_tokens_per_cell
+        # per-event arithmetic with the cluster's constants bound once (the same floats)
+        self._rate = cluster.token_rate_fn()
+        self._reps = cluster.replicas
+        self._tps = cluster.train_tokens_per_s
+        self._speed_key: tuple = ()  # (calls in flight, serving cells, context sum) of _speed_v
+        self._speed_v = 0.0
         self.evictions = 0         # prefixes evicted for capacity
         self.reprefills = 0        # calls that re-prefilled a lost context (eviction or cell switch)
         self.ctx_sum = 0.0         # mean-context numerator of the calls in flight
@@ -201,12 +207,18 @@ class Simulator:
         return 0 if self.now < self.push_until - _EPS else self.n_rollout
 
     def _speed(self) -> float:
-        """Tokens per second each call in flight gains now."""
-        n = self.in_call
-        return self.c.token_rate(n, self._serving(), self.ctx_sum / n if n else 0.0)
+        """Tokens per second each call in flight gains now (kept until the load, the serving
+        cells or the mean context change: asked several times per event)."""
+        n, cs = self.in_call, self.ctx_sum
+        serving = 0 if self.now < self.push_until - _EPS else self.n_rollout
+        key = (n, serving, cs)
+        if key != self._speed_key:
+            self._speed_key = key
+            self._speed_v = self._rate(n, serving, cs / n if n else 0.0)
+        return self._speed_v
 
     def _train_rate(self) -> float:
-        return self.c.train_rate(self.n_train)
+        return self.n_train * self._tps  # ClusterModel.train_rate
 
     def _assignment(self, busy_r: int, pushing: bool, training: bool) -> tuple[int, ...]:
         """Bucket index of every cell for this configuration (cached: few distinct ones occur)."""
@@ -233,30 +245,32 @@ class Simulator:
         return a
 
     def _advance(self, t: float) -> None:
-        dt = t - self.now
+        now = self.now
+        dt = t - now
         if dt <= 0:
             return
-        speed, rate = self._speed(), self._train_rate()
-        pushing = self.now < self.push_until - _EPS
-        optimizing = self.now < self.opt_until - _EPS
+        speed, rate = self._speed(), self.n_train * self._tps
+        pushing = now < self.push_until - _EPS
+        optimizing = now < self.opt_until - _EPS
         left = self.train_left
+        n, n_rollout = self.in_call, self.n_rollout
         # During the optimizer step trainers are busy; during a weight push rollout cells pause.
         training = (left > _EPS and rate > 0) or optimizing
-        a = self._assignment(min(self.in_call, self.n_rollout), pushing, training)
+        a = self._assignment(n if n < n_rollout else n_rollout, pushing, training)
         if a is not self.busy_a:
             self._busy_changed(a)
-        if self.running and not self.n_rollout:
+        if self.running and not n_rollout:
             self.unserved += dt
         if self.win_open:
-            self.win_spare += max(0.0, self.c.cells - self.in_call / self.knee) * dt
+            self.win_spare += max(0.0, self.c.cells - n / self.knee) * dt
         # Regime: rollout is the critical path while executions run (or await evaluation) and the
         # trainers have nothing admitted to train.
         if (self.running or self.awaiting_eval) and left <= _EPS and not optimizing:
             self.crit_roll += dt
-        serving = self._serving()
-        if self.in_call and serving:
-            self.load_num += self.in_call * self.c.batch(self.in_call, serving) * dt
-            self.load_den += self.in_call * dt
+        if n and n_rollout and not pushing:  # calls per busy replica (ClusterModel.batch)
+            b = n / (n_rollout * self._reps)
+            self.load_num += n * (b if b > 1.0 else 1.0) * dt
+            self.load_den += n * dt
         self.vclock += speed * dt
         if left > _EPS and rate > 0:
             self._drain(min(left, rate * dt))
@@ -296,10 +310,11 @@ class Simulator:
 
     def _next_time(self) -> float:
         t = self.events[0][0] if self.events else math.inf
-        speed = self._speed()
-        if self.calls and speed > 0:
-            t = min(t, self.now + max(0.0, self.calls[0][0] - self.vclock) / speed)
-        rate = self._train_rate()
+        if self.calls:
+            speed = self._speed()
+            if speed > 0:
+                t = min(t, self.now + max(0.0, self.calls[0][0] - self.vclock) / speed)
+        rate = self.n_train * self._tps
         left = self.train_left
         if left > _EPS and rate > 0:
             t = min(t, self.now + left / rate)
