@@ -27,7 +27,10 @@ class Role(str, Enum):
     @property
     def heading(self) -> "Role":
         """The role this cell is in or on its way to."""
-        return {Role.TO_TRAIN: Role.TRAIN, Role.TO_ROLLOUT: Role.ROLLOUT}.get(self, self)
+        return _HEADING[self]
+
+
+_HEADING = {r: {Role.TO_TRAIN: Role.TRAIN, Role.TO_ROLLOUT: Role.ROLLOUT}.get(r, r) for r in Role}
 
 
 @dataclass(frozen=True, slots=True)

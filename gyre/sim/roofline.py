@@ -169,6 +169,18 @@ class ReplicaSpec:
         flops = tokens * (2 * self.active_params + self.attn_flops_per_ctx_token * mean_ctx)
         return flops / (self.gpus * self.peak_tflops * 1e12 * self.prefill_mfu)
 
+    def prefill_fn(self) -> Callable[[float, float], float]:
+        """`prefill_s` with the constants bound once (the same floats)."""
+        active2, attn = 2 * self.active_params, self.attn_flops_per_ctx_token
+        rate = self.gpus * self.peak_tflops * 1e12 * self.prefill_mfu
+
+        def prefill(tokens: float, context: float = 0.0) -> float:
+            if tokens <= 0:
+                return 0.0
+            return tokens * (active2 + attn * (context + tokens / 2)) / rate
+
+        return prefill
+
     def prefill_floor_s(self, tokens: float) -> float:
         """Prefill time without attention (a lower bound however the tokens are split into calls)."""
         return max(0.0, tokens) * 2 * self.active_params / (self.gpus * self.peak_tflops * 1e12 * self.prefill_mfu)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from heapq import heappop, heappush
 import math
 import random
 import time
@@ -165,6 +166,9 @@ class Simulator:
         self._rate = cluster.token_rate_fn()
         self._reps = cluster.replicas
         self._tps = cluster.train_tokens_per_s
+        self._prefill = cluster.replica.prefill_fn()
+        self._cells_rev = -1         # roles_rev of _cells_v, the cells as a policy sees them
+        self._cells_v: tuple = ()
         self._speed_key: tuple = ()  # (calls in flight, serving cells, context sum) of _speed_v
         self._speed_v = 0.0
         self.evictions = 0         # prefixes evicted for capacity
@@ -342,26 +346,31 @@ class Simulator:
         e.in_call = True
         self.core.call_started(e.id)
         seg, n = e.seg, self.s.segments
-        before = e.spec.context_tokens * seg / n
-        after = e.spec.context_tokens * (seg + 1) / n
+        ctx = e.spec.context_tokens
+        before = ctx * seg / n
+        after = ctx * (seg + 1) / n
         if e.cached <= 0:  # nothing cached to lose: the router sends it to the least-loaded cell
             self._unhome(e)
             self._home(e)
-        prefill = self.c.prefill_s(e.pre_seg, before)
-        if seg > 0 and e.cached < before - 1e-6:  # its prefix was evicted or never rebuilt here
-            prefill += self.c.prefill_s(before - e.cached, e.cached)
+        prefill = self._prefill(e.pre_seg, before)
+        cached = e.cached
+        if seg > 0 and cached < before - 1e-6:  # its prefix was evicted or never rebuilt here
+            prefill += self._prefill(before - cached, cached)
             self.reprefills += 1
-        if e.home >= 0:
-            h = e.home
-            self.kv_used[h] += after - e.cached
+        h = e.home
+        if h >= 0:
+            kv = self.kv_used
+            kv[h] += after - cached
             e.cached = after
-            self.lru[h][e.id] = e
-            self.lru[h].move_to_end(e.id)
-            if self.kv_used[h] > self.kv_cap:
+            lru = self.lru[h]
+            lru[e.id] = e
+            lru.move_to_end(e.id)
+            if kv[h] > self.kv_cap:
                 self._make_room(h)
         e.ctx_mid = (before + after) / 2
         if prefill > 0:  # a weight push pauses prefill as it pauses decoding
-            self._push(max(self.now, self.push_until) + prefill, _PREFILL, e)
+            now, until = self.now, self.push_until
+            heappush(self.events, ((now if now >= until else until) + prefill, next(self.seq), _PREFILL, e))
         else:
             self._decode(e)
 
@@ -372,8 +381,8 @@ class Simulator:
         self._queue_call(e, e.out_seg)
 
     def _queue_call(self, e: _Exec, work: float) -> None:
-        e.call_seq = next(self.seq)
-        heapq.heappush(self.calls, (self.vclock + work, e.call_seq, e))
+        e.call_seq = sq = next(self.seq)
+        heappush(self.calls, (self.vclock + work, sq, e))
 
     def _make_room(self, cell: int) -> None:
         """LRU eviction of idle executions' prefixes until the cell's KV fits; calls in flight
@@ -449,9 +458,11 @@ class Simulator:
         self.in_call -= 1
         self.ctx_sum = max(0.0, self.ctx_sum - e.ctx_mid) if self.in_call else 0.0
         e.calls_done += e.calls_seg
-        if e.home >= 0 and e.id in self.lru[e.home]:
-            self.lru[e.home].move_to_end(e.id)  # most recently used
-        self._push(self.now + e.env_seg, _ENV, e)
+        if e.home >= 0:
+            lru = self.lru[e.home]
+            if e.id in lru:
+                lru.move_to_end(e.id)  # most recently used
+        heappush(self.events, (self.now + e.env_seg, next(self.seq), _ENV, e))
 
     def _end_env(self, e: _Exec) -> bool:
         """Next segment, or the execution ends (True)."""
@@ -543,7 +554,10 @@ class Simulator:
 
     # ---- policy ---------------------------------------------------------------------------
     def _state(self) -> ClusterState:
-        return self.core.cluster_state(self.now, tuple(CellView(i, r, self.since[i]) for i, r in enumerate(self.role)))
+        if self._cells_rev != self.roles_rev:  # views change only with a role
+            self._cells_v = tuple(CellView(i, r, self.since[i]) for i, r in enumerate(self.role))
+            self._cells_rev = self.roles_rev
+        return self.core.cluster_state(self.now, self._cells_v)
 
     def _apply(self, d: Decision) -> None:
         for sw in d.switches:
@@ -599,23 +613,31 @@ class Simulator:
         calls and environment time inside an execution change nothing a policy decides on, so
         only execution ends, evaluations, switches, step ends and ticks wake the policy."""
         progressed = wake = False
-        while self.calls and self.calls[0][0] <= self.vclock + _EPS * max(1.0, self.vclock):
-            self._end_call(heapq.heappop(self.calls)[2])
+        calls, events = self.calls, self.events
+        if calls:
+            due = self.vclock + _EPS * max(1.0, self.vclock)
+            while calls and calls[0][0] <= due:
+                self._end_call(heappop(calls)[2])
+                self.n_events += 1
+                progressed = True
+        due = self.now + _EPS
+        while events and events[0][0] <= due:
+            _, _, kind, obj = heappop(events)
             self.n_events += 1
-            progressed = True
-        while self.events and self.events[0][0] <= self.now + _EPS:
-            _, _, kind, obj = heapq.heappop(self.events)
-            self.n_events += 1
+            if kind == _PREFILL:
+                progressed = True
+                self._decode(obj)
+                continue
+            if kind == _ENV:
+                progressed = True
+                wake |= self._end_env(obj)
+                continue
             if kind == _TICK:
                 self._push(self.now + self.s.tick_s, _TICK, None)
                 wake = True
                 continue
             progressed = True
-            if kind == _PREFILL:
-                self._decode(obj)
-            elif kind == _ENV:
-                wake |= self._end_env(obj)
-            elif kind == _EVAL:
+            if kind == _EVAL:
                 wake = True
                 self._evaluated(obj)
             elif kind == _SWITCH:
