@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import random
+import weakref
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Hashable, Iterable
@@ -42,7 +43,7 @@ from typing import Hashable, Iterable
 from gyre.config import BurstOrder, StalenessRule
 from gyre.sched.admission import (RULES, AdmissionKey, count_budget, expired, fifo_key, pick,
                                   sync_of, window_budget)
-from gyre.sched.state import CellView, ClusterState, ExecView, GroupView
+from gyre.sched.state import CellView, ClusterState, ExecView, GroupView, RunningViews
 
 _EPS = 1e-6
 ZERO_VARIANCE = "zero_variance"  # the ledger's reason for a group dropped for equal rewards
@@ -220,7 +221,7 @@ class Coordinator:
         self.n_open = 0
         self.calls_in_flight = 0
         self._serial = 0
-        self._running_views: tuple | None = None    # cached: rebuilt only after a change
+        self._running_views: weakref.ref | None = None  # the RunningViews last handed out
         self._views: dict[Hashable, ExecView] = {}   # the running executions' views, built once each
         self._waiting: dict[int, GroupRecord] = {}  # the admission queue (kept: the simulator asks often)
 
@@ -262,9 +263,10 @@ class Coordinator:
         """The one builder of what a policy sees. While the step's optimizer step runs, one token
         of work is reported left: the trainers are still busy with it."""
         s, st = self.spec, self.step
-        if self._running_views is None:
-            self._running_views = tuple(self._views.values())
-        running = self._running_views
+        running = self._running_views() if self._running_views is not None else None
+        if running is None:
+            running = RunningViews(self._views)
+            self._running_views = weakref.ref(running)
         waiting = sum(1 for g in self._waiting.values() if not self._expired(g, self.version))
         left = st.tokens_left
         if st.reducing:
@@ -303,9 +305,16 @@ class Coordinator:
         g.state = GroupState.RUNNING
         self.execs[key] = e
         self.running[key] = e
+        self._running_changes()
         self._views[key] = e.view(g.started_version)
-        self._running_views = None
         return e
+
+    def _running_changes(self) -> None:
+        """The running table is about to change: a state still held keeps its own copy."""
+        views = self._running_views() if self._running_views is not None else None
+        if views is not None:
+            views._freeze()
+        self._running_views = None
 
     def call_started(self, key: Hashable) -> None:
         e = self.execs[key]
@@ -327,8 +336,8 @@ class Coordinator:
                 self.calls_in_flight -= 1
             e.ended_at, e.in_call = now, False
             self.running.pop(key, None)
+            self._running_changes()
             self._views.pop(key, None)
-            self._running_views = None
 
     def execution_evaluated(self, key: Hashable, now: float, *, version: int = -1, tokens: float = 0.0,
                             usable: bool = True, reward: float | None = None) -> Admission:
