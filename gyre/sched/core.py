@@ -224,6 +224,9 @@ class Coordinator:
         self._running_views: weakref.ref | None = None  # the RunningViews last handed out
         self._views: dict[Hashable, ExecView] = {}   # the running executions' views, built once each
         self._waiting: dict[int, GroupRecord] = {}  # the admission queue (kept: the simulator asks often)
+        self._waiting_rev = 0                       # changes of _waiting, so its admissible count is kept
+        self._waiting_key: tuple = ()               # (_waiting_rev, version) of _waiting_n
+        self._waiting_n = 0
 
     # ---- queries ------------------------------------------------------------------------------
     @property
@@ -267,7 +270,10 @@ class Coordinator:
         if running is None:
             running = RunningViews(self._views)
             self._running_views = weakref.ref(running)
-        waiting = sum(1 for g in self._waiting.values() if not self._expired(g, self.version))
+        if self._waiting_key != (self._waiting_rev, self.version):  # admissibility moves with these only
+            self._waiting_key = (self._waiting_rev, self.version)
+            self._waiting_n = sum(1 for g in self._waiting.values() if not self._expired(g, self.version))
+        waiting = self._waiting_n
         left = st.tokens_left
         if st.reducing:
             left = max(left, 1.0)
@@ -367,6 +373,7 @@ class Coordinator:
             return Admission(dropped=(self._drop(g, ZERO_VARIANCE),))
         g.state = GroupState.WAITING
         self._waiting[g.id] = g
+        self._waiting_rev += 1
         return self._fill(now)
 
     def _zero_variance(self, g: GroupRecord) -> bool:
@@ -385,6 +392,7 @@ class Coordinator:
                               f"(sync {self.sync_of(self.version)}), bound {s.staleness} sync(s)")
         g.state = GroupState.DROPPED
         self._waiting.pop(g.id, None)
+        self._waiting_rev += 1
         self.n_open -= 1
         return g
 
@@ -407,6 +415,7 @@ class Coordinator:
             g = self.groups[v.id]
             g.state, g.step = GroupState.ASSIGNED, st.index
             del self._waiting[g.id]
+            self._waiting_rev += 1
             st.groups.append(g.id)
             out.append(g)
         if out and st.started_at is None:

@@ -169,6 +169,9 @@ class Simulator:
         self._prefill = cluster.replica.prefill_fn()
         self._cells_rev = -1         # roles_rev of _cells_v, the cells as a policy sees them
         self._cells_v: tuple = ()
+        # the open step may have become ready (work assigned or trained, a step ended): only then
+        # is the core asked (step_ready), not after every event
+        self._maybe_ready = True
         self._speed_key: tuple = ()  # (calls in flight, serving cells, context sum) of _speed_v
         self._speed_v = 0.0
         self.evictions = 0         # prefixes evicted for capacity
@@ -309,6 +312,7 @@ class Simulator:
             if got != mb:
                 raise SimError(f"core handed micro-batch {got!r}, the simulator trained {mb!r}")
             self.core.microbatch_trained(mb)
+            self._maybe_ready = True
         if not self.mb_queue:
             self.train_left = 0.0
 
@@ -503,6 +507,7 @@ class Simulator:
     def _admitted(self, adm) -> None:
         """Assigned groups become the open step's training work (one fluid batch per group);
         dropped ones are recorded as not admitted (the core replaces them with new starts)."""
+        self._maybe_ready = True
         for g in adm.assigned:
             mbs = {("e", eid): self.groups[g.id].spec.execs[j].train_tokens
                    for j, eid in enumerate(self.groups[g.id].exec_ids)}
@@ -590,15 +595,17 @@ class Simulator:
         self.decisions += 1
         self._apply(self.p.decide(self._state(), self.now))
         idle_ticks = 0
-        while not self.core.done:
-            t = self._next_time()
+        core, steps = self.core, self.core.spec.steps  # core.done: version >= steps
+        next_time, advance, handle_due = self._next_time, self._advance, self._handle_due
+        while core.version < steps:
+            t = next_time()
             if t == math.inf:
                 raise SimError(f"{self.p.label}: nothing left to happen at t={self.now:.0f}s")
             left = self.train_left
-            self._advance(t)
-            progressed, wake = self._handle_due()
+            advance(t)
+            progressed, wake = handle_due()
             progressed |= self.train_left < left  # training drained work (a long step has no events)
-            if self.core.done:
+            if core.version >= steps:
                 break
             idle_ticks = 0 if progressed else idle_ticks + 1
             if idle_ticks > 1000:
@@ -655,15 +662,21 @@ class Simulator:
                 wake = True
                 self.push_until = 0.0
                 self.core.weights_pushed(self.core.version)
-        if not self.opt_until and self.core.step_ready():
-            progressed = wake = True
-            self.core.step_ending(self.now)
-            if self.c.opt_s > 0:  # the optimizer step; the version moves on after it
-                self.opt_until = self.now + self.c.opt_s
-                self._push(self.opt_until, _OPT, None)
-            else:
-                self._step_end()
+        if self._maybe_ready and not self.opt_until:
+            self._maybe_ready = False
+            if self.core.step_ready():
+                progressed = wake = True
+                self._ready()
         return progressed, wake
+
+    def _ready(self) -> None:
+        """The open step's batch is complete and trained: its optimizer step runs."""
+        self.core.step_ending(self.now)
+        if self.c.opt_s > 0:  # the optimizer step; the version moves on after it
+            self.opt_until = self.now + self.c.opt_s
+            self._push(self.opt_until, _OPT, None)
+        else:
+            self._step_end()
 
     def _result(self, wall: float) -> SimResult:
         end = self.now
