@@ -402,15 +402,18 @@ class Simulator:
             self.evictions += 1
 
     def _home(self, e: _Exec) -> None:
-        """Place an execution on the least-loaded settled rollout cell (the router's choice)."""
-        best = -1
+        """Place an execution on the least-loaded settled rollout cell (the router's choice; the
+        lowest index among equals)."""
+        best, load, homed = -1, 0, self.homed
         for i, r in enumerate(self.role):
-            if r is Role.ROLLOUT and (best < 0 or len(self.homed[i]) < len(self.homed[best])):
-                best = i
+            if r is Role.ROLLOUT:
+                n = len(homed[i])
+                if best < 0 or n < load:
+                    best, load = i, n
         e.home = best
         e.cached = 0.0
         if best >= 0:
-            self.homed[best][e.id] = e
+            homed[best][e.id] = e
 
     def _unhome(self, e: _Exec) -> None:
         if e.home >= 0:
@@ -500,7 +503,8 @@ class Simulator:
         """A group scores alike (all 0) with probability zero_variance_share, seeded by its id;
         otherwise its members alternate 0/1. Only the spread matters to the core's rule."""
         g = e.group
-        if random.Random(g.id).random() < self.s.zero_variance_share:
+        share = self.s.zero_variance_share
+        if share > 0 and random.Random(g.id).random() < share:  # random() is never below 0
             return 0.0
         return float(g.exec_ids.index(e.id) % 2)
 
