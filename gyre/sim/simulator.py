@@ -62,6 +62,15 @@ class SimError(RuntimeError):
     """The simulation cannot make progress (a policy that never trains, a deadlock)."""
 
 
+class GaveUp(Exception):
+    """The run was stopped once its clock passed `give_up_after`: its makespan is longer (a search
+    that already has a run that fast does not need the rest of this one)."""
+
+    def __init__(self, at: float) -> None:
+        super().__init__(f"given up at {at:.0f} s")
+        self.at = at
+
+
 @dataclass
 class SimSpec:
     """What only a simulation has; the run itself (steps, staleness, bursts, the zero-variance rule,
@@ -594,7 +603,9 @@ class Simulator:
         self.since[i] = self.now
 
     # ---- main loop ------------------------------------------------------------------------
-    def run(self) -> SimResult:
+    def run(self, give_up_after: float = math.inf) -> SimResult:
+        """Simulate to the last step; with `give_up_after`, raise GaveUp once the next event lies
+        past it (the makespan would be longer)."""
         wall = time.perf_counter()
         self.decisions += 1
         self._apply(self.p.decide(self._state(), self.now))
@@ -603,8 +614,10 @@ class Simulator:
         next_time, advance, handle_due = self._next_time, self._advance, self._handle_due
         while core.version < steps:
             t = next_time()
-            if t == math.inf:
-                raise SimError(f"{self.p.label}: nothing left to happen at t={self.now:.0f}s")
+            if t > give_up_after or t == math.inf:  # (strictly: a run as fast as the limit may win a tie)
+                if t == math.inf:
+                    raise SimError(f"{self.p.label}: nothing left to happen at t={self.now:.0f}s")
+                raise GaveUp(t)  # its makespan is at least t
             left = self.train_left
             advance(t)
             progressed, wake = handle_due()
@@ -738,5 +751,5 @@ def _mean(xs: list[float]) -> float:
 
 
 def simulate(spec: RunSpec, workload: Workload, cluster: ClusterModel, sim: SimSpec | None = None,
-             on_event: Callable[[Event], object] | None = None) -> SimResult:
-    return Simulator(spec, workload, cluster, sim, on_event).run()
+             on_event: Callable[[Event], object] | None = None, give_up_after: float = math.inf) -> SimResult:
+    return Simulator(spec, workload, cluster, sim, on_event).run(give_up_after)

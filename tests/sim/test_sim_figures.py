@@ -59,9 +59,13 @@ def test_best_async_by_search_matches_main():
     """The split search (with runs given up once they cannot win) finds main's split and hours."""
     s = preset_scenario(P, "A", 0, steps=3, groups_per_step=16, record=False,
                         cluster_over={"nodes": 32, "cell_nodes": 4})
-    best, by_split = best_async(s, search=True)
+    best, by_split = best_async(s, search=True, prune=True)
     want = {1: 9.244691796842163, 2: 8.970696905723127, 3: 8.934995355129582, 4: 8.941358127092744, 5: 8.965802968080604, 6: 9.023527197265201, 7: 9.288721523251585}  # main at 7ae0fd3: hours per split (search on 7 splits is exhaustive)
     assert best.async_rollout_cells == 3
     assert best.hours == pytest.approx(want[3], rel=TOL)
     for k, h in by_split.items():
         assert h == pytest.approx(want[k], rel=TOL)
+    # the runs given up were slower in main, and were given up before their end
+    assert best.async_given_up and set(best.async_given_up) | set(by_split) == set(want)
+    for k, h in best.async_given_up.items():
+        assert best.hours <= h < want[k]
