@@ -132,7 +132,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="inline (default: this machine, --jobs processes), or submitit jobs: local processes or Slurm")
     p.add_argument("--jobs", type=int, default=None,
                    help=f"inline: points simulated at once, one process each (default: the CPUs this process "
-                        f"may use, {_cpus()} here; 1 = in this process)")
+                        f"may use, {usable_cpus()} here; 1 = in this process)")
     p.add_argument("--jobs-dir", default="gyre-plan-jobs", help="submitit log folder")
     p.add_argument("--partition", default="", help="Slurm partition for --executor slurm")
     p.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
@@ -260,7 +260,7 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
     return out
 
 
-def _cpus() -> int:
+def usable_cpus() -> int:
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -385,7 +385,7 @@ def run(args: argparse.Namespace) -> int:
     scs = scenarios(args)  # fills the flags not given (header and the summary line read them)
     print(header(args))
     steps = scs[0].steps
-    jobs = args.jobs or _cpus()
+    jobs = args.jobs or usable_cpus()
     how = f"inline, {min(jobs, len(scs))} processes" if args.executor == "inline" and jobs > 1 else args.executor
     print(f"{len(scs)} simulated points ({how}) of {steps} steps; Async at its best split (searched)",
           file=sys.stderr)
