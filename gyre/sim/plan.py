@@ -336,11 +336,9 @@ def _pooled(scs: list[Scenario], jobs: int) -> Iterator[dict]:
             except Exception as e:  # its worker died (killed, out of memory)
                 yield _failed_row(scs[i], f"{type(e).__name__}: {e}")
     finally:
-        ex.shutdown(wait=False, cancel_futures=True)
         for p in procs:
             p.terminate()  # a point in progress is not waited for
-        for p in procs:
-            p.join()
+        ex.shutdown(wait=True, cancel_futures=True)  # (the pool sees its workers gone and ends)
 
 
 def _point(s: Scenario) -> dict:
