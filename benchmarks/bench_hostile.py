@@ -26,6 +26,11 @@
 6. **Journal** (``journal_*``, issue 34): the proxy's cost of journaling one call (32K-token input).
 7. **Head kill** (``head_kill_*``, issue 34): ``gyre rollout`` SIGKILLed mid-execution, then
    ``--resume``: calls lost per execution, and the resume's time over a run from scratch.
+8. **Node** (``forkbomb_*``, ``tmpfs_*``, issue 34): a bash fork bomb ``:(){ :|:& };:`` in the
+   default sandbox at the default ``harness.max_processes``, run as an ordinary user (as nobody
+   under root: the kernel exempts root from RLIMIT_NPROC): the most processes its tree held at
+   once and when it was stopped; and the bytes one harness could write into its in-memory ``/tmp``
+   and ``/dev/shm`` together at the default ``harness.tmpfs_mb`` before ENOSPC.
 
 Writes benchmarks/results/hostile.json. ``--only flood,bigbody`` runs those sections and merges
 their keys into the file. Takes about two minutes on 2 busy cores.
@@ -441,8 +446,36 @@ def limits() -> dict:
     return {"limits_enforced": enforced, "limits_detail": detail, "limits_sandbox": envs.host_backend}
 
 
+def node() -> dict:
+    from gyre.config import HarnessConfig
+    from gyre.harness.limits import kernel_counts_per_namespace, kernel_process_cap
+    from gyre.harness.runner import HarnessPool, Limits
+    from gyre.harness.sandbox import Environments, SandboxConfig
+    from gyre.harness.tasks import load_suite
+    from support.node_limits import FILL, fork_bomb
+
+    h = HarnessConfig()
+    out = {"forkbomb_max_processes": h.max_processes,
+           "forkbomb_kernel_cap": kernel_process_cap(h.max_processes) if kernel_counts_per_namespace() else None}
+    with tempfile.TemporaryDirectory(prefix="gyre-forkbomb-") as tmp:
+        bomb = fork_bomb(Path(tmp), h.max_processes, nproc_net=3 * h.max_processes + 1000)
+    out.update(forkbomb_peak_processes=bomb.get("peak_processes"), forkbomb_stopped_after_s=bomb.get("stopped_after_s"),
+               forkbomb_error=bomb.get("error") or bomb.get("skipped"))
+    task = {t.name: t for t in load_suite("builtin")}["fizzbuzz"]
+    with tempfile.TemporaryDirectory() as tmp:
+        pool = HarnessPool(Path(tmp) / "run", [sys.executable, "-c", FILL, "/tmp", "/dev/shm"],
+                           limits=Limits(timeout_s=120, kill_grace_s=0.5),
+                           extra_env={"GYRE_FILL_MB": str(4 * h.tmpfs_mb)},
+                           environments=Environments(SandboxConfig(sandbox="bwrap", tmpfs_mb=h.tmpfs_mb)))
+        res = asyncio.run(pool.run_execution(task, "fill", api_key="k", base_url="http://127.0.0.1:9/v1"))
+        got = json.loads((Path(res.workspace) / "fill.json").read_text())
+    out.update(tmpfs_mb=h.tmpfs_mb, tmpfs_bytes_allowed=sum(n for n, _ in got.values()),
+               tmpfs_errors=sorted({e for _, e in got.values() if e}))
+    return out
+
+
 SECTIONS = {"stop_dos": stop_dos, "stop_match": stop_match_cost, "fuzz": fuzz, "limits": limits,
-            "flood": flood, "bigbody": bigbody, "journal": journal, "head_kill": head_kill}
+            "flood": flood, "bigbody": bigbody, "journal": journal, "head_kill": head_kill, "node": node}
 
 
 def main(only: list[str] | None = None) -> dict:

@@ -37,7 +37,7 @@ import torch  # noqa: E402
 from gyre.config import TrainConfig  # noqa: E402
 from gyre.engine.hybrid import causal_lm  # noqa: E402
 from gyre.engine.prefix_cache import PrefixCache  # noqa: E402
-from gyre.model.spec import load_weights, read_spec, split_fused_experts  # noqa: E402
+from gyre.model.spec import load_weights, read_spec  # noqa: E402
 from gyre.train.gated_deltanet import TreeScan  # noqa: E402
 from gyre.train.hybrid import HybridLM  # noqa: E402
 from gyre.train.toy import random_model, tiny_config  # noqa: E402
@@ -46,6 +46,7 @@ from gyre.traj.materialize import materialize, prepare_step  # noqa: E402
 from gyre.traj.record import ExecutionRecord  # noqa: E402
 from gyre.traj.select import SelectionSpec  # noqa: E402
 from gyre.traj.synthetic import CASE_STUDY, Lengths, generate  # noqa: E402
+from parity import engine_decode_diff, logits_and_grads  # noqa: E402
 
 FAMILIES = ["qwen3_next", "qwen3_5", "qwen3_5_moe"]
 VOCAB = 96
@@ -57,14 +58,7 @@ def family_figures(family: str) -> dict:
     hf = random_model(tiny_config(family), seed=4, std=0.2)
     ours = HybridLM.from_transformers(hf)
     ids = torch.randint(0, VOCAB, (2, 70), generator=torch.Generator().manual_seed(0))
-    want, got = hf(input_ids=ids).logits, ours(ids)
-    out = {"logits_max_abs_diff": float((got - want).detach().abs().max())}
-    target = torch.randn(want.shape, generator=torch.Generator().manual_seed(1))
-    (want * target).sum().backward()
-    (got * target).sum().backward()
-    ref = split_fused_experts({n: p.grad for n, p in hf.named_parameters()})
-    out["grad_max_abs_diff"] = max(float((p.grad - ref[n]).abs().max() / ref[n].abs().max().clamp_min(1e-12))
-                                   for n, p in ours.named_parameters())
+    out = logits_and_grads(hf(input_ids=ids).logits, ours(ids), hf, ours)
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(d)
         spec = read_spec(d)
@@ -73,11 +67,7 @@ def family_figures(family: str) -> dict:
     with torch.no_grad():
         ref_lp = torch.log_softmax(hf(input_ids=seq).logits[0], -1)
     cache = engine.new_cache()
-    diffs = [float((torch.log_softmax(engine.forward(seq[0, :70].tolist(), cache), -1) - ref_lp[69]).abs().max())]
-    for j in range(70, 78):
-        lp = torch.log_softmax(engine.decode([int(seq[0, j])], [cache])[0], -1)
-        diffs.append(float((lp - ref_lp[j]).abs().max()))
-    out["engine_logprob_diff"] = max(diffs)
+    out["engine_logprob_diff"] = engine_decode_diff(engine, cache, seq[0, :78].tolist(), ref_lp, 70)
     # prefix cache holding 78 tokens: a request extending them resumes at 78; one sharing only 75
     # resumes from the deepest stored state (the prompt's end, 70) and recomputes 70..74
     prefix = PrefixCache()

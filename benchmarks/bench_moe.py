@@ -23,7 +23,6 @@ Writes benchmarks/results/moe.json. About a minute on 2 cores.
 from __future__ import annotations
 
 import json
-import socket
 import sys
 import tempfile
 import time
@@ -41,6 +40,7 @@ from gyre.model.spec import split_fused_experts  # noqa: E402
 from gyre.train.qwen2 import Qwen2LM  # noqa: E402
 from gyre.train.toy import random_model, tiny_config  # noqa: E402
 from gyre.train.trainer import EmbeddedTrainer  # noqa: E402
+from parity import engine_decode_diff, logits_and_grads  # noqa: E402
 
 FAMILIES = ["qwen2", "llama", "qwen3", "qwen3_moe", "qwen2_moe"]
 TEMPLATES = ["chatml_hermes", "chatml_drop_reasoning", "qwen3_coder_xml"]
@@ -56,31 +56,18 @@ def _tree_inputs(B=2, S=24, vocab=96):
 
 
 def family_figures(family: str, megatron) -> dict:
-    out = {}
     hf = random_model(tiny_config(family), seed=1, std=0.2)
     ours = Qwen2LM.from_transformers(hf)
     ids, pos, mask = _tree_inputs()
     fmask = torch.zeros(mask.shape).masked_fill(mask, torch.finfo(torch.float32).min)
     want = hf(input_ids=ids, position_ids=pos, attention_mask=fmask).logits
-    got = ours(ids, pos, mask)
-    out["logits_max_abs_diff"] = float((got - want).abs().max())
-    target = torch.randn(want.shape, generator=torch.Generator().manual_seed(1))
-    (want * target).sum().backward()
-    (got * target).sum().backward()
-    ref = split_fused_experts({n: p.grad for n, p in hf.named_parameters()})
-    out["grad_max_abs_diff"] = max(float((p.grad - ref[n]).abs().max() / ref[n].abs().max().clamp_min(1e-12))
-                                   for n, p in ours.named_parameters())
+    out = logits_and_grads(want, ours(ids, pos, mask), hf, ours)
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(d)
         engine = CausalLM.from_dir(d)
-        seq = ids[0, :16].tolist()
         with torch.no_grad():
             ref_lp = torch.log_softmax(hf(input_ids=ids[:1, :16]).logits[0], -1)
-        cache = engine.new_cache()
-        diffs = [float((torch.log_softmax(engine.forward(seq[:10], cache), -1) - ref_lp[9]).abs().max())]
-        for j, t in enumerate(seq[10:]):
-            diffs.append(float((torch.log_softmax(engine.decode([t], [cache])[0], -1) - ref_lp[10 + j]).abs().max()))
-        out["engine_logits_max_abs_diff"] = max(diffs)
+        out["engine_logits_max_abs_diff"] = engine_decode_diff(engine, engine.new_cache(), ids[0, :16].tolist(), ref_lp, 10)
         # one optimizer step, export, serve: the engine's log-probs of the trained tokens vs the trainer's
         trainer = EmbeddedTrainer(TrainConfig(lr=1e-2, dtype="float32"), d)
         seqs = [ids[0].tolist(), ids[1].tolist()]
@@ -112,24 +99,12 @@ def family_figures(family: str, megatron) -> dict:
 
 def ep_figures() -> dict:
     """Megatron MoE, EP=2 over gloo (two processes) vs one process (tests/train/test_megatron_moe.py, tests/support/megatron_moe.py)."""
-    import torch.multiprocessing as mp
-
     sys.path.insert(0, str(ROOT / "tests"))
-    from support.megatron_moe import _CFG, _batch, _model, _rank
+    from support.megatron_moe import _CFG, _batch, _model, two_expert_parallel_ranks
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     hf = _model()
     state = {k: v.numpy().copy() for k, v in split_fused_experts(hf.state_dict()).items()}
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, hf.config, state, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    grad_norm, _, _, ep_size, params = q.get(timeout=300)
-    for p in procs:
-        p.join(timeout=60)
+    grad_norm, _, _, ep_size, params = two_expert_parallel_ranks(hf, state)
     ref = EmbeddedTrainer(TrainConfig(**_CFG), hf)
     ref.forward_backward(_batch([0, 1, 2, 3], 4))
     stats = ref.optimizer_step()

@@ -82,7 +82,7 @@ def run(keep_records: bool) -> dict:
     rollout.engine_url, trainer.engine_url = "http://e0", "http://e1"
     head.fleet.set_role(trainer, Role.TRAIN, 0.0)
 
-    async def train(cell, step, mid, batch):
+    async def train(cell, step, mid, batch, update=0):
         return TrainReply(seq=0, cell=cell.id, stats={"loss": 1e-5})
 
     head.fleet.train = train

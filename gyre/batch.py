@@ -49,6 +49,9 @@ class MicroBatch:
     # routing replay (train.routing_replay): the experts the engine routed each position to,
     # [B, S, MoE layers, top_k] int16; -1 where not recorded (the trainer routes those itself)
     routed_experts: Tensor | None = _axis(ROW, None)
+    # [T] float: pi_prox of each target, the weights at the step's start, for a later minibatch
+    # of a live step (train.minibatches_per_step, decoupled); None: pi_prox is this forward's own
+    prox_logprobs: Tensor | None = _axis(TARGET, None)
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, Tensor):
@@ -101,6 +104,8 @@ class MicroBatch:
                                                 or tuple(self.routed_experts.shape[:2]) != (B, S)):
             raise ValueError(f"routed_experts has shape {tuple(self.routed_experts.shape)}, expected "
                              f"({B}, {S}, MoE layers, top_k)")
+        if self.prox_logprobs is not None and self.prox_logprobs.shape != (T,):
+            raise ValueError(f"prox_logprobs has shape {tuple(self.prox_logprobs.shape)}, expected ({T},)")
         if T and float(self.temperature.min()) <= 0:
             raise ValueError(f"temperature must be > 0 at every target, got {float(self.temperature.min())}")
 

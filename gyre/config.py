@@ -288,7 +288,8 @@ class TrainConfig(_EnumFields):
                               "clip_frac 0, benchmarks/bench_token_truth.py)")
     minibatches_per_step: int = _f(1, min=1, help="PPO-style optimizer updates within a step (AReaL uses 4): the "
                                    "step's micro-batches in this many parts, one update each, pi_prox from the "
-                                   "step's start; `gyre train` only for now (a live run's cells reduce once per step)")
+                                   "step's start (tis, decoupled); live runs reduce once per update and export "
+                                   "weights once per step")
     is_cap: float = _f(2.0, min=1.0, help="tis: C in min(pi_old / pi_behaviour, C)")
     is_mask: bool = _f(False, help="tis/decoupled: drop (weight 0) tokens whose pi_old / pi_behaviour "
                                    "leaves [is_mask_low, is_mask_high]")
@@ -376,6 +377,12 @@ class HarnessConfig(_EnumFields):
     max_log_mb: int = _f(64, min=0, help="bytes of stdout and of stderr kept per harness (MB); the rest is dropped")
     max_workspace_mb: int = _f(20480, min=0, help="bytes a harness's workspace may hold on disk (MB); also "
                                                   "the largest file it may write")
+    max_workspace_files: int = _f(500000, min=0, help="entries (files, folders, links; empty ones too) a harness's "
+                                                     "workspace may hold: a harness cannot exhaust the run "
+                                                     "directory's inodes")
+    tmpfs_mb: int = _f(2048, min=0, help="size of a sandboxed harness's (and evaluation's) /tmp, its HOME, and "
+                                         "apart of its /dev/shm (MB; bubblewrap): what they hold is node memory "
+                                         "on top of harness.max_memory_mb (up to 2 x tmpfs_mb more); 0 = unsized")
     max_start_failures: int = _f(3, min=0, help="harnesses in a row that cannot start in their sandbox before "
                                                "the run stops with the sandbox's error; 0 = never stop")
     limits_poll_s: float = _f(1.0, min=0.05, help="how often the process, memory and workspace limits are checked")

@@ -95,6 +95,7 @@ class ExecutionEvaluated:
     version: int            # oldest policy version that served it
     tokens: float           # unique tokens of its tree
     usable: bool            # finished with a finite reward: it can train
+    limit: str | None = None  # the [harness] limit that stopped it ("max_processes"), if one did
 
 
 @dataclass(frozen=True)
@@ -288,6 +289,7 @@ class RunStats:
         self._last_end: float | None = None                # t_end of the last step (the window's start)
         self._pushes: list[list[float]] = []              # merged weight-push pauses (rollout cells)
         self.status_counts: dict[str, int] = {}
+        self.limit_counts: dict[str, int] = {}  # executions stopped by a [harness] limit, by its key
         self.started = 0
         self.dropped_executions = 0
         self.dropped_reasons: dict[str, int] = {}
@@ -352,6 +354,8 @@ class RunStats:
 
     def _evaluated(self, ev: ExecutionEvaluated) -> None:
         self.status_counts[ev.status] = self.status_counts.get(ev.status, 0) + 1
+        if ev.limit:
+            self.limit_counts[ev.limit] = self.limit_counts.get(ev.limit, 0) + 1
         self._win.add(ev, self._running.pop(ev.execution, None))
         rewards = self._rewards.setdefault(ev.group, [])
         if ev.reward is not None and math.isfinite(ev.reward):
@@ -410,7 +414,7 @@ class RunStats:
                "t_end": ev.t_end - self.t0,
                **self._win.figures(ev.t_end - (self.t0 if self._last_end is None else self._last_end)),
                "executions_done": sum(self.status_counts.values()), "executions_running": len(self._running),
-               **ev.extra}
+               "stopped_by_limits": dict(self.limit_counts), **ev.extra}
         self._win, self._last_end = _Window(), ev.t_end
         self.steps.append(row)
         return row

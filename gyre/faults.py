@@ -11,7 +11,8 @@ again and the test can assert the fault really happened. Unset (the default), ``
 lookup and nothing else.
 
 Phases in use (process: phases):
-    trainer: micro_batch, prepare_reduce, reduce, optimizer_step, export, checkpoint
+    trainer: micro_batch, prepare_reduce, reduce, optimizer_step, export, checkpoint,
+             later_minibatch (a micro-batch of a step's update > 0: an earlier update is applied)
     engine:  generate, release, weight_load
     agent:   command
     head:    step_end, execution_ended, execution_recorded

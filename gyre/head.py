@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import re
 import shutil
 import signal
 import sys
@@ -61,16 +62,18 @@ from gyre.services.rollout import RecordError, RolloutService, journal_dir
 from gyre.services.training import StepReduced, TrainingDispatch
 from gyre.train.step_stats import lag0_warning
 from gyre.traj.audit import Audit, audit_warning
-from gyre.traj.record import FINISHED, Status
+from gyre.traj.record import FINISHED, Status, limit_of
 from gyre.traj.select import SelectionSpec
 
 
 def prune_checkpoints(root: Path, newest: int, keep: int) -> list[Path]:
-    """Delete checkpoint directories `v<N>` older than the `keep` newest versions up to `newest`
-    (run.keep_checkpoints); a version past `newest` (a step being written) is never touched."""
+    """Delete checkpoint directories `v<N>` (and `v<N>u<k>`, inside step N's updates: older than
+    v<N+1>) older than the `keep` newest versions up to `newest` (run.keep_checkpoints); a version
+    past `newest` (a step being written) is never touched."""
     gone = []
     for d in root.glob("v*"):
-        if d.is_dir() and d.name[1:].isdigit() and int(d.name[1:]) <= newest - keep:
+        m = re.fullmatch(r"v(\d+)(u\d+)?", d.name)
+        if d.is_dir() and m and int(m[1]) <= newest - keep:
             shutil.rmtree(d, ignore_errors=True)
             gone.append(d)
     return gone
@@ -307,7 +310,7 @@ class Head:
         t = self.clock()
         self.fleet.set_role(cell, Role.TO_TRAIN, t)
         await self.rollout.remove_endpoint(cell.engine_url)  # aborted calls retry elsewhere
-        rep = await self.fleet.to_train(cell, self.core.version)
+        rep = await self.fleet.to_train(cell, self.core.version, self.core.step.update)
         cell.switch_phases.append({"to": "train", "ok": rep.ok, "wall_s": self.clock() - t, **rep.phases})
         if rep.ok:
             self.fleet.set_role(cell, Role.TRAIN, self.clock())
@@ -372,12 +375,12 @@ class Head:
         written down and told, before the core hears of it (the rollout service's `settle`)."""
         reward, usable = _reward_of(rec)
         self.ledger.execution_ended(eid, reward, "" if usable else rec.reward_source or f"status {rec.status}",
-                                    unscorable=rec.reward_source)
+                                    unscorable=rec.reward_source, error=rec.error)
         url_cell = {u: c.id for c in self.cells for u in self.fleet.urls_of(c) if u}
         for call in rec.tree.calls:
             self._emit(CallRecorded(call.t_start, call.t_end, url_cell.get(call.endpoint), eid, call.n_input, call.n_output))
         self._emit(ExecutionEvaluated(now, eid, rec.group, rec.status, reward, rec.min_version,
-                                      float(rec.tree.stats().unique_tokens), usable))
+                                      float(rec.tree.stats().unique_tokens), usable, limit_of(rec.error)))
 
     def _execution_recorded(self, eid: str, rec, now: float) -> None:
         """Its record is on disk and written down: only now does the core hear of it, so a SIGKILL
@@ -411,6 +414,9 @@ class Head:
                 return
             if red is None:  # lost gradients are recomputed, or no trainer yet: the next tick retries
                 return
+            if not red.final:  # an update inside the step (train.minibatches_per_step): the next part trains
+                self.training.update_applied(red)
+                return
             res = self._step_ended(self.clock())
             ended = True
             push_s = 0.0
@@ -443,6 +449,8 @@ class Head:
                 self.ledger.line(eid, g, admitted=True, staleness=stal, step=res.index)
         extra, _, _ = self.training.step_figures(self.stats.microbatch_stats(res.microbatches),
                                                  res.replaced, len(res.groups), res.microbatches)
+        norms = red.grad_norms or [red.grad_norm]  # one per optimizer update of the step
+        extra.update(minibatches=len(norms), minibatch_grad_norms=norms)
         row = self._emit(StepEnded(
             res.started_at or res.ended_at, res.ended_at, res.index, res.version,
             tuple(GroupLag(g.id, g.version, g.lag_steps, g.lag_syncs, g.train_tokens) for g in res.groups),
@@ -487,7 +495,7 @@ class Head:
                 "warnings": self.warnings,
                 "harness_errors": executions.get(Status.FAILED, 0) + executions.get(Status.CRASHED, 0), "events": events,
                 "groups_replaced_zero_variance": self.core.zero_variance_dropped,
-                "executions": executions, "version": self.version,
+                "executions": executions, "stopped_by_limits": dict(st.limit_counts), "version": self.version,
                 "intervals": {c.id: st.intervals(c.id, t1) for c in self.cells},
                 "idle": {c.id: st.idle_spans(c.id, t1) for c in self.cells},
                 "metrics": self.metrics.describe() if self.metrics else None}

@@ -38,7 +38,8 @@ from gyre.model.tiny import ensure_tiny_model
 from gyre.proxy.journal import read_journal
 from gyre.proxy.replay import Replay, replayed_calls
 from gyre.services.rollout import RecordError, RolloutService, journal_dir
-from gyre.traj.record import FINISHED, Status
+from gyre.report.progress import limits_line
+from gyre.traj.record import FINISHED, Status, limit_of
 from gyre.traj.store import iter_executions, shard_paths
 
 _ATTEMPT = re.compile(r"^(?P<base>.+)-a(?P<n>\d+)$")
@@ -85,6 +86,7 @@ class RolloutSummary:
     replayed_calls: int = 0  # calls those answered from their recording
     diverged: int = 0       # resumed executions whose harness asked something not recorded
     reaped: dict = field(default_factory=dict)  # what a killed earlier run left running
+    limits: dict[str, int] = field(default_factory=dict)  # executions stopped by a [harness] limit, by its key
 
 
 def _split(execution_id: str) -> tuple[str, int]:
@@ -287,6 +289,8 @@ class Rollout:
                 self.summary.unscorable_reasons[why] = self.summary.unscorable_reasons.get(why, 0) + 1
         st = rec.tree.stats()
         self.summary.executions[rec.status] = self.summary.executions.get(rec.status, 0) + 1
+        if (key := limit_of(rec.error)) is not None:
+            self.summary.limits[key] = self.summary.limits.get(key, 0) + 1
         self.summary.calls += st.calls
         self.summary.tokens += st.unique_tokens
         if bar is not None:
@@ -323,6 +327,7 @@ def print_summary(s: RolloutSummary, cfg: GyreConfig) -> None:
             ("reward mean / std", f"{_mean(s.rewards):.3f} / {spread:.3f}  (scored executions only)"),
             ("reward by source", ", ".join(f"{k} {_mean(v):.3f} (n={len(v)})" for k, v in sorted(s.by_source.items())) or "-"),
             ("timeouts", s.executions.get(Status.TIMEOUT, 0)),
+            ("stopped by limits", limits_line(s.limits) or "0"),
             ("unscorable", f"{s.unscorable}" + "".join(f"\n  {n} x {why}" for why, n in sorted(s.unscorable_reasons.items()))),
             ("skipped (resume)", s.skipped_resume),
             ("resumed by replay", f"{s.resumed} ({s.replayed_calls} calls replayed, {s.diverged} diverged; "

@@ -171,7 +171,7 @@ class CellAgent:
         if self.role is Role.TRAIN:  # catch up (it may have sat out a reduce)
             self._ensure_trainer()
             with timed(phases, "load"):
-                self._catch_up(c.version)
+                self._catch_up(c.version, c.update)
             rep.already, rep.version = True, self.trainer.step
             return
         self._ensure_engine()
@@ -182,7 +182,7 @@ class CellAgent:
         with timed(phases, "restore"):
             self.trainer.restore(on_wait=self._beat)
         with timed(phases, "load"):
-            self._catch_up(c.version)
+            self._catch_up(c.version, c.update)
         rep.version, rep.trainer_pid = self.trainer.step, self.trainer.pid
 
     def _to_rollout(self, c: ToRollout, rep, phases: dict) -> None:
@@ -196,7 +196,7 @@ class CellAgent:
         self._ensure_trainer()
         try:
             with timed(phases, "stash"):
-                self._stash(self.trainer.step)
+                self._stash(self.trainer.step, self.trainer.update)
             with timed(phases, "offload"):
                 self.trainer.offload(on_wait=self._beat)
             self.role = Role.ROLLOUT
@@ -223,15 +223,22 @@ class CellAgent:
         if self.role is not Role.TRAIN:
             raise CommandError(f"train: the cell is in {self.role.value} role; send to_train first")
         self._ensure_trainer()
-        if self.trainer.step < c.step:  # it died applying the last step: the leader's checkpoint has it
+        at = (self.trainer.step, self.trainer.update)
+        if at < (c.step, c.update):  # it died applying the last update: the leader's checkpoint has it
             with timed(phases, "load"):
-                self._catch_up(c.step)
-        if self.trainer.step != c.step:
-            raise CommandError(f"train: micro-batch {c.mb_id} is for step {c.step} but the trainer "
-                               f"is at step {self.trainer.step}")
+                self._catch_up(c.step, c.update)
+            at = (self.trainer.step, self.trainer.update)
+        if at != (c.step, c.update):
+            raise CommandError(f"train: micro-batch {c.mb_id} is for step {c.step} update {c.update} but the "
+                               f"trainer is at step {at[0]} update {at[1]}")
+        if c.prox:  # pi_prox of a later minibatch: no gradient, nothing held
+            with timed(phases, "prox"):
+                rep.logprobs = [float(x) for x in self.trainer.logprobs(c.batch, on_wait=self._beat)]
+            rep.mb_id = c.mb_id
+            return
         with timed(phases, "forward_backward"):
             try:
-                rep.stats = self.trainer.forward_backward(c.batch, c.step, on_wait=self._beat)
+                rep.stats = self.trainer.forward_backward(c.batch, c.step, c.update, on_wait=self._beat)
             except TrainerDied:
                 self.done.append(c.mb_id)  # its gradients died with the others of this step
                 raise
@@ -241,22 +248,23 @@ class CellAgent:
     def _prepare_reduce(self, c: PrepareReduce, rep, phases: dict) -> None:
         self._ensure_trainer()
         with timed(phases, "stash"):
-            self._stash(c.step)
+            self._stash(c.step, c.update)
         rep.mb_ids, rep.lost = list(self.held_mbs), list(self.lost)
 
     def _reduce(self, c: Reduce, rep, phases: dict) -> None:
         members = sorted(int(x) for x in c.participants)
         if self.cell not in members:
             raise CommandError(f"reduce: cell {self.cell} is not among the participants {members}")
-        key = (c.step, tuple(members))
+        key = (c.step, c.update, tuple(members))
         attempt = self._attempts[key] = self._attempts.get(key, 0) + 1
-        base = attempt_key(c.step, members, attempt)
+        base = attempt_key(c.step, members, attempt, c.update)
         leader = self.cell == c.leader
         rep.mb_ids, rep.version = list(self.held_mbs), c.step
+        after = (c.step + 1, 0) if c.final else (c.step, c.update + 1)  # the trainer's place once applied
 
         def fail(why: str, died: bool) -> None:
             """Nothing was applied anywhere: the others stop waiting, the head repeats the step."""
-            abort_attempt(self.store, c.step, members, attempt, f"cell {self.cell}: {why.splitlines()[0]}")
+            abort_attempt(self.store, c.step, members, attempt, f"cell {self.cell}: {why.splitlines()[0]}", c.update)
             if died:
                 self._trainer_died(why)
             rep.ok, rep.retry, rep.error, rep.lost = False, True, why, list(self.lost)
@@ -267,7 +275,7 @@ class CellAgent:
             if self.lost:  # its gradients died before this reduce: the head must hand them out again
                 return fail(f"reduce: micro-batches {self.lost} of cell {self.cell} were lost", False)
             with timed(phases, "allreduce"):
-                info = self.trainer.reduce(c.step, members, attempt, on_wait=self._beat,
+                info = self.trainer.reduce(c.step, members, attempt, c.update, on_wait=self._beat,
                                            timeout_s=c.timeout_s)
             rep.group_form_ms, rep.group_cached = info.form_ms, info.cached
             rep.grad_norm = info.grad_norm_total
@@ -282,10 +290,11 @@ class CellAgent:
                 return fail(f"reduce: leader cell {self.cell} is not in train role", False)
             try:
                 with timed(phases, "apply"):
-                    stats = self.trainer.apply(c.step, on_wait=self._beat)
-                with timed(phases, "export"):
-                    rep.weights = self.trainer.export_weights(c.weights_dir, stats.step, on_wait=self._beat)
-                with timed(phases, "checkpoint"):
+                    stats = self.trainer.apply(c.step, c.update, c.final, on_wait=self._beat)
+                if c.final:  # engines load whole steps only
+                    with timed(phases, "export"):
+                        rep.weights = self.trainer.export_weights(c.weights_dir, stats.step, on_wait=self._beat)
+                with timed(phases, "checkpoint"):  # every update: a trainer that dies later resumes from it
                     rep.checkpoint = self.trainer.save_checkpoint(c.checkpoint_dir, on_wait=self._beat)
             except TrainerDied as e:
                 return fail(str(e), True)
@@ -300,18 +309,17 @@ class CellAgent:
             if self.role is Role.TRAIN:
                 try:
                     with timed(phases, "apply"):
-                        rep.grad_norm = self.trainer.apply(c.step, on_wait=self._beat).grad_norm
-                except TrainerDied as e:  # the step is committed: the new trainer loads the leader's checkpoint
+                        rep.grad_norm = self.trainer.apply(c.step, c.update, c.final, on_wait=self._beat).grad_norm
+                except TrainerDied as e:  # the update is committed: the new trainer loads the leader's checkpoint
                     self._trainer_died(str(e), lose=False)
-                    self._heard(c.step + 1, c.checkpoint_dir)
+                    self._heard(after[0], c.checkpoint_dir)
                     with timed(phases, "load"):
-                        self._catch_up(c.step + 1)
+                        self._catch_up(*after)
                     rep.caught_up = True
-        # the step is over for this cell
+        # the update is over for this cell
         self.held_mbs, self.done = [], []
-        self.version = max(self.version, c.step + 1)
-        self._heard(c.step + 1, c.checkpoint_dir)
-        rep.version = c.step + 1
+        self._heard(after[0], c.checkpoint_dir)
+        rep.version = after[0]
 
     def _wait_commit(self, commit: str, abort: str, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -327,11 +335,11 @@ class CellAgent:
             self.close()
 
     # --- gradients --------------------------------------------------------------------------
-    def _stash(self, step: int | None = None) -> None:
-        """Sum this step's gradients over the cell's ranks (they stay there, between steps)."""
+    def _stash(self, step: int, update: int = 0) -> None:
+        """Sum this update's gradients over the cell's ranks (they stay there, between steps)."""
         if not self.done:
             return
-        self.trainer.stash(self.version if step is None else step, on_wait=self._beat)
+        self.trainer.stash(step, update, on_wait=self._beat)
         self.held_mbs += self.done
         self.done = []
 
@@ -365,17 +373,19 @@ class CellAgent:
         self._event("trainer_restarted", reason=reason, lost=list(self.lost), old_pid=old,
                     trainer_pid=self.trainer.pid, checkpoint=self.checkpoint)
 
-    def _catch_up(self, version: int) -> None:
+    def _catch_up(self, version: int, update: int = 0) -> None:
+        """Bring the trainer to step ``version`` after ``update`` updates inside it (the newest
+        checkpoint heard of holds exactly that)."""
         if self.trainer.step is None:
             self.trainer.wait_ready(on_wait=self._beat)
-        if self.trainer.step < version:
+        if (self.trainer.step, self.trainer.update) < (version, update):
             if not self.checkpoint:
                 raise CommandError(f"the trainer is at step {self.trainer.step} but version {version} "
                                    "was asked for without a checkpoint")
             self.trainer.load_checkpoint(self.checkpoint, on_wait=self._beat)
-            if self.trainer.step != version:
-                raise CommandError(f"checkpoint {self.checkpoint} holds step {self.trainer.step}, "
-                                   f"not version {version}")
+            if (self.trainer.step, self.trainer.update) != (version, update):
+                raise CommandError(f"checkpoint {self.checkpoint} holds step {self.trainer.step} update "
+                                   f"{self.trainer.update}, not version {version} update {update}")
 
     def _heard(self, version: int, checkpoint: str | None) -> None:
         self.version = max(self.version, version)

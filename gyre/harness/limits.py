@@ -6,12 +6,18 @@ bounds one process, not a tree of them; RLIMIT_NPROC counts every process of the
 and the sibling harnesses' too); cgroups are not available to a user job everywhere. So a watcher
 reads /proc every ``poll_s`` (in a thread, off the event loop) and stops the harness at the first
 limit it passes, with an error naming that ``[harness]`` key. A single file is bounded at once by
-RLIMIT_FSIZE (set to the workspace limit by the runner).
+RLIMIT_FSIZE (set to the workspace limit by the runner); inside bubblewrap the kernel caps the
+processes too (RLIMIT_NPROC in the sandbox's own user namespace: gyre.harness.sandbox_init), and
+the poll here is the fallback everywhere else.
+
+Every error starts with ``harness.<key> = <limit>``: the execution's record keeps it, and the
+summaries count executions by the limit that stopped them (gyre.traj.record.limit_of).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import select
 import threading
 import time
@@ -19,6 +25,27 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+# The kernel's cap in a sandbox (RLIMIT_NPROC) counts threads as well as processes: room for a
+# harness's threads and the launcher's relay threads (two per proxy connection), and above
+# max_processes, so the poll still sees a fork bomb pass the limit and stops it with its error.
+KERNEL_TASKS_PER_PROCESS = 2
+LAUNCHER_TASKS = 160
+
+
+def kernel_process_cap(max_processes: int) -> int:
+    """RLIMIT_NPROC inside a sandbox with a user namespace of its own, for `max_processes`."""
+    return KERNEL_TASKS_PER_PROCESS * max_processes + LAUNCHER_TASKS
+
+
+def kernel_counts_per_namespace() -> bool:
+    """RLIMIT_NPROC counted per user namespace (Linux 5.14, "ucounts"); before, one count per user
+    on the whole node, which would hold a sandbox to the user's other processes too.
+
+    Not cgroup v2's pids controller: a user job can use it only where systemd or Slurm delegates a
+    cgroup subtree to it, which most clusters (and this machine: cgroup v1, no controllers in the
+    unified hierarchy) do not; a user namespace is what bubblewrap gives everywhere."""
+    m = re.match(r"(\d+)\.(\d+)", os.uname().release)
+    return m is not None and (int(m[1]), int(m[2])) >= (5, 14)
 
 
 @dataclass(frozen=True)
@@ -26,9 +53,10 @@ class TreeLimits:
     max_processes: int = 0  # 0 = none
     max_memory_mb: int = 0  # resident memory of the whole tree
     max_workspace_mb: int = 0  # allocated bytes under the workspace (sparse files count what they hold)
+    max_workspace_files: int = 0  # entries under the workspace (files, folders, links; empty ones too)
 
     def any(self) -> bool:
-        return bool(self.max_processes or self.max_memory_mb or self.max_workspace_mb)
+        return bool(self.max_processes or self.max_memory_mb or self.max_workspace_mb or self.max_workspace_files)
 
 
 def _stat_all() -> dict[int, tuple[int, int, int]]:
@@ -80,7 +108,14 @@ def tree_usage(root: int) -> tuple[int, int]:
 
 def allocated_bytes(path: Path) -> int:
     """Bytes the files under `path` hold on disk (st_blocks: a sparse file counts what it holds)."""
-    total, todo = 0, [str(path)]
+    return workspace_usage(path)[0]
+
+
+def workspace_usage(path: Path, max_entries: int = 0) -> tuple[int, int]:
+    """(allocated bytes, entries) under `path`: every file, folder and link counts one entry (an
+    empty file takes an inode as a full one does). With `max_entries`, the walk stops as soon as
+    the count passes it, so a tree of millions is not walked in full at every poll."""
+    total, entries, todo = 0, 0, [str(path)]
     while todo:
         try:
             it = os.scandir(todo.pop())
@@ -88,6 +123,9 @@ def allocated_bytes(path: Path) -> int:
             continue
         with it:
             for e in it:
+                entries += 1
+                if max_entries and entries > max_entries:
+                    return total, entries
                 try:
                     st = e.stat(follow_symlinks=False)
                 except OSError:
@@ -95,7 +133,7 @@ def allocated_bytes(path: Path) -> int:
                 total += st.st_blocks * 512
                 if e.is_dir(follow_symlinks=False):
                     todo.append(e.path)
-    return total
+    return total, entries
 
 
 def check(limits: TreeLimits, root: int, workspace: Path | None) -> str | None:
@@ -122,16 +160,20 @@ def _check(limits: TreeLimits, root: int, workspace: Path | None) -> str | None:
     if limits.max_processes or limits.max_memory_mb:
         n, rss = tree_usage(root)
         if limits.max_processes and n > limits.max_processes:
-            return (f"harness ran {n} processes at once, over harness.max_processes = {limits.max_processes}; "
-                    "raise it in [harness] if this harness needs more")
+            return (f"harness.max_processes = {limits.max_processes} passed: the harness ran {n} processes at "
+                    "once; raise it in [harness] if this harness needs more")
         if limits.max_memory_mb and rss > limits.max_memory_mb << 20:
-            return (f"harness processes held {rss >> 20} MB of memory, over harness.max_memory_mb = "
-                    f"{limits.max_memory_mb}; raise it in [harness] if this harness needs more")
-    if limits.max_workspace_mb and workspace is not None:
-        used = allocated_bytes(workspace)
-        if used > limits.max_workspace_mb << 20:
-            return (f"workspace holds {used >> 20} MB, over harness.max_workspace_mb = {limits.max_workspace_mb}; "
+            return (f"harness.max_memory_mb = {limits.max_memory_mb} passed: the harness's processes held "
+                    f"{rss >> 20} MB; raise it in [harness] if this harness needs more")
+    if (limits.max_workspace_mb or limits.max_workspace_files) and workspace is not None:
+        used, entries = workspace_usage(workspace, limits.max_workspace_files)
+        if limits.max_workspace_files and entries > limits.max_workspace_files:
+            return (f"harness.max_workspace_files = {limits.max_workspace_files} passed: the workspace holds "
+                    f"more than {limits.max_workspace_files} entries (files and folders, empty ones too); "
                     "raise it in [harness] if the task needs more")
+        if limits.max_workspace_mb and used > limits.max_workspace_mb << 20:
+            return (f"harness.max_workspace_mb = {limits.max_workspace_mb} passed: the workspace holds "
+                    f"{used >> 20} MB; raise it in [harness] if the task needs more")
     return None
 
 

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from gyre.harness import proc
-from gyre.harness.limits import CappedLog, TreeLimits, WorkspaceClock, check as check_limits
+from gyre.harness.limits import (CappedLog, TreeLimits, WorkspaceClock, check as check_limits,
+                                 kernel_counts_per_namespace, kernel_process_cap)
 from gyre.harness.sandbox import (LIB, SOCKET, TASK, WORKSPACE, Environments, ProxyBridge, SandboxConfig,
                                   host_python, run_steps_async)
 from gyre.harness.runtimes import Mount
@@ -66,9 +67,10 @@ class Limits:
     max_log_mb: int = 0
     max_workspace_mb: int = 0
     poll_s: float = 1.0
+    max_workspace_files: int = 0
 
     def tree(self) -> TreeLimits:
-        return TreeLimits(self.max_processes, self.max_memory_mb, self.max_workspace_mb)
+        return TreeLimits(self.max_processes, self.max_memory_mb, self.max_workspace_mb, self.max_workspace_files)
 
 
 @dataclass
@@ -225,7 +227,8 @@ class HarnessPool:
     def from_config(cls, cfg, environments: Environments | None = None) -> "HarnessPool":
         h = cfg.harness
         limits = Limits(h.timeout_s, h.kill_grace_s, h.cpu_limit_s, h.memory_limit_mb, h.max_processes,
-                        h.max_memory_mb, h.max_log_mb, h.max_workspace_mb, h.limits_poll_s)
+                        h.max_memory_mb, h.max_log_mb, h.max_workspace_mb, h.limits_poll_s,
+                        h.max_workspace_files)
         return cls(cfg.run.dir, h.command, concurrency=h.concurrency, limits=limits,
                    pass_env=h.pass_env, extra_env=proc.parse_env_list(h.env),
                    environments=environments or Environments(SandboxConfig.from_config(h)),
@@ -338,6 +341,10 @@ class HarnessPool:
                    PYTHONPATH=os.pathsep.join(filter(None, [LIB, env.get("PYTHONPATH")])))
         mounts = [Mount(str(ws), WORKSPACE, writable=True), Mount(str(task_dir), TASK)]
         argv = envs.launcher(place)
+        if self.limits.max_processes and place.runtime.private_users and kernel_counts_per_namespace():
+            # the kernel refuses a fork past the cap at once; the poll stops the harness (the kernel
+            # exempts root of the host: there the poll alone holds)
+            argv += ["--nproc", str(kernel_process_cap(self.limits.max_processes))]
         if bridge:
             mounts.append(Mount(str(bridge.path), SOCKET))
             argv += ["--forward", f"{bridge.inner_port}={SOCKET}"]

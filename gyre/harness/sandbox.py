@@ -77,11 +77,13 @@ class SandboxConfig:
     image_python: str = "python3"  # the interpreter inside task images (runs the launcher)
     network: str = "proxy"       # proxy: loopback + the proxy socket | host: the host's network
     binds: tuple = ()            # extra read-only host paths "SRC[:DST]" a harness needs (its venv)
+    tmpfs_mb: int = 0            # size of the instance's /tmp and of its /dev/shm (bwrap); 0 = unsized
 
     @classmethod
     def from_config(cls, h) -> "SandboxConfig":
         return cls(sandbox=h.sandbox, runtime=h.runtime, image_dir=h.image_dir,
-                   image_python=h.image_python, network=h.sandbox_network, binds=tuple(h.sandbox_binds))
+                   image_python=h.image_python, network=h.sandbox_network, binds=tuple(h.sandbox_binds),
+                   tmpfs_mb=h.tmpfs_mb)
 
 
 def host_python() -> str:
@@ -254,7 +256,8 @@ class Environments:
                 env.setdefault(k, v)
             env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
         return Instance(argv=argv, workdir=workdir, mounts=all_mounts, env=env, network=network,
-                        image=place.image if place.kind == "image" else None, masks=masks, name=name)
+                        image=place.image if place.kind == "image" else None, masks=masks, name=name,
+                        tmpfs_mb=self.config.tmpfs_mb)
 
     def launcher(self, place: Placement) -> list[str]:
         """argv prefix that runs the in-instance launcher."""

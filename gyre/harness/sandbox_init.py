@@ -2,7 +2,9 @@
 
 It is mounted alone (with the harness scripts) into an instance, so it must not import Gyre.
 
-    sandbox_init.py [--forward PORT=SOCKET] -- ARGV...
+    sandbox_init.py [--nproc N] [--forward PORT=SOCKET] -- ARGV...
+        With --nproc, first cap the tasks (processes and threads) of this uid at N with
+        RLIMIT_NPROC: in the sandbox's own user namespace the kernel counts the sandbox alone.
         Listen on 127.0.0.1:PORT of the instance's own loopback and relay each connection to
         the Unix socket SOCKET (the host's end leads to the proxy), then run ARGV (the harness)
         and exit with its status. The instance has no other network.
@@ -131,6 +133,16 @@ def run_commands(commands_file, out, workdir, command_timeout=0.0):
     return 0
 
 
+def cap_processes(n):
+    """RLIMIT_NPROC, set here, inside: the kernel (5.14+) counts it per user namespace, so it
+    bounds this sandbox's tasks alone; set outside it would count every process of Gyre's user."""
+    import resource
+    _, hard = resource.getrlimit(resource.RLIMIT_NPROC)
+    if hard != resource.RLIM_INFINITY:
+        n = min(n, hard)
+    resource.setrlimit(resource.RLIMIT_NPROC, (n, n))
+
+
 def main(args):
     if args[:1] in (["--copy-tree"], ["--commands"]):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # bwrap was started with TERM ignored
@@ -142,6 +154,9 @@ def main(args):
         opts = dict(zip(args[0::2], args[1::2]))
         return run_commands(opts["--commands"], opts["--out"], opts.get("--workdir") or os.getcwd(),
                             float(opts.get("--command-timeout") or 0))
+    if args[:1] == ["--nproc"]:
+        cap_processes(int(args[1]))
+        args = args[2:]
     while args and args[0] == "--forward":
         port, _, path = args[1].partition("=")
         try:

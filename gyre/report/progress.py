@@ -15,6 +15,14 @@ from typing import TextIO
 from gyre.events import Event, ExecutionEvaluated, RunStats, StepEnded
 
 
+def limits_line(counts: dict[str, int]) -> str:
+    """"2 stopped by limits: max_workspace_files x2" ("" when none was)."""
+    if not counts:
+        return ""
+    return (f"{sum(counts.values())} stopped by limits: "
+            + ", ".join(f"{k} x{n}" for k, n in sorted(counts.items())))
+
+
 def duration(seconds: float) -> str:
     """1h02m, 4m10s, 37s: the width a step line can afford."""
     s = int(round(max(seconds, 0.0)))
@@ -76,6 +84,8 @@ class Progress:
                  f"{_rate(row.get('tokens_per_s'))} tok/s",
                  f"lag {row.get('staleness_mean', 0):.2f}/{row.get('staleness_max', 0)}",
                  duration(row["t_end"]), "ETA " + ("-" if eta is None else duration(eta))]
+        if row.get("stopped_by_limits"):
+            parts.append(limits_line(row["stopped_by_limits"]))
         kinds = list(row.get("warnings") or {})
         if kinds:
             parts.append("warn: " + ",".join(kinds))

@@ -49,6 +49,31 @@ _EPS = 1e-6
 ZERO_VARIANCE = "zero_variance"  # the ledger's reason for a group dropped for equal rewards
 
 
+def minibatch_parts(items: Iterable, minibatches: int) -> list[list]:
+    """A step's micro-batches in ``minibatches`` consecutive, near-equal parts (never more parts
+    than micro-batches): the one split of PPO-style updates (train.minibatches_per_step), offline
+    (`gyre.train.base.Trainer.train_step`) and live (the open step's updates)."""
+    items = list(items)
+    n = max(1, min(int(minibatches), len(items)))
+    return [items[i * len(items) // n:(i + 1) * len(items) // n] for i in range(n)]
+
+
+def minibatch_scales(part_weights: list[float]) -> list[float]:
+    """Per part (from its summed loss weights): the factor that makes its weights sum to the
+    whole step's, so every update is a mean over its own tokens (1 with a single part)."""
+    total = sum(part_weights)
+    if len(part_weights) == 1:
+        return [1.0]
+    return [total / max(w, 1e-30) for w in part_weights]
+
+
+@dataclass(frozen=True)
+class ProxJob:
+    """Queued work of a step with minibatches: pi_prox of micro-batch ``mb`` (a later part) at
+    the step's start, before its first update (no gradient)."""
+    mb: Hashable
+
+
 class CoreError(RuntimeError):
     """An event the lifecycle does not allow (a driver bug, never user input)."""
 
@@ -83,12 +108,14 @@ class CoreSpec:
     burst_order: BurstOrder = BurstOrder.STREAM  # stream: a round's groups go to its steps as they finish;
     #                               shuffle: once the round's groups are in, in a seeded random order
     seed: int = 0                 # of the shuffle
+    minibatches: int = 1          # optimizer updates per step (train.minibatches_per_step), one reduce each
+    prox: bool = False            # the later minibatches need pi_prox at the step's start (tis, decoupled)
 
     def __post_init__(self) -> None:
         if self.staleness_rule not in RULES:
             raise ValueError(f"staleness_rule must be one of {RULES}, got {self.staleness_rule!r}")
         object.__setattr__(self, "staleness_rule", StalenessRule(self.staleness_rule))  # a member from here on
-        for name in ("groups_per_step", "group_size", "steps_per_sync"):
+        for name in ("groups_per_step", "group_size", "steps_per_sync", "minibatches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.staleness < 0:
@@ -162,6 +189,11 @@ class StepRecord:
     done: set = field(default_factory=set)
     reducing: bool = False
     replaced: int = 0                                 # zero-variance groups dropped while it was open
+    # minibatches (spec.minibatches > 1): the step's micro-batches, split once the step is full;
+    # update j trains parts[j] then reduces. ProxJobs, queued with part 0, give the later parts
+    # pi_prox at the step's start.
+    parts: list | None = None
+    update: int = 0
     # running sums, updated in event order (deterministic, and O(1) for the simulator's many reads)
     tokens_total: float = 0.0
     _done_sum: float = 0.0
@@ -176,7 +208,15 @@ class StepRecord:
 
     @property
     def trained(self) -> bool:
+        """The open update's work is done (every micro-batch of the step, without minibatches)."""
+        if self.parts is not None:
+            return not self.queue and not self.in_flight and all(mb in self.done for mb in self.parts[self.update])
         return not self.queue and not self.in_flight and len(self.done) == len(self.work)
+
+    @property
+    def final(self) -> bool:
+        """The open update is the step's last (the one that counts the step)."""
+        return self.parts is None or self.update == len(self.parts) - 1
 
 
 @dataclass(frozen=True)
@@ -447,10 +487,27 @@ class Coordinator:
                 raise CoreError(f"micro-batch {mb!r} added twice")
             self.step.work[mb] = float(t)
             self.step.tokens_total += float(t)
-            self.step.queue.append(mb)
+            if self.spec.minibatches == 1:  # else queued by update once the step is full (_split)
+                self.step.queue.append(mb)
+
+    def _full(self) -> bool:
+        return len(self.step.groups) >= self.spec.groups_per_step
+
+    def _split(self) -> None:
+        """Minibatches: once every group of the step is in (the driver materializes a group when it
+        is assigned), its micro-batches split into parts; part 0 and the prox jobs queue."""
+        st = self.step
+        if self.spec.minibatches == 1 or st.parts is not None or not self._full():
+            return
+        st.parts = minibatch_parts(st.work, self.spec.minibatches)
+        st.queue.extend(st.parts[0])
+        if self.spec.prox:
+            st.queue.extend(ProxJob(mb) for part in st.parts[1:] for mb in part)
 
     def next_microbatch(self) -> Hashable | None:
-        """The next queued micro-batch for an idle trainer (work goes by progress)."""
+        """The next queued micro-batch for an idle trainer (work goes by progress); with
+        minibatches, a `ProxJob` asks for pi_prox of a later part's micro-batch."""
+        self._split()
         if not self.step.queue or self.step.reducing:
             return None
         mb = self.step.queue.pop(0)
@@ -459,6 +516,9 @@ class Coordinator:
 
     def microbatch_trained(self, mb: Hashable) -> None:
         st = self.step
+        if isinstance(mb, ProxJob):  # its log-probs are with the driver
+            st.in_flight.discard(mb)
+            return
         if mb not in st.work:
             raise CoreError(f"micro-batch {mb!r} is not part of step {st.index}")
         st.in_flight.discard(mb)
@@ -470,8 +530,12 @@ class Coordinator:
         """A trainer died: these go back to the queue (their gradients are recomputed)."""
         st = self.step
         for mb in mbs:
-            if mb not in st.work:
+            if isinstance(mb, ProxJob) and mb in st.in_flight:  # failed: asked again
+                st.in_flight.discard(mb)
+                st.queue.append(mb)
                 continue
+            if mb not in st.work or (st.parts is not None and mb not in st.parts[st.update]):
+                continue  # an earlier update's gradients are applied already
             st.in_flight.discard(mb)
             if mb in st.done:
                 st.done.discard(mb)
@@ -481,10 +545,21 @@ class Coordinator:
 
     # ---- step end -------------------------------------------------------------------------------
     def step_ready(self) -> bool:
-        """The open step is full and all of its work trained: its optimizer step may run."""
+        """The open step is full and the open update's work trained: its reduce and optimizer
+        update may run (`step.final`: the step's last, `step_ended`; else `update_applied`)."""
         st = self.step
-        return (not self.done and not st.reducing and len(st.groups) >= self.spec.groups_per_step
-                and st.trained)
+        self._split()
+        return (not self.done and not st.reducing and self._full() and st.trained
+                and (self.spec.minibatches == 1 or st.parts is not None))
+
+    def update_applied(self) -> None:
+        """An update inside the step was applied everywhere: the next part queues."""
+        st = self.step
+        if not st.reducing or st.final:
+            raise CoreError(f"step {st.index}: update {st.update} is not an update inside the step")
+        st.reducing = False
+        st.update += 1
+        st.queue.extend(st.parts[st.update])
 
     def step_ending(self, now: float) -> None:
         if not self.step_ready():

@@ -62,6 +62,7 @@ class ToTrain(Command):
     kind: ClassVar[str] = "to_train"
     version: int
     checkpoint: str | None = None
+    update: int = 0                   # updates the open step has applied (train.minibatches_per_step)
     drain_timeout_s: float = 30.0
 
 
@@ -84,11 +85,15 @@ class PushWeights(Command):
 
 @dataclass(kw_only=True)
 class Train(Command):
-    """Forward+backward of one micro-batch over the cell's trainer ranks (gradients accumulate)."""
+    """Forward+backward of one micro-batch over the cell's trainer ranks (gradients accumulate)
+    for update ``update`` of the step; ``prox``: only pi_prox, its targets' log-probs at the
+    step's start (no gradient), answered in ``logprobs``."""
     kind: ClassVar[str] = "train"
     step: int
     mb_id: int
     batch: dict
+    update: int = 0
+    prox: bool = False
 
 
 @dataclass(kw_only=True)
@@ -96,15 +101,20 @@ class PrepareReduce(Command):
     """Sum this step's gradients over the cell's ranks (held in the trainer ranks)."""
     kind: ClassVar[str] = "prepare_reduce"
     step: int
+    update: int = 0
 
 
 @dataclass(kw_only=True)
 class Reduce(Command):
     """Sum the held gradients over exactly ``participants`` (a torch.distributed group per
-    membership); the leader applies, exports the weights to ``weights_dir`` (one piece per rank)
-    and writes ``checkpoint_dir``, then commits; the other train cells apply after the commit."""
+    membership); the leader applies, exports the weights to ``weights_dir`` (one piece per rank;
+    ``final`` updates only) and writes ``checkpoint_dir``, then commits; the other train cells
+    apply after the commit. ``update``/``final``: which optimizer update of the step this is
+    (train.minibatches_per_step); only the final one counts the step."""
     kind: ClassVar[str] = "reduce"
     step: int
+    update: int = 0
+    final: bool = True
     participants: list[int]
     leader: int
     weights_dir: str
@@ -171,6 +181,7 @@ class TrainReply(Reply):
     kind: ClassVar[str] = "train"
     mb_id: int | None = None
     stats: dict[str, float] = field(default_factory=dict)
+    logprobs: list[float] | None = None  # prox: the targets' log-probs at the step's start
     lost: list[int] = field(default_factory=list)   # micro-batches whose gradients died (a trainer death)
 
 

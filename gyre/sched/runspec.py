@@ -39,17 +39,20 @@ class RunSpec:
     def from_config(cls, cfg: GyreConfig, *, start_version: int = 0, first_group: int = 0) -> "RunSpec":
         """The run `cfg` describes; a resumed run starts at `start_version` and group id `first_group`."""
         s, t = cfg.sched, cfg.train
+        off_policy = resolved_off_policy(cfg)
         core = CoreSpec(
             steps=cfg.run.steps, groups_per_step=cfg.run.groups_per_step, group_size=cfg.harness.group_size,
             staleness=s.staleness, staleness_rule=s.staleness_rule, steps_per_sync=s.steps_per_sync,
             start_version=start_version, first_group=first_group,
             # equal rewards carry no signal only for a baseline-relative advantage
             skip_zero_variance=s.skip_zero_variance and t.advantage is not Advantage.REWARD,
-            max_replacements_per_step=s.max_replacements_per_step, burst_order=s.burst_order, seed=cfg.run.seed)
+            max_replacements_per_step=s.max_replacements_per_step, burst_order=s.burst_order, seed=cfg.run.seed,
+            # later minibatches clip (tis, decoupled) against the step's start: pi_prox, one no-grad forward
+            minibatches=t.minibatches_per_step, prox=off_policy is not OffPolicyMode.NONE)
         hints = Hints(to_train_s=s.to_train_s, to_rollout_s=s.to_rollout_s, push_s=s.push_s, eval_s=s.eval_s,
                       execs_per_cell=s.execs_per_cell, min_dwell_s=s.min_dwell_s, calls_per_cell=s.calls_per_cell,
                       train_tokens_per_s=s.train_tokens_per_s)
-        return cls(core, s.scheme, hints, max(1, s.rollout_cells_async), resolved_off_policy(cfg))
+        return cls(core, s.scheme, hints, max(1, s.rollout_cells_async), off_policy)
 
     @property
     def staleness(self) -> int:

@@ -31,7 +31,11 @@ class WeightPaths:
     def weights(self, version: int) -> str:
         return str(self.model_dir) if version == 0 else str(self.weights_root / f"v{version}")
 
-    def checkpoint(self, version: int) -> str:
+    def checkpoint(self, version: int, update: int = 0) -> str:
+        """``update`` > 0: the trainer inside step ``version`` after that many of its updates
+        (train.minibatches_per_step), what a trainer that dies or joins mid-step loads."""
+        if update:
+            return str(self.ckpt_root / f"v{version}u{update}")
         return "" if version == 0 else str(self.ckpt_root / f"v{version}")
 
 
@@ -132,8 +136,9 @@ class CellFleet:
                 self._futures.pop(cmd.seq, None)
                 return reply_for(cmd, cell.id, ok=False, error=f"no reply within {timeout} s")
 
-    def to_train(self, cell: Cell, version: int):
-        return self.call(cell, ToTrain(version=version, checkpoint=self.paths.checkpoint(version) or None))
+    def to_train(self, cell: Cell, version: int, update: int = 0):
+        return self.call(cell, ToTrain(version=version, update=update,
+                                       checkpoint=self.paths.checkpoint(version, update) or None))
 
     def to_rollout(self, cell: Cell, version: int):
         return self.call(cell, ToRollout(version=version, weights=self.paths.weights(version)))
@@ -141,16 +146,19 @@ class CellFleet:
     def push(self, cell: Cell, version: int):
         return self.call(cell, PushWeights(version=version, weights=self.paths.weights(version)))
 
-    def train(self, cell: Cell, step: int, mid: int, batch: dict):
-        return self.call(cell, Train(step=step, mb_id=mid, batch=batch))
+    def train(self, cell: Cell, step: int, mid: int, batch: dict, update: int = 0, prox: bool = False):
+        return self.call(cell, Train(step=step, mb_id=mid, batch=batch, update=update, prox=prox))
 
-    def prepare_reduce(self, cell: Cell, step: int):
-        return self.call(cell, PrepareReduce(step=step))
+    def prepare_reduce(self, cell: Cell, step: int, update: int = 0):
+        return self.call(cell, PrepareReduce(step=step, update=update))
 
-    def reduce(self, cell: Cell, step: int, participants: list[Cell], leader: Cell, new: int):
+    def reduce(self, cell: Cell, step: int, participants: list[Cell], leader: Cell, update: int = 0,
+               final: bool = True):
+        """The reduce of update ``update`` of step ``step``; the final one makes version step + 1."""
+        ckpt = self.paths.checkpoint(step + 1) if final else self.paths.checkpoint(step, update + 1)
         return self.call(cell, Reduce(
-            step=step, participants=[c.id for c in participants], leader=leader.id,
-            weights_dir=self.paths.weights(new), checkpoint_dir=self.paths.checkpoint(new)))
+            step=step, update=update, final=final, participants=[c.id for c in participants], leader=leader.id,
+            weights_dir=self.paths.weights(step + 1), checkpoint_dir=ckpt))
 
     def stop(self, cell: Cell):
         return self.call(cell, Stop(), timeout=60)

@@ -43,6 +43,7 @@ class Ledger:
         self.ended: dict[str, tuple[float | None, str]] = {}
         self.task_of: dict[int, str] = {}               # group id -> task name
         self.unscorable: dict[str, int] = {}            # executions that ended with no reward, by why
+        self.errors: dict[str, str] = {}                # why an ended execution ended badly (a limit, ...)
 
     def open(self) -> None:
         """Line-buffered appends: a line is in the file when the call returns."""
@@ -58,9 +59,13 @@ class Ledger:
     def group_started(self, group: int, task: str) -> None:
         self.task_of[group] = task
 
-    def execution_ended(self, eid: str, reward: float | None, why_not: str, unscorable: str = "") -> None:
-        """``why_not``: why it cannot train ("" if it can); ``unscorable``: why it has no reward."""
+    def execution_ended(self, eid: str, reward: float | None, why_not: str, unscorable: str = "",
+                        error: str | None = None) -> None:
+        """``why_not``: why it cannot train ("" if it can); ``unscorable``: why it has no reward;
+        ``error``: the record's error (a limit it passed, its time limit), kept for its line."""
         self.ended[eid] = (reward, why_not)
+        if error:
+            self.errors[eid] = error
         if reward is None:
             self.unscorable[unscorable or "no reward"] = self.unscorable.get(unscorable or "no reward", 0) + 1
 
@@ -75,7 +80,8 @@ class Ledger:
             self.emit(ExecutionDropped(self.clock(), eid, g.id, reason))
         self._write({"execution": eid, "group": g.id, "task": self.task_of[g.id], "admitted": admitted,
                      "step": step, "staleness": staleness, "lag_syncs": g.lag_syncs if admitted else None,
-                     "reason": reason, "reward": reward, "version": g.version, "sync": g.sync})
+                     "reason": reason, "reward": reward, "version": g.version, "sync": g.sync,
+                     "error": self.errors.pop(eid, None)})
 
     def close_unfinished(self, groups, why: str, step: int) -> None:
         """Every execution that ended and did not train gets its line, with the reason."""

@@ -91,7 +91,7 @@ class RolloutService:
         key = self.proxy.register(execution_id, task=task.name, group=group, replay=replay)
         status, workspace, error, own, log_dir, start_failure = await self._run_harness(task, execution_id, key)
         rec = self.proxy.end(execution_id, status)
-        rec.workspace = workspace
+        rec.workspace, rec.error = workspace, error
         if on_ended is not None:
             on_ended(status)
         await self._evaluate(rec, task, own, log_dir, start_failure, error)

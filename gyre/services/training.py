@@ -5,7 +5,10 @@ dropped (memory stays flat over a run: the record is already durable in its shar
 groups the coordinator core assigns to the open step into micro-batches, hands them to idle train
 cells (work goes by progress: whoever is free takes the next), requeues what a dying trainer
 lost, and runs the step's two-phase reduce (prepare: who holds what; reduce: apply everywhere or
-nowhere). Which groups train when is the core's decision, never this module's.
+nowhere). With train.minibatches_per_step = n the core splits a full step into n parts and this
+module runs one such reduce per part (the last one counts the step); the later parts' pi_prox,
+asked of the trainers before the first update, is kept here and travels with each micro-batch.
+Which groups train when is the core's decision, never this module's.
 """
 
 from __future__ import annotations
@@ -13,14 +16,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 from gyre.batch import to_wire
-from gyre.config import ConfigError
 from gyre.events import MicroBatchDone
 from gyre.sched.cells import Cell
-from gyre.sched.core import Coordinator, GroupRecord
+from gyre.sched.core import Coordinator, GroupRecord, ProxJob, minibatch_scales
 from gyre.sched.protocol import PrepareReduceReply, ReduceReply
 from gyre.sched.state import Role
 from gyre.traj.audit import Audit, audit_micro_batch
@@ -30,10 +34,12 @@ from gyre.train.step_stats import merge, summarize
 
 @dataclass
 class StepReduced:
-    """A step whose reduce every participant applied."""
+    """An update (a whole step without minibatches) whose reduce every participant applied."""
     participants: list[Cell]
     replies: list[ReduceReply]
     seconds: float
+    final: bool = True                                      # the step's last update: the step is done
+    grad_norms: list = field(default_factory=list)          # every update of the step, in order (final)
 
     @property
     def grad_norm(self) -> float | None:
@@ -43,9 +49,6 @@ class StepReduced:
 class TrainingDispatch:
     def __init__(self, cfg, fleet, *, emit: Callable, clock: Callable[[], float], spawn: Callable,
                  notice: Callable[[str, dict], None] = lambda kind, info: None):
-        if cfg.train.minibatches_per_step > 1:  # the cells reduce and apply once per step
-            raise ConfigError(f"train.minibatches_per_step = {cfg.train.minibatches_per_step}: a live run makes "
-                              f"one update per step; PPO-style minibatches run in `gyre train` (set it to 1 here)")
         self.cfg, self.fleet, self.emit, self.clock, self.spawn = cfg, fleet, emit, clock, spawn
         self.notice = notice                            # (kind, info): something the report should list
         self.core: Coordinator | None = None
@@ -54,6 +57,9 @@ class TrainingDispatch:
         self.batches: dict[int, dict] = {}              # micro-batch id -> wire dict, until its step closes
         self.audits: dict[int, Audit] = {}              # micro-batch id -> its token-identity audit
         self.admitted: dict[int, list] = {}             # group id -> [(execution id, staleness)]
+        self.prox: dict[int, np.ndarray] = {}           # micro-batch id -> pi_prox at its step's start
+        self.scale: dict[int, float] = {}               # micro-batch id -> its part's weight factor
+        self.updates: list[StepReduced] = []            # the open step's updates applied so far
         self.mb_ids = itertools.count()
 
     # ---- records -------------------------------------------------------------------------------
@@ -110,13 +116,40 @@ class TrainingDispatch:
                 mid = self.core.next_microbatch()
                 if mid is None:
                     return
-                cell.mb_in_flight = mid
-                self.spawn(self.train(cell, mid))
+                prox = isinstance(mid, ProxJob)
+                cell.mb_in_flight = mid.mb if prox else mid  # (cells.json: the micro-batch either way)
+                self.spawn(self.prox_of(cell, mid) if prox else self.train(cell, mid))
+
+    async def prox_of(self, cell: Cell, job: ProxJob) -> None:
+        """pi_prox of a later minibatch's micro-batch, before the step's first update."""
+        mid = job.mb
+        rep = await self.fleet.train(cell, self.core.step.index, mid, self.batches[mid], prox=True)
+        cell.mb_in_flight = None
+        if rep.ok and rep.logprobs is not None:
+            self.prox[mid] = np.asarray(rep.logprobs, dtype=np.float32)
+            self.core.microbatch_trained(job)
+        else:  # asked again; a trainer that died took the gradients it held with it
+            self.requeue(cell, set(rep.lost) & cell.step_mbs)
+            self.core.microbatches_lost([job])
+
+    def _scale(self, mid: int) -> float:
+        """The factor of `mid`'s part (gyre.sched.core.minibatch_scales), once per step."""
+        if mid not in self.scale:
+            parts = self.core.step.parts
+            sums = [sum(float(self.batches[m]["weights"].sum()) for m in part) for part in parts]
+            for part, f in zip(parts, minibatch_scales(sums)):
+                self.scale.update(dict.fromkeys(part, f))
+        return self.scale[mid]
 
     async def train(self, cell: Cell, mid: int) -> None:
         t = self.clock()
-        step = self.core.step.index
-        rep = await self.fleet.train(cell, step, mid, self.batches[mid])
+        step, update = self.core.step.index, self.core.step.update
+        batch = self.batches[mid]
+        if self.core.step.parts is not None:  # minibatches: each update is a mean over its own tokens
+            batch = {**batch, "weights": batch["weights"] * np.float32(self._scale(mid))}
+        if mid in self.prox:  # a later minibatch: its clip and weights act against the step's start
+            batch = {**batch, "prox_logprobs": self.prox[mid]}
+        rep = await self.fleet.train(cell, step, mid, batch, update=update)
         cell.mb_in_flight = None
         now = self.clock()
         stats = rep.stats if rep.ok else {}
@@ -143,16 +176,19 @@ class TrainingDispatch:
 
     # ---- the step's reduce ---------------------------------------------------------------------
     async def reduce(self, index: int) -> StepReduced | None | str:
-        """Prepare and reduce step ``index`` over every cell that holds its gradients.
+        """Prepare and reduce the open update of step ``index`` over every cell that holds its
+        gradients (without minibatches: the step's only update).
 
-        Returns `StepReduced` when every participant applied it; None when it must be tried again
-        (no trainer yet, or gradients were lost and are recomputed: the next tick retries); a
-        message when the reduce failed after some cell may have applied it (replicas may now
-        disagree: the run stops)."""
+        Returns `StepReduced` when every participant applied it (``final``: the step is done; else
+        the next part trains, `update_applied`); None when it must be tried again (no trainer yet,
+        or gradients were lost and are recomputed: the next tick retries); a message when the
+        reduce failed after some cell may have applied it (replicas may now disagree: the run
+        stops)."""
+        update, final = self.core.step.update, self.core.step.final
         cells = [c for c in self.fleet if c.role is not Role.FAILED and (c.step_mbs or c.role is Role.TRAIN)]
         if not any(c.role is Role.TRAIN for c in cells):
             return None  # no trainer to apply the step: wait for the policy to bring one
-        reps = await asyncio.gather(*(self.fleet.prepare_reduce(c, index) for c in cells))
+        reps = await asyncio.gather(*(self.fleet.prepare_reduce(c, index, update) for c in cells))
         lost = False
         for c, r in zip(cells, reps):
             gone = self.lost_at_prepare(c, r)
@@ -163,7 +199,7 @@ class TrainingDispatch:
             return None  # lost gradients are recomputed; the next tick finishes the step again
         leader = min((c for c in cells if c.role is Role.TRAIN), key=lambda c: c.id)
         t = self.clock()
-        reps = await asyncio.gather(*(self.fleet.reduce(c, index, cells, leader, index + 1) for c in cells))
+        reps = await asyncio.gather(*(self.fleet.reduce(c, index, cells, leader, update, final) for c in cells))
         bad = [f"cell {r.cell}: {r.error.splitlines()[0] if r.error else 'failed'}" for r in reps if not r.ok]
         if bad and all(r.ok or r.retry for r in reps):
             # no cell applied the step (a trainer died before the commit): hand the lost
@@ -174,7 +210,22 @@ class TrainingDispatch:
             return None
         if bad:
             return f"step {index}: reduce failed: {'; '.join(bad)}"
-        return StepReduced(cells, list(reps), self.clock() - t)
+        red = StepReduced(cells, list(reps), self.clock() - t, final)
+        self.updates.append(red)
+        if not final:
+            return red
+        ups, self.updates = self.updates, []
+        ids = sorted({c.id: c for u in ups for c in u.participants}.items())
+        return StepReduced([c for _, c in ids], red.replies, sum(u.seconds for u in ups), True,
+                           [u.grad_norm for u in ups])
+
+    def update_applied(self, red: StepReduced) -> None:
+        """An update inside the step is applied everywhere: its gradients are gone from the cells
+        (what they report lost from here on is the next part's), the next part queues."""
+        done = set(self.core.step.parts[self.core.step.update])
+        for c in red.participants:
+            c.step_mbs.difference_update(done)
+        self.core.update_applied()
 
     def step_figures(self, stats: list[dict], replaced: int, groups: int,
                      microbatches=()) -> tuple[dict, dict, Audit]:
@@ -208,3 +259,5 @@ class TrainingDispatch:
         for m in microbatches:
             self.batches.pop(m, None)
             self.audits.pop(m, None)
+            self.prox.pop(m, None)
+            self.scale.pop(m, None)

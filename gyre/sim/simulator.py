@@ -39,7 +39,7 @@ import math
 import random
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 from gyre.config import ConfigError, StalenessRule
@@ -131,6 +131,9 @@ class Simulator:
         if spec.core.group_size != workload.group_size:
             raise ConfigError(f"the run has groups of {spec.core.group_size} executions (harness.group_size) "
                               f"but the workload {workload.name!r} has {workload.group_size}; make them agree")
+        if spec.core.minibatches > 1:  # modelled as one pass per step: the extra updates' reduces and
+            # pi_prox forwards are small beside a step's training tokens (train.minibatches_per_step)
+            spec = replace(spec, core=replace(spec.core, minibatches=1, prox=False))
         self.spec, self.w, self.c, self.s = spec, workload, cluster, sim or SimSpec()
         self.p = policy = spec.policy()
         self.on_event = on_event

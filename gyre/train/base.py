@@ -26,6 +26,7 @@ from torch import Tensor
 
 from gyre.batch import MicroBatch
 from gyre.config import TrainConfig
+from gyre.sched.core import minibatch_parts, minibatch_scales
 from gyre.train.export import save_torch_atomic, write_hf_weights
 from gyre.train.loss import OffPolicy, policy_loss_from_logprobs
 from gyre.train.offload import PhaseTimer
@@ -53,6 +54,7 @@ class Trainer(ABC):
         self.cfg = cfg
         self.off_policy = OffPolicy.from_config(cfg)
         self.step = 0
+        self.update = 0  # optimizer updates applied inside the open step (train.minibatches_per_step)
         self._reset_step_stats()
 
     # --- backend hooks ---------------------------------------------------------------------
@@ -118,10 +120,12 @@ class Trainer(ABC):
         """Loss and gradients of one micro-batch, added to the gradients of the step so far.
 
         `prox`: pi_prox of its targets when the weights moved since the step's start (a later
-        minibatch of `train_step`); None: they did not, and pi_prox is this forward's own value,
-        so no extra forward runs."""
+        minibatch of `train_step`; a live step carries it as `mb.prox_logprobs`); None: they did
+        not, and pi_prox is this forward's own value, so no extra forward runs."""
         t0 = time.perf_counter()
         mb = mb.to(self.device)
+        if prox is None:
+            prox = mb.prox_logprobs
         ent: list[float] = []  # the targets' entropy sums, chunk by chunk (no second pass)
         logp = self._target_logprobs(mb, entropy=ent)
         loss, stats = policy_loss_from_logprobs(logp, mb, self.cfg.clip_low, self.cfg.clip_high,
@@ -166,13 +170,12 @@ class Trainer(ABC):
         far the earlier updates moved the policy. Each part's loss weights are rescaled to sum to
         the step's, so every update is a mean over its own tokens."""
         mbs = list(micro_batches)
-        n = max(1, min(int(minibatches), len(mbs)))
-        parts = [mbs[i * len(mbs) // n:(i + 1) * len(mbs) // n] for i in range(n)]
+        parts = minibatch_parts(mbs, minibatches)
+        n = len(parts)
         prox = [[None] * len(p) if i == 0 else [self.logprobs(mb) for mb in p] for i, p in enumerate(parts)]
-        total = sum(float(mb.weights.sum()) for mb in mbs)
+        scales = minibatch_scales([sum(float(mb.weights.sum()) for mb in part) for part in parts])
         norms = []
-        for i, (part, part_prox) in enumerate(zip(parts, prox)):
-            scale = total / max(sum(float(mb.weights.sum()) for mb in part), 1e-30) if n > 1 else 1.0
+        for i, (part, part_prox, scale) in enumerate(zip(parts, prox, scales)):
             for mb, p in zip(part, part_prox):
                 if scale != 1.0:
                     mb = copy.copy(mb)
@@ -180,6 +183,7 @@ class Trainer(ABC):
                 self.forward_backward(mb, p)
             if i < n - 1:
                 norms.append(self._apply_gradients())  # an update inside the step: step not counted
+                self.update += 1
         out = self.optimizer_step()
         out.update(minibatches=n, minibatch_grad_norms=[*norms, out["grad_norm"]])
         return out
@@ -216,11 +220,18 @@ class Trainer(ABC):
             g.copy_(vec[off:off + n].view_as(g))
             off += n
 
-    def apply_gradients(self) -> dict:
+    def apply_gradients(self, final: bool = True) -> dict:
         """`optimizer_step` for gradients set with `set_flat_grads` (already summed over every
-        replica of the step, so no data-parallel reduction runs here)."""
+        replica of the step, so no data-parallel reduction runs here). ``final`` False: an update
+        inside the step (a minibatch of `train.minibatches_per_step`): the weights move, the step
+        is not counted and `update` goes up."""
         t0 = time.perf_counter()
-        return self._finish_step(self._apply_set_gradients(), t0)
+        grad_norm = self._apply_set_gradients()
+        if not final:
+            self.update += 1
+            self._reset_step_stats()
+            return {"step": self.step, "update": self.update, "grad_norm": grad_norm}
+        return self._finish_step(grad_norm, t0)
 
     @abstractmethod
     def clear_gradients(self) -> None:
@@ -254,6 +265,7 @@ class Trainer(ABC):
 
     def _finish_step(self, grad_norm: float, t0: float) -> dict:
         self.step += 1
+        self.update = 0
         a = self._acc
         out = {k: a[k] for k in ("loss", "targets", "tokens", "micro_batches", "fwd_bwd_s")}
         out.update({k: a[k] / max(a["targets"], 1) for k in _MEAN_STATS})
@@ -283,7 +295,7 @@ class Trainer(ABC):
 
     def save_checkpoint(self, path: str | os.PathLike) -> Path:
         """Model, optimizer, step and RNG state; replaces `path` atomically."""
-        payload = {"step": self.step, "state": self._state(), "rng": torch.get_rng_state(),
+        payload = {"step": self.step, "update": self.update, "state": self._state(), "rng": torch.get_rng_state(),
                    "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
         if self.rank == 0:  # data-parallel replicas hold the same state (tensor parallel = 1)
             save_torch_atomic(path, payload, filename=CHECKPOINT_FILE)
@@ -294,6 +306,7 @@ class Trainer(ABC):
         payload = torch.load(Path(path) / CHECKPOINT_FILE, map_location="cpu", weights_only=False)
         self._load_state(payload["state"])
         self.step = payload["step"]
+        self.update = payload.get("update", 0)  # checkpoints written before minibatch updates: 0
         torch.set_rng_state(payload["rng"])
         if payload["cuda_rng"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(payload["cuda_rng"])

@@ -45,12 +45,14 @@ def serve_store(timeout_s: float = 300.0) -> dist.TCPStore:
                          timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def attempt_key(step: int, members: list[int], attempt: int) -> str:
-    return f"reduce/{step}/{'-'.join(map(str, members))}/{attempt}"
+def attempt_key(step: int, members: list[int], attempt: int, update: int = 0) -> str:
+    """The store prefix of one reduce attempt; ``update``: the minibatch of a step that makes
+    several optimizer updates (train.minibatches_per_step), each its own reduce."""
+    return f"reduce/{step}.{update}/{'-'.join(map(str, members))}/{attempt}"
 
 
-def abort_attempt(store, step: int, members: list[int], attempt: int, why: str) -> None:
-    store.set(attempt_key(step, members, attempt) + "/abort", why)
+def abort_attempt(store, step: int, members: list[int], attempt: int, why: str, update: int = 0) -> None:
+    store.set(attempt_key(step, members, attempt, update) + "/abort", why)
 
 
 def new_group(store, rank: int, size: int, prefix: str, device: torch.device, timeout_s: float):
@@ -90,10 +92,10 @@ class CrossCellReducer:
                 raise ReduceAborted(f"{what}: the other members did not arrive within {self.timeout_s:.0f} s")
             time.sleep(POLL_S)
 
-    def group(self, step: int, members: list[int], attempt: int):
+    def group(self, step: int, members: list[int], attempt: int, update: int = 0):
         """The cached (or a new) group of local rank ``local_rank`` of every member cell, agreed
         through this attempt's rendezvous; returns (group, form_ms, cached, wait_ms)."""
-        base = attempt_key(step, members, attempt)
+        base = attempt_key(step, members, attempt, update)
         abort = base + "/abort"
         self.store.set(f"{base}/inc/{self.cell}.{self.local_rank}", self.incarnation)
         t0 = time.perf_counter()
@@ -118,16 +120,17 @@ class CrossCellReducer:
         for k in [k for k in self._groups if k[0] == tuple(sorted(members))]:
             del self._groups[k]
 
-    def allreduce(self, vec: torch.Tensor, step: int, members: list[int], attempt: int) -> ReduceResult:
+    def allreduce(self, vec: torch.Tensor, step: int, members: list[int], attempt: int,
+                  update: int = 0) -> ReduceResult:
         """Sum ``vec`` over the member cells (same local rank); ``vec`` itself is left intact,
         so a failed attempt can be retried with the same contribution."""
         members = sorted(members)
         if self.cell not in members:
             raise ValueError(f"cell {self.cell} is not among the members {members}")
-        pg, form_ms, cached, wait_ms = self.group(step, members, attempt)
+        pg, form_ms, cached, wait_ms = self.group(step, members, attempt, update)
         out = vec.detach().to(self.device, torch.float32).clone()
         if len(members) > 1:
-            abort = attempt_key(step, members, attempt) + "/abort"
+            abort = attempt_key(step, members, attempt, update) + "/abort"
             work = pg.allreduce([out])
             deadline = time.monotonic() + self.timeout_s
             while not work.is_completed():  # a peer that died fails the work; an abort ends the wait

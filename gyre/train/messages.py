@@ -40,6 +40,15 @@ class ForwardBackward(Request):
     name: ClassVar[str] = "forward_backward"
     wire_mb: dict
     step: int = 0
+    update: int = 0              # the minibatch (optimizer update) of the step it belongs to
+
+
+@dataclass(frozen=True)
+class Logprobs(Request):
+    """pi_prox: the current log-probs of one micro-batch's targets (no gradient), rows split
+    over the cell's data-parallel ranks and put back in target order."""
+    name: ClassVar[str] = "logprobs"
+    wire_mb: dict
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,7 @@ class Stash(Request):
     """Sum this step's gradients over the cell's ranks into the ranks' held vector."""
     name: ClassVar[str] = "stash"
     step: int
+    update: int = 0
 
 
 @dataclass(frozen=True)
@@ -56,13 +66,16 @@ class ReduceGrads(Request):
     step: int
     members: tuple[int, ...]     # sorted cell ids
     attempt: int
+    update: int = 0
 
 
 @dataclass(frozen=True)
 class Apply(Request):
-    """The optimizer step with the last reduce's sum."""
+    """The optimizer update with the last reduce's sum; ``final``: the step's last (counted)."""
     name: ClassVar[str] = "apply"
     step: int
+    update: int = 0
+    final: bool = True
 
 
 @dataclass(frozen=True)
@@ -138,6 +151,7 @@ class Reply:
     value: Any = None
     error: str | None = None
     step: int | None = None
+    update: int | None = None    # updates applied inside the open step (train.minibatches_per_step)
 
     @property
     def ok(self) -> bool:

@@ -30,7 +30,7 @@ from typing import Any, Callable
 from gyre import faults
 from gyre.config import TrainBackend, TrainConfig, env
 from gyre.train.messages import (Applied, Apply, Close, ExportWeights, ForwardBackward, Hostnames, LoadCheckpoint,
-                                 Offload, ReduceGrads, GradsReduced, Reply, Request, Restore, SaveCheckpoint, Start, Started,
+                                 Logprobs, Offload, ReduceGrads, GradsReduced, Reply, Request, Restore, SaveCheckpoint, Start, Started,
                                  Stash, Stashed)
 
 CTRL_TIMEOUT = datetime.timedelta(days=30)   # ranks wait for the agent's next request this long
@@ -59,6 +59,12 @@ def rows_of(mb, rank: int, size: int):
     if size == 1:
         return mb
     return select_rows(mb, list(range(rank, mb.input_ids.shape[0], size)))
+
+
+def targets_of(mb, rank: int, size: int):
+    """Indices (numpy) in the whole micro-batch of the targets `rows_of(mb, rank, size)` keeps, in
+    its order."""
+    return ((mb.pred_pos // mb.input_ids.shape[1]) % size == rank).nonzero().view(-1).numpy()
 
 
 class Rank:
@@ -92,10 +98,11 @@ class Rank:
         self.device = self.trainer.device
         self.reducer = CrossCellReducer(store, cell=cell, local_rank=rank, incarnation=incarnation,
                                         device=self.device if self.device.type == "cuda" else torch.device("cpu"))
-        self.held: torch.Tensor | None = None   # this cell's summed gradients of step held_step
-        self.held_step = -1
+        # gradients are keyed by (step, update): a step with minibatches has one reduce per update
+        self.held: torch.Tensor | None = None   # this cell's summed gradients of update held_at
+        self.held_at = (-1, 0)
         self.total: torch.Tensor | None = None  # the cross-cell sum of the last reduce
-        self.total_step = -1
+        self.total_at = (-1, 0)
         self._dist = dist
 
     def _data_parallel(self):
@@ -108,17 +115,29 @@ class Rank:
         return dist.group.WORLD, self.rank, self.size
 
     # --- requests -------------------------------------------------------------------------------
-    def _new_step(self, step: int) -> None:
-        if step > self.held_step:  # the held gradients of an older (committed) step are done with
-            self.held, self.held_step = None, step
+    def _new_step(self, step: int, update: int = 0) -> None:
+        if (step, update) > self.held_at:  # the held gradients of an older (committed) update are done with
+            self.held, self.held_at = None, (step, update)
 
     def forward_backward(self, m: ForwardBackward) -> dict | None:
         from gyre.batch import from_wire  # as above
 
         faults.hit("trainer", "micro_batch")
-        self._new_step(m.step)
+        if m.update:
+            faults.hit("trainer", "later_minibatch")
+        self._new_step(m.step, m.update)
         mb = rows_of(from_wire(m.wire_mb), self.dp_rank, self.dp_size)
         return self.trainer.forward_backward(mb) if mb is not None else None
+
+    def logprobs(self, m: Logprobs):
+        """(indices of this rank's targets in the whole micro-batch, their log-probs), or None."""
+        from gyre.batch import from_wire  # as above
+
+        full = from_wire(m.wire_mb)
+        mb = rows_of(full, self.dp_rank, self.dp_size)
+        if mb is None:
+            return None
+        return targets_of(full, self.dp_rank, self.dp_size), self.trainer.logprobs(mb).numpy()
 
     def _local_grads(self):
         from gyre.train.trainer import Trainer  # as above
@@ -129,10 +148,10 @@ class Rank:
     def stash(self, m: Stash) -> Stashed:
         """Sum this step's gradients over the cell into ``held``; the trainer is then between steps."""
         faults.hit("trainer", "prepare_reduce")
-        return self._stash(m.step)
+        return self._stash(m.step, m.update)
 
-    def _stash(self, step: int) -> Stashed:
-        self._new_step(step)
+    def _stash(self, step: int, update: int = 0) -> Stashed:
+        self._new_step(step, update)
         if self._any_work() == 0:  # collective: every rank takes the same branch
             return Stashed(held=self.held is not None)
         g = self._local_grads().to(self.device)
@@ -161,13 +180,13 @@ class Rank:
 
         step, members, attempt = m.step, list(m.members), m.attempt
         faults.hit("trainer", "reduce")
-        self._stash(step)  # a no-op after prepare_reduce
+        self._stash(step, m.update)  # a no-op after prepare_reduce
         n = self.trainer.num_grad_elements()
         local = self.held if self.held is not None else torch.zeros(n)
         lo, hi = shard_bounds(n, self.dp_size, self.dp_rank)
         res, error = None, None
         try:
-            res = self.reducer.allreduce(local[lo:hi], step, members, attempt)
+            res = self.reducer.allreduce(local[lo:hi], step, members, attempt, m.update)
         except Exception as e:  # noqa: BLE001 - the cell's other ranks must hear it before gathering
             error = e
         failed = torch.tensor([0.0 if error is None else 1.0])
@@ -182,19 +201,20 @@ class Rank:
                       for a, b in (shard_bounds(n, self.dp_size, i) for i in range(self.dp_size))]
             self._dist.all_gather(pieces, total, group=self.dp_group)
             total = torch.cat(pieces)
-        self.total, self.total_step = total.cpu(), step
+        self.total, self.total_at = total.cpu(), (step, m.update)
         return GradsReduced(form_ms=res.form_ms, cached=res.cached, wait_ms=res.wait_ms,
                        grad_norm_total=float(total.double().norm()))
 
     def apply(self, m: Apply) -> Applied:
-        step = m.step
+        step, update = m.step, m.update
         faults.hit("trainer", "optimizer_step")
-        if self.total is None or self.total_step != step:
-            raise RuntimeError(f"apply: no reduced gradients of step {step}")
-        if self.trainer.step != step:
-            raise RuntimeError(f"apply: the trainer is at step {self.trainer.step}, not {step}")
+        if self.total is None or self.total_at != (step, update):
+            raise RuntimeError(f"apply: no reduced gradients of step {step} update {update}")
+        if (self.trainer.step, self.trainer.update) != (step, update):
+            raise RuntimeError(f"apply: the trainer is at step {self.trainer.step} update {self.trainer.update}, "
+                               f"not step {step} update {update}")
         self.trainer.set_flat_grads(self.total.to(self.device))
-        out = self.trainer.apply_gradients()
+        out = self.trainer.apply_gradients(final=m.final)
         self.total = None
         return Applied(step=out["step"], grad_norm=out["grad_norm"], stats=out)
 
@@ -212,7 +232,7 @@ class Rank:
     def load_checkpoint(self, m: LoadCheckpoint) -> None:
         self.trainer.load_checkpoint(m.path)
         self.trainer.own_storage()
-        self.held, self.held_step, self.total = None, -1, None
+        self.held, self.held_at, self.total = None, (-1, 0), None
 
     def offload(self, m: Offload) -> dict:
         return self.trainer.offload()
@@ -238,7 +258,7 @@ class Rank:
         return box[0]
 
     HANDLERS: dict[type[Request], Callable[[Rank, Any], Any]] = {
-        ForwardBackward: forward_backward, Stash: stash, ReduceGrads: reduce, Apply: apply,
+        ForwardBackward: forward_backward, Logprobs: logprobs, Stash: stash, ReduceGrads: reduce, Apply: apply,
         ExportWeights: export_weights, SaveCheckpoint: save_checkpoint, LoadCheckpoint: load_checkpoint,
         Offload: offload, Restore: restore, Hostnames: hostname}
 
@@ -259,12 +279,24 @@ def dispatch(handlers: dict, target: Any, req: Any) -> Reply:
         return Reply(error=f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}")
 
 
+def merge_logprobs(values: list) -> "np.ndarray":
+    """One micro-batch's target log-probs, in target order, from the ranks' (indices, values)."""
+    import numpy as np
+
+    parts = [v for v in values if v is not None]  # every target is on some rank's rows
+    out = np.zeros(max((int(i.max()) + 1 for i, _ in parts if len(i)), default=0), dtype=np.float32)
+    for idx, lp in parts:  # ranks of one data-parallel coordinate write the same values
+        out[idx] = lp
+    return out
+
+
 def _merge_reduced(values: list[GradsReduced]) -> GradsReduced:
     return dataclasses.replace(values[0], form_ms=max(v.form_ms for v in values), cached=all(v.cached for v in values))
 
 
 # how rank 0 makes the cell's answer from every rank's value; other requests: rank 0's own
-MERGE: dict[type, Callable[[list], Any]] = {ForwardBackward: merge_stats, Hostnames: list, ReduceGrads: _merge_reduced}
+MERGE: dict[type, Callable[[list], Any]] = {ForwardBackward: merge_stats, Hostnames: list, ReduceGrads: _merge_reduced,
+                                            Logprobs: merge_logprobs}
 
 
 def combine(req: Request | None, results: list[Reply]) -> Reply:
@@ -320,7 +352,8 @@ def serve(args: argparse.Namespace) -> int:
         dist.gather_object(reply, gathered, dst=0, group=ctrl)
         reply = combine(None, gathered) if rank == 0 else reply
     if rank == 0:
-        conn.send(dataclasses.replace(reply, step=r.trainer.step if r else None))
+        conn.send(dataclasses.replace(reply, step=r.trainer.step if r else None,
+                                      update=r.trainer.update if r else None))
     if r is None:
         return 1
     while True:
@@ -343,7 +376,7 @@ def serve(args: argparse.Namespace) -> int:
         elif type(req) in MERGE:
             reply = combine(req, [reply])
         if rank == 0:
-            conn.send(dataclasses.replace(reply, step=r.trainer.step))
+            conn.send(dataclasses.replace(reply, step=r.trainer.step, update=r.trainer.update))
 
 
 def main(argv: list[str] | None = None) -> int:

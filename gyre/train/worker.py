@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from gyre.config import TrainConfig
 from gyre.train.messages import (Applied, Apply, Close, ExportWeights, ForwardBackward, Hostnames, LoadCheckpoint,
-                                 Offload, ReduceGrads, GradsReduced, Reply, Request, Restore, SaveCheckpoint, Start, Started,
+                                 Logprobs, Offload, ReduceGrads, GradsReduced, Reply, Request, Restore, SaveCheckpoint, Start, Started,
                                  Stash, Stashed)
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -88,6 +88,7 @@ class TrainerProcess:
                            checkpoint=str(checkpoint) if checkpoint else None)
         self._conn = None
         self.step: int | None = None  # the trainer's optimizer step = its policy version
+        self.update = 0               # updates applied inside its open step (train.minibatches_per_step)
         self.num_grad_elements = 0
         self._ready = False
 
@@ -133,21 +134,26 @@ class TrainerProcess:
         self._ready = True
 
     # --- the cell trainer's requests ------------------------------------------------------------
-    def forward_backward(self, wire_mb: dict, step: int = 0, **kw) -> dict:
+    def forward_backward(self, wire_mb: dict, step: int = 0, update: int = 0, **kw) -> dict:
         """One micro-batch (:func:`gyre.batch.to_wire` form), rows split over the ranks; its stats."""
-        return self.request(ForwardBackward(wire_mb, step), **kw)
+        return self.request(ForwardBackward(wire_mb, step, update), **kw)
 
-    def stash(self, step: int, **kw) -> Stashed:
+    def logprobs(self, wire_mb: dict, **kw):
+        """pi_prox of one micro-batch: its targets' current log-probs (numpy float32, target order)."""
+        return self.request(Logprobs(wire_mb), **kw)
+
+    def stash(self, step: int, update: int = 0, **kw) -> Stashed:
         """Sum this step's gradients over the cell's ranks into the ranks' held vector."""
-        return self.request(Stash(step), **kw)
+        return self.request(Stash(step, update), **kw)
 
-    def reduce(self, step: int, members: list[int], attempt: int, **kw) -> GradsReduced:
+    def reduce(self, step: int, members: list[int], attempt: int, update: int = 0, **kw) -> GradsReduced:
         """Sum the held gradients over the member cells (cross-cell groups)."""
-        return self.request(ReduceGrads(step, tuple(sorted(members)), attempt), **kw)
+        return self.request(ReduceGrads(step, tuple(sorted(members)), attempt, update), **kw)
 
-    def apply(self, step: int, **kw) -> Applied:
-        """The optimizer step with the last reduce's sum (``step`` after it, ``grad_norm``)."""
-        return self.request(Apply(step), **kw)
+    def apply(self, step: int, update: int = 0, final: bool = True, **kw) -> Applied:
+        """The optimizer update with the last reduce's sum (``step`` after it, ``grad_norm``);
+        ``final`` False: an update inside the step (the step is not counted)."""
+        return self.request(Apply(step, update, final), **kw)
 
     def offload(self, **kw) -> dict:
         return self.request(Offload(), **kw)
@@ -241,7 +247,7 @@ class TrainerProcess:
                 raise self._died(method)
             if on_wait is not None:
                 on_wait()
-        self.step = reply.step
+        self.step, self.update = reply.step, reply.update or 0
         if not reply.ok:
             if isinstance(msg, Start):
                 self.kill()

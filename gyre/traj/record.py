@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -27,6 +28,16 @@ NOT_FINISHED = (Status.STOPPED, Status.LOST)
 
 # reward_source: how the evaluator scored what it left behind
 
+# A [harness] limit's error starts with its key (gyre.harness.limits): "harness.max_processes = 50 passed: ..."
+_LIMIT = re.compile(r"harness\.(max_\w+) = ")
+
+
+def limit_of(error: str | None) -> str | None:
+    """The [harness] limit that stopped an execution ("max_workspace_files"), from its error; None
+    when no limit did."""
+    m = _LIMIT.match(error or "")
+    return m[1] if m else None
+
 
 @dataclass
 class ExecutionRecord:
@@ -42,6 +53,7 @@ class ExecutionRecord:
     t_end: float = 0.0
     workspace: str = ""
     tree: TrajectoryTree = field(default_factory=TrajectoryTree)
+    error: str | None = None       # why it ended badly: a limit it passed, its time limit, a start failure
 
     @property
     def min_version(self) -> int:

@@ -68,8 +68,10 @@ EXECUTION_COLUMNS = (
     ("reward", "<f8"), ("reward_source", STR), ("passed", "<i4"), ("total", "<i4"),
     ("min_version", "<i4"), ("max_version", "<i4"), ("t_start", "<f8"), ("t_end", "<f8"),
     ("workspace", STR), ("node_start", "<i8"), ("node_count", "<i4"),
-    ("call_start", "<i8"), ("call_count", "<i4"),
+    ("call_start", "<i8"), ("call_count", "<i4"), ("error", STR),
 )
+# columns added since: a shard written before lacks them and reads as None
+LATER_COLUMNS = {"executions": ("error",)}
 # optional (routing replay): one row per (node, policy version) entry of a tree's RoutingTable,
 # its expert ids at routed_experts[row_start:row_start + rows]
 ROUTING_COLUMNS = (
@@ -214,6 +216,7 @@ def pack(records: list[ExecutionRecord], concat: bool = True) -> dict[str, "np.n
     ev: dict[str, object] = {name: [getattr(r, name) for r in records] for name in (
         "execution_id", "task", "group", "status", "reward", "reward_source", "passed", "total",
         "min_version", "max_version", "t_start", "t_end", "workspace")}
+    ev["error"] = [r.error or "" for r in records]
     ev.update(node_start=np.cumsum(n_nodes) - n_nodes, node_count=n_nodes,
               call_start=np.cumsum(n_calls) - n_calls, call_count=n_calls)
     et = _table(EXECUTION_COLUMNS, ev, len(records))
@@ -454,6 +457,8 @@ def _check_layout(path: Path, name: str, arr: np.ndarray, version: int = SCHEMA_
         return
     for col, kind in (CALL_COLUMNS_V1 if name == "calls" and version == 1 else TABLES[name]):
         if arr.dtype.names is None or col not in arr.dtype.names:
+            if arr.dtype.names is not None and col in LATER_COLUMNS.get(name, ()):
+                continue
             raise ShardError(path, name, f"missing column {col!r}")
         got = arr.dtype.fields[col][0]
         if (got.kind != "S") if kind == STR else (got != np.dtype(kind)):
@@ -524,7 +529,8 @@ def _records(path: Path, d: dict[str, np.ndarray]) -> list[ExecutionRecord]:
             execution_id=_s(e["execution_id"]), task=_s(e["task"]), group=int(e["group"]),
             status=_s(e["status"]), reward=float(e["reward"]), reward_source=_s(e["reward_source"]),
             passed=int(e["passed"]), total=int(e["total"]), t_start=float(e["t_start"]),
-            t_end=float(e["t_end"]), workspace=_s(e["workspace"]), tree=tree))
+            t_end=float(e["t_end"]), workspace=_s(e["workspace"]), tree=tree,
+            error=_s(e["error"]) or None if "error" in e.dtype.names else None))
     return out
 
 

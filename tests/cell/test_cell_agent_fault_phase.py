@@ -31,12 +31,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 TINY = ["sched.cells=2", "sched.scheme=C", "sched.staleness=0", "train.micro_batch_tokens=256"]
 
 
-def faulted_run(tmp_path: Path, spec: str, *, steps: int = 2, resume: bool = False):
+def faulted_run(tmp_path: Path, spec: str, *over: str, steps: int = 2, resume: bool = False):
     run_dir = tmp_path / "run"
     env_before = {k: os.environ.get(k) for k in ("GYRE_FAULT", "GYRE_FAULT_DIR")}
     os.environ["GYRE_FAULT"], os.environ["GYRE_FAULT_DIR"] = spec, str(tmp_path)
     try:
-        rc, out = gyre_run(run_dir, *TINY, steps=steps, resume=resume)
+        rc, out = gyre_run(run_dir, *TINY, *over, steps=steps, resume=resume)
     finally:
         for k, v in env_before.items():
             if v is None:
@@ -90,6 +90,23 @@ def test_trainer_fault_phase_before_the_commit_repeats_the_reduce(tmp_path):
     assert len(retries) >= len(BEFORE_THE_COMMIT), "a death before the commit did not repeat the reduce"
     # the weights of the last version are complete (a death in export left no half directory)
     assert (run_dir / "weights" / "v2" / "config.json").exists()
+
+
+def test_trainer_fault_phases_between_a_steps_two_updates(tmp_path):
+    # train.minibatches_per_step = 2: each step is two reduces; a trainer dies before the first
+    # update's commit (the update is repeated), then one dies on its first micro-batch of the second
+    # update (the first is applied: its replacement loads the checkpoint inside the step)
+    phases = ["checkpoint", "later_minibatch"]
+    run_dir, rc, out = faulted_run(tmp_path, ",".join(f"trainer:{p}" for p in phases),
+                                   "train.minibatches_per_step=2", "train.off_policy=decoupled")
+    rep = assert_recovered(tmp_path, run_dir, rc, out, [("trainer", p) for p in phases])
+    restarts = [e for e in rep["events"] if e["kind"] == "trainer_restarted"]
+    assert len(restarts) >= 2 and any(r["info"]["lost"] for r in restarts), restarts
+    assert any(e["kind"] == "reduce_retry" for e in rep["events"])
+    rows = [json.loads(x) for x in (run_dir / "steps.jsonl").read_text().splitlines() if x.strip()]
+    assert [r["minibatches"] for r in rows] == [2, 2] and all(len(r["minibatch_grad_norms"]) == 2 for r in rows)
+    assert all(r["clip_frac"] is not None for r in rows) and max(r["clip_frac"] for r in rows) > 0  # the clip acts
+    assert (run_dir / "weights" / "v2" / "config.json").exists() and not (run_dir / "weights" / "v0u1").exists()
 
 
 def test_agent_fault_phase_command_resumes_from_the_last_checkpoint(tmp_path):

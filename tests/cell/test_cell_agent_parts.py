@@ -117,7 +117,7 @@ def test_trainer_process_survives_nothing_but_reports_everything(tmp_path):
 
 
 def test_rows_split_over_ranks_sum_to_the_whole_micro_batch():
-    from gyre.train.rank import merge_stats, rows_of
+    from gyre.train.rank import merge_logprobs, merge_stats, rows_of, targets_of
     from gyre.train.trainer import EmbeddedTrainer
 
     mb = _batch()
@@ -131,6 +131,10 @@ def test_rows_split_over_ranks_sum_to_the_whole_micro_batch():
     # (atol 1e-6: the default off_policy (tis) weights tokens up to is_cap, so the gradient and its
     # float32 rounding across row splits are a few times larger than the plain ratio's)
     assert torch.allclose(one.flat_grads(), two.flat_grads(), atol=1e-6)
+    # pi_prox (train.minibatches_per_step): each rank's rows' log-probs, put back in target order
+    lp = [(targets_of(mb, r, 2), two.logprobs(rows_of(mb, r, 2)).numpy()) for r in range(2)]
+    assert [len(i) for i, _ in lp] == [3, 2]  # rank 0 has row 0's 3 targets, rank 1 row 1's 2
+    assert np.allclose(merge_logprobs(lp + [None]), one.logprobs(mb).numpy(), atol=1e-6)
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from gyre.config import HarnessConfig
-from gyre.harness.limits import allocated_bytes, tree_usage
+from gyre.harness.limits import allocated_bytes, tree_usage, workspace_usage
 from gyre.harness.runner import Limits
 from support.harness_pool import MODES, pool, run
 
@@ -74,6 +74,36 @@ def test_workspace_over_its_limit_stops_the_harness(tmp_path, mode):
               "time.sleep(60)\n")
     res = run(pool(tmp_path, [PY, "-c", script], mode, limits=limits(max_workspace_mb=8)))
     assert res.status == "failed" and "harness.max_workspace_mb = 8" in res.error, res
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_many_empty_files_stop_the_harness_naming_the_limit(tmp_path, mode):
+    # no bytes at all (max_workspace_mb never sees them), but each one an inode of the run directory
+    script = ("import os, time\n"
+              "os.mkdir('d')\n"
+              "for i in range(400): open(f'd/f{i}', 'w').close()\n"
+              "time.sleep(60)\n")
+    res = run(pool(tmp_path, [PY, "-c", script], mode, limits=limits(max_workspace_files=300)))
+    assert res.status == "failed" and res.error.startswith("harness.max_workspace_files = 300 passed"), res
+    assert "more than 300 entries" in res.error and "raise it in [harness]" in res.error
+
+
+def test_the_entry_count_stops_early_once_over_the_limit(tmp_path, monkeypatch):
+    import os
+    for d in range(5):
+        (tmp_path / f"d{d}").mkdir()
+        for i in range(50):
+            (tmp_path / f"d{d}" / f"f{i}").touch()
+    assert workspace_usage(tmp_path)[1] == 5 + 5 * 50  # folders and empty files each count
+    seen = []
+    real_scandir = os.scandir
+
+    def counting_scandir(p):
+        seen.append(p)
+        return real_scandir(p)
+    monkeypatch.setattr(os, "scandir", counting_scandir)
+    used, n = workspace_usage(tmp_path, max_entries=20)
+    assert n == 21 and len(seen) <= 2, seen  # stopped inside the first folder it entered
 
 
 def test_one_file_larger_than_the_workspace_limit_cannot_be_written(tmp_path):

@@ -107,7 +107,7 @@ def play(head, steps: int, rng: random.Random, monkeypatch, t0: float = 1000.0):
             loss = rng.uniform(-1e-4, 1e-4)
             told["losses"][mb] = loss
 
-            async def train(cell, step, mid, batch, _loss=loss):
+            async def train(cell, step, mid, batch, update=0, _loss=loss):
                 clock.now += 2.0
                 cell.busy_intervals.append((clock.now - 2.0, clock.now))  # the oracle's own record
                 return train_reply(loss=_loss)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -44,6 +45,19 @@ def test_step_row_has_the_dashboard_figures():
     assert row["execution_s_mean"] == 10 and row["execution_tokens_mean"] == 40
     assert row["tokens_per_s"] == pytest.approx(160 / 20) and row["executions_per_h"] == pytest.approx(4 * 180)
     assert row["executions_done"] == 4 and row["executions_running"] == 0 and row["harness_failure_rate"] == 0
+
+
+def test_executions_stopped_by_a_limit_are_counted_on_the_step_line():
+    ev = step_events([0.0, 1.0, 0.0])
+    ev[4] = replace(ev[4], status="failed", limit="max_workspace_files")
+    ev[8] = replace(ev[8], limit="max_processes")
+    ev[12] = replace(ev[12], status="failed", limit="max_workspace_files")
+    _, row = fold(ev)
+    assert row["stopped_by_limits"] == {"max_workspace_files": 2, "max_processes": 1}
+    line = Progress(1, 3, out=io.StringIO()).step_line(row)
+    assert "3 stopped by limits: max_processes x1, max_workspace_files x2" in line
+    _, quiet = fold(step_events([1.0]))
+    assert quiet["stopped_by_limits"] == {} and "limits" not in Progress(1, 1, out=io.StringIO()).step_line(quiet)
 
 
 def test_progress_prints_a_line_per_step_with_eta_and_tells_a_warning_once():
@@ -162,6 +176,8 @@ def test_checkpoint_retention_keeps_the_newest_and_never_a_step_being_written(tm
     for v in range(1, 7):
         (tmp_path / f"v{v}").mkdir()
     (tmp_path / "v2.tmp").mkdir()  # not a version directory: left alone
+    for name in ("v2u1", "v3u1", "v5u1"):  # inside a step's updates (train.minibatches_per_step): before v3, v4, v6
+        (tmp_path / name).mkdir()
     gone = prune_checkpoints(tmp_path, newest=5, keep=2)
-    assert sorted(p.name for p in gone) == ["v1", "v2", "v3"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["v2.tmp", "v4", "v5", "v6"]
+    assert sorted(p.name for p in gone) == ["v1", "v2", "v2u1", "v3", "v3u1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v2.tmp", "v4", "v5", "v5u1", "v6"]

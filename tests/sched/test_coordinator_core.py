@@ -602,3 +602,38 @@ def test_burst_order_shuffle_waits_for_the_round_then_deals_at_random():
     assert _round("shuffle", 3)[1] == _round("shuffle", 3)[1]  # seeded
     with pytest.raises(ValueError, match="burst_order"):
         CoreSpec(steps=1, groups_per_step=1, group_size=1, burst_order="random")
+
+
+@pytest.mark.parametrize("prox", [True, False])
+def test_minibatches_split_a_full_step_and_each_update_trains_its_part(prox):
+    from gyre.sched.core import ProxJob, minibatch_parts
+
+    assert minibatch_parts(range(5), 2) == [[0, 1], [2, 3, 4]] and minibatch_parts([7], 4) == [[7]]
+    c = core(steps=1, q=2, minibatches=2, prox=prox)
+    first, second = launch(c, 2)
+    finish(c, first, 1.0, 0)
+    c.microbatches_added(first, {"a": 1.0, "b": 1.0})
+    assert c.next_microbatch() is None and not c.step_ready()  # not full: nothing splits or trains yet
+    finish(c, second, 2.0, 0)
+    c.microbatches_added(second, {"c": 1.0, "d": 2.0})
+    jobs = []
+    while (mb := c.next_microbatch()) is not None:
+        jobs.append(mb)
+        c.microbatch_trained(mb)
+    assert jobs == ["a", "b"] + ([ProxJob("c"), ProxJob("d")] if prox else [])
+    assert c.step_ready() and not c.step.final
+    c.step_ending(3.0)
+    c.update_applied()
+    with pytest.raises(CoreError):  # once per update
+        c.update_applied()
+    assert c.step.update == 1 and c.step.final and not c.step_ready()
+    c.microbatches_lost(["a"])  # an applied update's gradients: never trained again
+    assert c.step.queue == ["c", "d"]
+    c.microbatch_trained(c.next_microbatch())
+    c.microbatches_lost(["c"])  # lost in the open update: queued again
+    assert c.step.queue == ["d", "c"] and not c.step_ready()
+    while (mb := c.next_microbatch()) is not None:
+        c.microbatch_trained(mb)
+    c.step_ending(4.0)
+    res = c.step_ended(4.0)
+    assert res.version == 1 and sorted(res.microbatches) == ["a", "b", "c", "d"]

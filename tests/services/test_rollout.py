@@ -58,6 +58,18 @@ def test_hanging_and_crashing_harnesses_are_recorded_and_scored(tmp_path):
     assert {r.reward_source for r in recs} == {"tests-after-crash"}
 
 
+@pytest.mark.slow
+def test_a_limit_s_error_is_recorded_in_the_shard_and_counted_in_the_summary(tmp_path):
+    hoarder = cfg_for(tmp_path / "run", "harness.max_workspace_files=50", "harness.limits_poll_s=0.1",
+                      "engine.endpoints=1", 'harness.tasks=["fizzbuzz"]', command=["bash", "-c", "mkdir d; touch d/f{1..200}; sleep 1000"])
+    summary = asyncio.run(Rollout(hoarder, progress=False).run())
+    recs = records(tmp_path / "run")
+    assert len(recs) == 2 and {r.status for r in recs} == {"failed"}
+    assert all(r.error.startswith("harness.max_workspace_files = 50 passed: the workspace holds more than 50")
+               for r in recs), [r.error for r in recs]
+    assert summary.limits == {"max_workspace_files": 2}
+
+
 def test_endpoint_removed_mid_rollout_fails_no_execution(tmp_path):
     ro = Rollout(cfg_for(tmp_path / "run", "harness.group_size=3", "harness.concurrency=6"), progress=False)
 

@@ -9,9 +9,12 @@ import json
 from pathlib import Path
 
 import aiohttp
+import numpy as np
 import pytest
+import torch
 
-from gyre.config import GyreConfig
+from gyre.batch import expanded_batch, from_wire, to_wire
+from gyre.config import GyreConfig, TrainConfig, load_config
 from gyre.events import CellRoleChanged, ExecutionDropped, MicroBatchDone
 from gyre.sched.core import Coordinator, CoreSpec
 from gyre.sched.protocol import (Event, PrepareReduce, PrepareReduceReply, PushWeights, Reduce, ReduceReply, ToTrain,
@@ -199,6 +202,166 @@ def test_reduce_waits_for_a_trainer():
     assert asyncio.run(td.reduce(0)) is None and link.sent == []
 
 
+def test_a_step_with_two_minibatches_asks_pi_prox_first_then_reduces_once_per_update():
+    # 4 micro-batches, 2 minibatches: parts [0, 1] and [2, 3]; pi_prox of 2 and 3 before update 0
+    core = Coordinator(CoreSpec(steps=1, groups_per_step=1, group_size=2, minibatches=2, prox=True))
+    (g,) = core.start_groups(1, 0.0)
+    for m in range(2):
+        core.execution_started(g.id, f"e{m}", 0.0)
+    for m in range(2):
+        core.execution_evaluated(f"e{m}", 1.0, version=0, tokens=10.0)
+    core.microbatches_added(g.id, {i: 1.0 for i in range(4)})
+    held: dict[int, list] = {0: [], 1: []}
+    lost_once = []
+
+    def answer(cell, cmd):
+        if isinstance(cmd, Train):
+            if cmd.prox:
+                return TrainReply(seq=cmd.seq, cell=cell, mb_id=cmd.mb_id, logprobs=[-float(cmd.mb_id)] * 2)
+            if cmd.update == 1 and not lost_once:  # a trainer dies between the updates, holding nothing of part 0
+                lost_once.append(cmd.mb_id)
+                return TrainReply(seq=cmd.seq, cell=cell, ok=False, lost=[0, 1, cmd.mb_id])
+            held[cell].append(cmd.mb_id)
+            return TrainReply(seq=cmd.seq, cell=cell, mb_id=cmd.mb_id, stats={"loss": 1.0})
+        if isinstance(cmd, PrepareReduce):
+            return PrepareReduceReply(seq=cmd.seq, cell=cell, mb_ids=list(held[cell]))
+        if isinstance(cmd, Reduce):
+            held[cell].clear()
+            return ReduceReply(seq=cmd.seq, cell=cell, grad_norm=0.5 + cmd.update)
+        return ok(cell, cmd)
+
+    td, fleet, link, told, _ = dispatch_with(answer, core)
+    td.batches = {i: {"mb": i, "weights": np.ones(2, np.float32)} for i in range(4)}
+
+    async def train_update():
+        for _ in range(50):
+            td.dispatch()
+            await asyncio.sleep(0)
+            if core.step_ready():
+                return
+        raise AssertionError(f"the update never got ready: {core.step}")
+
+    async def go():
+        await train_update()
+        core.step_ending(2.0)
+        red = await td.reduce(0)
+        assert isinstance(red, StepReduced) and not red.final
+        td.update_applied(red)
+        await train_update()
+        core.step_ending(3.0)
+        return await td.reduce(0)
+
+    red = asyncio.run(go())
+    trains = [cmd for _, cmd in link.sent if isinstance(cmd, Train)]
+    prox = [c.mb_id for c in trains if c.prox]
+    assert sorted(prox) == [2, 3] and all(c.update == 0 for c in trains if c.prox)
+    first = trains.index(next(c for c in trains if c.update == 1))
+    assert sorted(c.mb_id for c in trains[:first] if not c.prox) == [0, 1]  # part 0, then part 1
+    later = [c for c in trains if c.update == 1]
+    assert {c.mb_id for c in later} == {2, 3} and len(later) == 3  # the one lost was trained again, alone
+    for c in later:  # each carries its own pi_prox from the step's start
+        assert list(c.batch["prox_logprobs"]) == [-float(c.mb_id)] * 2
+    assert all("prox_logprobs" not in c.batch for c in trains if c.update == 0)
+    reduces = [cmd for _, cmd in link.sent if isinstance(cmd, Reduce)]
+    assert [(r.update, r.final, r.checkpoint_dir) for r in reduces] == \
+        [(0, False, "/c/v0u1"), (0, False, "/c/v0u1"), (1, True, "/c/v1"), (1, True, "/c/v1")]
+    assert isinstance(red, StepReduced) and red.final and red.grad_norms == [0.5, 1.5]
+    assert core.step.update == 1 and core.step_ready() is False  # reducing: the driver ends the step
+    assert sorted(core.step_ended(4.0).microbatches) == [0, 1, 2, 3]
+
+
+def _toy_step(trainer, n_mbs=4):
+    """Micro-batches of unequal size and weight, behaviour log-probs off the trainer's own."""
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for k in range(n_mbs):
+        seqs = [[1, 2, 3] + torch.randint(10, 90, (n,), generator=g).tolist() for n in (4 + k, 6)]
+        mb = expanded_batch(seqs, [3, 3], old_logprobs=[[0.0] * (4 + k), [0.0] * 6], advantages=[1.0, -0.5 * k],
+                            execution_index=[2 * k, 2 * k + 1], weights=torch.full((10 + k,), 0.01 * (k + 1)))
+        mb.old_logprobs = trainer.logprobs(mb) + 0.3 * torch.randn(mb.num_targets, generator=g)
+        out.append(mb)
+    return out
+
+
+@pytest.mark.slow  # three tiny trainers: ~20 s on a loaded 2-core machine
+def test_live_minibatches_train_exactly_as_the_offline_trainer():
+    """Two cells whose trainers are real (in this process) run a step of 4 micro-batches as 2
+    updates through training dispatch; the offline trainer's `train_step` on the same micro-batches
+    ends with the same weights and the same loss, and the clip against pi_prox acts."""
+    from gyre.train.toy import random_qwen2
+    from gyre.train.trainer import EmbeddedTrainer
+
+    cfg = load_config(None, ["train.minibatches_per_step=2", "train.off_policy=decoupled", "train.lr=0.2",
+                             "train.dtype=float32"])
+    tcfg = TrainConfig(off_policy="decoupled", lr=0.2, adam_eps=1.0, dtype="float32")
+    cells = [EmbeddedTrainer(tcfg, random_qwen2(seed=0, std=0.1)) for _ in range(2)]
+    offline = EmbeddedTrainer(tcfg, random_qwen2(seed=0, std=0.1))
+    mbs = _toy_step(offline)
+    core = Coordinator(CoreSpec(steps=1, groups_per_step=1, group_size=2, minibatches=2, prox=True))
+    (g,) = core.start_groups(1, 0.0)
+    for m in range(2):
+        core.execution_started(g.id, f"e{m}", 0.0)
+    for m in range(2):
+        core.execution_evaluated(f"e{m}", 1.0, version=0, tokens=10.0)
+    core.microbatches_added(g.id, {i: 1.0 for i in range(len(mbs))})
+    held: dict[int, list] = {0: [], 1: []}
+    reduced: dict[tuple, torch.Tensor] = {}
+
+    def answer(cell, cmd):
+        t = cells[cell]
+        if isinstance(cmd, Train):
+            if cmd.prox:
+                return TrainReply(seq=cmd.seq, cell=cell, mb_id=cmd.mb_id,
+                                  logprobs=t.logprobs(from_wire(cmd.batch)).tolist())
+            held[cell].append(cmd.mb_id)
+            return TrainReply(seq=cmd.seq, cell=cell, mb_id=cmd.mb_id, stats=t.forward_backward(from_wire(cmd.batch)))
+        if isinstance(cmd, PrepareReduce):
+            return PrepareReduceReply(seq=cmd.seq, cell=cell, mb_ids=list(held[cell]))
+        if isinstance(cmd, Reduce):  # the sum over both cells, taken before either applies
+            total = reduced.setdefault((cmd.step, cmd.update), sum(c.flat_grads() for c in cells))
+            held[cell].clear()
+            t.clear_gradients()
+            t.set_flat_grads(total)
+            return ReduceReply(seq=cmd.seq, cell=cell, grad_norm=t.apply_gradients(final=cmd.final)["grad_norm"])
+        return ok(cell, cmd)
+
+    fleet, link, told = fleet_with(answer)
+    td = TrainingDispatch(cfg, fleet, emit=told.append, clock=lambda: 5.0,
+                          spawn=lambda coro: asyncio.get_running_loop().create_task(coro))
+    td.core = core
+    td.batches = {i: to_wire(mb) for i, mb in enumerate(mbs)}
+    for c in fleet:
+        fleet.set_role(c, Role.TRAIN, 0.0)
+
+    async def go():
+        while True:
+            for _ in range(200):
+                td.dispatch()
+                await asyncio.sleep(0)
+                if core.step_ready():
+                    break
+            core.step_ending(1.0)
+            red = await td.reduce(0)
+            if red.final:
+                return red
+            td.update_applied(red)
+
+    red = asyncio.run(go())
+    want = offline.train_step(mbs, 2)
+    assert len(red.grad_norms) == want["minibatches"] == 2
+    assert red.grad_norms == pytest.approx(want["minibatch_grad_norms"], rel=1e-4)
+    for t in cells:  # two updates, one step counted
+        assert (t.step, t.update) == (1, 0)
+        for a, b in zip(t.model.parameters(), offline.model.parameters()):
+            assert torch.allclose(a, b, atol=1e-6)
+    stats = [e.stats for e in told if isinstance(e, MicroBatchDone)]
+    assert len(stats) == 4 and all(e.ok for e in told if isinstance(e, MicroBatchDone))
+    assert sum(s["loss"] for s in stats) == pytest.approx(want["loss"], rel=1e-5)
+    assert want["clip_frac"] > 0 and max(s["clip_frac"] for s in stats) > 0  # the clip acted
+    # pi_prox of the second part came from the step's start: moved from the updated policy
+    assert max(s["prox_drift_max"] for s in stats) > 1e-3
+
+
 class Group:  # the fields of a core GroupRecord the ledger reads
     def __init__(self, gid, executions=(), state="waiting"):
         self.id, self.version, self.sync, self.lag_syncs = gid, 0, 0, 0
@@ -212,13 +375,15 @@ def test_ledger_lines_are_each_execution_s_last_word(tmp_path):
     led.open()
     led.group_started(0, "t")
     led.execution_ended("a", 1.0, "")
-    led.execution_ended("b", None, "status failed", unscorable="")
+    led.execution_ended("b", None, "status failed", unscorable="",
+                        error="harness.max_workspace_files = 10 passed: the workspace holds more than 10 entries")
     led.line("a", Group(0), admitted=True, staleness=0, step=0)
     led.close_unfinished([Group(0, ["a", "b"])], "run stopped", 1)
     led.close()
     rows = [json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines()]
     assert [(r["execution"], r["admitted"], r["reward"]) for r in rows] == [("a", True, 1.0), ("b", False, None)]
     assert rows[1]["reason"] == "run stopped before step 1 closed (group waiting)"
+    assert rows[0]["error"] is None and rows[1]["error"].startswith("harness.max_workspace_files = 10 passed")
     assert told == [ExecutionDropped(7.0, "b", 0, rows[1]["reason"])] and led.ended == {}
     assert led.unscorable == {"no reward": 1}
 

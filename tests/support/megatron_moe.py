@@ -29,6 +29,29 @@ def _model():
     return random_model(tiny_config("qwen3_moe", experts=4, top_k=2), seed=0, std=0.1)
 
 
+def two_expert_parallel_ranks(hf, hf_state: dict) -> tuple:
+    """One step of Megatron MoE at expert parallelism 2 over gloo, two spawned processes each with
+    half the batch: (grad norm, aux loss, local expert weights on rank 0, EP size, every updated
+    weight in checkpoint names). ``hf_state``: the checkpoint-named weights as numpy arrays."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, port, hf.config, hf_state, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    result = out.get(timeout=300)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0, f"expert-parallel rank exited {p.exitcode}"
+    return result
+
+
 def _rank(rank, port, hf_config, hf_state, out):
     from gyre.train.dist import init_distributed
     from gyre.train.megatron_trainer import MegatronTrainer

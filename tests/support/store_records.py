@@ -14,6 +14,7 @@ def records(n: int = 3, seed: int = 0) -> list[ExecutionRecord]:
                           versions_every=7, seed=seed + k), execution_id=f"exec-{seed}-{k}",
                     task=f"täsk/{k}", group=k // 2, t0=1.7e9 + k) for k in range(n)]
     out[0].status, out[0].reward_source, out[0].workspace = "timeout", "tests-after-timeout", "/ws/é 0"
+    out[0].error = "wall-clock limit of 600s reached"
     # an execution that ended before its first call, with no reward
     out.append(ExecutionRecord("exec-empty", "t/empty", 9, "crashed", float("nan"), "unscorable"))
     return out

@@ -2,14 +2,11 @@
 holding half the experts and half the batch, give the step of one process on the whole batch
 (grad norm, every updated weight, gathered back to checkpoint names), aux loss included."""
 
-import socket
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from gyre.config import TrainConfig
-from support.megatron_moe import _batch, _CFG, _model, _rank
+from support.megatron_moe import _batch, _CFG, _model, two_expert_parallel_ranks
 
 # equal lengths: on the CPU the experts' token dispatcher is "allgather", which needs every
 # expert-parallel rank's micro-batch to hold the same number of tokens (CUDA's alltoall does not)
@@ -20,20 +17,9 @@ def test_expert_parallel_two_ranks_equal_one_process():
     from gyre.model.spec import split_fused_experts
     from gyre.train.trainer import EmbeddedTrainer
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     hf = _model()
     hf_state = {k: v.numpy().copy() for k, v in split_fused_experts(hf.state_dict()).items()}
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, hf.config, hf_state, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    grad_norm, aux, local_experts, ep_size, dist_params = out.get(timeout=180)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    grad_norm, aux, local_experts, ep_size, dist_params = two_expert_parallel_ranks(hf, hf_state)
     assert (ep_size, local_experts) == (2, 4 // 2 * 2)  # 2 layers x 2 of the 4 experts on each rank
 
     ref = EmbeddedTrainer(TrainConfig(**_CFG), hf)

@@ -158,11 +158,14 @@ def test_off_policy_config_auto_and_validation(tmp_path):
     assert OffPolicy.from_config(TrainConfig()).mode == "tis"  # alone: no schedule, nothing lags
     with pytest.raises(ConfigError, match="train.minibatches_per_step"):
         load_config(None, ["train.minibatches_per_step=0"])
-    from gyre.services.training import TrainingDispatch  # a live run reduces once per step: refused, not ignored
+    from gyre.sched.runspec import RunSpec  # a live run: one reduce per update, pi_prox asked only where it acts
 
-    with pytest.raises(ConfigError, match="minibatches_per_step = 2: a live run"):
-        TrainingDispatch(load_config(None, ["train.minibatches_per_step=2"]), [], emit=print, clock=float,
-                         spawn=print)
+    def core(*over):
+        c = RunSpec.from_config(load_config(None, list(over))).core
+        return c.minibatches, c.prox
+
+    assert core("train.minibatches_per_step=2", "train.off_policy=decoupled") == (2, True)
+    assert core("train.minibatches_per_step=2", "train.off_policy=none") == (2, False)  # clips against behaviour
 
 
 def test_off_policy_mismatch_stats_by_lag_merge_exactly():

@@ -74,6 +74,20 @@ def test_round_trip_every_field(tmp_path, compression):
         assert f["nodes"].dtype["agent_role"].kind == "S"  # fixed-width UTF-8 text
 
 
+def test_a_shard_written_before_the_error_column_reads_as_no_error(tmp_path, monkeypatch):
+    import gyre.traj.store as store
+    old = tuple(c for c in store.EXECUTION_COLUMNS if c[0] != "error")
+    monkeypatch.setattr(store, "EXECUTION_COLUMNS", old)
+    monkeypatch.setitem(store.TABLES, "executions", old)
+    path = writer(tmp_path).write(records(1))
+    with h5py.File(path, "r", locking=False) as f:
+        assert "error" not in f["executions"].dtype.names
+    monkeypatch.undo()
+    back = read_shard(path)
+    assert [r.error for r in back] == [None, None]
+    assert read_shard(writer(tmp_path / "new").write(records(1)))[0].error == "wall-clock limit of 600s reached"
+
+
 def test_shards_are_private_uniquely_named_and_ordered(tmp_path):
     w = writer(tmp_path)
     paths = [w.write(records(1, seed=s)) for s in range(4)]

@@ -47,6 +47,7 @@ class Instance:
     image: ImageRef | None = None  # None: the host root (bwrap only)
     masks: list[str] = field(default_factory=list)  # host paths hidden under an empty tmpfs (bwrap host mode)
     name: str = "gyre"  # instance name, where the runtime names containers
+    tmpfs_mb: int = 0  # size of each writable tmpfs (/tmp, /dev/shm) where the runtime can size it; 0 = unsized
 
 
 @dataclass
@@ -66,6 +67,7 @@ class Runtime:
     program = ""
     restricts_network = False   # can give an instance loopback only
     private_pids = False        # an instance sees only its own processes
+    private_users = False       # an instance runs in a user namespace of its own (RLIMIT_NPROC counts it alone)
 
     def __init__(self, program: str | None = None):
         self.program = program or self.program

@@ -35,6 +35,7 @@ class Bwrap(Runtime):
     program = "bwrap"
     restricts_network = True
     private_pids = True
+    private_users = True
 
     def locate(self, image: str, task: str, image_dir: str):
         p = image_file(image_dir, task, ("", ".rootfs"))
@@ -74,12 +75,19 @@ class Bwrap(Runtime):
         if not inst.network:
             argv.append("--unshare-net")
         argv += self._root_args(inst)
-        argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run"]
+        # Every tmpfs bwrap makes is memory of the node: /tmp and /dev/shm are the instance's
+        # scratch, each sized (harness.tmpfs_mb); the rest (its root, /dev, /run, the masks) is
+        # made read-only below once its mount points exist, so nothing unsized can be filled.
+        size = ["--size", str(inst.tmpfs_mb << 20)] if inst.tmpfs_mb else []
+        argv += ["--proc", "/proc", "--dev", "/dev", *size, "--tmpfs", "/tmp", *size, "--tmpfs", "/dev/shm",
+                 "--tmpfs", "/run"]
         # Mounts ordered by depth so that a file inside a mounted folder lands on top of it.
         for m in sorted(inst.mounts, key=lambda m: len(Path(m.dst).parts)):
             argv += ["--bind" if m.writable else "--ro-bind", m.src, m.dst]
         for p in inst.masks:
             argv += ["--tmpfs", p]
+        for p in ("/", "/dev", "/run", *inst.masks):
+            argv += ["--remount-ro", p]
         # The environment is bwrap's own (it passes it on unchanged): the caller starts bwrap with
         # exactly the instance's environment, so no value (the API key) is ever on an argv, which
         # /proc/PID/cmdline shows to every user of the machine.
