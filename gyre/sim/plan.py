@@ -2,8 +2,8 @@
 
 Prints a header naming the preset, model, GPU and the assumed unknowns (groups per step, training
 cost per execution, tool time), then one table row per (nodes, cell size, scheme, staleness) with
-the simulated end-to-end time, GPU-hours, its ratio to the lower bound and utilisation; Async is
-run at every split of rollout/training cells and its best is reported (with the split). The
+the simulated end-to-end time, GPU-hours, its ratio to the lower bound and utilisation; Async's
+split of rollout/training cells is searched and its best is reported (with the split). The
 recommendation is made per node budget *and per staleness*: a staleness-2 run trains on older
 samples (another algorithm), so it is never ranked against a staleness-0 run. A point it cannot
 evaluate (Async on one cell) is listed with the reason. Runs on this machine by default, its points

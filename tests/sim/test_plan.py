@@ -36,6 +36,7 @@ def args(*argv: str) -> argparse.Namespace:
     (["--gpus-per-node", "0"], "gpus-per-node"),
     (["--train-cost", "0"], "train-cost"),
     (["--tool-s", "-1"], "tool-s"),
+    (["--jobs", "0"], "--jobs: at least 1 process"),
 ])
 def test_bad_parameters_get_clear_errors(argv, message):
     with pytest.raises(ConfigError, match=message):
