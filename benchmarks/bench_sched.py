@@ -3,16 +3,19 @@
 - decision_ms_1024: median time of one ``decide(state, now)`` per scheme with 1,024 cells and
   10,000 running executions (goal: <= 10 ms).
 - sim_events_per_s: events per second of the 8-step, 32-node E0 simulation.
-- sim_s_64n: seconds of one E1 run of the 122B preset on 64 nodes (4-node cells) at SIM_STEPS steps;
-  sim_s_1024n: the 2.4T preset on 1,024 nodes (64-node cells) at SIM_STEPS steps (issue 33's goal is a
-  48-step run in under 60 s: the keys say how far off; the steps are recorded beside them);
-  plan_s_64n: `gyre plan --nodes 64` (both cell sizes, E/A/C, staleness 0 and 2) at SIM_STEPS steps.
+- sim_s_64n: seconds of one E1 run of the 122B preset on 64 nodes (4-node cells) at its 24 steps;
+  sim_s_1024n: the 2.4T preset on 1,024 nodes (64-node cells) at its 48 steps (issue 33's goal: under
+  60 s on one core); plan_s_64n: `gyre plan --nodes 64` at its defaults (both cell sizes, E/A/C,
+  staleness 0 and 2, the preset's 24 steps, one process per CPU: goal under 2 minutes) over
+  plan_points_64n points (plan_s_per_point_64n each). The steps and processes are recorded beside
+  them; `--steps N` runs all three at N steps (a quick look).
 
     python benchmarks/bench_sched.py        # writes benchmarks/results/sched.json
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import statistics
@@ -21,7 +24,8 @@ import time
 from pathlib import Path
 
 from gyre.sched import SCHEMES, CellView, ClusterState, ExecView, Role, make_policy
-from gyre.sim.scenario import Scenario, hints_for, nl2repo_cluster
+from gyre.sim import plan
+from gyre.sim.scenario import Scenario, hints_for, nl2repo_cluster, preset_scenario
 from gyre.sim.workload import Workload
 
 OUT = Path(__file__).resolve().parent / "results" / "sched.json"
@@ -64,36 +68,38 @@ def sim_speed() -> dict:
     return {"events": r.events, "wall_s": round(r.wall_s, 3), "events_per_s": round(r.events / r.wall_s)}
 
 
-SIM_STEPS = 4
-
-
-def planning_speed() -> dict:
-    from gyre.sim import plan
-    from gyre.sim.scenario import preset_scenario
-    out = {"sim_steps": SIM_STEPS}
-    t0 = time.perf_counter()
-    preset_scenario("nl2repo-122b-32n", "E", 1, steps=SIM_STEPS, record=False,
-                    cluster_over={"nodes": 64, "cell_nodes": 4}).run()
-    out["sim_s_64n"] = round(time.perf_counter() - t0, 2)
-    t0 = time.perf_counter()
-    preset_scenario("nl2repo-2.4t", "E", 1, steps=SIM_STEPS, record=False,
-                    cluster_over={"nodes": 1024, "cell_nodes": 64}).run()
-    out["sim_s_1024n"] = round(time.perf_counter() - t0, 2)
-    import argparse
+def planning_speed(steps: int | None = None) -> dict:
+    """Simulator and `gyre plan` seconds at the goal's sizes (their presets' steps unless `steps`)."""
+    out = {}
+    for key, name, nodes, cells in (("64n", "nl2repo-122b-32n", 64, 4), ("1024n", "nl2repo-2.4t", 1024, 64)):
+        s = preset_scenario(name, "E", 1, record=False, cluster_over={"nodes": nodes, "cell_nodes": cells},
+                            **({"steps": steps} if steps else {}))
+        t0, c0 = time.perf_counter(), time.process_time()
+        s.run()
+        out |= {f"sim_s_{key}": round(time.perf_counter() - t0, 2),
+                f"sim_cpu_s_{key}": round(time.process_time() - c0, 2), f"sim_steps_{key}": s.steps}
     ap = argparse.ArgumentParser()
     plan.add_arguments(ap)
-    args = ap.parse_args(["--nodes", "64", "--steps", str(SIM_STEPS)])
+    args = ap.parse_args(["--nodes", "64"] + (["--steps", str(steps)] if steps else []))
+    scs = plan.scenarios(args)
+    jobs = plan.usable_cpus()
     t0 = time.perf_counter()
-    rows = list(plan.execute(plan.scenarios(args), "inline"))
-    out["plan_s_64n"] = round(time.perf_counter() - t0, 2)
-    out["plan_points_64n"] = len(rows)
+    rows = list(plan.execute(scs, "inline", jobs=jobs))
+    wall = time.perf_counter() - t0
+    out |= {"plan_s_64n": round(wall, 2), "plan_points_64n": len(rows),
+            "plan_s_per_point_64n": round(wall / len(rows), 2), "plan_steps_64n": scs[0].steps,
+            "plan_jobs_64n": min(jobs, len(scs)),
+            "plan_failed_64n": sum(1 for r in rows if r.get("failed"))}
     return out
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=None, help="simulate every run at this many steps")
+    steps = ap.parse_args().steps
     d = decision_ms()
     s = sim_speed()
-    p = planning_speed()
+    p = planning_speed(steps)
     doc = {"decision_ms_1024": d, "decision_setup": {"cells": CELLS, "running_executions": RUNNING,
                                                      "repeat": REPEAT, "statistic": "median", "goal_ms": 10},
            "sim_events_per_s": s["events_per_s"], "sim_run": {"label": "E0", "nodes": 32, "steps": 8, "groups_per_step": 256, **s}} | p

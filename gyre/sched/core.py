@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import random
+import weakref
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Hashable, Iterable
@@ -43,7 +44,7 @@ from gyre.config import BurstOrder, StalenessRule
 from gyre.minibatch import minibatch_parts
 from gyre.sched.admission import (RULES, AdmissionKey, count_budget, expired, fifo_key, pick,
                                   sync_of, window_budget)
-from gyre.sched.state import CellView, ClusterState, ExecView, GroupView
+from gyre.sched.state import CellView, ClusterState, ExecView, GroupView, RunningViews
 
 _EPS = 1e-6
 ZERO_VARIANCE = "zero_variance"  # the ledger's reason for a group dropped for equal rewards
@@ -243,9 +244,12 @@ class Coordinator:
         self.n_open = 0
         self.calls_in_flight = 0
         self._serial = 0
-        self._running_views: tuple | None = None    # cached: rebuilt only after a change
+        self._running_views: weakref.ref | None = None  # the RunningViews last handed out
         self._views: dict[Hashable, ExecView] = {}   # the running executions' views, built once each
         self._waiting: dict[int, GroupRecord] = {}  # the admission queue (kept: the simulator asks often)
+        self._waiting_rev = 0                       # changes of _waiting, so its admissible count is kept
+        self._waiting_key: tuple = ()               # (_waiting_rev, version) of _waiting_n
+        self._waiting_n = 0
 
     # ---- queries ------------------------------------------------------------------------------
     @property
@@ -285,10 +289,14 @@ class Coordinator:
         """The one builder of what a policy sees. While the step's optimizer step runs, one token
         of work is reported left: the trainers are still busy with it."""
         s, st = self.spec, self.step
-        if self._running_views is None:
-            self._running_views = tuple(self._views.values())
-        running = self._running_views
-        waiting = sum(1 for g in self._waiting.values() if not self._expired(g, self.version))
+        running = self._running_views() if self._running_views is not None else None
+        if running is None:
+            running = RunningViews(self._views)
+            self._running_views = weakref.ref(running)
+        if self._waiting_key != (self._waiting_rev, self.version):  # admissibility moves with these only
+            self._waiting_key = (self._waiting_rev, self.version)
+            self._waiting_n = sum(1 for g in self._waiting.values() if not self._expired(g, self.version))
+        waiting = self._waiting_n
         left = st.tokens_left
         if st.reducing:
             left = max(left, 1.0)
@@ -326,9 +334,16 @@ class Coordinator:
         g.state = GroupState.RUNNING
         self.execs[key] = e
         self.running[key] = e
+        self._running_changes()
         self._views[key] = e.view(g.started_version)
-        self._running_views = None
         return e
+
+    def _running_changes(self) -> None:
+        """The running table is about to change: a state still held keeps its own copy."""
+        views = self._running_views() if self._running_views is not None else None
+        if views is not None:
+            views._freeze()
+        self._running_views = None
 
     def call_started(self, key: Hashable) -> None:
         e = self.execs[key]
@@ -350,8 +365,8 @@ class Coordinator:
                 self.calls_in_flight -= 1
             e.ended_at, e.in_call = now, False
             self.running.pop(key, None)
+            self._running_changes()
             self._views.pop(key, None)
-            self._running_views = None
 
     def execution_evaluated(self, key: Hashable, now: float, *, version: int = -1, tokens: float = 0.0,
                             usable: bool = True, reward: float | None = None) -> Admission:
@@ -381,6 +396,7 @@ class Coordinator:
             return Admission(dropped=(self._drop(g, ZERO_VARIANCE),))
         g.state = GroupState.WAITING
         self._waiting[g.id] = g
+        self._waiting_rev += 1
         return self._fill(now)
 
     def _zero_variance(self, g: GroupRecord) -> bool:
@@ -399,6 +415,7 @@ class Coordinator:
                               f"(sync {self.sync_of(self.version)}), bound {s.staleness} sync(s)")
         g.state = GroupState.DROPPED
         self._waiting.pop(g.id, None)
+        self._waiting_rev += 1
         self.n_open -= 1
         return g
 
@@ -421,6 +438,7 @@ class Coordinator:
             g = self.groups[v.id]
             g.state, g.step = GroupState.ASSIGNED, st.index
             del self._waiting[g.id]
+            self._waiting_rev += 1
             st.groups.append(g.id)
             out.append(g)
         if out and st.started_at is None:

@@ -7,6 +7,7 @@ on the caller's clock; the policy never reads a clock of its own.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -27,7 +28,10 @@ class Role(str, Enum):
     @property
     def heading(self) -> "Role":
         """The role this cell is in or on its way to."""
-        return {Role.TO_TRAIN: Role.TRAIN, Role.TO_ROLLOUT: Role.ROLLOUT}.get(self, self)
+        return _HEADING[self]
+
+
+_HEADING = {r: {Role.TO_TRAIN: Role.TRAIN, Role.TO_ROLLOUT: Role.ROLLOUT}.get(r, r) for r in Role}
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +51,52 @@ class ExecView:
     started_at: float
 
 
+class RunningViews(Sequence):
+    """The running executions a ClusterState shows: an immutable sequence of ExecView read from
+    the coordinator's table without a copy. The coordinator calls `_freeze` before it changes the
+    table (copy-on-write), so a state kept by anyone still shows what it showed; a state dropped
+    after its decision costs nothing. (A simulated step decides thousands of times over thousands
+    of executions; copying them each time was most of a decision's cost.)"""
+    __slots__ = ("_src", "_n", "_items", "__weakref__")
+
+    def __init__(self, src: dict) -> None:
+        self._src: dict | None = src
+        self._n = len(src)
+        self._items: tuple | None = None
+
+    def _freeze(self) -> None:
+        if self._items is None:
+            self._items = tuple(self._src.values())
+            self._src = None
+
+    def _tuple(self) -> tuple:
+        self._freeze()
+        return self._items
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        return self._tuple()[i]
+
+    def __iter__(self):
+        return iter(self._tuple())
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (RunningViews, tuple)):
+            return self._tuple() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._tuple())
+
+    def __reduce__(self):
+        return tuple, (self._tuple(),)  # a plain tuple once it leaves the process
+
+    def __repr__(self) -> str:
+        return f"RunningViews({self._tuple()!r})"
+
+
 @dataclass(frozen=True, slots=True)
 class ClusterState:
     """Everything a policy may use. Counts of groups; work in training tokens."""
@@ -55,7 +105,7 @@ class ClusterState:
     groups_per_step: int         # Q: groups one optimizer step consumes
     group_size: int              # G: executions per group
     cells: tuple[CellView, ...]
-    running: tuple[ExecView, ...]
+    running: Sequence[ExecView]   # a tuple, or the coordinator's RunningViews
     groups_open: int             # started groups not yet trained or dropped (in-flight budget use)
     groups_waiting: int          # evaluated groups not yet assigned to a step, still admissible
     step_groups: int             # groups assigned to the open step so far (<= groups_per_step)

@@ -29,6 +29,8 @@ Two limits, the larger wins:
 
 from __future__ import annotations
 
+import bisect
+
 from gyre.sim.cost_model import ClusterModel
 from gyre.sim.workload import ExecSpec, GroupSpec, Workload
 
@@ -95,12 +97,19 @@ def _step_arrival_bound(batch: list[GroupSpec], c: ClusterModel) -> float:
     total = sum(r[2] for r in rows)
     full = c.train_rate(c.cells)
     best = total / full  # x = 0: nothing is ready, everything trains afterwards
+    # The groups that could be ready by x, most tokens per decode work first (ties in ready order):
+    # kept sorted as x grows instead of sorted again for every x (the same order, the same sums).
+    eligible: list[tuple] = []  # (-tokens per work, row index, work, tokens)
+    j = 0
     for x, _, _ in rows:
+        while j < len(rows) and rows[j][0] <= x:
+            _, work, tokens = rows[j]
+            bisect.insort(eligible, (-tokens / max(work, 1e-12), j, work, tokens))
+            j += 1
         capacity = c.cells * (x - c.eval_s)  # decode cell-seconds possible before x
         done = 0.0
-        # Fractional knapsack over the groups that could be ready: most tokens per decode work first.
-        eligible = sorted((r for r in rows if r[0] <= x), key=lambda r: -r[2] / max(r[1], 1e-12))
-        for _, work, tokens in eligible:
+        # Fractional knapsack over the groups that could be ready.
+        for _, _, work, tokens in eligible:
             if capacity <= 0:
                 break
             take = min(1.0, capacity / work) if work > 0 else 1.0

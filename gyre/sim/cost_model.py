@@ -11,6 +11,7 @@ fast as one call on each of a cell's replicas (the per-replica floor).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from gyre.config import ConfigError, SchedConfig
 from gyre.sim.roofline import ReplicaSpec
@@ -93,6 +94,19 @@ class ClusterModel:
         if rollout_cells <= 0:
             return 0.0
         return 1.0 / self.replica.step_s(self.batch(decoding, rollout_cells), context)
+
+    def token_rate_fn(self) -> Callable[[float, int, float], float]:
+        """`token_rate` with the constants bound once (the simulator asks it at every event): the
+        same floats."""
+        step, reps = self.replica.step_fn(), self.replicas
+
+        def rate(decoding: float, rollout_cells: int, context: float) -> float:
+            if rollout_cells <= 0:
+                return 0.0
+            b = decoding / (rollout_cells * reps)
+            return 1.0 / step(b if b > 1.0 else 1.0, context)
+
+        return rate
 
     def calls_per_cell(self, context: float, keep: float = KEEP_SOLO_SPEED) -> float:
         """Calls one rollout cell decodes while each keeps `keep` of its solo decode speed at mean

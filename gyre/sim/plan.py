@@ -2,12 +2,13 @@
 
 Prints a header naming the preset, model, GPU and the assumed unknowns (groups per step, training
 cost per execution, tool time), then one table row per (nodes, cell size, scheme, staleness) with
-the simulated end-to-end time, GPU-hours, its ratio to the lower bound and utilisation; Async is
-run at every split of rollout/training cells and its best is reported (with the split). The
+the simulated end-to-end time, GPU-hours, its ratio to the lower bound and utilisation; Async's
+split of rollout/training cells is searched and its best is reported (with the split). The
 recommendation is made per node budget *and per staleness*: a staleness-2 run trains on older
 samples (another algorithm), so it is never ranked against a staleness-0 run. A point it cannot
-evaluate (Async on one cell) is listed with the reason. Runs in-process by default;
-`--executor local` fans the runs out as submitit jobs on this machine, `--executor slurm` as Slurm jobs.
+evaluate (Async on one cell) is listed with the reason. Runs on this machine by default, its points
+in a pool of `--jobs` processes (rows in the sweep's order); `--executor local` fans the runs out as
+submitit jobs on this machine, `--executor slurm` as Slurm jobs.
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ import dataclasses
 import itertools
 import json
 import math
+import multiprocessing
+import os
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -125,7 +129,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--staleness-rule", choices=tuple(StalenessRule), default=None, help="default: window")
     p.add_argument("--steps-per-sync", type=int, default=None, help="optimizer steps per rollout round (default: 1)")
     p.add_argument("--executor", choices=("inline", "local", "slurm"), default="inline",
-                   help="inline (default), or submitit jobs: local processes or Slurm")
+                   help="inline (default: this machine, --jobs processes), or submitit jobs: local processes or Slurm")
+    p.add_argument("--jobs", type=int, default=None,
+                   help=f"inline: points simulated at once, one process each (default: the CPUs this process "
+                        f"may use, {usable_cpus()} here; 1 = in this process)")
     p.add_argument("--jobs-dir", default="gyre-plan-jobs", help="submitit log folder")
     p.add_argument("--partition", default="", help="Slurm partition for --executor slurm")
     p.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
@@ -199,6 +206,8 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
         args.steps = preset(args.preset).steps
     if args.steps < 1 or args.groups_per_step < 1 or args.steps_per_sync < 1:
         raise ConfigError("--steps, --groups-per-step and --steps-per-sync must be >= 1")
+    if getattr(args, "jobs", None) is not None and args.jobs < 1:
+        raise ConfigError(f"--jobs: at least 1 process, got {args.jobs}")
     if args.gpus_per_node is not None and args.gpus_per_node < 1:
         raise ConfigError(f"--gpus-per-node: must be >= 1, got {args.gpus_per_node}")
     if args.train_cost is not None and args.train_cost <= 0:
@@ -251,13 +260,21 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
     return out
 
 
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def run_one(s: Scenario) -> dict:
-    """One sweep point as a plain row (module level so submitit can pickle it). Async runs at
-    every split and reports its best; a point that cannot run says why."""
+    """One sweep point as a plain row (module level so submitit can pickle it). Async's split is
+    searched (runs that cannot win are given up) and its best reported; a point that cannot run
+    says why."""
     if s.scheme == Scheme.A and s.cluster.cells < 2:
         return _point(s) | {"skipped": f"async needs a rollout pool and a training pool; {s.cluster.cells} cell holds one"}
     if s.scheme == Scheme.A:
-        r, by_split = best_async(s, search=True)
+        r, by_split = best_async(s, search=True, prune=True)
     else:
         r, by_split = s.run(), {}
     d = r.to_dict()
@@ -268,14 +285,19 @@ def run_one(s: Scenario) -> dict:
         "label": r.label, "not_admitted": sum(r.not_admitted.values()),
         "gpu_hours": round(r.gpu_hours("rollout", "train", "switch", "idle"), 1),
         "async_split": r.async_rollout_cells if s.scheme == Scheme.A else None,
-        "async_hours_by_split": {str(k): round(v, 3) for k, v in by_split.items()} or None}
+        "async_hours_by_split": {str(k): round(v, 3) for k, v in by_split.items()} or None,
+        # splits whose run was given up once it was slower than the best: hours simulated by then
+        "async_given_up_hours": {str(k): round(v, 3) for k, v in r.async_given_up.items()} or None}
 
 
 def execute(scs: list[Scenario], executor: str, jobs_dir: str = "gyre-plan-jobs",
-            partition: str = "") -> Iterator[dict]:
-    """Rows as their points finish (inline: in order; submitit: as jobs end). A point that fails
-    becomes a row saying why; the sweep goes on."""
+            partition: str = "", jobs: int = 1) -> Iterator[dict]:
+    """Rows as their points finish (inline: in the sweep's order; submitit: as jobs end). A point
+    that fails becomes a row saying why; the sweep goes on."""
     if executor == "inline":
+        if jobs > 1 and len(scs) > 1:
+            yield from _pooled(scs, jobs)
+            return
         for s in scs:
             yield _guarded(s)
         return
@@ -297,6 +319,26 @@ def execute(scs: list[Scenario], executor: str, jobs_dir: str = "gyre-plan-jobs"
                 yield _failed_row(s, f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}")
         if pending:
             time.sleep(0.5)  # polling submitit's job states; nothing is decided by this wait
+
+
+def _pooled(scs: list[Scenario], jobs: int) -> Iterator[dict]:
+    """The points in a pool of processes, heaviest first (an Async point searches several splits),
+    rows yielded in the sweep's order. Closing the iterator (Ctrl-C) stops the workers."""
+    ex = ProcessPoolExecutor(min(jobs, len(scs)), mp_context=multiprocessing.get_context("spawn"))
+    procs = []
+    try:
+        order = sorted(range(len(scs)), key=lambda i: (scs[i].scheme != Scheme.A, i))
+        futures = {i: ex.submit(_guarded, scs[i]) for i in order}
+        procs = list(ex._processes.values())  # started by submit; stopped below, not waited for
+        for i in range(len(scs)):
+            try:
+                yield futures[i].result()
+            except Exception as e:  # its worker died (killed, out of memory)
+                yield _failed_row(scs[i], f"{type(e).__name__}: {e}")
+    finally:
+        for p in procs:
+            p.terminate()  # a point in progress is not waited for
+        ex.shutdown(wait=True, cancel_futures=True)  # (the pool sees its workers gone and ends)
 
 
 def _point(s: Scenario) -> dict:
@@ -341,7 +383,9 @@ def run(args: argparse.Namespace) -> int:
     scs = scenarios(args)  # fills the flags not given (header and the summary line read them)
     print(header(args))
     steps = scs[0].steps
-    print(f"{len(scs)} simulated points ({args.executor}) of {steps} steps; Async at its best split (searched)",
+    jobs = args.jobs or usable_cpus()
+    how = f"inline, {min(jobs, len(scs))} processes" if args.executor == "inline" and jobs > 1 else args.executor
+    print(f"{len(scs)} simulated points ({how}) of {steps} steps; Async at its best split (searched)",
           file=sys.stderr)
     if steps < SHORT_HORIZON:
         print(f"note: {steps} steps is a short horizon: the last step's drain weighs on every ranking; "
@@ -349,8 +393,9 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict] = []
     interrupted = False
     bar = tqdm(total=len(scs), desc="gyre plan", unit="point", file=sys.stderr, disable=None)
+    points = execute(scs, args.executor, args.jobs_dir, args.partition, jobs)
     try:
-        for r in execute(scs, args.executor, args.jobs_dir, args.partition):
+        for r in points:
             rows.append(r)
             bar.update(1)
             done = (f"{r['hours']:.2f} h" if not r.get("skipped") else r["skipped"])
@@ -358,6 +403,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         interrupted = True
     finally:
+        points.close()  # a pool stops its workers
         bar.close()
     if interrupted:
         print(f"interrupted: {len(rows)} of {len(scs)} points finished; the table below holds those",

@@ -58,6 +58,7 @@ class SimResult:
     # own (staleness > 0 or several steps per sync: its batch may be complete when it opens).
     slack: float | None = 0.0
     async_rollout_cells: int = 0          # scheme A: its rollout pool
+    async_given_up: dict = field(default_factory=dict)  # A's split search: splits given up -> hours simulated then
     bound_basis: str = ""                 # what the lower bound was computed on
     # Not serialised: per-execution outcome and the timelines behind the plots (RunStats.intervals
     # as (start, end, role), and RunStats.idle_spans when recorded).

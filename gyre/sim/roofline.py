@@ -42,6 +42,7 @@ Every number of a spec is stated with its source in ``gyre/sim/calibration.py``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from gyre.config import ConfigError
 
@@ -121,6 +122,26 @@ class ReplicaSpec:
         return (self.overhead_ms + b * self.per_call_ms) / 1e3 + self.roofline_s(b, context) / self.bw_efficiency \
             + self.ep_all_to_all_s(b)
 
+    def step_fn(self) -> Callable[[float, float], float]:
+        """`step_s` with the spec's constants bound once, for the simulator's per-event use: the
+        same arithmetic in the same order (hoisting only whole constant sub-expressions), so the
+        same floats (tests/sim/test_sim_model.py checks it on every preset)."""
+        over, per_call, bw_eff, bandwidth = self.overhead_ms, self.per_call_ms, self.bw_efficiency, self.bandwidth
+        dense, expert, kv, state2 = self.dense_gb, self.expert_gb, self.kv_bytes_per_token, 2 * self.state_bytes_per_request
+        moe = expert > 0
+        keep = 1.0 - self.topk / self.experts if moe else 0.0  # share of experts a token leaves untouched
+        ep = self.ep_remote_share > 0 and self.moe_layers > 0
+        a2a, remote_share, layers = self.a2a_bytes_per_token, self.ep_remote_share, self.moe_layers
+        floor2, link = 2 * self.a2a_floor_us / 1e6, self.gpus * self.rdma_gb_s * 1e9
+
+        def step(batch: float, context: float) -> float:
+            b = batch if batch > 1.0 else 1.0
+            read = (dense + expert * ((1.0 - keep ** b) if moe else 0.0)) * 1e9 + b * (context * kv + state2)
+            t = (over + b * per_call) / 1e3 + read / bandwidth / bw_eff
+            return t + layers * (floor2 + b * a2a * remote_share / link) if ep else t
+
+        return step
+
     def ep_all_to_all_s(self, batch: float) -> float:
         """Cross-node expert-parallel traffic of one decode step: per MoE layer a dispatch and a
         combine, each a latency floor plus the batch's remote bytes over every GPU's RDMA link."""
@@ -147,6 +168,18 @@ class ReplicaSpec:
         mean_ctx = context + tokens / 2
         flops = tokens * (2 * self.active_params + self.attn_flops_per_ctx_token * mean_ctx)
         return flops / (self.gpus * self.peak_tflops * 1e12 * self.prefill_mfu)
+
+    def prefill_fn(self) -> Callable[[float, float], float]:
+        """`prefill_s` with the constants bound once (the same floats)."""
+        active2, attn = 2 * self.active_params, self.attn_flops_per_ctx_token
+        rate = self.gpus * self.peak_tflops * 1e12 * self.prefill_mfu
+
+        def prefill(tokens: float, context: float = 0.0) -> float:
+            if tokens <= 0:
+                return 0.0
+            return tokens * (active2 + attn * (context + tokens / 2)) / rate
+
+        return prefill
 
     def prefill_floor_s(self, tokens: float) -> float:
         """Prefill time without attention (a lower bound however the tokens are split into calls)."""

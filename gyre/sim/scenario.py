@@ -4,13 +4,14 @@ simulated run. The presets' numbers and their sources live in gyre/sim/calibrati
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from gyre.config import Scheme
 from gyre.sched import CoreSpec, Hints, RunSpec
 from gyre.sim.calibration import KEEP_SOLO_SPEED, P122B, Preset, execs_per_cell, preset
 from gyre.sim.cost_model import ClusterModel
-from gyre.sim.simulator import SimSpec, simulate
+from gyre.sim.simulator import GaveUp, SimSpec, simulate
 from gyre.sim.result import SimResult
 from gyre.sim.workload import LognormalPreset, Workload
 
@@ -65,9 +66,11 @@ class Scenario:
                             staleness=self.staleness, staleness_rule=self.staleness_rule,
                             steps_per_sync=self.steps_per_sync)
 
-    def run(self, workload: Workload | None = None) -> SimResult:
+    def run(self, workload: Workload | None = None, give_up_after: float = math.inf) -> SimResult:
+        """The simulated run; with `give_up_after` (seconds), GaveUp once it is sure to take longer."""
         w = workload or Workload.named(self.workload, self.seed)
-        r = simulate(self.spec(w), w, self.cluster, SimSpec(record=self.record, segments=SEGMENTS))
+        r = simulate(self.spec(w), w, self.cluster, SimSpec(record=self.record, segments=SEGMENTS),
+                     give_up_after=give_up_after)
         r.preset = self.preset
         r.async_rollout_cells = (self.async_rollout_cells or max(1, self.cluster.cells // 2)) if self.scheme == Scheme.A else 0
         return r
@@ -76,8 +79,8 @@ class Scenario:
         return replace(self, **kw)
 
 
-def best_async(s: Scenario, workload: Workload | None = None,
-               search: bool = False) -> tuple[SimResult, dict[int, float]]:
+def best_async(s: Scenario, workload: Workload | None = None, search: bool = False,
+               prune: bool = False) -> tuple[SimResult, dict[int, float]]:
     """Scheme A at its best split of 1 .. n-1 rollout cells: the fastest run and hours per split
     simulated. A fair comparison gives Async its best split, not half the cells by fiat.
 
@@ -85,37 +88,51 @@ def best_async(s: Scenario, workload: Workload | None = None,
     plan's time) a coarse grid of about six splits runs first, then the neighbours of the best one
     until neither is faster: hours against the split are close to unimodal (too few rollout cells
     starve the trainers, too many leave them slow), and the neighbour walk corrects a coarse grid
-    that landed beside a local dip. Up to 6 splits, search is the exhaustive sweep."""
+    that landed beside a local dip. Up to 6 splits, search is the exhaustive sweep.
+
+    With ``prune`` a split's run is given up once its clock passes the fastest makespan so far
+    (it cannot be the best): the same best split and hours, for less simulation; the hours per
+    split then hold the runs that finished, and the best run's ``async_given_up`` the others (split
+    -> hours simulated when given up, a lower bound on theirs). The coarse grid then runs from the
+    middle of the range outwards, so a fast split is usually known early."""
     n = s.cluster.cells
     if n < 2:
         raise ValueError(f"async needs a rollout pool and a training pool; {n} cell cannot hold both")
     w = workload or Workload.named(s.workload, s.seed)
     runs: dict[int, SimResult] = {}
+    given_up: dict[int, float] = {}  # split -> seconds simulated when its run was given up
 
-    def at(k: int) -> SimResult:
-        if k not in runs:
-            runs[k] = s.with_(scheme="A", async_rollout_cells=k).run(w)
-        return runs[k]
+    def at(k: int) -> None:
+        if k in runs or k in given_up:
+            return
+        limit = min((r.makespan_s for r in runs.values()), default=math.inf) if prune else math.inf
+        try:
+            runs[k] = s.with_(scheme="A", async_rollout_cells=k).run(w, give_up_after=limit)
+        except GaveUp as e:
+            given_up[k] = e.at
 
     def best() -> int:
         return min(runs, key=lambda k: (runs[k].makespan_s, k))
 
     splits = range(1, n)
+    order = (lambda k: (abs(2 * k - n), k)) if prune else None
     if not search or len(splits) <= 6:
-        for k in splits:
+        for k in sorted(splits, key=order):
             at(k)
     else:
         stride = max(1, round(len(splits) / 6))
-        for k in sorted({*splits[::stride], n - 1}):
+        # order does not change what is found (a given-up run is slower than one that finished)
+        for k in sorted({*splits[::stride], n - 1}, key=order):
             at(k)
         while True:  # walk to a local minimum around the best split seen
             b = best()
-            fresh = [k for k in (b - 1, b + 1) if 1 <= k < n and k not in runs]
+            fresh = [k for k in (b - 1, b + 1) if 1 <= k < n and k not in runs and k not in given_up]
             if not fresh:
                 break
             for k in fresh:
                 at(k)
     b = best()
+    runs[b].async_given_up = {k: t / 3600 for k, t in sorted(given_up.items())}
     return runs[b], {k: r.hours for k, r in sorted(runs.items())}
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from heapq import heappop, heappush
 import math
 import random
 import time
@@ -59,6 +60,15 @@ _ENV, _EVAL, _SWITCH, _PUSH, _TICK, _OPT, _PREFILL = range(7)
 
 class SimError(RuntimeError):
     """The simulation cannot make progress (a policy that never trains, a deadlock)."""
+
+
+class GaveUp(Exception):
+    """The run was stopped once its clock passed `give_up_after`: its makespan is longer (a search
+    that already has a run that fast does not need the rest of this one)."""
+
+    def __init__(self, at: float) -> None:
+        super().__init__(f"given up at {at:.0f} s")
+        self.at = at
 
 
 @dataclass
@@ -164,6 +174,18 @@ class Simulator:
         self.lru: list[OrderedDict] = [OrderedDict() for _ in range(n)]  # per cell: those holding a prefix
         self.kv_used = [0.0] * n   # tokens of KV held per cell
         self.kv_cap = cluster.kv_tokens_per_cell
+        # per-event arithmetic with the cluster's constants bound once (the same floats)
+        self._rate = cluster.token_rate_fn()
+        self._reps = cluster.replicas
+        self._tps = cluster.train_tokens_per_s
+        self._prefill = cluster.replica.prefill_fn()
+        self._cells_rev = -1         # roles_rev of _cells_v, the cells as a policy sees them
+        self._cells_v: tuple = ()
+        # the open step may have become ready (work assigned or trained, a step ended): only then
+        # is the core asked (step_ready), not after every event
+        self._maybe_ready = True
+        self._speed_key: tuple = ()  # (calls in flight, serving cells, context sum) of _speed_v
+        self._speed_v = 0.0
         self.evictions = 0         # prefixes evicted for capacity
         self.reprefills = 0        # calls that re-prefilled a lost context (eviction or cell switch)
         self.ctx_sum = 0.0         # mean-context numerator of the calls in flight
@@ -204,12 +226,18 @@ class Simulator:
         return 0 if self.now < self.push_until - _EPS else self.n_rollout
 
     def _speed(self) -> float:
-        """Tokens per second each call in flight gains now."""
-        n = self.in_call
-        return self.c.token_rate(n, self._serving(), self.ctx_sum / n if n else 0.0)
+        """Tokens per second each call in flight gains now (kept until the load, the serving
+        cells or the mean context change: asked several times per event)."""
+        n, cs = self.in_call, self.ctx_sum
+        serving = 0 if self.now < self.push_until - _EPS else self.n_rollout
+        key = (n, serving, cs)
+        if key != self._speed_key:
+            self._speed_key = key
+            self._speed_v = self._rate(n, serving, cs / n if n else 0.0)
+        return self._speed_v
 
     def _train_rate(self) -> float:
-        return self.c.train_rate(self.n_train)
+        return self.n_train * self._tps  # ClusterModel.train_rate
 
     def _assignment(self, busy_r: int, pushing: bool, training: bool) -> tuple[int, ...]:
         """Bucket index of every cell for this configuration (cached: few distinct ones occur)."""
@@ -236,30 +264,32 @@ class Simulator:
         return a
 
     def _advance(self, t: float) -> None:
-        dt = t - self.now
+        now = self.now
+        dt = t - now
         if dt <= 0:
             return
-        speed, rate = self._speed(), self._train_rate()
-        pushing = self.now < self.push_until - _EPS
-        optimizing = self.now < self.opt_until - _EPS
+        speed, rate = self._speed(), self.n_train * self._tps
+        pushing = now < self.push_until - _EPS
+        optimizing = now < self.opt_until - _EPS
         left = self.train_left
+        n, n_rollout = self.in_call, self.n_rollout
         # During the optimizer step trainers are busy; during a weight push rollout cells pause.
         training = (left > _EPS and rate > 0) or optimizing
-        a = self._assignment(min(self.in_call, self.n_rollout), pushing, training)
+        a = self._assignment(n if n < n_rollout else n_rollout, pushing, training)
         if a is not self.busy_a:
             self._busy_changed(a)
-        if self.running and not self.n_rollout:
+        if self.running and not n_rollout:
             self.unserved += dt
         if self.win_open:
-            self.win_spare += max(0.0, self.c.cells - self.in_call / self.knee) * dt
+            self.win_spare += max(0.0, self.c.cells - n / self.knee) * dt
         # Regime: rollout is the critical path while executions run (or await evaluation) and the
         # trainers have nothing admitted to train.
         if (self.running or self.awaiting_eval) and left <= _EPS and not optimizing:
             self.crit_roll += dt
-        serving = self._serving()
-        if self.in_call and serving:
-            self.load_num += self.in_call * self.c.batch(self.in_call, serving) * dt
-            self.load_den += self.in_call * dt
+        if n and n_rollout and not pushing:  # calls per busy replica (ClusterModel.batch)
+            b = n / (n_rollout * self._reps)
+            self.load_num += n * (b if b > 1.0 else 1.0) * dt
+            self.load_den += n * dt
         self.vclock += speed * dt
         if left > _EPS and rate > 0:
             self._drain(min(left, rate * dt))
@@ -294,15 +324,17 @@ class Simulator:
             if got != mb:
                 raise SimError(f"core handed micro-batch {got!r}, the simulator trained {mb!r}")
             self.core.microbatch_trained(mb)
+            self._maybe_ready = True
         if not self.mb_queue:
             self.train_left = 0.0
 
     def _next_time(self) -> float:
         t = self.events[0][0] if self.events else math.inf
-        speed = self._speed()
-        if self.calls and speed > 0:
-            t = min(t, self.now + max(0.0, self.calls[0][0] - self.vclock) / speed)
-        rate = self._train_rate()
+        if self.calls:
+            speed = self._speed()
+            if speed > 0:
+                t = min(t, self.now + max(0.0, self.calls[0][0] - self.vclock) / speed)
+        rate = self.n_train * self._tps
         left = self.train_left
         if left > _EPS and rate > 0:
             t = min(t, self.now + left / rate)
@@ -330,26 +362,31 @@ class Simulator:
         e.in_call = True
         self.core.call_started(e.id)
         seg, n = e.seg, self.s.segments
-        before = e.spec.context_tokens * seg / n
-        after = e.spec.context_tokens * (seg + 1) / n
+        ctx = e.spec.context_tokens
+        before = ctx * seg / n
+        after = ctx * (seg + 1) / n
         if e.cached <= 0:  # nothing cached to lose: the router sends it to the least-loaded cell
             self._unhome(e)
             self._home(e)
-        prefill = self.c.prefill_s(e.pre_seg, before)
-        if seg > 0 and e.cached < before - 1e-6:  # its prefix was evicted or never rebuilt here
-            prefill += self.c.prefill_s(before - e.cached, e.cached)
+        prefill = self._prefill(e.pre_seg, before)
+        cached = e.cached
+        if seg > 0 and cached < before - 1e-6:  # its prefix was evicted or never rebuilt here
+            prefill += self._prefill(before - cached, cached)
             self.reprefills += 1
-        if e.home >= 0:
-            h = e.home
-            self.kv_used[h] += after - e.cached
+        h = e.home
+        if h >= 0:
+            kv = self.kv_used
+            kv[h] += after - cached
             e.cached = after
-            self.lru[h][e.id] = e
-            self.lru[h].move_to_end(e.id)
-            if self.kv_used[h] > self.kv_cap:
+            lru = self.lru[h]
+            lru[e.id] = e
+            lru.move_to_end(e.id)
+            if kv[h] > self.kv_cap:
                 self._make_room(h)
         e.ctx_mid = (before + after) / 2
         if prefill > 0:  # a weight push pauses prefill as it pauses decoding
-            self._push(max(self.now, self.push_until) + prefill, _PREFILL, e)
+            now, until = self.now, self.push_until
+            heappush(self.events, ((now if now >= until else until) + prefill, next(self.seq), _PREFILL, e))
         else:
             self._decode(e)
 
@@ -360,8 +397,8 @@ class Simulator:
         self._queue_call(e, e.out_seg)
 
     def _queue_call(self, e: _Exec, work: float) -> None:
-        e.call_seq = next(self.seq)
-        heapq.heappush(self.calls, (self.vclock + work, e.call_seq, e))
+        e.call_seq = sq = next(self.seq)
+        heappush(self.calls, (self.vclock + work, sq, e))
 
     def _make_room(self, cell: int) -> None:
         """LRU eviction of idle executions' prefixes until the cell's KV fits; calls in flight
@@ -377,15 +414,18 @@ class Simulator:
             self.evictions += 1
 
     def _home(self, e: _Exec) -> None:
-        """Place an execution on the least-loaded settled rollout cell (the router's choice)."""
-        best = -1
+        """Place an execution on the least-loaded settled rollout cell (the router's choice; the
+        lowest index among equals)."""
+        best, load, homed = -1, 0, self.homed
         for i, r in enumerate(self.role):
-            if r is Role.ROLLOUT and (best < 0 or len(self.homed[i]) < len(self.homed[best])):
-                best = i
+            if r is Role.ROLLOUT:
+                n = len(homed[i])
+                if best < 0 or n < load:
+                    best, load = i, n
         e.home = best
         e.cached = 0.0
         if best >= 0:
-            self.homed[best][e.id] = e
+            homed[best][e.id] = e
 
     def _unhome(self, e: _Exec) -> None:
         if e.home >= 0:
@@ -437,9 +477,11 @@ class Simulator:
         self.in_call -= 1
         self.ctx_sum = max(0.0, self.ctx_sum - e.ctx_mid) if self.in_call else 0.0
         e.calls_done += e.calls_seg
-        if e.home >= 0 and e.id in self.lru[e.home]:
-            self.lru[e.home].move_to_end(e.id)  # most recently used
-        self._push(self.now + e.env_seg, _ENV, e)
+        if e.home >= 0:
+            lru = self.lru[e.home]
+            if e.id in lru:
+                lru.move_to_end(e.id)  # most recently used
+        heappush(self.events, (self.now + e.env_seg, next(self.seq), _ENV, e))
 
     def _end_env(self, e: _Exec) -> bool:
         """Next segment, or the execution ends (True)."""
@@ -473,13 +515,15 @@ class Simulator:
         """A group scores alike (all 0) with probability zero_variance_share, seeded by its id;
         otherwise its members alternate 0/1. Only the spread matters to the core's rule."""
         g = e.group
-        if random.Random(g.id).random() < self.s.zero_variance_share:
+        share = self.s.zero_variance_share
+        if share > 0 and random.Random(g.id).random() < share:  # random() is never below 0
             return 0.0
         return float(g.exec_ids.index(e.id) % 2)
 
     def _admitted(self, adm) -> None:
         """Assigned groups become the open step's training work (one fluid batch per group);
         dropped ones are recorded as not admitted (the core replaces them with new starts)."""
+        self._maybe_ready = True
         for g in adm.assigned:
             mbs = {("e", eid): self.groups[g.id].spec.execs[j].train_tokens
                    for j, eid in enumerate(self.groups[g.id].exec_ids)}
@@ -531,7 +575,10 @@ class Simulator:
 
     # ---- policy ---------------------------------------------------------------------------
     def _state(self) -> ClusterState:
-        return self.core.cluster_state(self.now, tuple(CellView(i, r, self.since[i]) for i, r in enumerate(self.role)))
+        if self._cells_rev != self.roles_rev:  # views change only with a role
+            self._cells_v = tuple(CellView(i, r, self.since[i]) for i, r in enumerate(self.role))
+            self._cells_rev = self.roles_rev
+        return self.core.cluster_state(self.now, self._cells_v)
 
     def _apply(self, d: Decision) -> None:
         for sw in d.switches:
@@ -559,20 +606,26 @@ class Simulator:
         self.since[i] = self.now
 
     # ---- main loop ------------------------------------------------------------------------
-    def run(self) -> SimResult:
+    def run(self, give_up_after: float = math.inf) -> SimResult:
+        """Simulate to the last step; with `give_up_after`, raise GaveUp once the next event lies
+        past it (the makespan would be longer)."""
         wall = time.perf_counter()
         self.decisions += 1
         self._apply(self.p.decide(self._state(), self.now))
         idle_ticks = 0
-        while not self.core.done:
-            t = self._next_time()
-            if t == math.inf:
-                raise SimError(f"{self.p.label}: nothing left to happen at t={self.now:.0f}s")
+        core, steps = self.core, self.core.spec.steps  # core.done: version >= steps
+        next_time, advance, handle_due = self._next_time, self._advance, self._handle_due
+        while core.version < steps:
+            t = next_time()
+            if t > give_up_after or t == math.inf:  # (strictly: a run as fast as the limit may win a tie)
+                if t == math.inf:
+                    raise SimError(f"{self.p.label}: nothing left to happen at t={self.now:.0f}s")
+                raise GaveUp(t)  # its makespan is at least t
             left = self.train_left
-            self._advance(t)
-            progressed, wake = self._handle_due()
+            advance(t)
+            progressed, wake = handle_due()
             progressed |= self.train_left < left  # training drained work (a long step has no events)
-            if self.core.done:
+            if core.version >= steps:
                 break
             idle_ticks = 0 if progressed else idle_ticks + 1
             if idle_ticks > 1000:
@@ -587,23 +640,31 @@ class Simulator:
         calls and environment time inside an execution change nothing a policy decides on, so
         only execution ends, evaluations, switches, step ends and ticks wake the policy."""
         progressed = wake = False
-        while self.calls and self.calls[0][0] <= self.vclock + _EPS * max(1.0, self.vclock):
-            self._end_call(heapq.heappop(self.calls)[2])
+        calls, events = self.calls, self.events
+        if calls:
+            due = self.vclock + _EPS * max(1.0, self.vclock)
+            while calls and calls[0][0] <= due:
+                self._end_call(heappop(calls)[2])
+                self.n_events += 1
+                progressed = True
+        due = self.now + _EPS
+        while events and events[0][0] <= due:
+            _, _, kind, obj = heappop(events)
             self.n_events += 1
-            progressed = True
-        while self.events and self.events[0][0] <= self.now + _EPS:
-            _, _, kind, obj = heapq.heappop(self.events)
-            self.n_events += 1
+            if kind == _PREFILL:
+                progressed = True
+                self._decode(obj)
+                continue
+            if kind == _ENV:
+                progressed = True
+                wake |= self._end_env(obj)
+                continue
             if kind == _TICK:
                 self._push(self.now + self.s.tick_s, _TICK, None)
                 wake = True
                 continue
             progressed = True
-            if kind == _PREFILL:
-                self._decode(obj)
-            elif kind == _ENV:
-                wake |= self._end_env(obj)
-            elif kind == _EVAL:
+            if kind == _EVAL:
                 wake = True
                 self._evaluated(obj)
             elif kind == _SWITCH:
@@ -621,15 +682,21 @@ class Simulator:
                 wake = True
                 self.push_until = 0.0
                 self.core.weights_pushed(self.core.version)
-        if not self.opt_until and self.core.step_ready():
-            progressed = wake = True
-            self.core.step_ending(self.now)
-            if self.c.opt_s > 0:  # the optimizer step; the version moves on after it
-                self.opt_until = self.now + self.c.opt_s
-                self._push(self.opt_until, _OPT, None)
-            else:
-                self._step_end()
+        if self._maybe_ready and not self.opt_until:
+            self._maybe_ready = False
+            if self.core.step_ready():
+                progressed = wake = True
+                self._ready()
         return progressed, wake
+
+    def _ready(self) -> None:
+        """The open step's batch is complete and trained: its optimizer step runs."""
+        self.core.step_ending(self.now)
+        if self.c.opt_s > 0:  # the optimizer step; the version moves on after it
+            self.opt_until = self.now + self.c.opt_s
+            self._push(self.opt_until, _OPT, None)
+        else:
+            self._step_end()
 
     def _result(self, wall: float) -> SimResult:
         end = self.now
@@ -687,5 +754,5 @@ def _mean(xs: list[float]) -> float:
 
 
 def simulate(spec: RunSpec, workload: Workload, cluster: ClusterModel, sim: SimSpec | None = None,
-             on_event: Callable[[Event], object] | None = None) -> SimResult:
-    return Simulator(spec, workload, cluster, sim, on_event).run()
+             on_event: Callable[[Event], object] | None = None, give_up_after: float = math.inf) -> SimResult:
+    return Simulator(spec, workload, cluster, sim, on_event).run(give_up_after)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 
 import pytest
 
@@ -35,6 +36,7 @@ def args(*argv: str) -> argparse.Namespace:
     (["--gpus-per-node", "0"], "gpus-per-node"),
     (["--train-cost", "0"], "train-cost"),
     (["--tool-s", "-1"], "tool-s"),
+    (["--jobs", "0"], "--jobs: at least 1 process"),
 ])
 def test_bad_parameters_get_clear_errors(argv, message):
     with pytest.raises(ConfigError, match=message):
@@ -176,7 +178,7 @@ def test_a_failing_point_is_a_row_and_the_sweep_goes_on(monkeypatch, tmp_path, c
     monkeypatch.setattr(plan, "run_one", flaky)
     out = tmp_path / "rows.json"
     rc = main(["plan", "--nodes", "8", "--cell-nodes", "4", "--schemes", "E,C", "--staleness", "0",
-               "--steps", "2", "--groups-per-step", "2", "--json", str(out)])
+               "--steps", "2", "--groups-per-step", "2", "--json", str(out), "--jobs", "1"])  # patched in this process
     captured = capsys.readouterr()
     assert rc == 1 and "1 point(s) failed" in captured.err
     rows = {r["label"]: r for r in json.loads(out.read_text())}
@@ -195,7 +197,7 @@ def test_ctrl_c_keeps_the_points_that_finished(monkeypatch, capsys):
     monkeypatch.setattr(plan, "run_one", interrupted_second)
     monkeypatch.setattr(plan, "_guarded", lambda s: plan.run_one(s))  # let the interrupt through
     rc = main(["plan", "--nodes", "8", "--cell-nodes", "4", "--schemes", "E,C", "--staleness", "0",
-               "--steps", "2", "--groups-per-step", "2"])
+               "--steps", "2", "--groups-per-step", "2", "--jobs", "1"])
     captured = capsys.readouterr()
     assert rc == 130 and "interrupted: 1 of 2 points" in captured.err
     assert "recommended for 8 nodes" in captured.out and "| E0 |" in captured.out
@@ -207,3 +209,23 @@ def test_gpu_kind_and_default_steps_come_from_flags_and_preset():
     assert s.steps == plan.preset(a.preset).steps
     h200 = plan.scenarios(args("--nodes", "32", "--cell-nodes", "4", "--schemes", "E", "--staleness", "0"))[0]
     assert s.cluster.replica.hbm_tb_s > h200.cluster.replica.hbm_tb_s  # B200 reads HBM faster
+
+
+def test_a_pool_of_processes_gives_the_inline_rows_in_the_sweeps_order():
+    scs = plan.scenarios(args("--nodes", "8", "--cell-nodes", "4", "--schemes", "A,E,C", "--staleness", "0",
+                              "--steps", "2", "--groups-per-step", "2"))
+    inline = list(plan.execute(scs, "inline", jobs=1))
+    pooled = list(plan.execute(scs, "inline", jobs=2))
+    assert [r["label"] for r in pooled] == ["A0", "E0", "C0"]
+    assert pooled == inline
+
+
+def test_closing_a_pooled_sweep_stops_its_workers():
+    scs = plan.scenarios(args("--nodes", "8", "--cell-nodes", "4", "--schemes", "E,C", "--staleness", "0,1,2",
+                              "--steps", "2", "--groups-per-step", "2"))
+    before = set(multiprocessing.active_children())
+    points = plan.execute(scs, "inline", jobs=2)
+    first = next(points)
+    points.close()  # what Ctrl-C does (gyre plan closes it in its finally)
+    assert first["label"] == "E0"
+    assert not set(multiprocessing.active_children()) - before
