@@ -37,7 +37,7 @@ from torch import Tensor
 
 from gyre.batch import mask_from_kv_end
 
-DEFAULT_BLOCK = 64        # CPU: small blocks follow short tree nodes closely
+DEFAULT_BLOCK = 128       # CPU: at xLong lengths 99% of key blocks are then fully visible (no mask)
 FLEX_BLOCK = 128          # CUDA: FlexAttention's tile size
 CHUNK_PAIRS = 1 << 22    # CPU: score elements per head of one chunk (16 MB in float32)
 
@@ -187,8 +187,8 @@ class _ChunkedAttention(torch.autograd.Function):
 
 def _parts(c: _Chunk, k: Tensor, v: Tensor, end: Tensor, blk: int):
     """(key positions, keys [Hkv, n, D], values, additive mask or None) of the chunk's fully
-    visible key blocks (no mask), then of its partly visible ones (mask from `kv_end`; a padding
-    query sees itself, so no row is empty once the parts merge); a part without blocks is left out."""
+    visible key blocks (no mask), then of its partly visible ones (mask from `kv_end`); a part
+    without blocks is left out."""
     dev = end.device
     qpos = torch.arange(c.q0 * blk, c.q1 * blk, device=dev)
     ar = torch.arange(blk, device=dev)
@@ -199,16 +199,25 @@ def _parts(c: _Chunk, k: Tensor, v: Tensor, end: Tensor, blk: int):
         kpos = (blocks[:, None] * blk + ar).view(-1)
         mask = None
         if not full:
-            kend = end[c.row, kpos]
-            allowed = ((kpos[None, :] <= qpos[:, None]) & (qpos[:, None] < kend[None, :])) \
-                | (kpos[None, :] == qpos[:, None])
-            # a large finite value, not -inf: a row that sees nothing in this part gets weight
-            # exp(-1e30 - lse) = 0 when the parts merge, never NaN
-            mask = torch.zeros(allowed.shape, dtype=k.dtype, device=k.device).masked_fill_(~allowed, _MASKED)
+            mask = _visible_mask(qpos, kpos, end[c.row, kpos], k.dtype)
         yield kpos, k[c.row].index_select(1, kpos), v[c.row].index_select(1, kpos), mask
 
 
 _MASKED = -1e30
+
+
+def _visible_mask(qpos: Tensor, kpos: Tensor, kend: Tensor, dtype) -> Tensor:
+    """Additive mask [queries, keys]: 0 where query i sees key j (j <= i < kend[j], or i == j so
+    a padding query sees itself), else a large finite negative (not -inf: a row that sees nothing
+    in this part gets weight exp(-1e30 - lse) = 0 when the parts merge, never NaN).
+    Written as |2(i - j) - (span - 1)| < span with span = max(kend - j, 1): four passes over the
+    scores, all but one in place (this mask is a large part of the CPU path's work)."""
+    # every number below is an integer under 2 * (last query + 1) (keys <= queries here): exact
+    exact = torch.float32 if 2 * (int(qpos[-1]) + 1) + int(kend.max()) < 1 << 24 else torch.float64
+    span = (kend - kpos).clamp_(min=1).to(exact)
+    mid = (2 * kpos).to(exact) + span - 1
+    t = (2 * qpos).to(exact)[:, None] - mid[None, :]
+    return t.abs_().ge_(span).mul_(max(_MASKED, torch.finfo(dtype).min)).to(dtype)
 
 
 def _heads(x: Tensor, rep: int) -> Tensor:
