@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from gyre.batch import mask_from_kv_end
 
@@ -245,6 +246,14 @@ def _merge(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
     (o1, l1), (o2, l2) = parts
     lse = torch.logaddexp(l1, l2)
     return o1 * (l1 - lse).exp()[..., None] + o2 * (l2 - lse).exp()[..., None], lse
+
+
+def keep_attention_on_recompute():
+    """`context_fn` for torch.utils.checkpoint: a recomputed layer reuses the CPU flash kernel's
+    forward outputs (O(S) per layer: [H, S, D] and the LSE) instead of running it again, the
+    path's largest cost; everything else in the layer is recomputed as before."""
+    return create_selective_checkpoint_contexts(
+        [torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default])
 
 
 # --- FlexAttention (CUDA) ------------------------------------------------------------------------
