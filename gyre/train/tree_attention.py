@@ -17,10 +17,15 @@ reuses it:
   cut into blocks of `block` tokens; query block q needs key block k (k <= q) iff some key of k
   has kv_end > q's first position, so each key block is needed by one contiguous run of query
   blocks. Consecutive query blocks are grouped into chunks whose score matrix stays near
-  `CHUNK_PAIRS` elements; a chunk gathers the key blocks it needs, builds its element mask from
-  `kv_end` and runs one `scaled_dot_product_attention`; backward recomputes each chunk's scores
-  (`_ChunkedAttention`), so forward and backward hold one chunk's scores at a time: memory O(S x block) plus one chunk,
-  work the tree's ancestor pairs at block granularity instead of S^2.
+  `CHUNK_PAIRS` elements; a chunk gathers the key blocks it needs and splits them in two: blocks
+  every query of the chunk sees whole (at xLong lengths ~99% of them) run torch's CPU flash
+  kernel with no mask at all, the rest (the diagonal, subtrees that end inside the chunk) run it
+  under an additive mask built from `kv_end`; the two softmaxes merge by their log-sum-exps.
+  Backward runs the kernel's own backward per part with the saved output and LSE (no forward
+  recompute; `_ChunkedAttention`), and `train.recompute` keeps the kernel's outputs
+  (`keep_attention_on_recompute`), so each pass holds one chunk at a time: memory O(S x block)
+  plus one chunk, work the tree's ancestor pairs at block granularity instead of S^2, each pair
+  computed once forward and once backward.
 
 Padding queries see only themselves (never NaN); no target reads them and no real query sees
 them, so loss and gradients equal the dense path's. Written here rather than taken from a
