@@ -16,8 +16,8 @@ reuses it:
 * CPU: FlexAttention in torch 2.13 has no CPU backward, so an exact block-sparse path: the row is
   cut into blocks of `block` tokens; query block q needs key block k (k <= q) iff some key of k
   has kv_end > q's first position, so each key block is needed by one contiguous run of query
-  blocks. Consecutive query blocks are grouped into chunks whose score matrix stays near
-  `CHUNK_PAIRS` elements; a chunk gathers the key blocks it needs and splits them in two: blocks
+  blocks. Consecutive query blocks are grouped into chunks of at most `CHUNK_QUERIES` queries
+  and about `CHUNK_PAIRS` (query, key) pairs (large: the kernel tiles them itself); a chunk gathers the key blocks it needs and splits them in two: blocks
   every query of the chunk sees whole (at xLong lengths ~99% of them) run torch's CPU flash
   kernel with no mask at all, the rest (the diagonal, subtrees that end inside the chunk) run it
   under an additive mask built from `kv_end`; the two softmaxes merge by their log-sum-exps.
@@ -45,7 +45,8 @@ from gyre.batch import mask_from_kv_end
 
 DEFAULT_BLOCK = 128       # CPU: at xLong lengths 99% of key blocks are then fully visible (no mask)
 FLEX_BLOCK = 128          # CUDA: FlexAttention's tile size
-CHUNK_PAIRS = 1 << 22    # CPU: score elements per head of one chunk (16 MB in float32)
+CHUNK_PAIRS = 1 << 28    # CPU: (query, key) pairs of one chunk: the flash kernel never holds them
+CHUNK_QUERIES = 1024     # CPU: queries of one chunk (bounds its mask: queries x partly visible keys)
 
 
 def kv_end_from_mask(attention_mask: Tensor) -> Tensor | None:
@@ -104,8 +105,9 @@ class TreeMask:
 
     # --- CPU plan -----------------------------------------------------------------------------
     def _plan_chunks(self, chunk_pairs: int) -> None:
-        """Cut each row into runs of query blocks whose score matrix (queries x keys they need)
-        stays near `chunk_pairs` elements. O(S) numbers per row are kept, never S x S."""
+        """Cut each row into runs of query blocks whose pairs (queries x keys they need) stay near
+        `chunk_pairs` and whose queries stay within `CHUNK_QUERIES`. O(S) numbers per row are
+        kept, never S x S."""
         B, S = self.kv_end.shape
         blk = self.block
         nb = max(1, -(-S // blk))
@@ -126,7 +128,8 @@ class TreeMask:
                 # chunk's score matrix fits (at least one block)
                 seen = torch.cumsum((lb >= q0).long(), 0)                      # [nb]: keys < k+1
                 q1 = q0 + 1
-                while q1 < nb and rb[q1] and (q1 + 1 - q0) * int(seen[q1]) * blk * blk <= chunk_pairs:
+                while q1 < nb and rb[q1] and (q1 + 1 - q0) * int(seen[q1]) * blk * blk <= chunk_pairs \
+                        and (q1 + 1 - q0) * blk <= CHUNK_QUERIES:
                     q1 += 1
                 kv = torch.nonzero(lb[:q1] >= q0).view(-1)
                 full = (kv < q0) & (first_end[b, kv] >= q1 * blk)
