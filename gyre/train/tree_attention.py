@@ -17,10 +17,11 @@ reuses it:
   cut into blocks of `block` tokens; query block q needs key block k (k <= q) iff some key of k
   has kv_end > q's first position, so each key block is needed by one contiguous run of query
   blocks. Consecutive query blocks are grouped into chunks of at most `CHUNK_QUERIES` queries
-  and about `CHUNK_PAIRS` (query, key) pairs (large: the kernel tiles them itself); a chunk gathers the key blocks it needs and splits them in two: blocks
-  every query of the chunk sees whole (at xLong lengths ~99% of them) run torch's CPU flash
-  kernel with no mask at all, the rest (the diagonal, subtrees that end inside the chunk) run it
-  under an additive mask built from `kv_end`; the two softmaxes merge by their log-sum-exps.
+  and about `CHUNK_PAIRS` (query, key) pairs (large: the kernel tiles them itself); a chunk
+  gathers the key blocks it needs and splits them in two: blocks every query of the chunk sees
+  whole (at xLong lengths ~99% of them) run torch's CPU flash kernel with no mask at all, the
+  rest (the diagonal, subtrees that end inside the chunk) run it under an additive mask built
+  from `kv_end`; the two softmaxes merge by their log-sum-exps.
   Backward runs the kernel's own backward per part with the saved output and LSE (no forward
   recompute; `_ChunkedAttention`), and `train.recompute` keeps the kernel's outputs
   (`keep_attention_on_recompute`), so each pass holds one chunk at a time: memory O(S x block)
@@ -125,7 +126,7 @@ class TreeMask:
                     q0 += 1
                     continue
                 # keys needed by queries [q0, q1): k < q1 with last[k] >= q0; grow q1 while the
-                # chunk's score matrix fits (at least one block)
+                # chunk fits (at least one block)
                 seen = torch.cumsum((lb >= q0).long(), 0)                      # [nb]: keys < k+1
                 q1 = q0 + 1
                 while q1 < nb and rb[q1] and (q1 + 1 - q0) * int(seen[q1]) * blk * blk <= chunk_pairs \
