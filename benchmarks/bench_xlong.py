@@ -20,19 +20,30 @@ above that baseline (VmHWM - VmRSS before the stage). Writes benchmarks/results/
                                slope of log peak memory against log tokens over the scaled points
   case_study_trains            1 when the case study (tree, K = 5) finished its step: the
                                end-to-end check
+  train_step_s_case_study, train_peak_mb_case_study
+                               that step (= train_step_s_tree_case, train_peak_mb_tree_case)
+  tree_attention_s_old_<f>, tree_attention_s_new_<f>, tree_attention_speedup_<f>
+                               the CPU tree attention alone (forward + backward, the tiny model's
+                               4 x 16 heads over 2 KV heads, random q/k/v) on the tree row of the
+                               case study scaled by f: the version before the flash-kernel path
+                               (read from git at OLD_ATTENTION) against the current one, each the
+                               best of two alternated runs; speedup = old / new on the same inputs
 
 <pt> is case, 250k, 500k, 1m or 2m. Run by `make bench`, not by `make test`:
     python benchmarks/bench_xlong.py [--points case,250k] [--train-timeout 3600]
+                                     [--attention-points x0.05,x0.1]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,6 +56,8 @@ POINTS = {"case": None, "250k": 250_000, "500k": 500_000, "1m": 1_000_000, "2m":
 LAYOUTS = ("tree", "expanded")
 K = 5
 CASE_PROCESSED = 566_422  # processed tokens of case_study(seed=0): the scale factor's unit
+# the CPU tree attention before the flash-kernel path (SDPA per chunk, backward recomputing it)
+OLD_ATTENTION = "3bfd5b7a4d3a073f37b57d2cc625ab1b5979d6ae:gyre/train/tree_attention.py"
 
 
 def _mem_kb() -> dict:
@@ -127,6 +140,56 @@ def child(point: str, layout: str, stage: str) -> dict:
     return out
 
 
+def _old_attention():
+    """The tree_attention module at OLD_ATTENTION, or None outside a git checkout holding it."""
+    res = subprocess.run(["git", "-C", str(ROOT), "show", OLD_ATTENTION], capture_output=True,
+                         text=True, check=False)
+    if res.returncode != 0:
+        print(f"  tree attention: no {OLD_ATTENTION} in this checkout, old/new not measured", flush=True)
+        return None
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(res.stdout)
+    spec = importlib.util.spec_from_file_location("old_tree_attention", f.name)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    os.unlink(f.name)
+    return mod
+
+
+def attention_speedup(points: list[str]) -> dict:
+    """tree_attention_s_{old,new}_<f> and their ratio on the same tree row and inputs."""
+    import torch
+
+    from gyre.train import tree_attention
+    from gyre.traj.materialize import materialize, prepare_step
+    from gyre.traj.select import SelectionSpec
+
+    old = _old_attention()
+    if old is None:
+        return {}
+    torch.set_num_threads(2)
+    out = {}
+    for pt in points:
+        step = prepare_step([_execution(pt, 0)], SelectionSpec(k=K), step_version=1, estimator="reward")
+        kv_end = materialize(step.executions, layout="tree", micro_batch_tokens=_budget(step, "tree"))[0].kv_end
+        g = torch.Generator().manual_seed(0)
+        S = kv_end.shape[1]
+        q, k, v = (torch.randn(1, h, S, 16, generator=g, requires_grad=True) for h in (4, 2, 2))
+        times = {"old": math.inf, "new": math.inf}
+        for _ in range(2):  # alternated, best of two: a busy machine slows one run, not the ratio
+            for name, mod in (("old", old), ("new", tree_attention)):
+                t0 = time.perf_counter()
+                mod.TreeMask.build(kv_end).attend(q, k, v, 0.25).sum().backward()
+                times[name] = min(times[name], time.perf_counter() - t0)
+                q.grad = k.grad = v.grad = None
+        out[f"tree_attention_s_old_{pt}"] = round(times["old"], 3)
+        out[f"tree_attention_s_new_{pt}"] = round(times["new"], 3)
+        out[f"tree_attention_speedup_{pt}"] = round(times["old"] / times["new"], 2)
+        print(f"  tree attention {pt} ({S} tokens): {times}", flush=True)
+    return out
+
+
 def _size(point: str) -> float:
     """Processed tokens a point stands for (runs go shortest first)."""
     if point.startswith("x"):
@@ -159,8 +222,9 @@ def slope(xs: list[float], ys: list[float]) -> float | None:
 
 
 def main(points: list[str], train_timeout: float, mat_timeout: float, train_layouts: list[str],
-         serving: bool = True) -> dict:
+         serving: bool = True, attention_points: tuple[str, ...] = ()) -> dict:
     out: dict = {"selection_k": K, "train_timeout_s": train_timeout}
+    out.update(attention_speedup(list(attention_points)))
     seen: dict[tuple[str, str], list[tuple[float, float]]] = {}
     too_long: set[str] = set()  # layouts whose training ran past the timeout at a shorter point
     for pt in sorted(points, key=_size):
@@ -193,6 +257,8 @@ def main(points: list[str], train_timeout: float, mat_timeout: float, train_layo
     out["peak_mb_growth_exponent"] = max(exps.values()) if exps else None
     if "case" in points and "tree" in train_layouts:
         out["case_study_trains"] = int(out.get("train_step_s_tree_case") is not None)
+        out["train_step_s_case_study"] = out.get("train_step_s_tree_case")
+        out["train_peak_mb_case_study"] = out.get("train_peak_mb_tree_case")
     if serving:  # the proxy's per-call cost over a ~1M-token execution, shard write/read (xlong_serving.py)
         out.update(xlong_serving.measure())
     return out
@@ -209,13 +275,18 @@ if __name__ == "__main__":
     ap.add_argument("--materialize-timeout", type=float, default=900.0)
     ap.add_argument("--train-layouts", default="tree,expanded")
     ap.add_argument("--no-serving", action="store_true", help="skip the proxy and shard keys (xlong_serving.py)")
+    ap.add_argument("--attention-points", default="x0.05,x0.1",
+                    help="case-study scales (xF) for the old/new tree attention timing; empty: skip")
     ap.add_argument("--out", default=str(OUT))
     a = ap.parse_args()
     pts = [p for p in a.points.split(",") if p]
     bad = [p for p in pts if p not in POINTS and not p.startswith("x")]
     if bad:
         sys.exit(f"unknown points {bad}: choose from {', '.join(POINTS)}")
-    result = main(pts, a.train_timeout, a.materialize_timeout, a.train_layouts.split(","), not a.no_serving)
+    att = [p for p in a.attention_points.split(",") if p]
+    if any(not p.startswith("x") for p in att):
+        sys.exit(f"--attention-points takes case-study scales like x0.05, got {att}")
+    result = main(pts, a.train_timeout, a.materialize_timeout, a.train_layouts.split(","), not a.no_serving, att)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
     print(json.dumps(result, indent=1, sort_keys=True))

@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from gyre.model.moe import route, tokens_per_expert
 from gyre.model.spec import ModelSpec, apply_rope, checked_weights, load_weights, read_spec, rms_norm
-from gyre.train.tree_attention import attention
+from gyre.train.tree_attention import attention, keep_attention_on_recompute
 
 
 # Weights always come from a state dict (`Qwen2LM.from_state`), so layers skip their random init
@@ -185,7 +185,8 @@ class Qwen2LM(nn.Module):
         """Final normed hidden states [B, S, hidden]. `routed_experts` ``[B, S, MoE layers,
         top_k]``: replay this routing (what the engine routed each position to) instead of
         routing anew. `recompute`: activation checkpointing per layer (under autograd a layer
-        keeps only its input; backward runs it again)."""
+        keeps only its input and the CPU tree attention's kernel outputs; backward runs the rest
+        again)."""
         B, S = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
@@ -201,8 +202,11 @@ class Qwen2LM(nn.Module):
             if routed_experts is not None and layer in slots:
                 replay = routed_experts[:, :, slots[layer]].reshape(B * S, -1)
             # the replayed routing is an argument, so a recomputed layer routes as the first pass
-            x = checkpoint(_run_layer, layer, x, cos, sin, attention_mask, replay, use_reentrant=False) \
-                if recompute else _run_layer(layer, x, cos, sin, attention_mask, replay)
+            if recompute:
+                x = checkpoint(_run_layer, layer, x, cos, sin, attention_mask, replay, use_reentrant=False,
+                               context_fn=keep_attention_on_recompute)
+            else:
+                x = _run_layer(layer, x, cos, sin, attention_mask, replay)
         return self.model.norm(x)
 
     def moe_aux_loss(self) -> Tensor | None:

@@ -16,11 +16,17 @@ reuses it:
 * CPU: FlexAttention in torch 2.13 has no CPU backward, so an exact block-sparse path: the row is
   cut into blocks of `block` tokens; query block q needs key block k (k <= q) iff some key of k
   has kv_end > q's first position, so each key block is needed by one contiguous run of query
-  blocks. Consecutive query blocks are grouped into chunks whose score matrix stays near
-  `CHUNK_PAIRS` elements; a chunk gathers the key blocks it needs, builds its element mask from
-  `kv_end` and runs one `scaled_dot_product_attention`; backward recomputes each chunk's scores
-  (`_ChunkedAttention`), so forward and backward hold one chunk's scores at a time: memory O(S x block) plus one chunk,
-  work the tree's ancestor pairs at block granularity instead of S^2.
+  blocks. Consecutive query blocks are grouped into chunks of at most `CHUNK_QUERIES` queries
+  and about `CHUNK_PAIRS` (query, key) pairs (large: the kernel tiles them itself); a chunk
+  gathers the key blocks it needs and splits them in two: blocks every query of the chunk sees
+  whole (at xLong lengths ~99% of them) run torch's CPU flash kernel with no mask at all, the
+  rest (the diagonal, subtrees that end inside the chunk) run it under an additive mask built
+  from `kv_end`; the two softmaxes merge by their log-sum-exps.
+  Backward runs the kernel's own backward per part with the saved output and LSE (no forward
+  recompute; `_ChunkedAttention`), and `train.recompute` keeps the kernel's outputs
+  (`keep_attention_on_recompute`), so each pass holds one chunk at a time: memory O(S x block)
+  plus one chunk, work the tree's ancestor pairs at block granularity instead of S^2, each pair
+  computed once forward and once backward.
 
 Padding queries see only themselves (never NaN); no target reads them and no real query sees
 them, so loss and gradients equal the dense path's. Written here rather than taken from a
@@ -34,12 +40,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from gyre.batch import mask_from_kv_end
 
-DEFAULT_BLOCK = 64        # CPU: small blocks follow short tree nodes closely
+DEFAULT_BLOCK = 128       # CPU: at xLong lengths 99% of key blocks are then fully visible (no mask)
 FLEX_BLOCK = 128          # CUDA: FlexAttention's tile size
-CHUNK_PAIRS = 1 << 22    # CPU: score elements per head of one chunk (16 MB in float32)
+CHUNK_PAIRS = 1 << 28    # CPU: (query, key) pairs of one chunk: the flash kernel never holds them
+CHUNK_QUERIES = 1024     # CPU: queries of one chunk (bounds its mask: queries x partly visible keys)
 
 
 def kv_end_from_mask(attention_mask: Tensor) -> Tensor | None:
@@ -66,6 +74,7 @@ class _Chunk:
     q0: int            # first query block of the chunk (in the row)
     q1: int            # one past the last
     kv_blocks: Tensor  # [m] ascending key blocks that some query of [q0, q1) sees
+    full: Tensor       # [m] bool: every query of the chunk sees every key of that block (no mask)
 
 
 @dataclass
@@ -97,13 +106,15 @@ class TreeMask:
 
     # --- CPU plan -----------------------------------------------------------------------------
     def _plan_chunks(self, chunk_pairs: int) -> None:
-        """Cut each row into runs of query blocks whose score matrix (queries x keys they need)
-        stays near `chunk_pairs` elements. O(S) numbers per row are kept, never S x S."""
+        """Cut each row into runs of query blocks whose pairs (queries x keys they need) stay near
+        `chunk_pairs` and whose queries stay within `CHUNK_QUERIES`. O(S) numbers per row are
+        kept, never S x S."""
         B, S = self.kv_end.shape
         blk = self.block
         nb = max(1, -(-S // blk))
         end = F.pad(self.kv_end, (0, nb * blk - S)).view(B, nb, blk).cpu()
         real = (end > torch.arange(nb * blk).view(nb, blk)).any(-1)            # [B, nb]
+        first_end = end.amin(-1)  # a key block is seen whole by queries [its end, first_end)
         # key block k is seen by query blocks k .. last[k] (a key's queries are one contiguous run)
         last = torch.where(real, (end.amax(-1) - 1) // blk, torch.full_like(real, -1, dtype=torch.long))
         self.n_blocks, self.chunks, self.pairs = nb, [], 0
@@ -115,13 +126,15 @@ class TreeMask:
                     q0 += 1
                     continue
                 # keys needed by queries [q0, q1): k < q1 with last[k] >= q0; grow q1 while the
-                # chunk's score matrix fits (at least one block)
+                # chunk fits (at least one block)
                 seen = torch.cumsum((lb >= q0).long(), 0)                      # [nb]: keys < k+1
                 q1 = q0 + 1
-                while q1 < nb and rb[q1] and (q1 + 1 - q0) * int(seen[q1]) * blk * blk <= chunk_pairs:
+                while q1 < nb and rb[q1] and (q1 + 1 - q0) * int(seen[q1]) * blk * blk <= chunk_pairs \
+                        and (q1 + 1 - q0) * blk <= CHUNK_QUERIES:
                     q1 += 1
                 kv = torch.nonzero(lb[:q1] >= q0).view(-1)
-                self.chunks.append(_Chunk(b, q0, q1, kv))
+                full = (kv < q0) & (first_end[b, kv] >= q1 * blk)
+                self.chunks.append(_Chunk(b, q0, q1, kv, full))
                 self.pairs += (q1 - q0) * blk * len(kv) * blk
                 q0 = q1
 
@@ -142,58 +155,114 @@ class TreeMask:
 
 
 class _ChunkedAttention(torch.autograd.Function):
-    """Attention over a `TreeMask`'s chunks. Forward keeps q, k, v and the output (O(S));
-    backward recomputes one chunk's scores at a time and adds its gradients in place, so no pass
-    holds more than one chunk's score matrix and the work is the chunks' pairs, twice."""
+    """Attention over a `TreeMask`'s chunks, flash-attention style. Each chunk runs torch's CPU
+    flash kernel twice: over its fully visible key blocks without any mask, and over the partly
+    visible ones (the diagonal, subtree edges) under a mask built from `kv_end`; the two partial
+    softmaxes merge by their log-sum-exps. Forward keeps q, k, v, the output and the LSE (O(S));
+    backward runs the kernel's own backward per part with the merged output and LSE (exact:
+    softmax rows are normalized by the merged LSE), so no pass holds more than one chunk's
+    scores and the forward is never recomputed."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, end: Tensor, plan: "TreeMask", scale: float) -> Tensor:
         out = q.new_zeros(q.shape)  # all-padding query blocks stay zero: nothing reads them
+        lse = q.new_zeros(q.shape[:3])
         for c in plan.chunks:
-            sl, kpos, allowed = _chunk_index(c, end, plan.block)
-            out[c.row, :, sl] = _chunk_attention(q[c.row, :, sl], k[c.row], v[c.row], kpos, allowed, scale)
-        ctx.save_for_backward(q, k, v, end)
+            sl = slice(c.q0 * plan.block, c.q1 * plan.block)
+            o, l = _merge([_flash(q[c.row, :, sl], kc, vc, m, scale)
+                           for _, kc, vc, m in _parts(c, k, v, end, plan.block)])
+            out[c.row, :, sl], lse[c.row, :, sl] = o, l
+        ctx.save_for_backward(q, k, v, end, out, lse)
         ctx.plan, ctx.scale = plan, scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        q, k, v, end = ctx.saved_tensors
+        q, k, v, end, out, lse = ctx.saved_tensors
+        plan, blk = ctx.plan, ctx.plan.block
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for c in ctx.plan.chunks:
-            sl, kpos, allowed = _chunk_index(c, end, ctx.plan.block)
-            with torch.enable_grad():
-                qc = q[c.row, :, sl].detach().requires_grad_()
-                kc = k[c.row].index_select(1, kpos).detach().requires_grad_()
-                vc = v[c.row].index_select(1, kpos).detach().requires_grad_()
-                out = _chunk_attention(qc, kc, vc, None, allowed, ctx.scale)
-                gq, gk, gv = torch.autograd.grad(out, (qc, kc, vc), grad_out[c.row, :, sl])
-            dq[c.row, :, sl] += gq
-            dk[c.row].index_add_(1, kpos, gk)
-            dv[c.row].index_add_(1, kpos, gv)
+        rep = q.shape[1] // k.shape[1]
+        for c in plan.chunks:
+            sl = slice(c.q0 * blk, c.q1 * blk)
+            qc, go, oc, lc = (x[c.row, :, sl][None] for x in (q, grad_out, out, lse))
+            for kpos, kc, vc, mask in _parts(c, k, v, end, blk):
+                gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    go, qc, _heads(kc, rep), _heads(vc, rep), oc, lc, 0.0, False, attn_mask=mask,
+                    scale=ctx.scale)
+                dq[c.row, :, sl] += gq[0]
+                dk[c.row].index_add_(1, kpos, _fold(gk[0], rep))
+                dv[c.row].index_add_(1, kpos, _fold(gv[0], rep))
         return dq, dk, dv, None, None, None
 
 
-def _chunk_index(c: _Chunk, end: Tensor, blk: int) -> tuple[slice, Tensor, Tensor]:
-    """(query slice, key positions, element mask [queries, keys]) of one chunk; the mask comes
-    from `kv_end` here, so the plan holds no per-pair data."""
+def _parts(c: _Chunk, k: Tensor, v: Tensor, end: Tensor, blk: int):
+    """(key positions, keys [Hkv, n, D], values, additive mask or None) of the chunk's fully
+    visible key blocks (no mask), then of its partly visible ones (mask from `kv_end`); a part
+    without blocks is left out."""
     dev = end.device
     qpos = torch.arange(c.q0 * blk, c.q1 * blk, device=dev)
-    kpos = (c.kv_blocks.to(dev)[:, None] * blk + torch.arange(blk, device=dev)).view(-1)
-    kend = end[c.row, kpos]
-    allowed = ((kpos[None, :] <= qpos[:, None]) & (qpos[:, None] < kend[None, :])) \
-        | (kpos[None, :] == qpos[:, None])  # padding queries see themselves: never NaN
-    return slice(c.q0 * blk, c.q1 * blk), kpos, allowed
+    ar = torch.arange(blk, device=dev)
+    for full in (True, False):
+        blocks = c.kv_blocks[c.full if full else ~c.full].to(dev)
+        if not len(blocks):
+            continue
+        kpos = (blocks[:, None] * blk + ar).view(-1)
+        mask = None
+        if not full:
+            mask = _visible_mask(qpos, kpos, end[c.row, kpos], k.dtype)
+        yield kpos, k[c.row].index_select(1, kpos), v[c.row].index_select(1, kpos), mask
 
 
-def _chunk_attention(qc: Tensor, k: Tensor, v: Tensor, kpos: Tensor | None, allowed: Tensor,
-                     scale: float) -> Tensor:
-    """qc [H, Cq, D] against k/v [Hkv, *, D] (gathered at `kpos` unless None) under `allowed`."""
-    if kpos is not None:
-        k, v = k.index_select(1, kpos), v.index_select(1, kpos)
-    rep = qc.shape[0] // k.shape[0]
-    return F.scaled_dot_product_attention(qc[None], k[None], v[None], attn_mask=allowed, scale=scale,
-                                          enable_gqa=rep > 1)[0]
+_MASKED = -1e30
+
+
+def _visible_mask(qpos: Tensor, kpos: Tensor, kend: Tensor, dtype) -> Tensor:
+    """Additive mask [queries, keys]: 0 where query i sees key j (j <= i < kend[j], or i == j so
+    a padding query sees itself), else a large finite negative (not -inf: a row that sees nothing
+    in this part gets weight exp(-1e30 - lse) = 0 when the parts merge, never NaN).
+    Written as |2(i - j) - (span - 1)| < span with span = max(kend - j, 1): four passes over the
+    scores, all but one in place (this mask is a large part of the CPU path's work)."""
+    # every number below is an integer under 2 * (last query + 1) (keys <= queries here): exact
+    exact = torch.float32 if 2 * (int(qpos[-1]) + 1) + int(kend.max()) < 1 << 24 else torch.float64
+    span = (kend - kpos).clamp_(min=1).to(exact)
+    mid = (2 * kpos).to(exact) + span - 1
+    t = (2 * qpos).to(exact)[:, None] - mid[None, :]
+    return t.abs_().ge_(span).mul_(max(_MASKED, torch.finfo(dtype).min)).to(dtype)
+
+
+def _heads(x: Tensor, rep: int) -> Tensor:
+    """[Hkv, n, D] -> [1, H, n, D]: each KV head repeated for its `rep` query heads."""
+    return (x.repeat_interleave(rep, 0) if rep > 1 else x)[None]
+
+
+def _fold(g: Tensor, rep: int) -> Tensor:
+    """[H, n, D] gradients of repeated KV heads -> [Hkv, n, D] (the sum over each group)."""
+    return g.view(-1, rep, *g.shape[1:]).sum(1) if rep > 1 else g
+
+
+def _flash(qc: Tensor, kc: Tensor, vc: Tensor, mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
+    """qc [H, Cq, D] against kc/vc [Hkv, n, D]: (output [H, Cq, D], log-sum-exp [H, Cq])."""
+    rep = qc.shape[0] // kc.shape[0]
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qc[None], _heads(kc, rep), _heads(vc, rep), attn_mask=mask, scale=scale)
+    return o[0], lse[0]
+
+
+def _merge(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """One softmax from softmaxes over disjoint key sets: weights exp(lse_i - lse)."""
+    if len(parts) == 1:
+        return parts[0]
+    (o1, l1), (o2, l2) = parts
+    lse = torch.logaddexp(l1, l2)
+    return o1 * (l1 - lse).exp()[..., None] + o2 * (l2 - lse).exp()[..., None], lse
+
+
+def keep_attention_on_recompute():
+    """`context_fn` for torch.utils.checkpoint: a recomputed layer reuses the CPU flash kernel's
+    forward outputs (O(S) per layer: [H, S, D] and the LSE) instead of running it again, the
+    path's largest cost; everything else in the layer is recomputed as before."""
+    return create_selective_checkpoint_contexts(
+        [torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default])
 
 
 # --- FlexAttention (CUDA) ------------------------------------------------------------------------

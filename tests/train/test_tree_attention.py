@@ -118,6 +118,39 @@ def test_block_path_skips_what_no_query_sees(step):
         assert bool(((c.kv_blocks // 4) == c.q0 // 4).all())
 
 
+def test_fully_visible_blocks_run_without_a_mask():
+    """A chunk's key blocks that all its queries see whole are marked full (run unmasked); the
+    diagonal and blocks whose subtree ends inside the chunk are not; both parts together give
+    dense attention's outputs and gradients, padding included."""
+    # keys 0..39 end at 40 (mid-block), 40..99 at 100, then 28 padding positions (kv_end 0)
+    ke = torch.tensor([[40] * 40 + [100] * 60 + [0] * 28])
+    tm = TreeMask.build(ke, block=16, chunk_pairs=16 * 16)  # one query block per chunk
+    by_q0 = {c.q0: dict(zip(c.kv_blocks.tolist(), c.full.tolist())) for c in tm.chunks}
+    assert by_q0[1] == {0: True, 1: False}           # block 0 seen whole by queries 16..31
+    assert by_q0[2] == {0: False, 1: False, 2: False}  # keys 0..39 stop at 40: inside block 2
+    assert by_q0[4] == {2: False, 3: True, 4: False}   # keys 40..47 of block 2 end at 100
+    # 96..111: real queries see blocks 2..6, the padding ones none of them: all masked
+    assert by_q0[6] == {b: False for b in range(2, 7)}
+    assert 7 not in by_q0                               # all padding: nothing reads it
+    assert any(all(f.values()) is False and any(f.values()) for f in by_q0.values())
+    g = torch.Generator().manual_seed(3)
+    S = ke.shape[1]
+    q, k, v = (torch.randn(1, h, S, 8, generator=g, requires_grad=True) for h in (4, 2, 2))
+    real = (torch.arange(S) < 100)[None, None, :, None]
+    w = torch.randn(1, 4, S, 8, generator=g) * real
+    got = tm.attend(q, k, v, 0.3)
+    want = dense_attention(q, k, v, dense_mask(ke), 0.3)
+    assert torch.allclose(got * real, want * real, atol=1e-5)
+    for a, b in zip(torch.autograd.grad((got * w).sum(), (q, k, v)),
+                    torch.autograd.grad((want * w).sum(), (q, k, v))):
+        assert torch.allclose(a, b, atol=1e-5), float((a - b).abs().max())
+    # the mask of the partly visible blocks is the predicate (a padding query sees itself)
+    qpos, kpos = torch.arange(96, 128), torch.arange(0, 128)
+    kend = ke[0, kpos]
+    vis = ((kpos[None] <= qpos[:, None]) & (qpos[:, None] < kend[None])) | (kpos[None] == qpos[:, None])
+    assert torch.equal(tree_attention._visible_mask(qpos, kpos, kend, torch.float32) == 0, vis)
+
+
 @pytest.mark.slow  # importing FlexAttention's eager path pulls in torch._dynamo: ~5-10 s
 def test_flex_mask_mod_is_the_tree_mask(step):
     """The CUDA path's mask_mod, run through FlexAttention's eager CPU forward, equals dense."""

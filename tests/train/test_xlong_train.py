@@ -24,6 +24,7 @@ from gyre.train.trainer import EmbeddedTrainer
 from gyre.traj.materialize import materialize, prepare_step
 from gyre.traj.select import SelectionSpec
 from gyre.traj.synthetic import CASE_STUDY, Lengths, Shape, generate, processed_tokens, scaled
+from torch.utils._python_dispatch import TorchDispatchMode
 
 VOCAB = 96
 
@@ -186,6 +187,40 @@ def test_recompute_gives_the_same_gradients(step):
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
     ref = plain.flat_grads()
     assert float(ref.abs().max()) > 1e-4 and torch.allclose(again.flat_grads(), ref, atol=1e-6)
+
+
+class _CountFlash(TorchDispatchMode):
+    """Counts runs of the CPU flash kernel's forward (a recompute served from the selective
+    checkpoint's cache never reaches this mode)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_recompute_keeps_the_attention_kernel_outputs():
+    """With train.recompute a layer's backward reruns the layer but not the tree attention's
+    kernel (its outputs are kept, O(S)); gradients equal the plain pass."""
+    _trainer()  # builds the shared tiny model
+    model = _MODEL[0]
+    S = 256
+    ids = torch.randint(1, VOCAB, (1, S), generator=torch.Generator().manual_seed(0))
+    mask = tree_attention.TreeMask.build(torch.tensor([[160] * 160 + [S] * 96]), block=32)
+    grads, runs = [], []
+    for recompute in (False, True):
+        model.zero_grad()
+        with _CountFlash() as count:
+            (model.hidden(ids, attention_mask=mask, recompute=recompute) ** 2).sum().backward()
+        runs.append(count.n)
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    model.zero_grad()
+    parts = sum(1 + bool(c.full.any() and not c.full.all()) for c in mask.chunks)
+    assert runs == [parts * len(model.model.layers)] * 2  # not twice that: nothing recomputed
+    assert float(grads[0].abs().max()) > 1e-4 and torch.allclose(grads[1], grads[0], atol=1e-6)
 
 
 def test_tree_attention_chunks_bound_the_scores():
