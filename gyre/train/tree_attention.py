@@ -42,7 +42,6 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-from gyre.batch import mask_from_kv_end
 
 DEFAULT_BLOCK = 128       # CPU: at xLong lengths 99% of key blocks are then fully visible (no mask)
 FLEX_BLOCK = 128          # CUDA: FlexAttention's tile size
@@ -61,11 +60,6 @@ def kv_end_from_mask(attention_mask: Tensor) -> Tensor | None:
     i = torch.arange(S, device=allowed.device)
     rebuilt = (i[None, :] <= i[:, None])[None] & (i[None, :, None] < end[:, None, :])
     return end if torch.equal(rebuilt, allowed) else None
-
-
-def dense_mask(kv_end: Tensor) -> Tensor:
-    """[B,1,S,S] bool mask (True = masked) of `kv_end`: what the dense path attends through."""
-    return mask_from_kv_end(kv_end)
 
 
 @dataclass

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from gyre.batch import causal_kv_end
+from gyre.batch import causal_kv_end, mask_from_kv_end
 from gyre.config import TrainConfig
 from gyre.train import tree_attention
 from gyre.train.toy import random_qwen2, tiny_qwen2_config
-from gyre.train.tree_attention import TreeMask, dense_mask, kv_end_from_mask, tree_mask_mod
+from gyre.train.tree_attention import TreeMask, kv_end_from_mask, tree_mask_mod
 from gyre.traj.materialize import materialize, prepare_step
 from gyre.traj.record import ExecutionRecord
 from gyre.traj.select import SelectionSpec
@@ -59,13 +59,13 @@ def test_kv_end_is_the_dense_mask(step, layout, budget):
     for mb in batches(step, layout, budget):
         assert mb.attention_mask is None  # materialization builds no S x S mask
         dense = mb.dense_mask()  # on demand, for the dense path
-        assert torch.equal(dense, dense_mask(mb.kv_end))
+        assert torch.equal(dense, mask_from_kv_end(mb.kv_end))
         assert torch.equal(kv_end_from_mask(dense), mb.kv_end)
     # a mask that is not of the tree form has no kv_end
     S = 6
     full = torch.zeros(1, 1, S, S, dtype=torch.bool)  # everything visible, future included
     assert kv_end_from_mask(full) is None
-    assert torch.equal(dense_mask(causal_kv_end([4, 6], S)),
+    assert torch.equal(mask_from_kv_end(causal_kv_end([4, 6], S)),
                        ~((torch.arange(S)[None, :] <= torch.arange(S)[:, None])[None]
                          & (torch.arange(S) < torch.tensor([[4], [6]]))[:, None, :]
                          & (torch.arange(S) < torch.tensor([[4], [6]]))[:, :, None])[:, None])
@@ -139,7 +139,7 @@ def test_fully_visible_blocks_run_without_a_mask():
     real = (torch.arange(S) < 100)[None, None, :, None]
     w = torch.randn(1, 4, S, 8, generator=g) * real
     got = tm.attend(q, k, v, 0.3)
-    want = dense_attention(q, k, v, dense_mask(ke), 0.3)
+    want = dense_attention(q, k, v, mask_from_kv_end(ke), 0.3)
     assert torch.allclose(got * real, want * real, atol=1e-5)
     for a, b in zip(torch.autograd.grad((got * w).sum(), (q, k, v)),
                     torch.autograd.grad((want * w).sum(), (q, k, v))):
