@@ -5,8 +5,9 @@ engines, trainers, evaluator and shards), one job per configuration and seed.
 
 Configurations (at `--size full`, the default `make bench` runs: 3 seeds x 14 steps each):
 
-- E, A, C at staleness 0 and 2 (`train.off_policy = auto`: tis, since a live step makes one
-  update, `train.minibatches_per_step = 1`, and the clip against pi_prox cannot act);
+- E, A, C at staleness 0 and 2 (`train.off_policy = auto`: tis, since these runs make one update
+  per step, `train.minibatches_per_step = 1`, where the clip against pi_prox cannot act; live runs
+  take more updates per step since this round, not yet measured here);
 - E2 with each correction: none, tis, decoupled (E2_tis is E2's configuration: its runs are
   E2's runs, reported under both labels);
 - E0 with `sched.steps_per_sync = 4` and `sched.burst_order` stream vs shuffle.
