@@ -103,8 +103,10 @@ def test_fleet_waits_for_hello_with_a_message_naming_the_silent_cells():
         asyncio.run(fleet.wait_hello(0.05))
 
 
-def step_core(mbs=3):
-    core = Coordinator(CoreSpec(steps=1, groups_per_step=1, group_size=2))
+def step_core(mbs=3, **spec):
+    """A core whose one step (a group of 2 executions) is full with ``mbs`` micro-batches;
+    ``spec``: further CoreSpec fields (e.g. minibatches=2, prox=True)."""
+    core = Coordinator(CoreSpec(steps=1, groups_per_step=1, group_size=2, **spec))
     (g,) = core.start_groups(1, 0.0)
     for m in range(2):
         core.execution_started(g.id, f"e{m}", 0.0)
@@ -202,22 +204,9 @@ def test_reduce_waits_for_a_trainer():
     assert asyncio.run(td.reduce(0)) is None and link.sent == []
 
 
-def _full_step_of_two_minibatches(micro_batches: int) -> Coordinator:
-    """A core whose one step (a group of 2 executions) is full with ``micro_batches`` micro-batches
-    and trains them in two minibatches, pi_prox first."""
-    core = Coordinator(CoreSpec(steps=1, groups_per_step=1, group_size=2, minibatches=2, prox=True))
-    (g,) = core.start_groups(1, 0.0)
-    for m in range(2):
-        core.execution_started(g.id, f"e{m}", 0.0)
-    for m in range(2):
-        core.execution_evaluated(f"e{m}", 1.0, version=0, tokens=10.0)
-    core.microbatches_added(g.id, {i: 1.0 for i in range(micro_batches)})
-    return core
-
-
 def test_a_step_with_two_minibatches_asks_pi_prox_first_then_reduces_once_per_update():
     # 4 micro-batches, 2 minibatches: parts [0, 1] and [2, 3]; pi_prox of 2 and 3 before update 0
-    core = _full_step_of_two_minibatches(4)
+    core = step_core(4, minibatches=2, prox=True)
     held: dict[int, list] = {0: [], 1: []}
     lost_once = []
 
@@ -304,7 +293,7 @@ def test_live_minibatches_train_exactly_as_the_offline_trainer():
     cells = [EmbeddedTrainer(tcfg, random_qwen2(seed=0, std=0.1)) for _ in range(2)]
     offline = EmbeddedTrainer(tcfg, random_qwen2(seed=0, std=0.1))
     mbs = _toy_step(offline)
-    core = _full_step_of_two_minibatches(len(mbs))
+    core = step_core(len(mbs), minibatches=2, prox=True)
     held: dict[int, list] = {0: [], 1: []}
     reduced: dict[tuple, torch.Tensor] = {}
 
