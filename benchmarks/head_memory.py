@@ -88,18 +88,18 @@ def run(keep_records: bool) -> dict:
     head.fleet.train = train
     out, now = {}, 0.0
     for step in range(STEPS):
-        for g in head._start_groups(Q, now):
+        for g in head.start_groups(Q, now):
             for m in range(G):
                 eid = f"q{g.id}-task-g{m}"
                 rec = toy_record(eid, g.id, m, head.core.rollout_version, rollout.engine_url, now)
-                head.rollout.settle(rec, lambda r, eid=eid: head._execution_scored(eid, r, now + 10))
-                head._execution_recorded(eid, rec, now + 10)
+                head.rollout.settle(rec, lambda r, eid=eid: head.execution_scored(eid, r, now + 10))
+                head.execution_recorded(eid, rec, now + 10)
         while (mb := head.core.next_microbatch()) is not None:
             asyncio.run(head.training.train(trainer, mb))
         now += 20
         head.core.step_ending(now)
-        res = head._step_ended(now)
-        head._step_committed(res, StepReduced([trainer], [ReduceReply(seq=0, cell=trainer.id, grad_norm=0.1)], 0.0), 0.0)
+        res = head.step_ended(now)
+        head.step_committed(res, StepReduced([trainer], [ReduceReply(seq=0, cell=trainer.id, grad_norm=0.1)], 0.0), 0.0)
         if step + 1 in (5, STEPS):
             out[f"step{step + 1}"] = rss_mb()
             out[f"records_step{step + 1}"] = len(head.training.records)

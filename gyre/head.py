@@ -298,7 +298,7 @@ class Head:
             elif sw.to is Role.ROLLOUT and cell.role is Role.TRAIN:
                 self.fleet.set_role(cell, Role.TO_ROLLOUT, now)
                 self._spawn(self._to_rollout(cell))
-        self._start_groups(decision.start_groups, now)
+        self.start_groups(decision.start_groups, now)
         self.training.dispatch()
         if self.core.step_ready() and all(c.role.settled or c.role is Role.FAILED for c in self.cells):
             # (a cell mid-switch would miss the step: wait until it lands)
@@ -337,10 +337,12 @@ class Head:
             self.rollout.add_endpoint(cell.engine_url)
 
     # ==== executions ============================================================================
-    # The sync handlers below (_start_groups, _execution_scored, _execution_recorded, _step_ended,
-    # _step_committed) are the head's whole translation of what happened into core events; the async code around them
-    # is messaging and I/O. tests/sched/test_coordinator_core.py replays a simulator trace through them.
-    def _start_groups(self, n: int, now: float) -> list[GroupRecord]:
+    # The head's public seam: the sync handlers below (start_groups, execution_scored,
+    # execution_recorded, step_ended, step_committed) are its whole translation of what happened
+    # into core events, ledger lines and step rows; the async code around them is messaging and
+    # I/O. The loop calls them as things happen; a replay (tests/sched/test_coordinator_core.py
+    # replays a simulator trace, benchmarks/head_memory.py a long run) calls them in the same order.
+    def start_groups(self, n: int, now: float) -> list[GroupRecord]:
         started = self.core.start_groups(n, now)
         for g in started:
             task = next(self.task_cycle)
@@ -361,8 +363,8 @@ class Head:
             self.ledger.resuming(eid, replay[0])
         rec = await self.rollout.execute(task, eid, gid, replay=replay[1] if replay else None,
                                          on_ended=lambda _status: self.core.execution_ended(eid, self.clock()),
-                                         on_scored=lambda r: self._execution_scored(eid, r, self.clock()))
-        self._execution_recorded(eid, rec, self.clock())
+                                         on_scored=lambda r: self.execution_scored(eid, r, self.clock()))
+        self.execution_recorded(eid, rec, self.clock())
         if replay:  # replay-resume: which stopped execution this one continued, and what it saved
             source = replay[1]
             recorded = source.recorded if isinstance(source, Replay) else len(source.calls)
@@ -370,7 +372,7 @@ class Head:
             if self.rollout.proxy is not None and self.rollout.proxy.journal is not None:
                 self.rollout.proxy.journal.discard(replay[0])  # a killed run's journal: taken over
 
-    def _execution_scored(self, eid: str, rec, now: float) -> None:
+    def execution_scored(self, eid: str, rec, now: float) -> None:
         """An execution ended, was scored and is on disk (its own small shard, compacted at the end):
         written down and told, before the core hears of it (the rollout service's `settle`)."""
         reward, usable = _reward_of(rec)
@@ -382,7 +384,7 @@ class Head:
         self._emit(ExecutionEvaluated(now, eid, rec.group, rec.status, reward, rec.min_version,
                                       float(rec.tree.stats().unique_tokens), usable, limit_of(rec.error)))
 
-    def _execution_recorded(self, eid: str, rec, now: float) -> None:
+    def execution_recorded(self, eid: str, rec, now: float) -> None:
         """Its record is on disk and written down: only now does the core hear of it, so a SIGKILL
         from here on loses none of it."""
         reward, usable = _reward_of(rec)
@@ -417,7 +419,7 @@ class Head:
             if not red.final:  # an update inside the step (train.minibatches_per_step): the next part trains
                 self.training.update_applied(red)
                 return
-            res = self._step_ended(self.clock())
+            res = self.step_ended(self.clock())
             ended = True
             push_s = 0.0
             if res.push_due:  # end of a rollout round: rollout cells get the new weights
@@ -425,17 +427,17 @@ class Head:
                 await asyncio.gather(*(self.fleet.push(c, res.version) for c in self.fleet.in_role(Role.ROLLOUT)))
                 push_s = self.clock() - t
                 self._emit(WeightsPushed(t, t + push_s, res.version))  # the rollout cells' pause
-            self._step_committed(res, red, push_s)
+            self.step_committed(res, red, push_s)
         finally:
             if not ended:
                 self.core.step_aborted()
 
-    def _step_ended(self, now: float) -> StepResult:
+    def step_ended(self, now: float) -> StepResult:
         """The optimizer step was applied on every participant: the version moves on."""
         faults.hit("head", "step_end")
         return self.core.step_ended(now)
 
-    def _step_committed(self, res: StepResult, red: StepReduced, push_s: float) -> None:
+    def step_committed(self, res: StepResult, red: StepReduced, push_s: float) -> None:
         """(Weights pushed if the round ended) the step is written down; the next one fills."""
         if res.push_due:
             self.core.weights_pushed(res.version)

@@ -109,46 +109,58 @@ class ReplicaSpec:
             return 0.0
         return 1.0 - (1.0 - self.topk / self.experts) ** batch
 
-    def roofline_s(self, batch: float, context: float) -> float:
+    # Each cost below is written once, as a function with the spec's constants bound (the
+    # simulator binds it once and calls it per event: hoisting the constants is most of its
+    # speed); the `*_s` methods are the same function, bound at the call.
+    def roofline_fn(self) -> Callable[[float, float], float]:
         """Bytes one decode step reads over the replica's HBM bandwidth: the physical floor."""
-        b = max(batch, 1.0)
-        read = (self.dense_gb + self.expert_gb * self.expert_share(b)) * 1e9 \
-            + b * (context * self.kv_bytes_per_token + 2 * self.state_bytes_per_request)
-        return read / self.bandwidth
-
-    def step_s(self, batch: float, context: float) -> float:
-        """Seconds of one decode step with `batch` calls of mean context `context` tokens."""
-        b = max(batch, 1.0)
-        return (self.overhead_ms + b * self.per_call_ms) / 1e3 + self.roofline_s(b, context) / self.bw_efficiency \
-            + self.ep_all_to_all_s(b)
-
-    def step_fn(self) -> Callable[[float, float], float]:
-        """`step_s` with the spec's constants bound once, for the simulator's per-event use: the
-        same arithmetic in the same order (hoisting only whole constant sub-expressions), so the
-        same floats (tests/sim/test_sim_model.py checks it on every preset)."""
-        over, per_call, bw_eff, bandwidth = self.overhead_ms, self.per_call_ms, self.bw_efficiency, self.bandwidth
         dense, expert, kv, state2 = self.dense_gb, self.expert_gb, self.kv_bytes_per_token, 2 * self.state_bytes_per_request
-        moe = expert > 0
+        moe, bandwidth = expert > 0, self.bandwidth
         keep = 1.0 - self.topk / self.experts if moe else 0.0  # share of experts a token leaves untouched
-        ep = self.ep_remote_share > 0 and self.moe_layers > 0
-        a2a, remote_share, layers = self.a2a_bytes_per_token, self.ep_remote_share, self.moe_layers
-        floor2, link = 2 * self.a2a_floor_us / 1e6, self.gpus * self.rdma_gb_s * 1e9
 
-        def step(batch: float, context: float) -> float:
+        def roofline(batch: float, context: float) -> float:
             b = batch if batch > 1.0 else 1.0
+            # routed experts: the share B tokens touch, 1 - (1 - k/E)^B
             read = (dense + expert * ((1.0 - keep ** b) if moe else 0.0)) * 1e9 + b * (context * kv + state2)
-            t = (over + b * per_call) / 1e3 + read / bandwidth / bw_eff
-            return t + layers * (floor2 + b * a2a * remote_share / link) if ep else t
+            return read / bandwidth
 
-        return step
+        return roofline
 
-    def ep_all_to_all_s(self, batch: float) -> float:
+    def ep_fn(self) -> Callable[[float], float]:
         """Cross-node expert-parallel traffic of one decode step: per MoE layer a dispatch and a
         combine, each a latency floor plus the batch's remote bytes over every GPU's RDMA link."""
         if self.ep_remote_share <= 0 or self.moe_layers <= 0:
-            return 0.0
-        remote = max(batch, 1.0) * self.a2a_bytes_per_token * self.ep_remote_share
-        return self.moe_layers * (2 * self.a2a_floor_us / 1e6 + remote / (self.gpus * self.rdma_gb_s * 1e9))
+            return lambda batch: 0.0
+        a2a, remote_share, layers = self.a2a_bytes_per_token, self.ep_remote_share, self.moe_layers
+        floor2, link = 2 * self.a2a_floor_us / 1e6, self.gpus * self.rdma_gb_s * 1e9
+
+        def ep(batch: float) -> float:
+            b = batch if batch > 1.0 else 1.0
+            return layers * (floor2 + b * a2a * remote_share / link)
+
+        return ep
+
+    def step_fn(self) -> Callable[[float, float], float]:
+        """Seconds of one decode step with `batch` calls of mean context `context` tokens."""
+        over, per_call, bw_eff = self.overhead_ms, self.per_call_ms, self.bw_efficiency
+        roofline = self.roofline_fn()
+        ep = self.ep_fn() if self.ep_remote_share > 0 and self.moe_layers > 0 else None
+
+        def step(batch: float, context: float) -> float:
+            b = batch if batch > 1.0 else 1.0
+            t = (over + b * per_call) / 1e3 + roofline(b, context) / bw_eff
+            return t + ep(b) if ep is not None else t
+
+        return step
+
+    def roofline_s(self, batch: float, context: float) -> float:
+        return self.roofline_fn()(batch, context)
+
+    def ep_all_to_all_s(self, batch: float) -> float:
+        return self.ep_fn()(batch)
+
+    def step_s(self, batch: float, context: float) -> float:
+        return self.step_fn()(batch, context)
 
     def engine_efficiency(self, batch: float, context: float) -> float:
         """Fraction of the roofline the engine reaches at this batch and context."""
@@ -161,16 +173,8 @@ class ReplicaSpec:
         remote = self.moe_layers * self.a2a_bytes_per_token * self.ep_remote_share / (self.gpus * self.rdma_gb_s * 1e9)
         return self.per_call_ms / 1e3 + read / (self.bandwidth * self.bw_efficiency) + remote
 
-    def prefill_s(self, tokens: float, context: float = 0.0) -> float:
-        """Seconds to prefill `tokens` new tokens appended to `context` cached ones."""
-        if tokens <= 0:
-            return 0.0
-        mean_ctx = context + tokens / 2
-        flops = tokens * (2 * self.active_params + self.attn_flops_per_ctx_token * mean_ctx)
-        return flops / (self.gpus * self.peak_tflops * 1e12 * self.prefill_mfu)
-
     def prefill_fn(self) -> Callable[[float, float], float]:
-        """`prefill_s` with the constants bound once (the same floats)."""
+        """Seconds to prefill `tokens` new tokens appended to `context` cached ones (FLOP-bound)."""
         active2, attn = 2 * self.active_params, self.attn_flops_per_ctx_token
         rate = self.gpus * self.peak_tflops * 1e12 * self.prefill_mfu
 
@@ -180,6 +184,9 @@ class ReplicaSpec:
             return tokens * (active2 + attn * (context + tokens / 2)) / rate
 
         return prefill
+
+    def prefill_s(self, tokens: float, context: float = 0.0) -> float:
+        return self.prefill_fn()(tokens, context)
 
     def prefill_floor_s(self, tokens: float) -> float:
         """Prefill time without attention (a lower bound however the tokens are split into calls)."""

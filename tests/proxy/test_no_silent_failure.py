@@ -73,7 +73,7 @@ def test_the_head_stops_loudly_when_a_record_cannot_be_written(tmp_path, monkeyp
     head = make_head(tmp_path, run_config(tmp_path, steps=1, q=1, g=2, per_shard=1, skip_zero_variance=False))
     seen = []
     head._emit = lambda ev: seen.append(ev)
-    g = head._start_groups(1, 0.0)[0]
+    g = head.start_groups(1, 0.0)[0]
     execution_done(head, "q0-task-g0", record("q0-task-g0", g.id, 0, 0, 1.0, "http://engine0"), 10.0)
     failing_fsync(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
     with pytest.raises(RecordError):

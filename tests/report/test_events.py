@@ -92,7 +92,7 @@ def play(head, steps: int, rng: random.Random, monkeypatch, t0: float = 1000.0):
     now += 3.0
     head.fleet.set_role(trainer, Role.TRAIN, now)
     for _ in range(steps):
-        for g in head._start_groups(head.core.spec.groups_per_step, now):
+        for g in head.start_groups(head.core.spec.groups_per_step, now):
             for m in range(head.core.spec.group_size):
                 eid = f"q{g.id}-task-g{m}"
                 failed = rng.random() < 0.2
@@ -116,8 +116,8 @@ def play(head, steps: int, rng: random.Random, monkeypatch, t0: float = 1000.0):
             asyncio.run(head.training.train(trainer, mb))
         now = clock.now + 1.0
         head.core.step_ending(now)
-        res = head._step_ended(now)
-        head._step_committed(res, StepReduced([trainer], [ReduceReply(seq=0, cell=1, grad_norm=0.25)], 1.5), 0.0)
+        res = head.step_ended(now)
+        head.step_committed(res, StepReduced([trainer], [ReduceReply(seq=0, cell=1, grad_norm=0.25)], 1.5), 0.0)
         now += 1.0
     return now, told
 
@@ -172,7 +172,7 @@ def test_step_rows_lag_and_cell_time_from_events_equal_what_the_head_computed(tm
 def test_a_record_leaves_memory_once_its_shard_is_durable_and_its_group_materialized(tmp_path):
     # k = 1: two groups run for step 0; the second waits in the admission queue until step 1
     head = make_head(tmp_path, run_config(tmp_path, steps=2, q=1, g=2, k=1, per_shard=100, skip_zero_variance=False))
-    started = head._start_groups(2, 0.0)
+    started = head.start_groups(2, 0.0)
     assert [g.id for g in started] == [0, 1]
     for g in started:
         for m in range(2):
@@ -185,8 +185,8 @@ def test_a_record_leaves_memory_once_its_shard_is_durable_and_its_group_material
     while (mb := head.core.next_microbatch()) is not None:
         head.core.microbatch_trained(mb)
     head.core.step_ending(20.0)
-    res = head._step_ended(20.0)
-    head._step_committed(res, NOTHING_REDUCED, 0.0)  # step 1 takes group 1: materialized, then freed
+    res = head.step_ended(20.0)
+    head.step_committed(res, NOTHING_REDUCED, 0.0)  # step 1 takes group 1: materialized, then freed
     assert head.core.groups[1].state.value == "assigned" and head.core.step.work
     assert head.training.records == {}
     # what the ledger still needs is a small summary, gone with the execution's last line

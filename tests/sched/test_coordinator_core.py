@@ -365,7 +365,7 @@ def test_one_trace_through_the_simulator_and_the_head_gives_the_same_steps(tmp_p
     for ev in sim.trace:
         kind = ev[0]
         if kind == "start":
-            started = head._start_groups(ev[1], ev[2])
+            started = head.start_groups(ev[1], ev[2])
             assert started  # the head's core allows the same starts
         elif kind == "exec":
             gid, key = ev[1], ev[2]
@@ -380,12 +380,12 @@ def test_one_trace_through_the_simulator_and_the_head_gives_the_same_steps(tmp_p
             assert head.core.step_ready()
             head.core.step_ending(ev[1])
         elif kind == "step_ended":
-            res = head._step_ended(ev[1])
+            res = head.step_ended(ev[1])
             assert res.push_due == ev[2]
             if not res.push_due or head.core.done:  # (the simulator pushes nothing after the last step)
-                head._step_committed(res, NOTHING_REDUCED, 0.0)
+                head.step_committed(res, NOTHING_REDUCED, 0.0)
         elif kind == "pushed":
-            head._step_committed(res, NOTHING_REDUCED, 0.0)
+            head.step_committed(res, NOTHING_REDUCED, 0.0)
     head.ledger.close()
     assert head.core.done and sim.done
     sim_steps = [[gid for gid in (x.id for x in r.groups)] for r in sim.steps]
@@ -413,7 +413,7 @@ def test_head_requeues_a_lost_micro_batch_once(tmp_path):
     from gyre.sched.protocol import PrepareReduceReply as Reply
 
     head = head_for_replay(tmp_path, run_config(tmp_path, steps=1, q=1, g=2))
-    head._start_groups(1, 0.0)
+    head.start_groups(1, 0.0)
     for m in range(2):
         eid = f"q0-task-g{m}"
         execution_done(head, eid, record(eid, 0, m, 0), 1.0)
@@ -543,7 +543,7 @@ def test_zero_variance_same_groups_replaced_in_the_simulator_and_the_head(tmp_pa
     eid_of = {}
     for ev in sim.trace:
         if ev[0] == "start":
-            assert head._start_groups(ev[1], ev[2])
+            assert head.start_groups(ev[1], ev[2])
         elif ev[0] == "exec":
             eid_of[ev[2]] = (ev[1], len([1 for x in eid_of.values() if x[0] == ev[1]]))
         elif ev[0] == "evaluated":
@@ -555,11 +555,11 @@ def test_zero_variance_same_groups_replaced_in_the_simulator_and_the_head(tmp_pa
                 head.core.microbatch_trained(mb)
             head.core.step_ending(ev[1])
         elif ev[0] == "step_ended":
-            res = head._step_ended(ev[1])
+            res = head.step_ended(ev[1])
             if not res.push_due or head.core.done:
-                head._step_committed(res, NOTHING_REDUCED, 0.0)
+                head.step_committed(res, NOTHING_REDUCED, 0.0)
         elif ev[0] == "pushed":
-            head._step_committed(res, NOTHING_REDUCED, 0.0)
+            head.step_committed(res, NOTHING_REDUCED, 0.0)
     head.ledger.close()
     assert [[x.id for x in r.groups] for r in head.core.steps] == [[x.id for x in r.groups] for r in sim.steps]
     zv = {gid for gid, x in sim.groups.items() if x.reason == "zero_variance"}

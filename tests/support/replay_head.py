@@ -51,8 +51,8 @@ def head_for_replay(tmp_path: Path, cfg: GyreConfig, *, clock=time.time, engine_
 def execution_done(head: Head, eid: str, rec, now: float) -> None:
     """An execution the test played, ended at `now`: settled by the rollout service (written down,
     then durable) and told to the core, as `Head._execution` does with one the service ran."""
-    head.rollout.settle(rec, lambda r: head._execution_scored(eid, r, now))
-    head._execution_recorded(eid, rec, now)
+    head.rollout.settle(rec, lambda r: head.execution_scored(eid, r, now))
+    head.execution_recorded(eid, rec, now)
 
 
 def set_clock(head: Head, clock) -> None:

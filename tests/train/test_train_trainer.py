@@ -179,7 +179,10 @@ def test_chunked_logprobs_and_recompute_equal_the_full_computation(backend):
 
     lean, full = make(backend, logprob_chunk=3, recompute=True), make(backend)
     mb = toy_batch(full)
-    mb.old_logprobs = mb.old_logprobs - 0.1  # off-policy: ratios != 1, so the loss has a gradient
+    # off-policy, by a different amount per token: the ratios differ from 1 and from each other, so
+    # the loss is not zero (a uniform shift scales a zero-mean advantage sum: a loss of rounding
+    # noise, whose sign differs between CPUs)
+    mb.old_logprobs = mb.old_logprobs - 0.05 * (1 + torch.arange(mb.old_logprobs.numel()).reshape(mb.old_logprobs.shape) % 5)
     with torch.no_grad():
         want = token_logprobs(full._logits(mb.to(full.device)), mb)
     assert torch.allclose(lean.logprobs(mb), want, atol=1e-5)
@@ -188,5 +191,6 @@ def test_chunked_logprobs_and_recompute_equal_the_full_computation(backend):
     loss, _ = policy_loss(z, mb, off_policy=full.off_policy, prox_logprobs=full.logprobs(mb))
     loss.backward()
     ref = full.flat_grads()
-    assert st["loss"] == pytest.approx(float(loss), rel=1e-5)
+    # float32: log-probs agree to ~1e-6 (asserted to 1e-5 above), the summed loss to ~1e-5 relative
+    assert abs(float(loss)) > 1e-3 and st["loss"] == pytest.approx(float(loss), rel=1e-4)
     assert float(ref.abs().max()) > 1e-4 and torch.allclose(lean.flat_grads(), ref, atol=1e-6)
