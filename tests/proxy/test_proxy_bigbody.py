@@ -150,3 +150,17 @@ def test_the_worker_processes_end_with_the_server():
     assert procs and all(p.is_alive() for p in procs)
     s.close()
     assert s.proxy.workers._parsers is None and not any(p.is_alive() for p in procs)
+
+
+def test_a_dead_worker_costs_one_call_a_503_and_the_next_gets_a_new_pool(stack):
+    _, key = stack.client()
+    stack.proxy.big_body_bytes = 0
+    assert chat(stack, key, body("hi"))[0] == 200
+    for p in list(stack.proxy.workers._parsers._processes.values()):
+        p.kill()  # e.g. the kernel's OOM killer
+        p.join(30)
+    status, raw = chat(stack, key, body("hi"))
+    err = json.loads(raw)["error"]
+    assert status == 503 and err["type"] == "server_error" and "retry" in err["message"], err
+    assert chat(stack, key, body("hi"))[0] == 200
+    assert len(stack.tree().calls) == 2
