@@ -15,13 +15,14 @@ tree is read there and written when a call is recorded), so one execution's burs
 its own calls, never another's.
 
 A big request body is parsed in a worker process instead (``PrepareWorkers.parse``): json.loads
-holds the GIL for its whole run (a 7.5 MB body: about 40-75 ms on the loop), so no thread can
+holds the GIL for its whole run (a 7.5 MB body: 40-75 ms on 2 busy cores), so no thread can
 help. The process checks the body and applies the bound (gyre.proxy.body) and answers with the
-refusal alone, or the parsed body pickled: taking a pickled dict in is a copy of its strings
-(measured for 7.5 MB: 0.8 ms for ASCII text, 14 ms for CJK, 1 ms for 10,000 messages, against
-17-38 ms for json.loads). Rendering and tokenizing there too (token ids back as bytes) would save
-no more: the renderer reuses the tokens of the execution's tree, which lives in this process,
-and the tokenizer already runs with the GIL released.
+refusal alone (the loop is held 5-8 ms for a refused 7.5 MB body), or the parsed body pickled:
+unpickling a dict is a copy of its strings (measured for 7.5 MB: 0.8 ms for one ASCII text,
+14 ms for CJK, 1 ms for 10,000 messages, 46 ms for 100,000 tiny ones, against 17-92 ms for
+json.loads of the same). Rendering and tokenizing in the process as well, with token ids back
+as bytes, is not possible: the renderer reuses the tokens of the execution's tree (exact token
+reuse), which lives in this process; and the tokenizer already runs with the GIL released.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ WORKERS = max(2, min(4, os.cpu_count() or 2))  # tokenization is CPU work: more 
 # worker another execution's big request holds.
 INLINE_CHARS = 16_384
 # A chat body of more bytes is parsed in a worker process. Measured on 2 busy cores: json.loads
-# of 256 KB holds the loop about 1-2 ms, about what the round trip to a process costs the loop.
+# of 256 KB holds the loop 0.5 ms (one long text) to 6 ms (many small messages); the round trip
+# to a process adds 2-7 ms to the call and holds the loop 1-4 ms.
 BIG_BODY_BYTES = 256 << 10
 # Parsing is short and the bound refuses an oversized prompt there: two processes are enough for
 # every execution's big bodies, as each execution has at most one of them in a process at a time.
