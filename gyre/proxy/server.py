@@ -26,6 +26,7 @@ import logging
 import re
 import time
 import uuid
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -40,13 +41,14 @@ from gyre.engine.router import RouterError
 from gyre.model.chat_template import ChatTemplate, end_token_ids
 from gyre.model.parsers import parse
 from gyre.model.tokenizer import load_tokenizer
+from gyre.proxy.body import over_bound, parse_chat_body, parse_json, prompt_chars, refusal
 from gyre.proxy.capture import (ExecutionSession, PreparedCall, Renderer, message_keys, new_api_key,
                                 prepare_call, record_call, remember, tools_salt, wire_ids)
 from gyre.proxy.chat import (DEFAULT_TOOL_SYSTEM, Message, MessageError, ParsedOutput, ToolCall, canonical_arguments,
                              parse_messages, parse_output, strip_end_tokens, validate_tools)
 from gyre.proxy.fairness import CallGate
 from gyre.proxy.journal import Journal
-from gyre.proxy.offload import INLINE_CHARS, PrepareWorkers, max_token_chars, text_chars
+from gyre.proxy.offload import BIG_BODY_BYTES, INLINE_CHARS, PrepareWorkers, max_token_chars
 from gyre.proxy.params import MAX_DEPTH, CallParams, RequestError, check_depth, forced_prefix, parse_params
 from gyre.proxy.replay import Replay
 from gyre.proxy.streaming import ContentStream, ReasoningStream
@@ -210,6 +212,8 @@ class Proxy:
         self.routing_missing = 0  # calls answered without routed experts although asked
         self.renderer = Renderer(tokenizer, end_ids)
         self.workers = PrepareWorkers()
+        # a chat body of more bytes is parsed in a worker process, by this function (gyre.proxy.body)
+        self.big_body_bytes, self.parse_big_body = BIG_BODY_BYTES, parse_chat_body
         self.max_token_chars = max_token_chars(tokenizer)
         self.template_tokens = template_tokens(tokenizer)
         # the model's own chat template (gyre.model.chat_template.ChatTemplate); None = built-in ChatML
@@ -311,12 +315,32 @@ class Proxy:
                     log.warning("could not read the engines' context length: %s", e)
         return self.max_input_tokens
 
-    async def prepare(self, sess: ExecutionSession, body: dict, role: str) -> Call:
-        """Parse, render and tokenize a request (off the event loop, gyre.proxy.offload), after a
-        cheap bound that refuses a prompt too long for the engine without tokenizing it."""
+    async def read_chat(self, sess: ExecutionSession, raw: bytes) -> tuple[dict, int | None]:
+        """A chat body and (parsed off the loop) its prompt characters. A body over
+        ``big_body_bytes`` is parsed in a worker process, queued behind its execution's own calls
+        (an execution has one big body there at a time, never holding a sibling's back); a small
+        one on the loop, which costs less than the round trip."""
+        if len(raw) <= self.big_body_bytes:
+            return parse_json(raw, depth=False), None
         limit = await self._input_limit()
-        chars = text_chars(body.get("messages")) + text_chars(body.get("tools"))
-        if limit is not None and chars // self.max_token_chars > limit:
+        try:
+            async with self.workers.session(sess.record.execution_id):
+                answer = await self.workers.parse(self.parse_big_body, raw, limit, self.max_token_chars)
+        except BrokenProcessPool as e:  # a worker died (e.g. killed): the pool is replaced
+            raise RequestError(503, f"the proxy's body parser failed, retry: {e}", "server_error")
+        error = refusal(answer)
+        if error is not None:
+            raise error
+        return answer.body, answer.chars
+
+    async def prepare(self, sess: ExecutionSession, body: dict, role: str, chars: int | None = None) -> Call:
+        """Parse, render and tokenize a request (off the event loop, gyre.proxy.offload), after a
+        cheap bound that refuses a prompt too long for the engine without tokenizing it.
+        ``chars``: the prompt's characters, when the body was parsed off the loop (read_chat)."""
+        limit = await self._input_limit()
+        if chars is None:
+            chars = prompt_chars(body)
+        if over_bound(chars, limit, self.max_token_chars):
             raise context_error(chars // self.max_token_chars, limit + 1, at_least=True)
         async with self.workers.session(sess.record.execution_id):
             if chars <= INLINE_CHARS:  # a small request costs less than the hand-off (and never queues)
@@ -612,43 +636,22 @@ class Proxy:
         return {"calls": len(ms), "p50_ms": pick(0.5), "p99_ms": pick(0.99), "mean_ms": sum(ms) / len(ms)}
 
 
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")  # high (d800-dbff) or low (dc00-dfff)
-
-
-async def _read_json(request: web.Request, depth: bool = True) -> dict:
-    """The request's JSON object; ``depth=False``: the caller checks its nesting (a chat call
-    skips the messages an earlier call of its execution sent)."""
+async def _read_body(request: web.Request) -> bytes:
+    """The request's body bytes, refused when too big or unreadable as its headers say."""
     try:
-        raw = await request.read()
+        return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise RequestError(413, f"request body larger than the limit of {request.client_max_size} bytes "
                                 f"(raise proxy.max_body_bytes if this is intended)")
     except (ContentEncodingError, RequestPayloadError) as e:  # e.g. Content-Encoding: gzip on a plain body
         raise RequestError(400, f"request body could not be read as its headers say (Content-Encoding, "
                                 f"Content-Length): {getattr(e, 'message', e)}")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise RequestError(400, f"request body is not valid UTF-8 (byte {e.start})")
-    try:
-        body = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise RequestError(400, f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}")
-    except RecursionError:
-        raise RequestError(400, "request body is nested too deeply")
-    except ValueError as e:  # e.g. an integer of more than 4,300 digits
-        raise RequestError(400, f"request body is not acceptable JSON: {e}")
-    if not isinstance(body, dict):
-        raise RequestError(400, f"request body must be a JSON object, got {type(body).__name__}")
-    if depth:
-        check_depth(body)
-    if "\\u" in text and _SURROGATE_ESCAPE.search(text):  # cheap test first: bodies reach MBs
-        try:  # a pair is joined by json.loads; a lone half cannot be encoded
-            json.dumps(body, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            raise RequestError(400, "request body contains a lone UTF-16 surrogate escape (\\ud800-\\udfff "
-                                    "without its pair); send valid Unicode text")
-    return body
+
+
+async def _read_json(request: web.Request, depth: bool = True) -> dict:
+    """The request's JSON object, parsed on the loop (gyre.proxy.body.parse_json): the admin
+    routes' small bodies."""
+    return parse_json(await _read_body(request), depth)
 
 
 def create_app(proxy: Proxy, *, admin_key: str, max_body_bytes: int = 8 << 20,
@@ -683,12 +686,17 @@ def create_app(proxy: Proxy, *, admin_key: str, max_body_bytes: int = 8 << 20,
 
     app = web.Application(client_max_size=max_body_bytes, middlewares=[errors])
 
+    async def stop_parsers(app: web.Application) -> None:  # the body parser processes end with the server
+        await asyncio.to_thread(proxy.workers.close_parsers)  # joining them blocks
+    app.on_cleanup.append(stop_parsers)
+
     async def chat(request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()
         sess = proxy.session_for(request.headers.get("Authorization"))
-        body = await _read_json(request, depth=False)
+        body, chars = await proxy.read_chat(sess, await _read_body(request))
         with proxy.gate.admit(sess.record.execution_id) as priority:  # 429 beyond proxy.max_calls_in_flight
-            call = await proxy.prepare(sess, body, agent_role_of(body.get("model"), request.headers.get(ROLE_HEADER)))
+            call = await proxy.prepare(sess, body, agent_role_of(body.get("model"), request.headers.get(ROLE_HEADER)),
+                                       chars)
             call.priority = priority
             if not call.params.stream:
                 resp = await proxy.complete(call)
