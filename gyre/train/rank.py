@@ -84,7 +84,8 @@ class Rank:
             from gyre.train.dist import init_megatron  # as above
 
             init_megatron(tensor_parallel=cfg.tensor_parallel, pipeline_parallel=cfg.pipeline_parallel,
-                          expert_parallel=cfg.expert_parallel, seed=init.seed)
+                          expert_parallel=cfg.expert_parallel, context_parallel=cfg.context_parallel,
+                          seed=init.seed)
         elif cfg.tensor_parallel * cfg.pipeline_parallel * cfg.expert_parallel != 1:
             raise ValueError("train.tensor_parallel / pipeline_parallel / expert_parallel > 1 need "
                              "train.backend = \"megatron\"")
