@@ -101,12 +101,17 @@ def pack_rows(input_ids: Tensor, position_ids: Tensor, kv_end: Tensor, cp: int) 
 
 def rank_slots(packed: PackedRows, rank: int) -> Tensor:
     """[P/cp] the stream slots CP rank `rank` holds, in its local order: for every sequence its
-    chunk `rank`, then its chunk 2cp-1-rank (thd_get_partitioned_indices)."""
-    cp = packed.cp
+    chunk `rank`, then its chunk 2cp-1-rank."""
+    return partition_indices(packed.cu_seqlens_padded, packed.cp, rank)
+
+
+def partition_indices(cu_seqlens_padded: Tensor, cp: int, rank: int) -> Tensor:
+    """What Transformer Engine's `thd_get_partitioned_indices(cu_seqlens_padded, total, cp, rank)`
+    returns, in torch: the slots of rank `rank`, chunk r then chunk 2cp-1-r of each sequence."""
     if not 0 <= rank < cp:
         raise ValueError(f"context-parallel rank {rank} is outside 0..{cp - 1}")
     parts = []
-    for start, end in zip(packed.cu_seqlens_padded[:-1].tolist(), packed.cu_seqlens_padded[1:].tolist()):
+    for start, end in zip(cu_seqlens_padded[:-1].tolist(), cu_seqlens_padded[1:].tolist()):
         chunk = (end - start) // (2 * cp)
         for j in (rank, 2 * cp - 1 - rank):
             parts.append(torch.arange(start + j * chunk, start + (j + 1) * chunk))
