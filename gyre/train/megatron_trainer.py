@@ -9,8 +9,10 @@ one CP group get the same rows; each packs them into one THD stream, keeps its t
 row, runs GPTModel on them with PackedSeqParams (Transformer Engine's attention does the ring) and
 takes the loss over the targets predicted at its own tokens only. Megatron DDP sums gradients over
 data x context parallel ranks (the dp-cp group, scaling 1 under calculate_per_token_loss), so the
-sum of the CP ranks' partial losses is the whole micro-batch's. Needs CUDA and Transformer Engine:
-never run on the CPU here; benchmarks/gpu_check.sh runs it where two GPUs are visible.
+sum of the CP ranks' partial losses is the whole micro-batch's. Transformer Engine's attention is
+CUDA only: on the CPU this path runs with a stand-in for it (tests/support/cp_attention.py, two gloo
+ranks); the real one runs in benchmarks/gpu_check.sh where two GPUs are visible (the device lent to
+this project has one, so it has not run there).
 """
 
 from __future__ import annotations
@@ -192,6 +194,9 @@ class MegatronTrainer(Trainer):
                                entropy=entropy if get_tensor_model_parallel_world_size() == 1 else None)
 
     def _logits(self, mb: MicroBatch) -> Tensor:
+        if self.cp_size > 1:  # [B, S, V] of whole rows is what context parallelism exists to avoid
+            raise NotImplementedError("full logits are not computed under train.context_parallel > 1; "
+                                      "use logprobs() (target log-probs, gathered over the CP group)")
         return self._forward(mb)
 
     def _forward(self, mb: MicroBatch) -> Tensor:
