@@ -40,7 +40,8 @@ def test_every_token_on_exactly_one_rank_and_padding_to_2cp(cp):
     B, S = mb.input_ids.shape
     expected = [b * S + i for b, n in enumerate([13, 5, 32, 1]) for i in range(n)]
     assert sorted(real_held.tolist()) == expected  # every real token once
-    assert torch.equal(packed.input_ids[packed.source >= 0], mb.input_ids.reshape(-1)[packed.source[packed.source >= 0]])
+    real = packed.source >= 0
+    assert torch.equal(packed.input_ids[real], mb.input_ids.reshape(-1)[packed.source[real]])
 
 
 @pytest.mark.parametrize("cp", [2, 3])
