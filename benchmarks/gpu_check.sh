@@ -44,7 +44,8 @@ python3 -c "import megatron.core, torch; print('megatron-core', megatron.core.__
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true
 
 status=0
-rm -f benchmarks/results/ablation_gpu.json benchmarks/results/moe_gpu.json benchmarks/results/hybrid_gpu.json  # only this run's figures go back
+rm -f benchmarks/results/ablation_gpu.json benchmarks/results/moe_gpu.json benchmarks/results/hybrid_gpu.json \
+    benchmarks/results/cp_gpu.json  # only this run's figures go back
 timeout -k 10 420 python3 benchmarks/bench_train_gpu.py || status=$?
 # issue 21: pi_prox from the extra no-grad forward on CUDA in bf16, both backends. The no-grad
 # forward runs in eval mode and the training one in train mode; at the same weights they must agree
@@ -162,7 +163,18 @@ torch.cuda.synchronize()
 print(f"xlong_gpu case study tree K=5: {e.n_tokens} tokens, {out['targets']} targets, "
       f"step {time.perf_counter() - t0:.1f} s, peak {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB", flush=True)
 PY
-for f in ablation_gpu.json moe_gpu.json hybrid_gpu.json; do
+# ---- issue 28 item 3: CONTEXT PARALLELISM (needs >= 2 GPUs and Transformer Engine) ------------
+# train.context_parallel = N over N GPUs on expanded rows (THD, PackedSeqParams, TE's ring
+# attention): log-probs vs the embedded trainer, the ranks' stats summing to the micro-batch's, the
+# grad norm, a tree row refused -> cp_gpu.json. SKIPPED on the device lent to this project: it has
+# ONE GPU (an H200), so this step has never run there; it runs as is on a node with two or more.
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+if [ "$gpus" -ge 2 ] && python3 -c "import transformer_engine" 2>/dev/null; then
+    timeout -k 10 180 torchrun --standalone --nproc_per_node=2 benchmarks/cp_gpu_check.py || status=$?
+else
+    echo "context parallelism: SKIPPED ($gpus GPU(s) visible; needs >= 2 and Transformer Engine)"
+fi
+for f in ablation_gpu.json moe_gpu.json hybrid_gpu.json cp_gpu.json; do
     if [ -n "${OUT:-}" ] && [ -f "benchmarks/results/$f" ]; then
         cp "benchmarks/results/$f" "$OUT/"
     fi

@@ -322,6 +322,10 @@ class TrainConfig(_EnumFields):
                                      "and runs again in backward (long rows: ~1/layers of the activations)")
     logprob_chunk: int = _f(4096, min=1, help="target positions projected onto the vocabulary at once: peak "
                                            "logits memory is logprob_chunk x vocab, never S x vocab")
+    context_parallel: int = _f(1, min=1, help="Megatron-Core context-parallel size inside a cell: an expanded row "
+                                             "longer than one GPU holds is packed (THD) and cut over this many "
+                                             "ranks (Transformer Engine's attention); needs train.backend = "
+                                             "\"megatron\" and train.layout = \"expanded\"")
 
 
 @dataclass
@@ -576,6 +580,13 @@ def _cross_check(cfg: GyreConfig) -> None:
     if t.is_mask and not t.is_mask_low < t.is_mask_high:
         raise ConfigError(f"train.is_mask_low ({t.is_mask_low}) must be below train.is_mask_high "
                           f"({t.is_mask_high})")
+    if t.context_parallel > 1 and t.layout == Layout.TREE:
+        raise ConfigError(f"train.context_parallel = {t.context_parallel} cuts rows over ranks, and a tree "
+                          "row's subtrees attend to keys across the cut: set train.layout = \"expanded\" "
+                          "or keep train.context_parallel = 1")
+    if t.context_parallel > 1 and t.backend != TrainBackend.MEGATRON:
+        raise ConfigError(f"train.context_parallel = {t.context_parallel} needs train.backend = \"megatron\" "
+                          "(the embedded trainer keeps a row on one device); or keep train.context_parallel = 1")
 
 
 def resolved_off_policy(cfg: GyreConfig) -> OffPolicyMode:

@@ -40,7 +40,7 @@ def init_distributed(*, rank: int | None = None, world_size: int | None = None,
 
 
 def init_megatron(*, tensor_parallel: int = 1, pipeline_parallel: int = 1, expert_parallel: int = 1,
-                  seed: int = 0) -> None:
+                  context_parallel: int = 1, seed: int = 0) -> None:
     """Megatron's parallel state and RNG tracker (and the CPU layer when CUDA is absent)."""
     from gyre.train import megatron_cpu  # Megatron-Core: only when its parallel state is set up
 
@@ -50,11 +50,14 @@ def init_megatron(*, tensor_parallel: int = 1, pipeline_parallel: int = 1, exper
 
     if not parallel_state.model_parallel_is_initialized():
         world = torch.distributed.get_world_size()
-        if world % (tensor_parallel * pipeline_parallel * expert_parallel):
+        if world % (tensor_parallel * pipeline_parallel * expert_parallel) or \
+                world % (tensor_parallel * pipeline_parallel * context_parallel):
             raise ValueError(f"a cell of {world} trainer ranks cannot hold tensor_parallel={tensor_parallel} x "
-                             f"pipeline_parallel={pipeline_parallel} x expert_parallel={expert_parallel}; "
-                             f"make their product divide the ranks")
+                             f"pipeline_parallel={pipeline_parallel} x expert_parallel={expert_parallel} "
+                             f"(context_parallel={context_parallel}); make each product with tensor x "
+                             f"pipeline divide the ranks")
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
                                                  pipeline_model_parallel_size=pipeline_parallel,
+                                                 context_parallel_size=context_parallel,
                                                  expert_model_parallel_size=expert_parallel)
     tp.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)

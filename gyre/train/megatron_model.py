@@ -115,9 +115,13 @@ class QwenGPTModel(GPTModel):
                 rep.clear_router_replay_action()
                 rep.clear_indices()
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor,
-                routed_experts: Tensor | None = None, **kwargs) -> Tensor:
-        if attention_mask is None:  # the default causal mask is built with device="cuda"
+    def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor | None,
+                routed_experts: Tensor | None = None, rope_positions: Tensor | None = None, **kwargs) -> Tensor:
+        """`rope_positions`: where RoPE is evaluated when not at `position_ids`: under context
+        parallelism the whole THD stream's positions [1, P] (Megatron's THD RoPE cuts each rank's
+        chunks out of them); packed THD input (`packed_seq_params`) takes no attention_mask."""
+        if attention_mask is None and kwargs.get("packed_seq_params") is None:
+            # the default causal mask is built with device="cuda"
             raise ValueError("pass an explicit [B,1,S,S] boolean attention_mask (True = masked) "
                              "or a gyre.train.tree_attention.TreeMask")
         replays = []
@@ -146,7 +150,7 @@ class QwenGPTModel(GPTModel):
                 if isinstance(m, TreeCoreAttention):
                     m.tree_mask = attention_mask
             attention_mask = attention_mask.kv_end
-        self.rotary_pos_emb.positions = position_ids
+        self.rotary_pos_emb.positions = position_ids if rope_positions is None else rope_positions
         try:
             return super().forward(input_ids, position_ids, attention_mask, **kwargs)
         finally:
@@ -158,9 +162,10 @@ class QwenGPTModel(GPTModel):
 
 def transformer_config(hf_config, *, dtype: torch.dtype = torch.float32, use_cpu_initialization: bool = True,
                        moe_aux_loss_coef: float = 0.0, routing_replay: bool = False,
-                       recompute: bool = False) -> TransformerConfig:
+                       recompute: bool = False, context_parallel: int = 1) -> TransformerConfig:
     """Megatron TransformerConfig with the architecture of a config of a `gyre.model` family;
-    `recompute`: Megatron's full activation recomputation of every layer (`train.recompute`)."""
+    `recompute`: Megatron's full activation recomputation of every layer (`train.recompute`);
+    `context_parallel`: `train.context_parallel` (Transformer Engine's default p2p ring)."""
     spec = _gpt_spec(hf_config)
     if recompute:
         recompute_keys = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -219,6 +224,7 @@ def transformer_config(hf_config, *, dtype: torch.dtype = torch.float32, use_cpu
         # loss weights are precomputed for the whole step, so data-parallel grads must be summed,
         # not averaged: this makes Megatron DDP use a scaling factor of 1
         calculate_per_token_loss=True,
+        context_parallel_size=context_parallel,
         **moe,
         **recompute_keys,
     )
@@ -236,11 +242,13 @@ def _gpt_spec(hf_config):
 
 def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32, use_cpu_initialization: bool = True,
                     moe_aux_loss_coef: float = 0.0, grouped_gemm: bool | None = None,
-                    routing_replay: bool = False, recompute: bool = False) -> QwenGPTModel:
+                    routing_replay: bool = False, recompute: bool = False,
+                    context_parallel: int = 1) -> QwenGPTModel:
     """A GPTModel with the config's architecture (call after Megatron's parallel state is
     initialised). MoE families use SequentialMLP experts (the local spec) on the CPU; grouped GEMM
     (TEGroupedMLP, Transformer Engine) is for CUDA: `grouped_gemm` None = when CUDA and Transformer
-    Engine are both there."""
+    Engine are both there. `context_parallel` > 1: core attention is Transformer Engine's
+    (TEDotProductAttention: THD rows with the ring across the cut), not the tree attention."""
     spec = as_spec(hf_config)
     if grouped_gemm is None:
         import importlib.util
@@ -248,10 +256,11 @@ def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32, use_cpu_in
         grouped_gemm = torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
     config = transformer_config(spec, dtype=dtype, use_cpu_initialization=use_cpu_initialization,
                                 moe_aux_loss_coef=moe_aux_loss_coef, routing_replay=routing_replay and bool(spec.experts),
-                                recompute=recompute)
+                                recompute=recompute, context_parallel=context_parallel)
     layer = get_gpt_layer_local_spec(num_experts=spec.experts or None, moe_grouped_gemm=False,
                                      qk_layernorm=spec.qk_norm, normalization="RMSNorm")
-    layer.submodules.self_attention.submodules.core_attention = TreeCoreAttention
+    layer.submodules.self_attention.submodules.core_attention = \
+        TreeCoreAttention if context_parallel == 1 else context_parallel_attention()
     if spec.experts and grouped_gemm:
         # CUDA: only the experts change (TEGroupedMLP, Transformer Engine's grouped GEMM); attention,
         # norms and names elsewhere stay the local spec's. Checked by benchmarks/gpu_check.sh only.
@@ -271,6 +280,21 @@ def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32, use_cpu_in
     rot = model.rotary_pos_emb
     rot.__class__ = PositionalRotaryEmbedding  # same state, forward that honours positions
     return model
+
+
+def context_parallel_attention() -> type:
+    """Transformer Engine's core attention, the one Megatron-Core runs context parallelism with
+    (Megatron's local DotProductAttention refuses context_parallel_size > 1). GPU only: checked by
+    benchmarks/gpu_check.sh when two GPUs are visible."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        raise ModelFormatError("train.context_parallel > 1 needs Transformer Engine (its THD attention runs the "
+                               "context-parallel ring): install transformer-engine on the trainer nodes, or "
+                               "keep train.context_parallel = 1")
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+    return TEDotProductAttention
 
 
 # --- weight layouts (the name maps live in gyre.model.megatron_names) --------------------------

@@ -3,6 +3,16 @@
 Data parallel over the default process group (gloo on CPU, nccl on GPU), tensor parallel 1.
 Gradients are *summed* across ranks (see `calculate_per_token_loss` in megatron_model): the loss
 weights of a step already divide by the step's executions, wherever they were computed.
+
+Context parallelism (`train.context_parallel` > 1, gyre/train/context_parallel.py): the ranks of
+one CP group get the same rows; each packs them into one THD stream, keeps its two chunks of every
+row, runs GPTModel on them with PackedSeqParams (Transformer Engine's attention does the ring) and
+takes the loss over the targets predicted at its own tokens only. Megatron DDP sums gradients over
+data x context parallel ranks (the dp-cp group, scaling 1 under calculate_per_token_loss), so the
+sum of the CP ranks' partial losses is the whole micro-batch's. Transformer Engine's attention is
+CUDA only: on the CPU this path runs with a stand-in for it (tests/support/cp_attention.py, two gloo
+ranks); the real one runs in benchmarks/gpu_check.sh where two GPUs are visible (the device lent to
+this project has one, so it has not run there).
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ from gyre.train.base import ATTENTION_PATHS, Trainer, phase_timings, torch_dtype
 from gyre.train.routing_replay import check_model, replayed
 from gyre.train.logprobs import rows_at, target_logprobs
 from gyre.train.tree_attention import TreeMask
+from gyre.train import context_parallel as cpar
 
 
 class MegatronTrainer(Trainer):
@@ -29,7 +40,9 @@ class MegatronTrainer(Trainer):
             raise ValueError(f"attention {attention!r}: choose one of {', '.join(ATTENTION_PATHS)}")
         self.attention = attention
         init_megatron(tensor_parallel=cfg.tensor_parallel, pipeline_parallel=cfg.pipeline_parallel,
-                      expert_parallel=cfg.expert_parallel, seed=seed)  # a no-op when the cell did it
+                      expert_parallel=cfg.expert_parallel, context_parallel=cfg.context_parallel,
+                      seed=seed)  # a no-op when the cell did it
+        self.cp_rank, self.cp_size = self._context_parallel(cfg)
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -41,7 +54,8 @@ class MegatronTrainer(Trainer):
             else torch.device("cpu")
         check_model(cfg, len(as_spec(hf_config).moe_layers))
         model = build_gpt_model(hf_config, dtype=self.dtype, moe_aux_loss_coef=cfg.moe_aux_loss_coef,
-                                routing_replay=cfg.routing_replay, recompute=cfg.recompute)
+                                routing_replay=cfg.routing_replay, recompute=cfg.recompute,
+                                context_parallel=cfg.context_parallel)
         load_hf_weights(model, {k: v.to(self.dtype) for k, v in hf_state.items()}, hf_config)
         model.to(self.device)
         self.model = model
@@ -58,6 +72,83 @@ class MegatronTrainer(Trainer):
             [self.ddp])
         self._offloaded: dict[str, HostStash] | None = None
         self._grads_reduced = False  # flat_grads already ran the data-parallel reduction
+
+    @staticmethod
+    def _context_parallel(cfg: TrainConfig) -> tuple[int, int]:
+        """(this rank's CP rank, CP size) from Megatron's parallel state, checked against the config."""
+        if cfg.context_parallel == 1:
+            return 0, 1
+        from megatron.core import parallel_state
+
+        size = parallel_state.get_context_parallel_world_size()
+        if size != cfg.context_parallel:
+            raise ValueError(f"train.context_parallel = {cfg.context_parallel} but Megatron's parallel state was "
+                             f"initialised with a context-parallel size of {size}: initialise it with "
+                             f"init_megatron(context_parallel=...) before the trainer")
+        if cfg.routing_replay:
+            raise ValueError("train.routing_replay with train.context_parallel > 1 is not supported (the replayed "
+                             "routing would have to be cut like the rows): keep one of them off")
+        return parallel_state.get_context_parallel_rank(), size
+
+    # --- context parallelism ------------------------------------------------------------------
+    def _cp_plan(self, mb: MicroBatch) -> tuple[cpar.PackedRows, cpar.Shard]:
+        packed = cpar.pack_rows(mb.input_ids, mb.position_ids, mb.kv_end, self.cp_size)
+        return packed, cpar.shard(packed, self.cp_rank, mb.pred_pos, mb.input_ids.numel())
+
+    def forward_backward(self, mb: MicroBatch, prox: Tensor | None = None) -> dict:
+        """Under context parallelism: the loss over this rank's targets (DDP sums the CP ranks'
+        gradients); its stats count its own targets and tokens, so a cell's merge sums to the
+        micro-batch's."""
+        if self.cp_size == 1:
+            return super().forward_backward(mb, prox)
+        _, part = self._cp_plan(mb)
+        local = cpar.select_targets(mb, part.target_index)
+        stats = super().forward_backward(local, None if prox is None else prox[part.target_index.to(prox.device)])
+        self._acc["tokens"] += part.num_tokens - stats["tokens"]  # the view's kv_end counts every rank's
+        stats["tokens"] = part.num_tokens
+        return stats
+
+    @torch.no_grad()
+    def logprobs(self, mb: MicroBatch) -> Tensor:
+        """Every target's log-prob on every CP rank: each computes its own, all-gathered over the group."""
+        if self.cp_size == 1:
+            return super().logprobs(mb)
+        from megatron.core import parallel_state
+
+        packed, part = self._cp_plan(mb)
+        local = self._target_logprobs(cpar.select_targets(mb, part.target_index).to(self.device))
+        group = parallel_state.get_context_parallel_group()
+
+        def all_gather(t: Tensor) -> list[Tensor]:
+            out = [torch.empty_like(t) for _ in range(self.cp_size)]
+            torch.distributed.all_gather(out, t, group=group)
+            return out
+
+        return cpar.gather_target_logprobs(local, packed, mb.pred_pos, mb.input_ids.numel(), all_gather).cpu()
+
+    def _cp_hidden(self, mb: MicroBatch) -> tuple[Tensor, Tensor]:
+        """GPTModel's hidden rows [n, 1, H] of this rank's THD tokens and, for each target of `mb`
+        (all predicted on this rank), its row among them."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        packed, part = self._cp_plan(mb)
+        if part.target_index.numel() != mb.num_targets:
+            raise ValueError("context parallelism: the micro-batch given to the forward holds targets of "
+                             "other CP ranks; select this rank's targets first (context_parallel.select_targets)")
+        dev = self.device
+        i32 = dict(device=dev, dtype=torch.int32)
+        params = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=packed.cu_seqlens.to(**i32), cu_seqlens_kv=packed.cu_seqlens.to(**i32),
+            cu_seqlens_q_padded=packed.cu_seqlens_padded.to(**i32),
+            cu_seqlens_kv_padded=packed.cu_seqlens_padded.to(**i32),
+            max_seqlen_q=packed.max_seqlen, max_seqlen_kv=packed.max_seqlen)
+        self.ddp.train(torch.is_grad_enabled())
+        self._moe_loss_scale(part.input_ids.numel())
+        hidden = self.ddp(part.input_ids.to(dev), part.position_ids.to(dev), None, packed_seq_params=params,
+                          # the whole stream's positions: Megatron's THD RoPE takes this rank's chunks
+                          rope_positions=packed.position_ids[None].to(dev))
+        return hidden, part.target_rows
 
     # --- hooks --------------------------------------------------------------------------------
     def _moe_aux_loss(self):
@@ -82,7 +173,10 @@ class MegatronTrainer(Trainer):
 
         self.model.return_hidden = True
         try:
-            hidden = self._forward(mb)  # [S, B, H]
+            if self.cp_size > 1:  # [n, 1, H] of this rank's THD tokens; the targets' rows among them
+                hidden, rows = self._cp_hidden(mb)
+            else:
+                hidden, rows = self._forward(mb), mb.pred_pos  # [S, B, H], flat b*S+i
         finally:
             self.model.return_hidden = False
         weight = self.model.shared_embedding_or_output_weight() \
@@ -94,17 +188,28 @@ class MegatronTrainer(Trainer):
         def logp_of(logits: Tensor, targets: Tensor) -> Tensor:
             return -vocab_parallel_cross_entropy(logits[:, None], targets[:, None])[:, 0]
 
-        return target_logprobs(rows_at(hidden, mb.pred_pos, seq_first=True), project, mb.target_ids,
+        return target_logprobs(rows_at(hidden, rows, seq_first=True), project, mb.target_ids,
                                temperature=mb.temperature, chunk=self.cfg.logprob_chunk, logp_of=logp_of,
                                # entropy needs the whole vocabulary: one tensor-parallel rank holds it only at TP 1
                                entropy=entropy if get_tensor_model_parallel_world_size() == 1 else None)
 
     def _logits(self, mb: MicroBatch) -> Tensor:
+        if self.cp_size > 1:  # [B, S, V] of whole rows is what context parallelism exists to avoid
+            raise NotImplementedError("full logits are not computed under train.context_parallel > 1; "
+                                      "use logprobs() (target log-probs, gathered over the CP group)")
         return self._forward(mb)
 
     def _forward(self, mb: MicroBatch) -> Tensor:
         """GPTModel's output: [B, S, V] logits, or [S, B, H] hidden states with return_hidden."""
         self.ddp.train(torch.is_grad_enabled())
+        self._moe_loss_scale(mb.input_ids.numel())
+        if self.attention == "tree" and mb.kv_end is not None:
+            mask = TreeMask.build(mb.kv_end)  # TreeCoreAttention (megatron_model) follows it
+        else:
+            mask = mb.dense_mask()
+        return self.ddp(mb.input_ids, mb.position_ids, mask, routed_experts=replayed(self.cfg, mb))
+
+    def _moe_loss_scale(self, tokens: int) -> None:
         if self.model.config.num_moe_experts and torch.is_grad_enabled():
             from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, clear_aux_losses_tracker
 
@@ -113,12 +218,7 @@ class MegatronTrainer(Trainer):
             # tokens (it expects finalize_model_grads to divide by them; Gyre's loss weights are
             # final already): scale it back so the aux term is coef x loss per micro-batch, as
             # in the embedded trainer
-            MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / mb.input_ids.numel(), device=self.device))
-        if self.attention == "tree" and mb.kv_end is not None:
-            mask = TreeMask.build(mb.kv_end)  # TreeCoreAttention (megatron_model) follows it
-        else:
-            mask = mb.dense_mask()
-        return self.ddp(mb.input_ids, mb.position_ids, mask, routed_experts=replayed(self.cfg, mb))
+            MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / tokens, device=self.device))
 
     def _apply_gradients(self) -> float:
         from megatron.core.distributed import finalize_model_grads

@@ -84,7 +84,8 @@ class Rank:
             from gyre.train.dist import init_megatron  # as above
 
             init_megatron(tensor_parallel=cfg.tensor_parallel, pipeline_parallel=cfg.pipeline_parallel,
-                          expert_parallel=cfg.expert_parallel, seed=init.seed)
+                          expert_parallel=cfg.expert_parallel, context_parallel=cfg.context_parallel,
+                          seed=init.seed)
         elif cfg.tensor_parallel * cfg.pipeline_parallel * cfg.expert_parallel != 1:
             raise ValueError("train.tensor_parallel / pipeline_parallel / expert_parallel > 1 need "
                              "train.backend = \"megatron\"")
@@ -95,6 +96,7 @@ class Rank:
         if init.offloaded:
             self.trainer.offload()
         self.dp_group, self.dp_rank, self.dp_size = self._data_parallel()
+        self.grad_group, self.grad_size = self._gradient_group()
         self.device = self.trainer.device
         self.reducer = CrossCellReducer(store, cell=cell, local_rank=rank, incarnation=incarnation,
                                         device=self.device if self.device.type == "cuda" else torch.device("cpu"))
@@ -113,6 +115,17 @@ class Rank:
 
             return ps.get_data_parallel_group(), ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         return dist.group.WORLD, self.rank, self.size
+
+    def _gradient_group(self):
+        """The ranks whose gradients add up to the cell's: data parallel, and under context
+        parallelism (train.context_parallel) the CP ranks too, each of which holds the gradient
+        of its own part of the same rows (Megatron's dp-cp group)."""
+        if self.trainer.cfg.backend == TrainBackend.MEGATRON and self.trainer.cfg.context_parallel > 1:
+            from megatron.core import parallel_state as ps
+
+            return (ps.get_data_parallel_group(with_context_parallel=True),
+                    ps.get_data_parallel_world_size(with_context_parallel=True))
+        return self.dp_group, self.dp_size
 
     # --- requests -------------------------------------------------------------------------------
     def _new_step(self, step: int, update: int = 0) -> None:
@@ -155,8 +168,8 @@ class Rank:
         if self._any_work() == 0:  # collective: every rank takes the same branch
             return Stashed(held=self.held is not None)
         g = self._local_grads().to(self.device)
-        if self.dp_size > 1:
-            self._dist.all_reduce(g, group=self.dp_group)
+        if self.grad_size > 1:
+            self._dist.all_reduce(g, group=self.grad_group)
         g = g.cpu()
         self.held = g if self.held is None else self.held + g
         self.trainer.clear_gradients()
