@@ -343,7 +343,7 @@ class SchedConfig(_EnumFields):
     to_train_s: float = _f(8.52, min=0.0, help="expected rollout->train switch time (paper: 8.52 s)")
     to_rollout_s: float = _f(3.46, min=0.0, help="expected train->rollout switch time (paper: 3.46 s)")
     push_s: float = _f(60.0, min=0.0, help="expected optimizer step + weight push per step")
-    execs_per_cell: float = _f(16.0, min=0.001, help="scheme E-paper: running executions one rollout cell serves")
+    execs_per_cell: float = _f(16.0, min=0.001, help="schemes E and E-paper: running executions one rollout cell serves")
     min_dwell_s: float = _f(60.0, min=0.0, help="schemes E, E-paper: least time a cell stays in a role")
     calls_per_cell: float = _f(4.0, min=0.001, help="scheme E: calls one rollout cell decodes while each keeps "
                                "~80% of its solo speed (engines per cell x their batch knee)")

@@ -26,18 +26,15 @@ class Hints:
     to_rollout_s: float = SchedConfig.to_rollout_s
     push_s: float = SchedConfig.push_s
     eval_s: float = SchedConfig.eval_s
-    execs_per_cell: float = SchedConfig.execs_per_cell  # E-paper: executions one rollout cell serves at near full speed
+    execs_per_cell: float = SchedConfig.execs_per_cell  # E and E-paper: executions one rollout cell serves at near full speed
     cell_scale: float = 1.0          # one cell's throughput in cells of train_tokens_per_s
     train_tokens_per_s: float = SchedConfig.train_tokens_per_s  # per cell
     min_dwell_s: float = SchedConfig.min_dwell_s  # a cell stays in a role at least this long (anti-thrash)
-    switch_share: float = 0.02       # E: a switch round trip may cost this share of a trainer's time
     calls_per_cell: float = SchedConfig.calls_per_cell  # E: calls one rollout cell decodes while each keeps ~80% of its solo speed
 
     def __post_init__(self) -> None:
         if self.train_tokens_per_s <= 0 or self.cell_scale <= 0:
             raise ValueError("train_tokens_per_s and cell_scale must be positive")
-        if not 0 < self.switch_share <= 1:
-            raise ValueError(f"switch_share must be within (0, 1], got {self.switch_share}")
 
 
 class Policy:

@@ -214,22 +214,22 @@ def test_elastic_with_one_cell_is_colocate():
         assert e.decide(st, 1e4) == c.decide(st, 1e4)
 
 
-def test_elastic_sizes_training_by_admitted_work_and_keeps_busy_rollout():
+def test_elastic_trains_on_spare_cells_only_and_keeps_busy_rollout():
     p = make_policy("E", 0, HINTS)
-    h = p.horizon_s  # (8.52 + 3.46) / 2% = 599 s
-    assert h == pytest.approx((8.52 + 3.46) / 0.02)
-    rate = HINTS.train_tokens_per_s
-    # Every rollout cell is busy (32 calls = 8 cells x 4): training gets what its work keeps busy.
-    for cells in (1, 2, 3):
-        st = state([R] * 8, running=40, calls=32, train_left=rate * h * cells - 1, open_=10)
+    rate, switch = HINTS.train_tokens_per_s, HINTS.to_train_s
+    # 8 calls need 2 of 8 cells: the 6 spare cells train, as many as the work keeps busy past a switch.
+    for cells in (1, 3, 6):
+        st = state([R] * 8, running=8, calls=8, train_left=rate * switch * cells - 1, open_=10)
         after = apply(st, p.decide(st, 1e4).switches)
         assert sum(r is TT for r in after) == cells
-    # More work than the cluster: all but one cell trains; the last keeps serving.
-    st = state([R] * 8, running=40, calls=32, train_left=1e12, open_=10)
-    assert sum(r is R for r in apply(st, p.decide(st, 1e4).switches)) == 1
-    # Idle rollout cells (8 calls need 2 cells) train as soon as there is work worth a switch.
-    st = state([R] * 8, running=40, calls=8, train_left=rate * 60, open_=10)
-    assert sum(r is TT for r in apply(st, p.decide(st, 1e4).switches)) == 6
+    # However much work waits, training never takes a cell the calls in flight need.
+    for calls, spare in ((32, 0), (24, 2), (16, 4)):
+        st = state([R] * 8, running=40, calls=calls, train_left=1e12, open_=10)
+        assert sum(r is TT for r in apply(st, p.decide(st, 1e4).switches)) == spare
+    # Executions between calls count too: 40 running at 5 a cell need all 8 cells.
+    p5 = make_policy("E", 0, Hints(train_tokens_per_s=2200, calls_per_cell=4, execs_per_cell=5))
+    st = state([R] * 8, running=40, calls=8, train_left=1e12, open_=10)
+    assert p5.decide(st, 1e4).switches == ()
     # Nothing admitted and every rollout cell needed: no cell leaves.
     st = state([R] * 8, running=40, calls=32, open_=10)
     assert p.decide(st, 1e4).switches == ()
