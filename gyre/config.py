@@ -376,7 +376,9 @@ class HarnessConfig(_EnumFields):
     cpu_limit_s: int = _f(0, min=0, help="RLIMIT_CPU per execution; 0 = none")
     memory_limit_mb: int = _f(0, min=0, help="RLIMIT_AS of each process of an execution; 0 = none")
     # Defaults that keep one harness from hurting the others on a shared node (0 = none):
-    max_processes: int = _f(1024, min=0, help="processes one harness may run at once (its whole tree)")
+    max_processes: int = _f(1024, min=0, help="processes one harness may run at once (its whole tree); in a "
+                                              "sandbox the kernel caps it, and its evaluation's test commands, "
+                                              "at 2 x this + 160 tasks")
     max_memory_mb: int = _f(16384, min=0, help="resident memory of one harness's whole process tree (MB)")
     max_log_mb: int = _f(64, min=0, help="bytes of stdout and of stderr kept per harness (MB); the rest is dropped")
     max_workspace_mb: int = _f(20480, min=0, help="bytes a harness's workspace may hold on disk (MB); also "
@@ -385,7 +387,8 @@ class HarnessConfig(_EnumFields):
                                                      "workspace may hold: a harness cannot exhaust the run "
                                                      "directory's inodes")
     tmpfs_mb: int = _f(2048, min=0, help="size of a sandboxed harness's (and evaluation's) /tmp, its HOME, and "
-                                         "apart of its /dev/shm (MB; bubblewrap): what they hold is node memory "
+                                         "apart of its /dev/shm (MB; bubblewrap, enroot, podman, docker: Apptainer "
+                                         "cannot size them and warns): what they hold is node memory "
                                          "on top of harness.max_memory_mb (up to 2 x tmpfs_mb more); 0 = unsized")
     max_start_failures: int = _f(3, min=0, help="harnesses in a row that cannot start in their sandbox before "
                                                "the run stops with the sandbox's error; 0 = never stop")

@@ -10,7 +10,10 @@ Here: for a task whose image is found locally, one instance of the image copies 
 ``/workspace``, the cleaned candidate is laid over that copy, and a second, fresh instance runs
 the commands in it. A task that ships its tests is scored the same way on the host root inside
 bubblewrap, with the shipped tests added to the copy. Either way the commands never touch Gyre's
-own environment (read-only mounts, a private /tmp, no network).
+own environment (read-only mounts, a private /tmp, no network), and the node limits of the
+harness bound them too: /tmp and /dev/shm of ``harness.tmpfs_mb``, and the kernel's process cap of
+``harness.max_processes`` (``EvalOptions.max_processes``), so a hostile repository's tests cannot
+fill the node's memory or fork-bomb it while they are scored.
 
 Two scores come out. ``official_reward`` is the benchmark's: unscorable tasks and evaluator
 failures count 0. ``reward`` is Gyre's training reward: None where nothing could be scored, and
@@ -82,6 +85,9 @@ class EvalOptions:
     remove_conftest: bool = False
     pass_env: tuple = ("LANG", "LC_ALL", "TZ")
     kill_grace_s: float = 2.0
+    # harness.max_processes: the test commands get the harness's kernel cap (2 x it + 160 tasks), so
+    # a hostile repository's tests cannot fork-bomb the node while they are scored; 0 = none
+    max_processes: int = 0
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     environments: Environments | None = None  # shared with the harness pool where there is one
 
@@ -98,7 +104,7 @@ class EvalOptions:
         return cls(timeout_s=e.timeout_s, image_timeout_s=e.image_timeout_s, command_timeout_s=e.command_timeout_s,
                    network=e.network, scratch_dir=e.scratch_dir, keep_scratch=e.keep_scratch,
                    max_output_mb=e.max_output_mb, max_copy_mb=e.max_copy_mb, output=e.output,
-                   remove_conftest=e.remove_conftest,
+                   remove_conftest=e.remove_conftest, max_processes=cfg.harness.max_processes,
                    sandbox=sc, environments=environments)
 
 
@@ -246,9 +252,10 @@ class _Runner:
             env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent),
                                            proc.child_env(("PATH",)).get("PATH", "/usr/bin:/bin")])
             env["HOME"] = str(self.scratch)
-        inst = envs.instance(place, envs.launcher(place) + argv, mounts, env,
+        cap = self.opts.max_processes
+        inst = envs.instance(place, envs.launcher(place, cap) + argv, mounts, env,
                              name=f"eval-{self.task.name}-{os.getpid()}-{self.n}", private=[self.task.dir.parent],
-                             network=network, workdir=workdir)
+                             network=network, workdir=workdir, max_processes=cap)
         la = envs.launch(place, inst)
         run_steps(la.setup, la.env, check=True)
         try:
@@ -314,6 +321,7 @@ def evaluate_workspace(task: Task, workspace: str | os.PathLike, status: str = "
     if not place.scorable:
         return Evaluation(None, 0, task.test_case_count, "unscorable", 0.0, None,
                           f"cannot be scored here: {place.reason}", 0.0, place.label)
+    envs.warn_unbounded(place, opts.max_processes)
     source = source_for(status)
     # absolute: the commands run inside the copy, where a relative path would mean nothing
     scratch_root = (Path(opts.scratch_dir) if opts.scratch_dir else Path(tempfile.gettempdir())).absolute()

@@ -6,9 +6,10 @@ bounds one process, not a tree of them; RLIMIT_NPROC counts every process of the
 and the sibling harnesses' too); cgroups are not available to a user job everywhere. So a watcher
 reads /proc every ``poll_s`` (in a thread, off the event loop) and stops the harness at the first
 limit it passes, with an error naming that ``[harness]`` key. A single file is bounded at once by
-RLIMIT_FSIZE (set to the workspace limit by the runner); inside bubblewrap the kernel caps the
-processes too (RLIMIT_NPROC in the sandbox's own user namespace: gyre.harness.sandbox_init), and
-the poll here is the fallback everywhere else.
+RLIMIT_FSIZE (set to the workspace limit by the runner); in a sandbox the kernel caps the
+processes too (RLIMIT_NPROC in the instance's own user namespace: gyre.harness.sandbox_init; the
+pids cgroup under podman/docker), for the harness and for its evaluation's test commands, and the
+poll here is the fallback wherever neither holds (gyre.harness.sandbox warns where that is).
 
 Every error starts with ``harness.<key> = <limit>``: the execution's record keeps it, and the
 summaries count executions by the limit that stopped them (gyre.traj.record.limit_of).

@@ -26,8 +26,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from gyre.harness import proc
-from gyre.harness.limits import (CappedLog, TreeLimits, WorkspaceClock, check as check_limits,
-                                 kernel_counts_per_namespace, kernel_process_cap)
+from gyre.harness.limits import CappedLog, TreeLimits, WorkspaceClock, check as check_limits
 from gyre.harness.sandbox import (LIB, SOCKET, TASK, WORKSPACE, Environments, ProxyBridge, SandboxConfig,
                                   host_python, run_steps_async)
 from gyre.harness.runtimes import Mount
@@ -327,6 +326,7 @@ class HarnessPool:
     async def _sandboxed(self, task, place, execution_id, ws, task_dir, api_key, base_url, env):
         """argv and environment that run the harness inside its instance (see gyre.harness.sandbox)."""
         envs = self.envs
+        envs.warn_unbounded(place, self.limits.max_processes)
         proxied = envs.config.network == "proxy" and place.runtime.restricts_network
         bridge = await ProxyBridge(base_url).start() if proxied else None
         inner_url = bridge.inner_url if bridge else base_url
@@ -340,17 +340,15 @@ class HarnessPool:
                    GYRE_TASK_DIR=TASK, GYRE_EXECUTION_ID=execution_id,
                    PYTHONPATH=os.pathsep.join(filter(None, [LIB, env.get("PYTHONPATH")])))
         mounts = [Mount(str(ws), WORKSPACE, writable=True), Mount(str(task_dir), TASK)]
-        argv = envs.launcher(place)
-        if self.limits.max_processes and place.runtime.private_users and kernel_counts_per_namespace():
-            # the kernel refuses a fork past the cap at once; the poll stops the harness (the kernel
-            # exempts root of the host: there the poll alone holds)
-            argv += ["--nproc", str(kernel_process_cap(self.limits.max_processes))]
+        # the kernel refuses a fork past the cap at once (where the runtime gives the instance a
+        # user namespace of its own, or caps its pids itself); the poll stops the harness
+        argv = envs.launcher(place, self.limits.max_processes)
         if bridge:
             mounts.append(Mount(str(bridge.path), SOCKET))
             argv += ["--forward", f"{bridge.inner_port}={SOCKET}"]
         argv += ["--", *harness_argv]
         inst = envs.instance(place, argv, mounts, env, name=execution_id, network=envs.config.network == "host",
-                             private=[self.run_dir, task.dir.parent])
+                             private=[self.run_dir, task.dir.parent], max_processes=self.limits.max_processes)
         la = envs.launch(place, inst)
         try:
             await run_steps_async(la.setup, la.env, check=True)

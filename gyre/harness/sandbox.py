@@ -37,6 +37,7 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from gyre.config import ConfigError, ImageRuntime, Sandbox, env as config_env
+from gyre.harness.limits import kernel_counts_per_namespace, kernel_process_cap
 from gyre.harness.runtimes import ImageRef, Instance, Launch, Mount, Runtime, get_runtime
 from gyre.harness.runtimes.image_env import image_environment
 
@@ -69,6 +70,10 @@ class UnsandboxedWarning(UserWarning):
     pass
 
 
+class UnboundedWarning(UserWarning):
+    """A node limit asked for in [harness] that the chosen runtime cannot hold."""
+
+
 @dataclass(frozen=True)
 class SandboxConfig:
     sandbox: str = "auto"        # tasks without an image: auto (bwrap where it exists) | bwrap | none
@@ -84,6 +89,11 @@ class SandboxConfig:
         return cls(sandbox=h.sandbox, runtime=h.runtime, image_dir=h.image_dir,
                    image_python=h.image_python, network=h.sandbox_network, binds=tuple(h.sandbox_binds),
                    tmpfs_mb=h.tmpfs_mb)
+
+
+def host_user_namespace() -> str:
+    """This process's user namespace (``user:[INODE]``): the launcher inside compares its own."""
+    return os.readlink("/proc/self/ns/user")
 
 
 def host_python() -> str:
@@ -139,13 +149,15 @@ class Environments:
                           f"each other's workspaces, keys and the hidden tests", UnsandboxedWarning, stacklevel=2)
         self._places: dict[str, Placement] = {}
         self._lib: tuple[int, Path] | None = None
+        self._warned: set[str] = set()
 
     @property
     def host_backend(self) -> str:
         return self._host.name if self._host else "none"
 
     def __getstate__(self):
-        return {"config": self.config, "_host": self._host, "_places": self._places, "_lib": None}
+        return {"config": self.config, "_host": self._host, "_places": self._places, "_lib": None,
+                "_warned": set()}
 
     # -- placement ---------------------------------------------------------------------------
     def _runtimes(self) -> list[Runtime]:
@@ -239,8 +251,30 @@ class Environments:
     def _python_inside(self, place: Placement) -> str:
         return host_python() if place.kind != "image" else self.config.image_python
 
+    # -- limits that bound the node ----------------------------------------------------------
+    def unbounded(self, place: Placement, max_processes: int) -> list[str]:
+        """The node limits asked for (``harness.tmpfs_mb``, ``max_processes``) that ``place``'s
+        runtime cannot hold, each naming its key and the fix."""
+        if place.kind == "host":  # no sandbox at all: said once, loudly, at start (UnsandboxedWarning)
+            return []
+        why = place.runtime.unbounded(self.config.tmpfs_mb, max_processes)
+        if max_processes and not kernel_counts_per_namespace() and not place.runtime.caps_pids:
+            why.append(f"harness.max_processes = {max_processes}: this kernel ({os.uname().release}) counts "
+                       f"RLIMIT_NPROC per user over the whole node, so no sandbox gets the kernel's process cap "
+                       f"and the harness's process poll alone holds (evaluation commands are not capped); "
+                       f"Linux 5.14+, or podman/docker (--pids-limit), hold it")
+        return why
+
+    def warn_unbounded(self, place: Placement, max_processes: int) -> None:
+        """Warn once per process of each limit ``place`` cannot hold (never silently ignored)."""
+        for why in self.unbounded(place, max_processes):
+            if why not in self._warned:
+                self._warned.add(why)
+                warnings.warn(why, UnboundedWarning, stacklevel=2)
+
     def instance(self, place: Placement, argv: list[str], mounts: list[Mount], env: dict[str, str],
-                 *, name: str, private: list[Path], network: bool = False, workdir: str = WORKSPACE) -> Instance:
+                 *, name: str, private: list[Path], network: bool = False, workdir: str = WORKSPACE,
+                 max_processes: int = 0) -> Instance:
         all_mounts = [Mount(str(self.lib_dir()), LIB), *mounts]
         masks: list[str] = []
         if place.kind == "sandbox":
@@ -257,13 +291,20 @@ class Environments:
             env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
         return Instance(argv=argv, workdir=workdir, mounts=all_mounts, env=env, network=network,
                         image=place.image if place.kind == "image" else None, masks=masks, name=name,
-                        tmpfs_mb=self.config.tmpfs_mb)
+                        tmpfs_mb=self.config.tmpfs_mb,
+                        process_cap=kernel_process_cap(max_processes) if max_processes else 0)
 
-    def launcher(self, place: Placement) -> list[str]:
-        """argv prefix that runs the in-instance launcher."""
-        if place.kind == "host":
+    def launcher(self, place: Placement, max_processes: int = 0) -> list[str]:
+        """argv prefix that runs the in-instance launcher; with ``max_processes``, one that first
+        caps the instance's tasks (RLIMIT_NPROC) where it has a user namespace of its own."""
+        if place.kind == "host":  # Gyre's own namespace: RLIMIT_NPROC would count all its user's processes
             return [sys.executable, "-S", str(self.lib_dir() / "gyre_sandbox_init.py")]
-        return [self._python_inside(place), "-S", INIT]
+        argv = [self._python_inside(place), "-S", INIT]
+        if max_processes and kernel_counts_per_namespace():
+            # the kernel refuses a fork past the cap at once (it exempts the host's root: there the
+            # harness's poll alone holds); the launcher checks the namespace is not the host's
+            argv += ["--nproc", str(kernel_process_cap(max_processes)), "--host-userns", host_user_namespace()]
+        return argv
 
     def launch(self, place: Placement, inst: Instance) -> Launch:
         if place.kind == "host":  # no sandbox: the instance's paths are host paths

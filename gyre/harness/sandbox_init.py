@@ -2,20 +2,23 @@
 
 It is mounted alone (with the harness scripts) into an instance, so it must not import Gyre.
 
-    sandbox_init.py [--nproc N] [--forward PORT=SOCKET] -- ARGV...
+    sandbox_init.py [--nproc N --host-userns ID] [--forward PORT=SOCKET] -- ARGV...
         With --nproc, first cap the tasks (processes and threads) of this uid at N with
         RLIMIT_NPROC: in the sandbox's own user namespace the kernel counts the sandbox alone.
+        ID is the host's user namespace (``readlink /proc/self/ns/user`` there): in that same
+        namespace (a runtime that made none) the cap would count every process of the user on
+        the node, so it is left unset, with a line on stderr saying so.
         Listen on 127.0.0.1:PORT of the instance's own loopback and relay each connection to
         the Unix socket SOCKET (the host's end leads to the proxy), then run ARGV (the harness)
         and exit with its status. The instance has no other network.
 
-    sandbox_init.py --commands FILE --out DIR [--workdir DIR]
+    sandbox_init.py [--nproc N --host-userns ID] --commands FILE --out DIR [--workdir DIR]
         Run each argv of the JSON list FILE in turn, without a shell (NL2RepoBench's official
         runner splits each command with shlex and executes it), stdout into DIR/cmd-N.out and
         stderr into DIR/cmd-N.err, and the exit status into DIR/cmd-N.rc once it ends, so that a
         time limit reached later keeps what earlier commands printed.
 
-    sandbox_init.py --copy-tree SRC DST
+    sandbox_init.py [--nproc N --host-userns ID] --copy-tree SRC DST
         Copy SRC (the image's /workspace: the hidden tests) to DST, links kept as links.
 """
 
@@ -133,17 +136,43 @@ def run_commands(commands_file, out, workdir, command_timeout=0.0):
     return 0
 
 
-def cap_processes(n):
+def cap_processes(n, host_userns=None):
     """RLIMIT_NPROC, set here, inside: the kernel (5.14+) counts it per user namespace, so it
-    bounds this sandbox's tasks alone; set outside it would count every process of Gyre's user."""
+    bounds this sandbox's tasks alone; set outside it would count every process of Gyre's user.
+    False (and unset) where this is the host's own user namespace."""
     import resource
+    if host_userns is not None and _own_userns() in (None, host_userns):
+        sys.stderr.write("gyre sandbox: no user namespace of its own is known (the runtime made none, or no "
+                         "/proc): the process cap (RLIMIT_NPROC) is not set\n")
+        return False
     _, hard = resource.getrlimit(resource.RLIMIT_NPROC)
     if hard != resource.RLIM_INFINITY:
         n = min(n, hard)
     resource.setrlimit(resource.RLIMIT_NPROC, (n, n))
+    return True
+
+
+def _own_userns():
+    try:
+        return os.readlink("/proc/self/ns/user")
+    except OSError:  # no /proc
+        return None
+
+
+def _process_cap(args):
+    """The leading ``--nproc N [--host-userns ID]``, applied; the arguments after it."""
+    if args[:1] != ["--nproc"]:
+        return args
+    n, args = int(args[1]), args[2:]
+    host = None
+    if args[:1] == ["--host-userns"]:
+        host, args = args[1], args[2:]
+    cap_processes(n, host)
+    return args
 
 
 def main(args):
+    args = _process_cap(args)
     if args[:1] in (["--copy-tree"], ["--commands"]):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # bwrap was started with TERM ignored
     if args[:1] == ["--copy-tree"]:
@@ -154,9 +183,6 @@ def main(args):
         opts = dict(zip(args[0::2], args[1::2]))
         return run_commands(opts["--commands"], opts["--out"], opts.get("--workdir") or os.getcwd(),
                             float(opts.get("--command-timeout") or 0))
-    if args[:1] == ["--nproc"]:
-        cap_processes(int(args[1]))
-        args = args[2:]
     while args and args[0] == "--forward":
         port, _, path = args[1].partition("=")
         try:

@@ -9,6 +9,12 @@ instance of it, plus any set-up and tear-down commands (enroot creates and remov
     enroot      enroot (Slurm's pyxis) on a squashfs image
     podman      podman / docker ``run --rm`` of a local image
 
+Limits that bound the node: each runtime sizes the instance's in-memory scratch (``/tmp``,
+``/dev/shm``) to ``Instance.tmpfs_mb`` and caps its tasks at ``Instance.process_cap`` with its own
+documented flags where it has them; the in-instance launcher sets RLIMIT_NPROC where the instance
+has a user namespace of its own (gyre.harness.sandbox_init). What a runtime cannot bound it says
+in ``Runtime.unbounded``, and Gyre warns of it once (gyre.harness.sandbox).
+
 Secrets (the execution's API key) go through the environment of the runtime's own process, never
 its argv: bwrap and enroot pass named variables through, Apptainer reads ``APPTAINERENV_*``,
 podman/docker read ``-e NAME`` from the client's environment.
@@ -48,6 +54,7 @@ class Instance:
     masks: list[str] = field(default_factory=list)  # host paths hidden under an empty tmpfs (bwrap host mode)
     name: str = "gyre"  # instance name, where the runtime names containers
     tmpfs_mb: int = 0  # size of each writable tmpfs (/tmp, /dev/shm) where the runtime can size it; 0 = unsized
+    process_cap: int = 0  # tasks (processes and threads) at once, where the runtime caps them itself (cgroup pids); 0 = none
 
 
 @dataclass
@@ -67,7 +74,8 @@ class Runtime:
     program = ""
     restricts_network = False   # can give an instance loopback only
     private_pids = False        # an instance sees only its own processes
-    private_users = False       # an instance runs in a user namespace of its own (RLIMIT_NPROC counts it alone)
+    private_users = False       # an instance always runs in a user namespace of its own (RLIMIT_NPROC counts it alone)
+    caps_pids = False           # the runtime caps an instance's tasks itself (Instance.process_cap)
 
     def __init__(self, program: str | None = None):
         self.program = program or self.program
@@ -82,6 +90,11 @@ class Runtime:
 
     def launch(self, inst: Instance) -> Launch:
         raise NotImplementedError
+
+    def unbounded(self, tmpfs_mb: int, max_processes: int) -> list[str]:
+        """The node limits asked for (``harness.tmpfs_mb``, ``harness.max_processes``; 0 = not asked)
+        that this runtime cannot hold, each a sentence naming its key and how to hold it."""
+        return []
 
 
 def get_runtime(name: str) -> Runtime:

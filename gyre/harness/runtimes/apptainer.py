@@ -10,6 +10,18 @@ throw-away overlay, so every ``exec`` is a fresh instance. The environment is ha
 ``--network none`` needs a site that allows it for users (apptainer.conf ``allow net networks``;
 rootless with ``--userns``/``--fakeroot``); where it is refused, set harness.sandbox_network =
 "host" and rely on the proxy's per-execution keys.
+
+Limits that bound the node: Apptainer has no per-run option for the size of any tmpfs. Run by an
+ordinary user, ``--containall`` puts ``/tmp``, ``/var/tmp`` and the ``--writable-tmpfs`` overlay in
+one session tmpfs sized by the site (``sessiondir max size`` in apptainer.conf, 64 MB by default;
+unsized when run as root), and ``/dev/shm`` on a tmpfs of its own with no size at all (node memory
+that no process's resident size shows): ``harness.tmpfs_mb`` cannot bound either, and Gyre warns.
+``--scratch`` and ``--workdir`` only move such folders to disk. The process cap is the launcher's
+RLIMIT_NPROC, which bounds the instance alone only in a user namespace of its own: an
+unprivileged installation (the default since Apptainer 1.1) always makes one, a setuid one does
+not (unless ``--userns``), and the launcher then leaves it unset and says so. ``--pids-limit``
+(cgroups) is not used: run by an ordinary user it needs cgroups v2, systemd as the cgroups manager
+and a user session bus, and Apptainer refuses to start the instance where one is missing.
 """
 
 from __future__ import annotations
@@ -46,3 +58,17 @@ class Apptainer(Runtime):
         argv += [inst.image.location, *inst.argv]
         prefix = "SINGULARITYENV_" if self.program == "singularity" else "APPTAINERENV_"
         return Launch(argv, env={prefix + k: v for k, v in inst.env.items()})
+
+    def unbounded(self, tmpfs_mb: int, max_processes: int) -> list[str]:
+        why = []
+        if tmpfs_mb:
+            why.append(f"harness.tmpfs_mb = {tmpfs_mb} does not hold under {self.name}: /dev/shm is its own "
+                       f"tmpfs with no size (node memory) and /tmp is sized by the site (`sessiondir max size` "
+                       f"in {self.name}.conf, 64 MB by default); run these tasks under bwrap (an unpacked "
+                       f"rootfs: `{self.program} build --sandbox`), enroot, podman or docker to bound them")
+        if max_processes:
+            why.append(f"harness.max_processes = {max_processes}: under {self.name} the kernel's cap "
+                       f"(RLIMIT_NPROC) holds only where it runs the instance in a user namespace of its own "
+                       f"(an unprivileged installation; a setuid one only with --userns); elsewhere the "
+                       f"harness's process poll alone holds and evaluation commands are not capped")
+        return why

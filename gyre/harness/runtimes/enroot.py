@@ -1,7 +1,8 @@
 """enroot (the runtime behind Slurm's pyxis) on a squashfs image (``enroot import`` output).
 
     enroot create --name NAME IMAGE.sqsh
-    enroot start --rw --mount SRC:DST:none:x-create=auto,rbind[,ro] --env NAME ... NAME ARGV...
+    enroot start --rw [--mount tmpfs:/tmp:tmpfs:...,size=Nm --mount tmpfs:/dev/shm:tmpfs:...,size=Nm]
+                 --mount SRC:DST:none:x-create=auto,rbind[,ro] --env NAME ... NAME ARGV...
     enroot remove --force NAME
 
 A container is created per instance and removed after it, so each instance starts fresh;
@@ -11,7 +12,22 @@ from enroot's own environment (never on the argv).
 What enroot cannot do: it shares the host's network and pid namespaces (enroot isolates mounts
 and the user only), so under enroot a harness can see other processes and reach the network;
 Gyre's per-execution keys are then the only guard of the proxy. Prefer Apptainer or bwrap
-where that matters.
+where that matters. (enroot's sources after 4.1.2 add ``start --pid`` and ``--net``; no release
+has them yet.)
+
+Limits that bound the node: enroot's own mounts (its ``mounts.d/10-system.fstab``) give ``/tmp``
+an unsized tmpfs and bind the HOST's ``/dev/shm`` (node memory shared with every process of the
+node, and a channel between harnesses). ``--mount`` entries are mounted after those, so a sized
+tmpfs (``harness.tmpfs_mb``) is put over each of them. The process cap is the launcher's
+RLIMIT_NPROC: an unprivileged enroot always starts a user namespace of its own, so the kernel
+counts the instance alone (as root there is none, and the kernel exempts root anyway).
+
+What enroot cannot bound here:
+- ``/var/run`` and ``/var/lock`` stay enroot's unsized tmpfs: hooks (the NVIDIA one) put sockets
+  there, so they are not mounted over; a site bounds them with ``size=`` in that fstab.
+- ``--rw`` writes outside the instance's mounts go to the container's copy of the image under
+  ``ENROOT_DATA_PATH``: disk, bounded by that file system alone (node memory where a site puts
+  ``ENROOT_DATA_PATH`` on a tmpfs).
 """
 
 from __future__ import annotations
@@ -21,6 +37,8 @@ import re
 from gyre.harness.runtimes import ImageRef, Instance, Launch, Runtime, image_file
 
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
+# enroot's own /tmp options (10-system.fstab), world-writable as a /tmp is, plus the size
+_TMPFS_OPTIONS = "x-create=dir,rw,nosuid,nodev,mode=1777"
 
 
 class Enroot(Runtime):
@@ -43,6 +61,9 @@ class Enroot(Runtime):
             raise ValueError("enroot runs images only; the host root is bwrap's")
         name = _SAFE.sub("_", inst.name)
         argv = [self.program, "start", "--rw"]
+        if inst.tmpfs_mb:  # fstab fields, colon-separated (enroot turns each ':' into a field break)
+            for dst in ("/tmp", "/dev/shm"):
+                argv += ["--mount", f"tmpfs:{dst}:tmpfs:{_TMPFS_OPTIONS},size={inst.tmpfs_mb}m"]
         for m in inst.mounts:
             argv += ["--mount", f"{m.src}:{m.dst}:none:x-create=auto,rbind" + ("" if m.writable else ",ro")]
         for k in sorted(inst.env):
@@ -52,3 +73,10 @@ class Enroot(Runtime):
         return Launch(argv, env=dict(inst.env),
                       setup=[[self.program, "create", "--name", name, inst.image.location]],
                       teardown=[[self.program, "remove", "--force", name]])
+
+    def unbounded(self, tmpfs_mb: int, max_processes: int) -> list[str]:
+        if not tmpfs_mb:
+            return []
+        return [f"harness.tmpfs_mb = {tmpfs_mb} sizes /tmp and /dev/shm under enroot, but /var/run and "
+                "/var/lock stay enroot's own unsized tmpfs (node memory): add size= to their lines in "
+                "enroot's mounts.d/10-system.fstab, or run these tasks under bwrap (an unpacked rootfs)"]

@@ -1,6 +1,7 @@
 """podman / docker: ``run --rm`` of a local image (pulled or loaded beforehand).
 
     podman run --rm -i --network none --pid private --ipc private -w DIR
+               [--tmpfs /tmp:rw,exec,nosuid,nodev,mode=1777,size=Nm --shm-size Nm] [--pids-limit N]
                -v SRC:DST[:ro] -e NAME ... IMAGE ARGV...
 
 ``-e NAME`` without a value makes the client read the value from its own environment, so keys
@@ -8,6 +9,17 @@ never appear on the argv. ``--rm`` throws the container away: each instance star
 the image, as NL2RepoBench's own scorer does (a container per scoring). podman 4.3 on this
 machine imports images but ``run`` fails on setrlimit inside the test container; on a normal
 host it works as written.
+
+Limits that bound the node: ``/tmp`` is a tmpfs of ``harness.tmpfs_mb`` (``--tmpfs`` with its
+mount options; given options replace the default ``noexec``, so ``exec`` is kept for task commands
+that run what they build there) and ``/dev/shm`` is ``--shm-size`` (64 MB when not given); the
+container's tasks are capped by the pids cgroup (``--pids-limit``, 2 x ``harness.max_processes`` +
+160, as the launcher's RLIMIT_NPROC elsewhere). Rootful docker runs the instance as the host's
+root, whom RLIMIT_NPROC never binds: the cgroup is what holds there. Rootless podman on cgroup v1
+ignores ``--pids-limit`` (podman says so); the launcher's RLIMIT_NPROC in its user namespace still
+holds. Not bounded: the container's writable layer (disk of the image store; ``--storage-opt
+size=`` exists only for some storage drivers), so a task command's writes outside its mounts are
+bounded by that disk alone.
 """
 
 from __future__ import annotations
@@ -22,6 +34,7 @@ class Oci(Runtime):
     program = "podman"
     restricts_network = True
     private_pids = True
+    caps_pids = True
 
     def __init__(self, program: str = "podman"):
         super().__init__(program)
@@ -46,6 +59,11 @@ class Oci(Runtime):
                 "--network", "host" if inst.network else "none", "-w", inst.workdir]
         if self.program == "podman":  # docker's default is a private pid namespace; it has no "private" value
             argv += ["--pid", "private"]
+        if inst.tmpfs_mb:  # /tmp is the image's own folder (disk) otherwise; /dev/shm 64 MB
+            argv += ["--tmpfs", f"/tmp:rw,exec,nosuid,nodev,mode=1777,size={inst.tmpfs_mb}m",
+                     "--shm-size", f"{inst.tmpfs_mb}m"]
+        if inst.process_cap:
+            argv += ["--pids-limit", str(inst.process_cap)]
         for m in inst.mounts:
             argv += ["-v", f"{m.src}:{m.dst}" + ("" if m.writable else ":ro")]
         for k in sorted(inst.env):
