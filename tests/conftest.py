@@ -12,7 +12,6 @@ import pytest
 
 E2E_FILES = {"test_slurm.py", "test_slurm_cells.py", "test_online.py", "test_cell_agent.py",
              "test_cell_agent_fault_phase.py", "test_megatron_dist.py", "test_rollout.py"}
-SLURM_FILES = {"test_slurm.py", "test_slurm_cells.py"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -20,5 +19,4 @@ def pytest_collection_modifyitems(config, items):
         if item.path.name in E2E_FILES:
             item.add_marker(pytest.mark.e2e)
             item.add_marker(pytest.mark.slow)
-        if item.path.name in SLURM_FILES:  # one dev cluster: its tests run in one worker, in turn
-            item.add_marker(pytest.mark.xdist_group("slurm"))
+

@@ -37,6 +37,17 @@ def init_mpi():
     return MPI
 
 
+def one_machine_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for an MPI job whose ranks all run on this machine (`gyre run`): the OFI
+    netmod's tcp provider on loopback. Left to itself it binds the first interface it lists, which
+    may be a bridge or a VPN that goes away mid-run (seen: a Slurm dev cluster's bridge torn down
+    while a `gyre run` ran beside it failed its MPI_Finalize); loopback is always there. A site's
+    own choice wins."""
+    out = dict(os.environ if env is None else env)
+    out.setdefault("FI_TCP_IFACE", "lo")
+    return out
+
+
 def cell_rank(cell: int) -> int:
     return cell + 1
 

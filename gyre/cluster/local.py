@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from gyre.cell.mpi_link import one_machine_env
 from gyre.config import load_config
 from gyre.engine.reaper import reap
 from gyre.harness.execute import load_tasks
@@ -83,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
                   f"of the killed run", file=sys.stderr)
     report_path = run_dir / "report.json"
     report_path.unlink(missing_ok=True)
-    proc = subprocess.Popen(launch_command(args, cfg.sched.cells, engine_key_file(run_dir), report_path))
+    proc = subprocess.Popen(launch_command(args, cfg.sched.cells, engine_key_file(run_dir), report_path),
+                            env=one_machine_env())
 
     def forward(signum, _frame):  # the head stops harnesses and writes what it recorded
         try:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from gyre.cell.mpi_link import one_machine_env
 from gyre.model.tiny import ensure_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,7 +44,7 @@ def mpi_run(script: Path, ranks: int, base: Path, key_mode: int, bound_s: int) -
     cmd = ["timeout", "-k", "10", str(bound_s), mpiexec, "-n", str(ranks), sys.executable, str(script),
            str(base / "run"), str(model), str(key), str(out)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, env=one_machine_env())
     try:
         log, _ = proc.communicate(timeout=bound_s + 20)
     finally:  # engines and trainers of ranks that died must not outlive the test

@@ -35,7 +35,8 @@ def sbatch_script(tmp_path: Path, nodes: int = 4) -> Path:
 # 2 cells of one node each start half the processes
 ONE_NODE_CELLS = [*FAST, "sched.cell_nodes=1"]
 
-pytestmark = pytest.mark.timeout(600)
+# one dev cluster per machine: its tests go to one xdist worker (make test: --dist loadgroup), in turn
+pytestmark = [pytest.mark.timeout(600), pytest.mark.xdist_group("slurm")]
 
 
 def wait_for(cond, timeout: float, what: str, env: dict, job: str, out: Path) -> None:
@@ -144,6 +145,48 @@ def test_preemption_requeue_replays_the_executions_it_stopped(cluster, tmp_path)
         assert r["recorded_calls"] == stopped[r["from"]] and r["replayed_calls"] >= 1, r
         new, old = by_id[r["resumed"]], by_id[r["from"]]
         assert new.workspace != old.workspace and sum(c.endpoint == "replay" for c in new.tree.calls) == r["replayed_calls"]
+
+
+@pytest.mark.timeout(1500)  # two job starts; beside heavy neighbours each took minutes
+def test_head_sigkill_then_requeue_replays_the_running_executions_from_their_journals(cluster, tmp_path):
+    """Issue 34: the head SIGKILLed mid-run (at a named phase: a call in its journal, its answer not
+    yet sent), then the job requeued (as Slurm does on a node failure): the restarted job resumes,
+    and each execution the head was running continues by replay of its journal in a fresh
+    workspace (no engine time for what was recorded); every step once, nothing trains twice."""
+    from gyre.proxy.journal import read_journal
+    from gyre.traj.store import iter_executions
+
+    run, out, faults_dir = tmp_path / "run", tmp_path / "job.out", tmp_path / "faults"
+    args = ["-o", out, "--open-mode=append", sbatch_script(tmp_path, 2), DEMO, f"run.dir={run}", *ONE_NODE_CELLS,
+            "run.steps=2", "harness.suite=builtin", 'harness.tasks=["fizzbuzz", "roman"]', REFERENCE,
+            "harness.group_size=2"]
+    job = sbatch(cluster, args, {"GYRE_FAULT": "proxy:call_journaled:6", "GYRE_FAULT_DIR": str(faults_dir)})
+    wait_gone(cluster, job, 600, out)  # the head killed itself; --kill-on-bad-exit ended the step
+    assert (faults_dir / "fired-proxy-call_journaled-6").exists(), _tail(out)
+    journaled = {f.stem: len(read_journal(f)) for f in (run / "journal").glob("*.jsonl")}
+    assert sum(journaled.values()) >= 6 and all(journaled.values()), journaled
+    errors = []
+    list(iter_executions(run / "shards", on_error=errors.append))
+    assert not errors, errors  # what was recorded before the kill reads back
+    subprocess.run(["scontrol", "requeue", job], env=cluster, check=True, timeout=30)
+    wait_for(lambda: "(resuming)" in _tail(out, 100000), 300, "restart with --resume", cluster, job, out)
+    wait_gone(cluster, job, 600, out)
+    text = _tail(out, 100000)
+    report = json.loads((run / "report.json").read_text())
+    assert not report["stopped"] and not report["errors"], text
+    assert sorted(r["step"] for r in _lines(run / "steps.jsonl")) == [0, 1]
+    ledger = _lines(run / "ledger.jsonl")
+    trained = collections.Counter(r["execution"] for r in ledger if r.get("admitted") is True)
+    assert trained and max(trained.values()) == 1, trained.most_common(3)
+    resumed = {r["from"]: r for r in ledger if "resumed" in r}
+    assert set(resumed) == set(journaled), (resumed, journaled)  # each journaled execution, once
+    recs = {r.execution_id: r for r in iter_executions(run / "shards")}
+    for source, n in journaled.items():
+        r = resumed[source]
+        assert r["recorded_calls"] == n and r["replayed_calls"] == n, (r, n)
+        new = recs[r["resumed"]]
+        assert sum(c.endpoint == "replay" for c in new.tree.calls) == n and new.status == "done", new.status
+    assert list((run / "journal").iterdir()) == []  # taken over: gone once their executions are in shards
 
 
 def test_scancel_leaves_shards_readable(cluster, tmp_path):
