@@ -79,8 +79,11 @@ class Scenario:
         return replace(self, **kw)
 
 
+SCREEN_STEPS = 4  # horizon of the short runs that seed a long search (a tenth of the work at 24+ steps)
+
+
 def best_async(s: Scenario, workload: Workload | None = None, search: bool = False,
-               prune: bool = False) -> tuple[SimResult, dict[int, float]]:
+               prune: bool = False, screen_steps: int = 0) -> tuple[SimResult, dict[int, float]]:
     """Scheme A at its best split of 1 .. n-1 rollout cells: the fastest run and hours per split
     simulated. A fair comparison gives Async its best split, not half the cells by fiat.
 
@@ -94,7 +97,14 @@ def best_async(s: Scenario, workload: Workload | None = None, search: bool = Fal
     (it cannot be the best): the same best split and hours, for less simulation; the hours per
     split then hold the runs that finished, and the best run's ``async_given_up`` the others (split
     -> hours simulated when given up, a lower bound on theirs). The coarse grid then runs from the
-    middle of the range outwards, so a fast split is usually known early."""
+    middle of the range outwards, so a fast split is usually known early.
+
+    With ``screen_steps`` (a search over more steps than that, and more than 3 splits) the search
+    runs first at that short horizon, in place of the coarse grid, and the full-length walk starts
+    from the split it found: a run near the best split is given up only once it reaches the best
+    makespan, so each full-length run costs almost a whole run, and the walk needs three of them
+    (the best and its two neighbours) when the screen found the best. The walk still ends only at
+    a split whose neighbours are both slower at full length, so the answer is the search's answer wherever hours are unimodal in the split."""
     n = s.cluster.cells
     if n < 2:
         raise ValueError(f"async needs a rollout pool and a training pool; {n} cell cannot hold both")
@@ -116,14 +126,19 @@ def best_async(s: Scenario, workload: Workload | None = None, search: bool = Fal
 
     splits = range(1, n)
     order = (lambda k: (abs(2 * k - n), k)) if prune else None
-    if not search or len(splits) <= 6:
+    screened = search and 0 < screen_steps < s.steps and len(splits) > 3
+    if not screened and (not search or len(splits) <= 6):
         for k in sorted(splits, key=order):
             at(k)
     else:
-        stride = max(1, round(len(splits) / 6))
-        # order does not change what is found (a given-up run is slower than one that finished)
-        for k in sorted({*splits[::stride], n - 1}, key=order):
-            at(k)
+        if screened:  # seed the walk with the best split of short runs
+            short, _ = best_async(s.with_(steps=screen_steps), w, search=True, prune=prune)
+            at(short.async_rollout_cells)
+        else:
+            stride = max(1, round(len(splits) / 6))
+            # order does not change what is found (a given-up run is slower than one that finished)
+            for k in sorted({*splits[::stride], n - 1}, key=order):
+                at(k)
         while True:  # walk to a local minimum around the best split seen
             b = best()
             fresh = [k for k in (b - 1, b + 1) if 1 <= k < n and k not in runs and k not in given_up]
