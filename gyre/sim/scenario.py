@@ -104,7 +104,8 @@ def best_async(s: Scenario, workload: Workload | None = None, search: bool = Fal
     from the split it found: a run near the best split is given up only once it reaches the best
     makespan, so each full-length run costs almost a whole run, and the walk needs three of them
     (the best and its two neighbours) when the screen found the best. The walk still ends only at
-    a split whose neighbours are both slower at full length, so the answer is the search's answer wherever hours are unimodal in the split."""
+    a split whose neighbours are both slower at full length, so the answer is the search's answer
+    wherever hours are unimodal in the split."""
     n = s.cluster.cells
     if n < 2:
         raise ValueError(f"async needs a rollout pool and a training pool; {n} cell cannot hold both")
