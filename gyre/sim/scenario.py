@@ -112,11 +112,16 @@ def best_async(s: Scenario, workload: Workload | None = None, search: bool = Fal
     w = workload or Workload.named(s.workload, s.seed)
     runs: dict[int, SimResult] = {}
     given_up: dict[int, float] = {}  # split -> seconds simulated when its run was given up
+    cell_s, serial_s = train_pool_floor_s(s, w) if prune else (0.0, 0.0)
 
     def at(k: int) -> None:
         if k in runs or k in given_up:
             return
         limit = min((r.makespan_s for r in runs.values()), default=math.inf) if prune else math.inf
+        floor = cell_s / (n - k) + serial_s
+        if floor > limit:  # its training pool alone takes longer than the best run: not simulated
+            given_up[k] = floor
+            return
         try:
             runs[k] = s.with_(scheme="A", async_rollout_cells=k).run(w, give_up_after=limit)
         except GaveUp as e:
@@ -150,6 +155,19 @@ def best_async(s: Scenario, workload: Workload | None = None, search: bool = Fal
     b = best()
     runs[b].async_given_up = {k: t / 3600 for k, t in sorted(given_up.items())}
     return runs[b], {k: r.hours for k, r in sorted(runs.items())}
+
+
+def train_pool_floor_s(s: Scenario, w: Workload) -> tuple[float, float]:
+    """A floor on an Async run's makespan from its training pool alone, as (cell-seconds, seconds):
+    split k takes at least cell-seconds / (cells - k) + seconds. Cell-seconds: the training tokens
+    of the run's groups at one cell's rate; seconds: an optimizer step per step. The groups trained
+    are the first ones started but for stale drops and their replacements, so the tokens are the
+    smallest steps x groups-per-step totals among the groups a run can start before its window
+    closes on them."""
+    need = s.steps * s.groups_per_step
+    seen = need + (s.staleness + 1) * s.steps_per_sync * s.groups_per_step
+    tokens = sorted(sum(e.train_tokens for e in w.group(i).execs) for i in range(seen))[:need]
+    return sum(tokens) / s.cluster.train_tokens_per_s, s.steps * s.cluster.opt_s
 
 
 def preset_scenario(name: str, scheme: str, staleness: int, **kw) -> Scenario:
