@@ -8,7 +8,8 @@
   60 s on one core); plan_s_64n: `gyre plan --nodes 64` at its defaults (both cell sizes, E/A/C,
   staleness 0 and 2, the preset's 24 steps, one process per CPU: goal under 2 minutes) over
   plan_points_64n points (plan_s_per_point_64n each). The steps and processes are recorded beside
-  them; `--steps N` runs all three at N steps (a quick look).
+  them, and plan_cpu_s_64n, the CPU seconds of all its processes (wall time on a loaded machine
+  says more about the load); `--steps N` runs all three at N steps (a quick look).
 
     python benchmarks/bench_sched.py        # writes benchmarks/results/sched.json
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import resource
 import statistics
 import sys
 import time
@@ -83,14 +85,21 @@ def planning_speed(steps: int | None = None) -> dict:
     args = ap.parse_args(["--nodes", "64"] + (["--steps", str(steps)] if steps else []))
     scs = plan.scenarios(args)
     jobs = plan.usable_cpus()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu_s()
     rows = list(plan.execute(scs, "inline", jobs=jobs))
     wall = time.perf_counter() - t0
-    out |= {"plan_s_64n": round(wall, 2), "plan_points_64n": len(rows),
+    out |= {"plan_s_64n": round(wall, 2), "plan_cpu_s_64n": round(_cpu_s() - c0, 1), "plan_points_64n": len(rows),
             "plan_s_per_point_64n": round(wall / len(rows), 2), "plan_steps_64n": scs[0].steps,
             "plan_jobs_64n": min(jobs, len(scs)),
             "plan_failed_64n": sum(1 for r in rows if r.get("failed"))}
     return out
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process and its ended children (the plan's pool workers, reaped when
+    the pool shuts down): a figure the machine's other load does not inflate as it does wall time."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def main() -> int:

@@ -33,7 +33,7 @@ from gyre.config import ConfigError, Scheme, StalenessRule, load_config
 from gyre.sched import SCHEMES, RunSpec
 from gyre.sim.calibration import HARDWARE, MEM_FRACTION, PRESETS, check_layout, preset
 from gyre.sim.cost_model import divisors
-from gyre.sim.scenario import Scenario, best_async
+from gyre.sim.scenario import SCREEN_STEPS, Scenario, best_async
 from gyre.sim.workload import Workload
 
 _DEFAULT = preset("nl2repo-122b-32n")
@@ -274,7 +274,7 @@ def run_one(s: Scenario) -> dict:
     if s.scheme == Scheme.A and s.cluster.cells < 2:
         return _point(s) | {"skipped": f"async needs a rollout pool and a training pool; {s.cluster.cells} cell holds one"}
     if s.scheme == Scheme.A:
-        r, by_split = best_async(s, search=True, prune=True)
+        r, by_split = best_async(s, search=True, prune=True, screen_steps=SCREEN_STEPS)
     else:
         r, by_split = s.run(), {}
     d = r.to_dict()

@@ -79,8 +79,11 @@ class Scenario:
         return replace(self, **kw)
 
 
+SCREEN_STEPS = 4  # horizon of the short runs that seed a long search (a tenth of the work at 24+ steps)
+
+
 def best_async(s: Scenario, workload: Workload | None = None, search: bool = False,
-               prune: bool = False) -> tuple[SimResult, dict[int, float]]:
+               prune: bool = False, screen_steps: int = 0) -> tuple[SimResult, dict[int, float]]:
     """Scheme A at its best split of 1 .. n-1 rollout cells: the fastest run and hours per split
     simulated. A fair comparison gives Async its best split, not half the cells by fiat.
 
@@ -94,18 +97,31 @@ def best_async(s: Scenario, workload: Workload | None = None, search: bool = Fal
     (it cannot be the best): the same best split and hours, for less simulation; the hours per
     split then hold the runs that finished, and the best run's ``async_given_up`` the others (split
     -> hours simulated when given up, a lower bound on theirs). The coarse grid then runs from the
-    middle of the range outwards, so a fast split is usually known early."""
+    middle of the range outwards, so a fast split is usually known early.
+
+    With ``screen_steps`` (a search over more steps than that, and more than 3 splits) the search
+    runs first at that short horizon, in place of the coarse grid, and the full-length walk starts
+    from the split it found: a run near the best split is given up only once it reaches the best
+    makespan, so each full-length run costs almost a whole run, and the walk needs three of them
+    (the best and its two neighbours) when the screen found the best. The walk still ends only at
+    a split whose neighbours are both slower at full length, so the answer is the search's answer
+    wherever hours are unimodal in the split."""
     n = s.cluster.cells
     if n < 2:
         raise ValueError(f"async needs a rollout pool and a training pool; {n} cell cannot hold both")
     w = workload or Workload.named(s.workload, s.seed)
     runs: dict[int, SimResult] = {}
     given_up: dict[int, float] = {}  # split -> seconds simulated when its run was given up
+    cell_s, serial_s = train_pool_floor_s(s, w) if prune else (0.0, 0.0)
 
     def at(k: int) -> None:
         if k in runs or k in given_up:
             return
         limit = min((r.makespan_s for r in runs.values()), default=math.inf) if prune else math.inf
+        floor = cell_s / (n - k) + serial_s
+        if floor > limit:  # its training pool alone takes longer than the best run: not simulated
+            given_up[k] = floor
+            return
         try:
             runs[k] = s.with_(scheme="A", async_rollout_cells=k).run(w, give_up_after=limit)
         except GaveUp as e:
@@ -116,14 +132,19 @@ def best_async(s: Scenario, workload: Workload | None = None, search: bool = Fal
 
     splits = range(1, n)
     order = (lambda k: (abs(2 * k - n), k)) if prune else None
-    if not search or len(splits) <= 6:
+    screened = search and 0 < screen_steps < s.steps and len(splits) > 3
+    if not screened and (not search or len(splits) <= 6):
         for k in sorted(splits, key=order):
             at(k)
     else:
-        stride = max(1, round(len(splits) / 6))
-        # order does not change what is found (a given-up run is slower than one that finished)
-        for k in sorted({*splits[::stride], n - 1}, key=order):
-            at(k)
+        if screened:  # seed the walk with the best split of short runs
+            short, _ = best_async(s.with_(steps=screen_steps), w, search=True, prune=prune)
+            at(short.async_rollout_cells)
+        else:
+            stride = max(1, round(len(splits) / 6))
+            # order does not change what is found (a given-up run is slower than one that finished)
+            for k in sorted({*splits[::stride], n - 1}, key=order):
+                at(k)
         while True:  # walk to a local minimum around the best split seen
             b = best()
             fresh = [k for k in (b - 1, b + 1) if 1 <= k < n and k not in runs and k not in given_up]
@@ -134,6 +155,19 @@ def best_async(s: Scenario, workload: Workload | None = None, search: bool = Fal
     b = best()
     runs[b].async_given_up = {k: t / 3600 for k, t in sorted(given_up.items())}
     return runs[b], {k: r.hours for k, r in sorted(runs.items())}
+
+
+def train_pool_floor_s(s: Scenario, w: Workload) -> tuple[float, float]:
+    """A floor on an Async run's makespan from its training pool alone, as (cell-seconds, seconds):
+    split k takes at least cell-seconds / (cells - k) + seconds. Cell-seconds: the training tokens
+    of the run's groups at one cell's rate; seconds: an optimizer step per step. The groups trained
+    are the first ones started but for stale drops and their replacements, so the tokens are the
+    smallest steps x groups-per-step totals among the groups a run can start before its window
+    closes on them."""
+    need = s.steps * s.groups_per_step
+    seen = need + (s.staleness + 1) * s.steps_per_sync * s.groups_per_step
+    tokens = sorted(sum(e.train_tokens for e in w.group(i).execs) for i in range(seen))[:need]
+    return sum(tokens) / s.cluster.train_tokens_per_s, s.steps * s.cluster.opt_s
 
 
 def preset_scenario(name: str, scheme: str, staleness: int, **kw) -> Scenario:

@@ -263,12 +263,13 @@ class Simulator:
             a = self._assign_cache[key] = tuple(out)
         return a
 
-    def _advance(self, t: float) -> None:
+    def _advance(self, t: float, speed: float) -> None:
+        """Move the clock to `t`; `speed` is `_speed()` now (the run loop asks it once per event)."""
         now = self.now
         dt = t - now
         if dt <= 0:
             return
-        speed, rate = self._speed(), self.n_train * self._tps
+        rate = self.n_train * self._tps
         pushing = now < self.push_until - _EPS
         optimizing = now < self.opt_until - _EPS
         left = self.train_left
@@ -328,10 +329,9 @@ class Simulator:
         if not self.mb_queue:
             self.train_left = 0.0
 
-    def _next_time(self) -> float:
+    def _next_time(self, speed: float) -> float:
         t = self.events[0][0] if self.events else math.inf
         if self.calls:
-            speed = self._speed()
             if speed > 0:
                 t = min(t, self.now + max(0.0, self.calls[0][0] - self.vclock) / speed)
         rate = self.n_train * self._tps
@@ -614,15 +614,16 @@ class Simulator:
         self._apply(self.p.decide(self._state(), self.now))
         idle_ticks = 0
         core, steps = self.core, self.core.spec.steps  # core.done: version >= steps
-        next_time, advance, handle_due = self._next_time, self._advance, self._handle_due
+        next_time, advance, handle_due, speed_now = self._next_time, self._advance, self._handle_due, self._speed
         while core.version < steps:
-            t = next_time()
+            speed = speed_now()  # nothing changes it between the next event's time and the advance to it
+            t = next_time(speed)
             if t > give_up_after or t == math.inf:  # (strictly: a run as fast as the limit may win a tie)
                 if t == math.inf:
                     raise SimError(f"{self.p.label}: nothing left to happen at t={self.now:.0f}s")
                 raise GaveUp(t)  # its makespan is at least t
             left = self.train_left
-            advance(t)
+            advance(t, speed)
             progressed, wake = handle_due()
             progressed |= self.train_left < left  # training drained work (a long step has no events)
             if core.version >= steps:

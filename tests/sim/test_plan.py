@@ -167,6 +167,36 @@ def test_searched_async_split_is_the_exhaustive_best():
     assert found.async_rollout_cells == full.async_rollout_cells and found.hours == full.hours
 
 
+@pytest.mark.parametrize("staleness", [0, 2])
+def test_screened_async_search_is_the_full_scans_best(staleness):
+    """`gyre plan`'s search (short runs seed the walk, runs given up once they cannot win) lands on
+    the full scan's split with the same run, and simulates fewer splits at full length."""
+    from gyre.sim.scenario import Scenario, best_async, nl2repo_cluster
+    s = Scenario("A", staleness, nl2repo_cluster(nodes=40, cell_nodes=4), steps=6, groups_per_step=4, record=False)
+    full, every = best_async(s)
+    found, finished = best_async(s, search=True, prune=True, screen_steps=2)
+    assert found.async_rollout_cells == full.async_rollout_cells and found.hours == full.hours
+    assert found.hours == min(every.values())
+    full_length = set(finished) | set(found.async_given_up)
+    assert len(every) == 9 and len(full_length) < len(every)
+    for k, h in finished.items():  # each split that ran to its end is the scan's run of that split
+        assert h == every[k]
+    for k, h in found.async_given_up.items():  # given up (or never run: its training floor) below its hours
+        assert found.hours <= h <= every[k]
+
+
+def test_training_pool_floor_is_below_every_splits_hours():
+    """The floor that skips an Async split without simulating it never exceeds that split's run."""
+    from gyre.sim.scenario import Scenario, best_async, nl2repo_cluster, train_pool_floor_s
+    for staleness in (0, 2):
+        s = Scenario("A", staleness, nl2repo_cluster(nodes=32, cell_nodes=4), steps=4, groups_per_step=8,
+                     record=False)
+        _, every = best_async(s)
+        cell_s, serial_s = train_pool_floor_s(s, Workload.named(s.workload, s.seed))
+        floors = {k: (cell_s / (8 - k) + serial_s) / 3600 for k in every}
+        assert all(floors[k] < every[k] for k in every), (floors, every)
+
+
 def test_a_failing_point_is_a_row_and_the_sweep_goes_on(monkeypatch, tmp_path, capsys):
     real = plan.run_one
 
