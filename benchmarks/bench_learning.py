@@ -9,7 +9,8 @@ Configurations (at `--size full`, the default `make bench` runs: 3 seeds x 14 st
   per step, `train.minibatches_per_step = 1`, where the clip against pi_prox cannot act; live runs
   take more updates per step since this round, not yet measured here);
 - E2 with each correction: none, tis, decoupled (E2_tis is E2's configuration: its runs are
-  E2's runs, reported under both labels);
+  E2's runs, reported under both labels), and tis and decoupled with two updates per step
+  (`E2_tis_mb2`, `E2_decoupled_mb2`: `train.minibatches_per_step = 2`, where the clip acts);
 - E0 with `sched.steps_per_sync = 4` and `sched.burst_order` stream vs shuffle.
 
 Written to benchmarks/results/learning.json (flat): `final_reward_{label}` (mean over seeds of the
@@ -31,6 +32,9 @@ One PNG of the reward curves: benchmarks/results/learning.png.
     python benchmarks/bench_learning.py --keep             # keep run directories (printed)
     python benchmarks/bench_learning.py --work DIR         # run directories in DIR; a rerun with the same
                                                            # DIR reuses every finished job (resumable)
+    python benchmarks/bench_learning.py --only E2_tis_mb2 E2_decoupled_mb2
+                                                           # those labels only: their figures replace the
+                                                           # ones in learning.json, the rest are kept
 
 Jobs run seed-major (every configuration's seed 0, then seed 1, ...), so a run cut short still
 has every configuration at the seeds it reached.
@@ -70,6 +74,11 @@ def configs() -> dict[str, list[str]]:
             out[f"{s}{k}"] = [*over, f"sched.staleness={k}"]
     for corr in ("none", "decoupled"):
         out[f"E2_{corr}"] = [*SCHEMES["E"], "sched.staleness=2", f"train.off_policy={corr}"]
+    # two PPO-style updates per step (train.minibatches_per_step): the clip against pi_prox acts
+    # (clip_frac > 0), the evidence `auto` needs to pick between tis and decoupled there
+    for corr in ("tis", "decoupled"):
+        out[f"E2_{corr}_mb2"] = [*SCHEMES["E"], "sched.staleness=2", f"train.off_policy={corr}",
+                                 "train.minibatches_per_step=2"]
     for order in ("stream", "shuffle"):
         out[f"E0_b{BURST}_{order}"] = [*SCHEMES["E"], "sched.staleness=0", f"sched.steps_per_sync={BURST}",
                                        f"sched.burst_order={order}"]
@@ -170,7 +179,7 @@ def analyse(runs: dict[str, list[tuple[dict, Path]]], size_name: str, size: tupl
     out["mismatch_abs_max_lag0"] = max((s["mismatch_abs_max_lag0"] for r in every for s in r["steps"]
                                         if s.get("mismatch_abs_max_lag0") is not None), default=None)
     out["mismatch_k3_lag2"] = weighted(every, "mismatch_k3_lag2", "mismatch_tokens_lag2")
-    for corr in ("none", "tis", "decoupled"):
+    for corr in ("none", "tis", "decoupled", "tis_mb2", "decoupled_mb2"):
         reps = [r for r, _ in runs.get(f"E2_{corr}", [])]
         out[f"truncated_frac_E2_{corr}"] = weighted(reps, "truncated_frac", "micro_batches")
     replaced = sum(s.get("replaced_zero_variance", 0) for r in every for s in r["steps"])  # aliases not twice
@@ -203,7 +212,7 @@ def plot(out: dict, labels: list[str], png: Path = PNG) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), sharey=True)
     groups = [("matched staleness", [f"{s}{k}" for k in (0, 2) for s in "EAC"]),
-              ("E2 corrections", [f"E2_{c}" for c in ("none", "tis", "decoupled")]),
+              ("E2 corrections", [f"E2_{c}" for c in ("none", "tis", "decoupled", "tis_mb2", "decoupled_mb2")]),
               (f"burst order (E0, {BURST} steps/sync)", [f"E0_b{BURST}_{o}" for o in ("stream", "shuffle")])]
     for ax, (title, names) in zip(axes, groups):
         for name in names:
@@ -264,6 +273,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"run directories kept in {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
+    if args.only is not None and args.out.exists():
+        # a partial re-run (--only) replaces its labels' figures and keeps every other one: the
+        # figures over all runs (mismatch, parity, burst order) are not recomputed from a subset
+        old = json.loads(args.out.read_text())
+        mine = {k: v for k, v in out.items() if any(k.endswith(f"_{label}") or f"_{label}_" in k for label in runs)}
+        out = {**old, **mine, "rerun_labels": sorted(runs), "rerun_size": args.size}
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     plot(out, list(todo), args.out.with_suffix(".png"))
     print(json.dumps({k: v for k, v in out.items() if not k.startswith("curve_")}, indent=1))
