@@ -35,8 +35,7 @@ def sbatch_script(tmp_path: Path, nodes: int = 4) -> Path:
 # 2 cells of one node each start half the processes
 ONE_NODE_CELLS = [*FAST, "sched.cell_nodes=1"]
 
-# one dev cluster per machine: its tests go to one xdist worker (make test: --dist loadgroup), in turn
-pytestmark = [pytest.mark.timeout(600), pytest.mark.xdist_group("slurm")]
+pytestmark = pytest.mark.timeout(600)
 
 
 def wait_for(cond, timeout: float, what: str, env: dict, job: str, out: Path) -> None:
@@ -168,6 +167,7 @@ def test_head_sigkill_then_requeue_replays_the_running_executions_from_their_jou
     errors = []
     list(iter_executions(run / "shards", on_error=errors.append))
     assert not errors, errors  # what was recorded before the kill reads back
+    assert json.loads((run / "state.json").read_text())["version"] >= 0  # whole: written atomically
     subprocess.run(["scontrol", "requeue", job], env=cluster, check=True, timeout=30)
     wait_for(lambda: "(resuming)" in _tail(out, 100000), 300, "restart with --resume", cluster, job, out)
     wait_gone(cluster, job, 600, out)
@@ -187,19 +187,3 @@ def test_head_sigkill_then_requeue_replays_the_running_executions_from_their_jou
         new = recs[r["resumed"]]
         assert sum(c.endpoint == "replay" for c in new.tree.calls) == n and new.status == "done", new.status
     assert list((run / "journal").iterdir()) == []  # taken over: gone once their executions are in shards
-
-
-def test_scancel_leaves_shards_readable(cluster, tmp_path):
-    """scancel of the whole job mid-run: every shard on disk reads back; state.json is whole."""
-    from gyre.traj.store import iter_executions, shard_paths
-
-    run, out = tmp_path / "run", tmp_path / "job.out"
-    job = sbatch(cluster, ["-o", out, sbatch_script(tmp_path, 2), DEMO, f"run.dir={run}", *ONE_NODE_CELLS, "run.steps=50"])
-    wait_for(lambda: bool(_lines(run / "steps.jsonl")), 180, "first step", cluster, job, out)
-    subprocess.run(["scancel", job], env=cluster, check=True, timeout=30)
-    wait_gone(cluster, job, 60, out)
-    errors = []
-    recs = list(iter_executions(run / "shards", on_error=errors.append))
-    assert not errors and len(recs) >= 8 and shard_paths(run / "shards")
-    state = json.loads((run / "state.json").read_text())
-    assert state["version"] >= 1

@@ -19,7 +19,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from support.devcluster import REPO, _tail, cluster, sbatch, wait_gone  # noqa: E402,F401  (cluster: fixture)
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200), pytest.mark.xdist_group("slurm")]  # see test_slurm.py
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 NODES = [["node01", "node02"], ["node03", "node04"]]
 
 
