@@ -22,24 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 ATTEMPTS = 400  # forks tried at most: twice the cap of the max_processes the test uses (20: 200)
-HOSTILE_TESTS = """
-import errno, json, os
-out = {}
-for d in ('/tmp', '/dev/shm'):
-    n, err = 0, None
-    try:
-        with open(os.path.join(d, 'fill'), 'wb') as f:
-            while n < (64 << 20):
-                f.write(b'x' * 65536)
-                f.flush()
-                n += 65536
-    except OSError as e:
-        err = errno.errorcode.get(e.errno, str(e.errno))
-    out[d] = [n, err]
-    try:
-        os.unlink(os.path.join(d, 'fill'))
-    except OSError:
-        pass
+FORKS = """
 r, w = os.pipe()
 kids, refused = [], None
 for _ in range(%d):
@@ -59,6 +42,13 @@ for pid in kids:
 out.update(forks=len(kids), refused=refused)
 json.dump(out, open('/workspace/probe.json', 'w'))
 """ % ATTEMPTS
+
+
+def hostile_tests() -> str:
+    """The repository's test script: /tmp and /dev/shm filled (at most 64 MiB each), then the forks."""
+    from support.node_limits import FILL_DIRS
+
+    return "import errno, json, os\ncap, out = 64 << 20, {}\nDIRS = ('/tmp', '/dev/shm')\n" + FILL_DIRS + FORKS
 
 
 def scored(scratch: Path, max_processes: int, tmpfs_mb: int, nproc_net: int = 1500) -> dict:
@@ -85,7 +75,7 @@ def main(scratch: str, max_processes: int, tmpfs_mb: int) -> dict:
     root = Path(scratch)
     ws = root / "ws"
     shutil.copytree(SOLUTIONS / "fizzbuzz", ws)
-    (ws / "hostile_tests.py").write_text(HOSTILE_TESTS)
+    (ws / "hostile_tests.py").write_text(hostile_tests())
     task = dataclasses.replace(TASKS["fizzbuzz"], test_commands=("python3 hostile_tests.py",))
     envs = Environments(SandboxConfig(sandbox="bwrap", tmpfs_mb=tmpfs_mb))
     opts = EvalOptions(timeout_s=120, scratch_dir=str(root / "eval"), keep_scratch=True,

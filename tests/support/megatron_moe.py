@@ -6,6 +6,7 @@ import torch
 
 from gyre.batch import expanded_batch, per_execution_weights
 from gyre.config import TrainConfig
+from support.gloo_ranks import spawned_ranks
 
 
 SEQS = [[1, 2, 3, 40, 41, 42, 43, 44], [1, 2, 3, 50, 51, 52, 53, 54], [9, 8, 60, 61, 62, 63, 64, 65],
@@ -33,23 +34,7 @@ def two_expert_parallel_ranks(hf, hf_state: dict) -> tuple:
     """One step of Megatron MoE at expert parallelism 2 over gloo, two spawned processes each with
     half the batch: (grad norm, aux loss, local expert weights on rank 0, EP size, every updated
     weight in checkpoint names). ``hf_state``: the checkpoint-named weights as numpy arrays."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, hf.config, hf_state, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    result = out.get(timeout=300)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0, f"expert-parallel rank exited {p.exitcode}"
-    return result
+    return spawned_ranks(_rank, hf.config, hf_state, replies=1)[0]
 
 
 def _rank(rank, port, hf_config, hf_state, out):

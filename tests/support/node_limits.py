@@ -28,12 +28,10 @@ from gyre.harness.tasks import load_suite
 
 BOMB = ":(){ :|:& };:; sleep 60"
 ROOT = Path(__file__).resolve().parents[2]
-# a harness that writes 64 KiB blocks to each path given until the file system refuses (at most
-# 64 MiB, or `GYRE_FILL_MB`), and writes down the bytes and the errno per path
-FILL = """
-import errno, json, os, sys
-cap, out = int(os.environ.get('GYRE_FILL_MB', '64')) << 20, {}
-for d in sys.argv[1:]:
+# Python that writes 64 KiB blocks to each folder of DIRS until the file system refuses (at most
+# `cap` bytes), then records the bytes and the errno per folder in `out`
+FILL_DIRS = """
+for d in DIRS:
     n, err = 0, None
     try:
         with open(os.path.join(d, 'fill'), 'wb') as f:
@@ -48,8 +46,10 @@ for d in sys.argv[1:]:
         os.unlink(os.path.join(d, 'fill'))
     except OSError:
         pass
-json.dump(out, open('/workspace/fill.json', 'w'))
 """
+# a harness that fills each path given (at most 64 MiB, or `GYRE_FILL_MB`) and writes down what it could
+FILL = ("import errno, json, os, sys\ncap, out = int(os.environ.get('GYRE_FILL_MB', '64')) << 20, {}\n"
+        "DIRS = sys.argv[1:]\n" + FILL_DIRS + "json.dump(out, open('/workspace/fill.json', 'w'))\n")
 
 
 def ordinary_user_argv(tmp: Path, nproc_net: int = 1500) -> tuple[list[str] | None, str]:

@@ -11,6 +11,7 @@ import torch
 from gyre.batch import MicroBatch, expanded_batch
 from gyre.config import ConfigError, load_config
 from gyre.train import context_parallel as cpar
+from support.gloo_ranks import spawned_ranks
 
 
 def _batch(lengths: list[int], prompt: int = 2, seed: int = 0) -> MicroBatch:
@@ -61,6 +62,19 @@ def test_rank_r_holds_chunks_r_and_2cp_minus_1_minus_r(cp):
         assert (rank[slots] == r).all() and local[slots].tolist() == list(range(len(slots)))
 
 
+class _Group:
+    """What Megatron reads off a context-parallel process group: its size and this rank."""
+
+    def __init__(self, size: int, rank: int):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
 def _toy_logprob(position: torch.Tensor, token: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """A per-position function of what a rank holds at a row (its position and token) and the target."""
     return -(torch.sin(position.double() * 0.37 + token.double() * 0.11) + target.double() * 0.01) ** 2
@@ -100,20 +114,10 @@ def test_matches_megatrons_get_batch_on_this_cp_rank(monkeypatch):
     packed = _pack(mb, cp)
     assert packed.num_slots == n  # no padding: the non-packed split applies
 
-    class Group:  # the size and rank Megatron reads off a context-parallel process group
-        def __init__(self, rank):
-            self._rank = rank
-
-        def size(self):
-            return cp
-
-        def rank(self):
-            return self._rank
-
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     for r in range(cp):
         theirs = get_batch_on_this_cp_rank({"tokens": mb.input_ids.clone(), "position_ids": mb.position_ids.clone()},
-                                           cp_group=Group(r))
+                                           cp_group=_Group(cp, r))
         ours = cpar.shard(packed, r, mb.pred_pos, n)
         assert torch.equal(theirs["tokens"], ours.input_ids)
         assert torch.equal(theirs["position_ids"], ours.position_ids)
@@ -140,19 +144,9 @@ def test_megatron_thd_rope_rotates_each_local_token_at_its_own_position():
 
     whole = rotate(x, emb[:, 0])
 
-    class Group:
-        def __init__(self, rank):
-            self._rank = rank
-
-        def size(self):
-            return cp
-
-        def rank(self):
-            return self._rank
-
     for r in range(cp):
         slots = cpar.rank_slots(packed, r)
-        local = _apply_rotary_pos_emb_thd(x[slots], packed.cu_seqlens_padded, emb, cp_group=Group(r))
+        local = _apply_rotary_pos_emb_thd(x[slots], packed.cu_seqlens_padded, emb, cp_group=_Group(cp, r))
         assert torch.allclose(local, whole[slots], atol=1e-12)
 
 
@@ -250,28 +244,14 @@ def _cp_rank(rank, port, hf_config, hf_state, out):
 def test_megatron_trainer_with_two_cp_ranks_equals_one_process():
     """Two CP ranks (gloo, the stand-in attention): every rank's gathered log-probs, the summed
     stats, the grad norm and the updated weights equal the embedded trainer's on the whole rows."""
-    import socket
-
-    import torch.multiprocessing as mp
-
     from gyre.config import TrainConfig
     from gyre.train.toy import random_qwen2
     from gyre.train.trainer import EmbeddedTrainer
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     hf = random_qwen2(seed=0, std=0.1)
     hf_state = {k: v.numpy().copy() for k, v in hf.state_dict().items()}
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_cp_rank, args=(r, port, hf.config, hf_state, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = sorted((out.get(timeout=300) for _ in procs), key=lambda r: r[0])
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    results = sorted(spawned_ranks(_cp_rank, hf.config, hf_state, replies=2), key=lambda r: r[0])
+
 
     mb = _cp_batch()
     ref = EmbeddedTrainer(TrainConfig(**_CP_CFG), hf)

@@ -1,13 +1,11 @@
 """Two data-parallel Megatron ranks under gloo give the step of one process on the whole batch."""
 
-import socket
-
 import torch
-import torch.multiprocessing as mp
 
 from gyre.config import TrainConfig
 from gyre.batch import expanded_batch
 from gyre.train.toy import random_qwen2
+from support.gloo_ranks import spawned_ranks
 
 SEQS = [[1, 2, 3, 40, 41, 42, 43], [1, 2, 3, 50, 51], [9, 8, 60, 61, 62, 63, 64, 65], [9, 8, 70]]
 PLENS = [3, 3, 2, 2]
@@ -50,20 +48,9 @@ def _rank(rank, port, hf_config, hf_state, out):
 def test_two_gloo_ranks_sum_to_the_whole_step():
     from gyre.train.trainer import EmbeddedTrainer
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     hf = random_qwen2(seed=0, std=0.1)
     hf_state = {k: v.numpy().copy() for k, v in hf.state_dict().items()}
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, hf.config, hf_state, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    grad_norm, dist_params = out.get(timeout=120)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    [(grad_norm, dist_params)] = spawned_ranks(_rank, hf.config, hf_state, replies=1, timeout_s=120)
 
     ref = EmbeddedTrainer(_CFG, hf)
     ref.forward_backward(_batch([0, 1, 2, 3], 4))
