@@ -17,6 +17,8 @@ this project has one, so it has not run there).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import Tensor
 
@@ -72,6 +74,7 @@ class MegatronTrainer(Trainer):
             [self.ddp])
         self._offloaded: dict[str, HostStash] | None = None
         self._grads_reduced = False  # flat_grads already ran the data-parallel reduction
+        self._plan: cpar.RankPlan | None = None  # the CP plan of the micro-batch being computed
 
     @staticmethod
     def _context_parallel(cfg: TrainConfig) -> tuple[int, int]:
@@ -91,9 +94,14 @@ class MegatronTrainer(Trainer):
         return parallel_state.get_context_parallel_rank(), size
 
     # --- context parallelism ------------------------------------------------------------------
-    def _cp_plan(self, mb: MicroBatch) -> tuple[cpar.PackedRows, cpar.Shard]:
-        packed = cpar.pack_rows(mb.input_ids, mb.position_ids, mb.kv_end, self.cp_size)
-        return packed, cpar.shard(packed, self.cp_rank, mb.pred_pos, mb.input_ids.numel())
+    @contextmanager
+    def _planned(self, plan: cpar.RankPlan):
+        """`plan` for the forward inside: the base class calls _target_logprobs(mb) with no room for it."""
+        self._plan = plan
+        try:
+            yield
+        finally:
+            self._plan = None
 
     def forward_backward(self, mb: MicroBatch, prox: Tensor | None = None) -> dict:
         """Under context parallelism: the loss over this rank's targets (DDP sums the CP ranks'
@@ -101,11 +109,12 @@ class MegatronTrainer(Trainer):
         micro-batch's."""
         if self.cp_size == 1:
             return super().forward_backward(mb, prox)
-        _, part = self._cp_plan(mb)
-        local = cpar.select_targets(mb, part.target_index)
-        stats = super().forward_backward(local, None if prox is None else prox[part.target_index.to(prox.device)])
-        self._acc["tokens"] += part.num_tokens - stats["tokens"]  # the view's kv_end counts every rank's
-        stats["tokens"] = part.num_tokens
+        plan = cpar.plan_micro_batch(mb, self.cp_size, self.cp_rank)
+        local = cpar.select_targets(mb, plan.target_index)
+        with self._planned(plan):
+            stats = super().forward_backward(local, None if prox is None else prox[plan.target_index.to(prox.device)])
+        self._acc["tokens"] += plan.num_tokens - stats["tokens"]  # the view's kv_end counts every rank's
+        stats["tokens"] = plan.num_tokens
         return stats
 
     @torch.no_grad()
@@ -115,8 +124,9 @@ class MegatronTrainer(Trainer):
             return super().logprobs(mb)
         from megatron.core import parallel_state
 
-        packed, part = self._cp_plan(mb)
-        local = self._target_logprobs(cpar.select_targets(mb, part.target_index).to(self.device))
+        plan = cpar.plan_micro_batch(mb, self.cp_size, self.cp_rank)
+        with self._planned(plan):
+            local = self._target_logprobs(cpar.select_targets(mb, plan.target_index).to(self.device))
         group = parallel_state.get_context_parallel_group()
 
         def all_gather(t: Tensor) -> list[Tensor]:
@@ -124,15 +134,20 @@ class MegatronTrainer(Trainer):
             torch.distributed.all_gather(out, t, group=group)
             return out
 
-        return cpar.gather_target_logprobs(local, packed, mb.pred_pos, mb.input_ids.numel(), all_gather).cpu()
+        return cpar.gather_target_logprobs(local, plan, all_gather).cpu()
 
     def _cp_hidden(self, mb: MicroBatch) -> tuple[Tensor, Tensor]:
         """GPTModel's hidden rows [n, 1, H] of this rank's THD tokens and, for each target of `mb`
-        (all predicted on this rank), its row among them."""
+        (all predicted on this rank), its row among them; the tokens and rows come from the plan
+        forward_backward / logprobs made of the whole micro-batch."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        packed, part = self._cp_plan(mb)
-        if part.target_index.numel() != mb.num_targets:
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("context parallelism: the forward runs inside forward_backward() or logprobs(), "
+                               "which plan the micro-batch once; call one of them")
+        packed = plan.packed
+        if plan.target_index.numel() != mb.num_targets:
             raise ValueError("context parallelism: the micro-batch given to the forward holds targets of "
                              "other CP ranks; select this rank's targets first (context_parallel.select_targets)")
         dev = self.device
@@ -144,11 +159,11 @@ class MegatronTrainer(Trainer):
             cu_seqlens_kv_padded=packed.cu_seqlens_padded.to(**i32),
             max_seqlen_q=packed.max_seqlen, max_seqlen_kv=packed.max_seqlen)
         self.ddp.train(torch.is_grad_enabled())
-        self._moe_loss_scale(part.input_ids.numel())
-        hidden = self.ddp(part.input_ids.to(dev), part.position_ids.to(dev), None, packed_seq_params=params,
+        self._moe_loss_scale(plan.input_ids.numel())
+        hidden = self.ddp(plan.input_ids.to(dev), plan.position_ids.to(dev), None, packed_seq_params=params,
                           # the whole stream's positions: Megatron's THD RoPE takes this rank's chunks
                           rope_positions=packed.position_ids[None].to(dev))
-        return hidden, part.target_rows
+        return hidden, plan.target_rows
 
     # --- hooks --------------------------------------------------------------------------------
     def _moe_aux_loss(self):

@@ -87,16 +87,29 @@ def test_reassembled_logprobs_equal_the_unsplit_ones(cp):
     whole = _toy_logprob(mb.position_ids.reshape(-1)[mb.pred_pos], mb.input_ids.reshape(-1)[mb.pred_pos],
                          mb.target_ids)
     packed = _pack(mb, cp)
-    shards = [cpar.shard(packed, r, mb.pred_pos, B * S) for r in range(cp)]
-    assert sum(len(s.target_index) for s in shards) == mb.num_targets
-    assert sum(s.num_tokens for s in shards) == mb.num_tokens
+    plans = [cpar.plan_rank(packed, r, mb.pred_pos, B * S) for r in range(cp)]
+    assert sum(len(s.target_index) for s in plans) == mb.num_targets
+    for s in plans:  # every rank's plan knows every rank's targets (the gather needs them), alike
+        assert [i.tolist() for i in s.rank_targets] == [p.target_index.tolist() for p in plans]
+    assert sum(s.num_tokens for s in plans) == mb.num_tokens
     locals_ = [_toy_logprob(s.position_ids[0, s.target_rows], s.input_ids[0, s.target_rows],
-                            mb.target_ids[s.target_index]) for s in shards]
-    for r, s in enumerate(shards):  # what each rank would return, gathered as torch.distributed does
+                            mb.target_ids[s.target_index]) for s in plans]
+    for r, s in enumerate(plans):  # what each rank would return, gathered as torch.distributed does
         width = max(len(x) for x in locals_)
         padded = [torch.cat([x, x.new_full((width - len(x),), float("nan"))]) for x in locals_]
-        got = cpar.gather_target_logprobs(locals_[r], packed, mb.pred_pos, B * S, lambda t, p=padded: p)
+        got = cpar.gather_target_logprobs(locals_[r], s, lambda t, p=padded: p)
         assert torch.equal(got, whole)
+
+
+def test_the_trainers_cp_forward_refuses_to_run_without_the_micro_batchs_plan():
+    """The CP forward takes its THD tokens from the plan forward_backward / logprobs made; called
+    outside them it says so rather than planning again."""
+    from gyre.train.megatron_trainer import MegatronTrainer
+
+    trainer = MegatronTrainer.__new__(MegatronTrainer)  # no Megatron state: the check comes first
+    trainer._plan = None
+    with pytest.raises(RuntimeError, match=r"inside forward_backward\(\) or logprobs\(\)"):
+        trainer._cp_hidden(_batch([6, 4]))
 
 
 def test_scatter_back_refuses_a_target_on_two_ranks_or_none():
@@ -118,7 +131,7 @@ def test_matches_megatrons_get_batch_on_this_cp_rank(monkeypatch):
     for r in range(cp):
         theirs = get_batch_on_this_cp_rank({"tokens": mb.input_ids.clone(), "position_ids": mb.position_ids.clone()},
                                            cp_group=_Group(cp, r))
-        ours = cpar.shard(packed, r, mb.pred_pos, n)
+        ours = cpar.plan_rank(packed, r, mb.pred_pos, n)
         assert torch.equal(theirs["tokens"], ours.input_ids)
         assert torch.equal(theirs["position_ids"], ours.position_ids)
 
@@ -217,6 +230,20 @@ def _cp_batch() -> MicroBatch:
     return mb
 
 
+_PLAN_STEPS = ("pack_rows", "target_owners")  # the costly steps of a micro-batch's CP plan
+
+
+def _count_plan_steps() -> dict[str, int]:
+    """Counts calls of the plan's costly steps from here on (in a spawned rank: nothing to undo)."""
+    calls = dict.fromkeys(_PLAN_STEPS, 0)
+    for name in _PLAN_STEPS:
+        def counted(*args, _name=name, _fn=getattr(cpar, name), **kwargs):
+            calls[_name] += 1
+            return _fn(*args, **kwargs)
+        setattr(cpar, name, counted)  # the trainer and plan_rank look them up on the module
+    return calls
+
+
 def _cp_rank(rank, port, hf_config, hf_state, out):
     from gyre.config import TrainConfig
     from gyre.train import megatron_model
@@ -232,41 +259,62 @@ def _cp_rank(rank, port, hf_config, hf_state, out):
     trainer = MegatronTrainer(cfg, hf_config, state)
     assert trainer.cp_size == 2 and trainer.cp_rank == rank
     mb = _cp_batch()
+    calls = _count_plan_steps()
     logp = trainer.logprobs(mb)
+    logprobs_calls = dict(calls)
     st = trainer.forward_backward(mb)
+    fb_calls = {k: calls[k] - logprobs_calls[k] for k in calls}
     step = trainer.optimizer_step()
     params = {k: v.numpy().copy() for k, v in trainer.hf_state_dict().items()} if rank == 0 else None
-    out.put((rank, logp.numpy().copy(), {k: st[k] for k in ("loss", "targets", "tokens")}, step["grad_norm"], params))
+    out.put(dict(rank=rank, logp=logp.numpy().copy(), stats={k: st[k] for k in ("loss", "targets", "tokens")},
+                 grad_norm=step["grad_norm"], params=params,
+                 plan_calls={"logprobs": logprobs_calls, "forward_backward": fb_calls}))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
-def test_megatron_trainer_with_two_cp_ranks_equals_one_process():
-    """Two CP ranks (gloo, the stand-in attention): every rank's gathered log-probs, the summed
-    stats, the grad norm and the updated weights equal the embedded trainer's on the whole rows."""
-    from gyre.config import TrainConfig
+@pytest.fixture(scope="module")
+def two_cp_ranks():
+    """One run of two CP ranks (~30 s) shared by the tests below: (the HF model, its state, each
+    rank's reply in rank order)."""
     from gyre.train.toy import random_qwen2
-    from gyre.train.trainer import EmbeddedTrainer
 
     hf = random_qwen2(seed=0, std=0.1)
     hf_state = {k: v.numpy().copy() for k, v in hf.state_dict().items()}
-    results = sorted(spawned_ranks(_cp_rank, hf.config, hf_state, replies=2), key=lambda r: r[0])
+    return hf, hf_state, sorted(spawned_ranks(_cp_rank, hf.config, hf_state, replies=2), key=lambda r: r["rank"])
 
 
+def test_megatron_trainer_with_two_cp_ranks_equals_one_process(two_cp_ranks):
+    """Two CP ranks (gloo, the stand-in attention): every rank's gathered log-probs, the summed
+    stats, the grad norm and the updated weights equal the embedded trainer's on the whole rows."""
+    from gyre.config import TrainConfig
+    from gyre.train.trainer import EmbeddedTrainer
+
+    hf, hf_state, results = two_cp_ranks
     mb = _cp_batch()
     ref = EmbeddedTrainer(TrainConfig(**_CP_CFG), hf)
     want = ref.logprobs(mb)
     ref_st = ref.forward_backward(mb)
     ref_step = ref.optimizer_step()
-    for _, logp, _, grad_norm, _ in results:
-        assert torch.allclose(torch.from_numpy(logp), want, atol=1e-5), (torch.from_numpy(logp) - want).abs().max()
-        assert abs(grad_norm - ref_step["grad_norm"]) < 1e-4 * ref_step["grad_norm"]
-    stats = [r[2] for r in results]
+    for r in results:
+        logp = torch.from_numpy(r["logp"])
+        assert torch.allclose(logp, want, atol=1e-5), (logp - want).abs().max()
+        assert abs(r["grad_norm"] - ref_step["grad_norm"]) < 1e-4 * ref_step["grad_norm"]
+    stats = [r["stats"] for r in results]
     assert all(s["targets"] > 0 for s in stats)  # both ranks predict targets: the split is real
     assert sum(s["targets"] for s in stats) == mb.num_targets
     assert sum(s["tokens"] for s in stats) == mb.num_tokens
     assert sum(s["loss"] for s in stats) == pytest.approx(ref_st["loss"], rel=1e-4)
-    params = results[0][4]
+    params = results[0]["params"]
     for k, v in ref.hf_state_dict().items():
         assert torch.allclose(v, torch.from_numpy(params[k]), atol=1e-6), k
     assert not torch.allclose(ref.hf_state_dict()["lm_head.weight"], torch.from_numpy(hf_state["lm_head.weight"]))
+
+
+def test_the_cp_plan_is_built_once_per_micro_batch(two_cp_ranks):
+    """logprobs (forward + all-gather) and forward_backward (forward + loss) each pack the rows and
+    find the targets' owners once on every rank: the forward and the gather reuse that plan."""
+    _, _, results = two_cp_ranks
+    once = dict.fromkeys(_PLAN_STEPS, 1)
+    for r in results:
+        assert r["plan_calls"] == {"logprobs": once, "forward_backward": once}, r["rank"]
