@@ -405,4 +405,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from gyre.fast_exit import exit_now
+
+    exit_now(main())  # without the interpreter's ~1-2 s teardown (torch): see gyre/fast_exit.py
