@@ -150,8 +150,9 @@ def best_async(s: Scenario, workload: Workload | None = None, search: bool = Fal
             fresh = [k for k in (b - 1, b + 1) if 1 <= k < n and k not in runs and k not in given_up]
             if not fresh:
                 break
-            for k in fresh:
-                at(k)
+            # one neighbour at a time, the larger training pool first: one that is faster moves the
+            # walk on before the other side runs (a full-length run saved wherever it is)
+            at(fresh[0])
     b = best()
     runs[b].async_given_up = {k: t / 3600 for k, t in sorted(given_up.items())}
     return runs[b], {k: r.hours for k, r in sorted(runs.items())}
