@@ -172,6 +172,7 @@ class Simulator:
         self._assign_cache: dict = {}
         self._busy_key: tuple | None = None  # (roles_rev, busy rollout cells, pushing, training) of busy_a
         self._n_cells = cluster.cells
+        self._segments = self.s.segments
         self.homed: list[dict] = [{} for _ in range(n)]  # per cell: the executions it serves
         self.lru: list[OrderedDict] = [OrderedDict() for _ in range(n)]  # per cell: those holding a prefix
         self.kv_used = [0.0] * n   # tokens of KV held per cell
@@ -360,7 +361,7 @@ class Simulator:
         then decode its output in the shared pool."""
         e.in_call = True
         self.core.call_started(e.id)
-        seg, n = e.seg, self.s.segments
+        seg, n = e.seg, self._segments
         ctx = e.spec.context_tokens
         before = ctx * seg / n
         after = ctx * (seg + 1) / n
@@ -393,11 +394,8 @@ class Simulator:
         """Its prefill done, a call decodes its output in the shared pool."""
         self.ctx_sum += e.ctx_mid
         self.in_call += 1
-        self._queue_call(e, e.out_seg)
-
-    def _queue_call(self, e: _Exec, work: float) -> None:
-        e.call_seq = sq = next(self.seq)
-        heappush(self.calls, (self.vclock + work, sq, e))
+        e.call_seq = sq = next(self.seq)  # identifies its entry in the decode heap
+        heappush(self.calls, (self.vclock + e.out_seg, sq, e))
 
     def _make_room(self, cell: int) -> None:
         """LRU eviction of idle executions' prefixes until the cell's KV fits; calls in flight
@@ -490,7 +488,7 @@ class Simulator:
     def _end_env(self, e: _Exec) -> bool:
         """Next segment, or the execution ends (True)."""
         e.seg += 1
-        if e.seg < self.s.segments:
+        if e.seg < self._segments:
             self._begin_call(e)
             return False
         del self.running[e.id]
@@ -618,7 +616,8 @@ class Simulator:
         self._apply(self.p.decide(self._state(), self.now))
         idle_ticks = 0
         core, steps = self.core, self.core.spec.steps  # core.done: version >= steps
-        advance, handle_due, rate_fn, tps = self._advance, self._handle_due, self._rate, self._tps
+        advance, rate_fn, tps = self._advance, self._rate, self._tps
+        end_call, decode, end_env = self._end_call, self._decode, self._end_env
         events, calls, inf = self.events, self.calls, math.inf
         key = None  # (calls in flight, serving cells, context sum) of `speed` (see _speed)
         speed = 0.0
@@ -647,7 +646,42 @@ class Simulator:
                     raise SimError(f"{self.p.label}: nothing left to happen at t={self.now:.0f}s")
                 raise GaveUp(t)  # its makespan is at least t
             advance(t, speed)
-            progressed, wake = handle_due()
+            # everything due now: calls that ended, then events (most are a call's prefill or its
+            # tool time: handled here, the rest by _event). Calls and tool time inside an execution
+            # change nothing a policy decides on, so only execution ends, evaluations, switches,
+            # step ends and ticks wake the policy.
+            progressed = wake = False
+            done = 0
+            if calls:
+                v = self.vclock
+                due = v + _EPS * (v if v > 1.0 else 1.0)
+                while calls and calls[0][0] <= due:
+                    end_call(heappop(calls)[2])
+                    done += 1
+                progressed = done > 0
+            due = self.now + _EPS
+            while events and events[0][0] <= due:
+                _, _, kind, obj = heappop(events)
+                done += 1
+                if kind == _PREFILL:
+                    progressed = True
+                    decode(obj)
+                elif kind == _ENV:
+                    progressed = True
+                    if end_env(obj):
+                        wake = True
+                elif kind == _TICK:
+                    self._push(self.now + self.s.tick_s, _TICK, None)
+                    wake = True
+                else:
+                    progressed = wake = True
+                    self._event(kind, obj)
+            self.n_events += done
+            if self._maybe_ready and not self.opt_until:
+                self._maybe_ready = False
+                if core.step_ready():
+                    progressed = wake = True
+                    self._ready()
             progressed |= self.train_left < left  # training drained work (a long step has no events)
             if core.version >= steps:
                 break
@@ -659,63 +693,22 @@ class Simulator:
                 self._apply(self.p.decide(self._state(), self.now))
         return self._result(time.perf_counter() - wall)
 
-    def _handle_due(self) -> tuple[bool, bool]:
-        """Process everything due now. Returns (progressed, the policy should look again):
-        calls and environment time inside an execution change nothing a policy decides on, so
-        only execution ends, evaluations, switches, step ends and ticks wake the policy."""
-        progressed = wake = False
-        calls, events = self.calls, self.events
-        done = 0
-        if calls:
-            v = self.vclock
-            due = v + _EPS * (v if v > 1.0 else 1.0)
-            end_call = self._end_call
-            while calls and calls[0][0] <= due:
-                end_call(heappop(calls)[2])
-                done += 1
-            progressed = done > 0
-        due = self.now + _EPS
-        while events and events[0][0] <= due:
-            _, _, kind, obj = heappop(events)
-            done += 1
-            if kind == _PREFILL:
-                progressed = True
-                self._decode(obj)
-                continue
-            if kind == _ENV:
-                progressed = True
-                wake |= self._end_env(obj)
-                continue
-            if kind == _TICK:
-                self._push(self.now + self.s.tick_s, _TICK, None)
-                wake = True
-                continue
-            progressed = True
-            if kind == _EVAL:
-                wake = True
-                self._evaluated(obj)
-            elif kind == _SWITCH:
-                wake = True
-                self._set_role(obj, Role.TRAIN if self.role[obj] is Role.TO_TRAIN else Role.ROLLOUT)
-                if self.role[obj] is Role.ROLLOUT:
-                    for e in self.running.values():
-                        if e.home < 0:
-                            self._home(e)
-            elif kind == _OPT:
-                wake = True
-                self.opt_until = 0.0
-                self._step_end()
-            elif kind == _PUSH:
-                wake = True
-                self.push_until = 0.0
-                self.core.weights_pushed(self.core.version)
-        self.n_events += done
-        if self._maybe_ready and not self.opt_until:
-            self._maybe_ready = False
-            if self.core.step_ready():
-                progressed = wake = True
-                self._ready()
-        return progressed, wake
+    def _event(self, kind: int, obj) -> None:
+        """An evaluation, a switch's end, an optimizer step's end or a weight push's end."""
+        if kind == _EVAL:
+            self._evaluated(obj)
+        elif kind == _SWITCH:
+            self._set_role(obj, Role.TRAIN if self.role[obj] is Role.TO_TRAIN else Role.ROLLOUT)
+            if self.role[obj] is Role.ROLLOUT:
+                for e in self.running.values():
+                    if e.home < 0:
+                        self._home(e)
+        elif kind == _OPT:
+            self.opt_until = 0.0
+            self._step_end()
+        elif kind == _PUSH:
+            self.push_until = 0.0
+            self.core.weights_pushed(self.core.version)
 
     def _ready(self) -> None:
         """The open step's batch is complete and trained: its optimizer step runs."""
