@@ -187,7 +187,7 @@ def test_screened_async_search_is_the_full_scans_best(staleness):
 
 @pytest.mark.parametrize("staleness, nodes, screen", [(1, 48, 2), (0, 48, 0), (2, 56, 2)])
 def test_one_neighbour_at_a_time_walk_is_the_full_scans_best(staleness, nodes, screen):
-    """The walk runs one neighbour of the best split at a time (the larger training pool first) and
+    """The walk runs one neighbour of the best split at a time (the smaller training pool first) and
     moves on as soon as one is faster: it still lands on the full scan's split and run, having
     simulated fewer splits."""
     from gyre.sim.scenario import Scenario, best_async, nl2repo_cluster
