@@ -89,7 +89,7 @@ def best_async(s: Scenario, workload: Workload | None = None, search: bool = Fal
 
     By default every split runs. With ``search`` (``gyre plan``: 15 splits at 16 cells is most of a
     plan's time) a coarse grid of about six splits runs first, then the neighbours of the best one
-    until neither is faster: hours against the split are close to unimodal (too few rollout cells
+    (one at a time: a faster one moves the walk on at once) until neither is faster: hours against the split are close to unimodal (too few rollout cells
     starve the trainers, too many leave them slow), and the neighbour walk corrects a coarse grid
     that landed beside a local dip. Up to 6 splits, search is the exhaustive sweep.
 
@@ -147,11 +147,13 @@ def best_async(s: Scenario, workload: Workload | None = None, search: bool = Fal
                 at(k)
         while True:  # walk to a local minimum around the best split seen
             b = best()
-            fresh = [k for k in (b - 1, b + 1) if 1 <= k < n and k not in runs and k not in given_up]
+            fresh = [k for k in (b + 1, b - 1) if 1 <= k < n and k not in runs and k not in given_up]
             if not fresh:
                 break
-            for k in fresh:
-                at(k)
+            # one neighbour at a time, so that one that is faster moves the walk on before the other
+            # side runs; the smaller training pool first: where it is slower, its training floor
+            # often skips it without a run
+            at(fresh[0])
     b = best()
     runs[b].async_given_up = {k: t / 3600 for k, t in sorted(given_up.items())}
     return runs[b], {k: r.hours for k, r in sorted(runs.items())}

@@ -27,6 +27,7 @@ table of Gyre's HDF5 shards.
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -203,13 +204,20 @@ class Workload:
 
     @classmethod
     def named(cls, preset_or_path: "str | LognormalPreset", seed: int) -> "Workload":
+        """A preset's workload is made once per process and shared (its groups are a pure function
+        of the preset and seed, so the runs of a sweep draw them once); a trace is read each time."""
         if isinstance(preset_or_path, LognormalPreset):
-            return cls.from_preset(preset_or_path, seed)
+            return _preset_workload(preset_or_path, seed)
         if preset_or_path in PRESETS:
-            return cls.from_preset(PRESETS[preset_or_path], seed)
+            return _preset_workload(PRESETS[preset_or_path], seed)
         if Path(preset_or_path).is_file():
             return cls.from_trace(preset_or_path)
         raise ConfigError(f"workload {preset_or_path!r}: not a preset ({', '.join(PRESETS)}) nor a trace file")
+
+
+@functools.lru_cache(maxsize=8)
+def _preset_workload(p: LognormalPreset, seed: int) -> Workload:
+    return Workload.from_preset(p, seed)
 
 
 _FIELDS = ("execution_id", "group", "duration_s", "calls", "tokens")

@@ -185,6 +185,24 @@ def test_screened_async_search_is_the_full_scans_best(staleness):
         assert found.hours <= h <= every[k]
 
 
+@pytest.mark.parametrize("staleness, nodes, screen", [(1, 48, 2), (0, 48, 0), (2, 56, 2)])
+def test_one_neighbour_at_a_time_walk_is_the_full_scans_best(staleness, nodes, screen):
+    """The walk runs one neighbour of the best split at a time (the smaller training pool first) and
+    moves on as soon as one is faster: it still lands on the full scan's split and run, having
+    simulated fewer splits."""
+    from gyre.sim.scenario import Scenario, best_async, nl2repo_cluster
+    s = Scenario("A", staleness, nl2repo_cluster(nodes=nodes, cell_nodes=4), steps=4, groups_per_step=4,
+                 record=False)
+    full, every = best_async(s)
+    found, finished = best_async(s, search=True, prune=True, screen_steps=screen)
+    assert found.async_rollout_cells == full.async_rollout_cells and found.hours == full.hours
+    assert found.hours == min(every.values())
+    for k, h in finished.items():
+        assert h == every[k]
+    tried = set(finished) | set(found.async_given_up)
+    assert len(tried) < len(every)
+
+
 def test_training_pool_floor_is_below_every_splits_hours():
     """The floor that skips an Async split without simulating it never exceeds that split's run."""
     from gyre.sim.scenario import Scenario, best_async, nl2repo_cluster, train_pool_floor_s
