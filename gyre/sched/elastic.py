@@ -12,13 +12,16 @@ sooner, counting their switch and, for the last one, its way back. At least one 
 any execution runs, except with a single cell, where E *is* Colocate (the one cell trains once the
 step's batch is complete and the harnesses wait).
 
-Training never takes a cell the running executions need, however much work waits: while they run,
-they are the critical path (at staleness 0 the step cannot end before its last execution does, so
-the admitted work has until then; at staleness > 0 the bound stops new starts only until this
-step's optimizer step, and then nothing runs and every cell may train). A rollout cell lent to
-training slows every call left on the others: sizing trainers to clear the work within a 600 s
-switch horizon took 7 of 8 cells from 467 running executions of the 122B preset at staleness 0
-and made E 3.9% slower than E-paper, which sizes rollout first (tests/sched/test_elastic_grid.py).
+At staleness 0 training never takes a cell the running executions need, however much work waits:
+they are the critical path (the step cannot end before its last execution does, so the admitted
+work has until then). A rollout cell lent to training slows every call left on the others: sizing
+trainers to clear the work within a 600 s switch horizon took 7 of 8 cells from 467 running
+executions of the 122B preset at staleness 0 and made E 3.9% slower than E-paper, which sizes
+rollout first (tests/sched/test_elastic_grid.py). At staleness > 0 executions always run (new
+groups start while the step trains), so spare cells alone left training behind and the running
+groups went stale: at the 122B preset, k = 2, 24 steps, E dropped 21,559 groups and took 118.6 h
+against Async's 90.3 h. There training also gets the cells its admitted work keeps busy over a
+600 s horizon (a switch round trip costs 2% of it): 87.1 h, 483 groups dropped.
 
 The paper's own rule is kept as scheme "E-paper" (gyre/sched/elastic_paper.py).
 """
@@ -32,6 +35,9 @@ from gyre.sched.policy import Hints, Policy, ceil_div, heading_counts, move
 from gyre.sched.state import ClusterState, Decision, Role
 
 
+SWITCH_SHARE = 0.02  # at staleness > 0 a training cell's switches cost at most 2% of its busy time
+
+
 class ElasticPolicy(Policy):
     scheme = Scheme.E
     admission_key = staticmethod(oldest_version_key)  # the order that drops fewest groups
@@ -39,6 +45,13 @@ class ElasticPolicy(Policy):
     def __init__(self, staleness: int = 0, hints: Hints | None = None) -> None:
         super().__init__(staleness, hints)
         self._one_cell = ColocatePolicy(staleness, self.hints)
+
+    @property
+    def horizon_s(self) -> float:
+        """At staleness > 0, how long the admitted work may keep a training cell busy: a round trip
+        of switches costs SWITCH_SHARE of it (600 s with the paper's 8.52 s + 3.46 s)."""
+        h = self.hints
+        return max(1.0, (h.to_train_s + h.to_rollout_s) / SWITCH_SHARE)
 
     def rollout_need(self, state: ClusterState, starting: int) -> int:
         """Rollout cells the running executions (and those about to start) need for each call to
@@ -59,8 +72,11 @@ class ElasticPolicy(Policy):
         rate = h.train_tokens_per_s * h.cell_scale
         spare = max(0, live - need)
         want = min(t, spare)  # trainers stay while the rollout side has every cell it can use
-        if state.train_tokens_left > 0:
-            want = max(want, min(spare, ceil_div(state.train_tokens_left, rate * h.to_train_s)))
+        left = state.train_tokens_left
+        if left > 0:
+            want = max(want, min(spare, ceil_div(left, rate * h.to_train_s)))
+            if self.staleness > 0:  # the optimizer must keep pace, or the running groups go stale
+                want = max(want, ceil_div(left, rate * self.horizon_s))
         if state.step_ready:
             want = max(want, 1)  # only the optimizer step is left (possibly of a zero-work step)
         return min(want, live - 1)
