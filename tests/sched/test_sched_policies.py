@@ -235,6 +235,23 @@ def test_elastic_trains_on_spare_cells_only_and_keeps_busy_rollout():
     assert p.decide(st, 1e4).switches == ()
 
 
+def test_elastic_at_staleness_above_0_keeps_training_apace_even_when_rollout_needs_every_cell():
+    """At k > 0 executions always run (new groups start while the step trains): training on spare
+    cells only left it behind and the running groups went stale (the 122B preset at k = 2, 24 steps:
+    21,559 groups dropped, 118.6 h vs Async 90.3 h). There the admitted work also gets the cells it
+    keeps busy over the horizon; at k = 0 the running executions keep every cell they need."""
+    rate = HINTS.train_tokens_per_s
+    for k in (1, 2):
+        p = make_policy("E", k, HINTS)
+        for cells in (1, 3):
+            work = rate * p.horizon_s * cells - 1  # keeps `cells` trainers busy over the horizon
+            st = state([R] * 8, running=40, calls=32, train_left=work, open_=10, k=k)
+            assert sum(r is TT for r in apply(st, p.decide(st, 1e4).switches)) == cells
+    p0 = make_policy("E", 0, HINTS)
+    st = state([R] * 8, running=40, calls=32, train_left=rate * p0.horizon_s * 3, open_=10)
+    assert p0.decide(st, 1e4).switches == ()
+
+
 def test_elastic_trainers_stay_until_the_work_is_trained_or_rollout_needs_them():
     p = make_policy("E", 0, HINTS)
     layout = [R, R] + [T] * 6
