@@ -96,6 +96,4 @@ def run_head(comm, args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    from gyre.fast_exit import exit_now
-
-    exit_now(main())  # without the interpreter's ~1-2 s teardown (torch): see gyre/fast_exit.py
+    sys.exit(main())  # an MPI rank leaves the normal way: see gyre/fast_exit.py

@@ -28,8 +28,8 @@ print('never reached')
 
 
 def test_an_mpi_rank_that_leaves_first_does_not_end_the_others(tmp_path):
-    """mpi4py finalizes MPI from a C exit hook that os._exit skips; a rank gone without
-    MPI_Finalize makes mpiexec kill the rest (seen: a head killed before it wrote report.json)."""
+    """An MPI rank leaves the normal way: one gone by os._exit made mpiexec kill the rest (seen: a
+    head killed before it wrote report.json)."""
     marker = tmp_path / "rank0"
     cmd = [find_mpiexec(), "-n", "2", sys.executable, str(ROOT / "tests" / "mpi_scripts" / "fast_exit_ranks.py"),
            str(marker)]

@@ -14,7 +14,7 @@ comm = MPI.COMM_WORLD
 marker, left = Path(sys.argv[1]), Path(sys.argv[1] + ".rank1")
 if comm.Get_rank() == 1:
     atexit.register(left.write_text, "exit functions ran")
-    exit_now(0)  # with MPI_Finalize it waits there for rank 0's; without, mpiexec ends rank 0 at once
+    exit_now(0)  # the normal exit for an MPI rank; by os._exit, mpiexec ended rank 0 at once
 deadline = time.monotonic() + 60
 while not left.exists() and time.monotonic() < deadline:
     time.sleep(0.02)
