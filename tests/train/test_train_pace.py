@@ -63,3 +63,25 @@ def test_the_config_default_is_unpaced_and_a_negative_rate_is_refused():
     assert load_config(None, ["train.pace_tokens_per_s=400"]).train.pace_tokens_per_s == 400.0
     with pytest.raises(ConfigError, match="pace_tokens_per_s"):
         load_config(None, ["train.pace_tokens_per_s=-1"])
+
+
+def test_a_rank_holds_each_micro_batch_it_trains_to_the_pace():
+    """The seam in gyre.train.rank: the rank's forward_backward is held to the tokens its trainer
+    reports; without a pacer nothing is held."""
+    from types import SimpleNamespace
+
+    from gyre.batch import expanded_batch, to_wire
+    from gyre.train.messages import ForwardBackward
+    from gyre.train.rank import Rank
+
+    mb = expanded_batch([[1, 2, 3, 4]], [2], old_logprobs=[[-1.0, -1.0]], advantages=[1.0], execution_index=[0])
+    msg = ForwardBackward(wire_mb=to_wire(mb))
+    trained = []
+    trainer = SimpleNamespace(forward_backward=lambda m: trained.append(m) or {"tokens": 400})
+    p, c = pacer(200.0)
+    rank = SimpleNamespace(_new_step=lambda step, update: None, dp_rank=0, dp_size=1, trainer=trainer, pacer=p)
+    assert Rank.forward_backward(rank, msg) == {"tokens": 400}
+    assert c.now == pytest.approx(2.0) and p.micro_batches == 1
+    rank.pacer = None
+    Rank.forward_backward(rank, msg)
+    assert len(trained) == 2 and c.now == pytest.approx(2.0)
