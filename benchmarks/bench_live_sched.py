@@ -146,7 +146,8 @@ def spread_of(values: list[float]) -> dict:
 
 # figures of each run aggregated over the accepted repeats (median, min, max, per run)
 REPEATED = ("live_s", "sim_s", "sim_s_even", "sim_over_live", "sim_even_over_live", "train_share", "train_share_of_busy",
-            "busiest_endpoint_over_mean", "busiest_inflight_over_mean", "decode_spec_worst_engine",
+            "busiest_endpoint_over_mean", "busiest_inflight_over_mean", "busiest_serving_load_over_mean",
+            "decode_spec_worst_engine",
             "train_tokens_per_s", "busy_train_s")
 
 
@@ -212,11 +213,35 @@ def trace_rows(run_dir: Path) -> list[dict]:
     return rows
 
 
-def decode_vs_spec(run_dir: Path) -> dict:
-    """decode_vs_spec_calls of the run's recorded calls."""
+def decode_vs_spec(run_dir: Path, report: dict) -> dict:
+    """decode_vs_spec_calls of the run's recorded calls, and each engine's load while its cell
+    served (serving_loads: cells.json maps engine URLs to cells, report.json has their roles)."""
     from gyre.traj.store import iter_executions
 
-    return decode_vs_spec_calls([c for r in iter_executions(run_dir / "shards") for c in r.tree.calls])
+    calls = [c for r in iter_executions(run_dir / "shards") for c in r.tree.calls]
+    out = decode_vs_spec_calls(calls)
+    cells = json.loads((run_dir / "cells.json").read_text())["cells"] if (run_dir / "cells.json").exists() else []
+    url_cell = {c["engine_url"]: c["cell"] for c in cells if c.get("engine_url")}
+    rollout_s = {int(cell): sum(b - a for role, a, b in ivs if role == "rollout")
+                 for cell, ivs in report.get("intervals", {}).items()}
+    loads = serving_loads(calls, url_cell, rollout_s)
+    out["serving_load_per_endpoint"] = None if loads is None else [round(x, 4) for x in loads]
+    out["busiest_serving_load_over_mean"] = max(loads) / statistics.fmean(loads) if loads else None
+    return out
+
+
+def serving_loads(calls, url_cell: dict, rollout_s: dict) -> list[float] | None:
+    """Per engine, its mean calls in flight while its cell was in the rollout role (call seconds
+    over rollout seconds), largest first: the router's spread without the time a cell spent
+    training (under E a cell that trained part of the run serves fewer calls in all, not fewer at
+    once). None when an engine's cell is unknown (an engine restarted under a new URL)."""
+    busy: dict[str, float] = {}
+    for c in calls:
+        if c.t_end > c.t_start:
+            busy[c.endpoint] = busy.get(c.endpoint, 0.0) + (c.t_end - c.t_start)
+    if not busy or any(url_cell.get(ep) not in rollout_s or rollout_s[url_cell[ep]] <= 0 for ep in busy):
+        return None
+    return sorted((b / rollout_s[url_cell[ep]] for ep, b in busy.items()), reverse=True)
 
 
 def decode_vs_spec_calls(calls) -> dict:
@@ -316,7 +341,7 @@ def measured_rates(report: dict, run_dir: Path, rows: list[dict]) -> dict:
         if ends:
             lags.append(st["t_start"] + t0 - min(ends))
     durs = [r["duration_s"] for r in rows]
-    return {**decode_vs_spec(run_dir),
+    return {**decode_vs_spec(run_dir, report),
         "executions": len(rows), "trained_executions": len(trained),
         "train_tokens_per_s": sum(toks.get(e, 0.0) for e in trained) / busy_train if busy_train else None,
         "busy_train_s": busy_train, "busy_rollout_s": sum(c["busy_rollout_s"] for c in report["cells"]),
@@ -395,10 +420,13 @@ def analyse(name: str, scheme: str, split: int, run_dir: Path, report: dict, tra
               if rates["busy_train_s"] + rates["busy_rollout_s"] else None,
               "train_pace_ratio": (rates["train_tokens_per_s"] or 0.0) / TRAIN_PACE_TOKENS_PER_S,
               **{k: v for k, v in rates.items() if k != "eval_lags_s"}}
-    sim = simulate_scheme(scheme, split, cluster_from(rates), trace, tuple(rates["calls_per_endpoint"]))
+    spread = tuple(rates["serving_load_per_endpoint"] or rates["calls_per_endpoint"])
+    record["router_spread_fed"] = "serving_load_per_endpoint" if rates["serving_load_per_endpoint"] else \
+        "calls_per_endpoint"
+    sim = simulate_scheme(scheme, split, cluster_from(rates), trace, spread)
     even = simulate_scheme(scheme, split, cluster_from(rates), trace)
     stretched = simulate_scheme(scheme, split, cluster_from(rates, rates["decode_spec_tokens_per_token"]), trace,
-                                tuple(rates["calls_per_endpoint"]))
+                                spread)
     record.update({"sim_s": sim.makespan_s, "sim_s_even": even.makespan_s, "sim_over_live": sim.makespan_s / live,
                    "sim_even_over_live": even.makespan_s / live,
                    "sim_over_live_decode_as_measured": stretched.makespan_s / live,
@@ -520,8 +548,10 @@ def main() -> int:
             "training tokens per busy cell-second over the pace",
             "live_s_* = the head's loop wall time (report.json wall_s: cells up to the last step committed); "
             "sim_s_* = the simulator's makespan for the same steps with the router's measured spread "
-            "(SimSpec.router_spread = that run's calls per endpoint: each execution on one lane, a lane decodes at "
-            "its own calls' batch); sim_s_even_* = the same with the even pool (the simulator's default)",
+            "(SimSpec.router_spread = that run's serving_load_per_endpoint: each engine's mean calls in flight "
+            "while its cell served; calls_per_endpoint if a cell is unknown, router_spread_fed says which; each "
+            "execution on one lane, a lane decodes at its own calls' batch); sim_s_even_* = the same with the "
+            "even pool (the simulator's default)",
             "every figure is the median over the accepted repeats; *_min, *_max and *_runs give the spread; "
             "ranking_* rank the medians; repeats_live_ranking_as_medians / repeats_sim_ranking_matches_live count "
             "the complete repeats whose own ranking agrees; every repeat uses the same seed (the same executions), "
@@ -536,7 +566,8 @@ def main() -> int:
             "RunSpec.from_config of the live config (same hints both sides); the sim re-decides every 0.1 s; "
             "Async's split was searched once, in the simulator, on the first E run",
             "calls_per_endpoint counts a cell's calls over the whole run, so under E a cell that trained part of "
-            "the run looks less loaded; busiest_inflight_over_mean is the instantaneous spread (time-weighted "
+            "the run looks less loaded; serving_load_per_endpoint divides each engine's call seconds by its "
+            "cell's rollout seconds instead; busiest_inflight_over_mean is the instantaneous spread (time-weighted "
             "busiest engine's calls in flight over the mean of the engines with calls in flight)",
             f"the machine has {os.cpu_count()} cores shared with other users (load averages per run in runs)",
         ],

@@ -97,3 +97,17 @@ def test_a_repeat_with_a_rejected_scheme_is_not_complete_and_rankings_that_diffe
     assert agg["ranking_sim"] == "E<C<A"           # sim medians: E 55.5, A 63, C 62
     assert not agg["ranking_matches"]
     assert agg["repeats_sim_ranking_matches_live"] == 0
+
+
+def test_serving_load_divides_call_time_by_the_time_a_cell_served():
+    # a: 10 call-seconds over 10 s of rollout; b: 6 call-seconds, but its cell served only 3 s (it
+    # trained the rest): b is the busier engine while serving, though it made fewer calls
+    calls = [call("a", 0.0, 5.0), call("a", 1.0, 6.0), call("b", 0.0, 3.0), call("b", 0.0, 3.0)]
+    loads = bench.serving_loads(calls, {"a": 0, "b": 1}, {0: 10.0, 1: 3.0})
+    assert loads == [pytest.approx(2.0), pytest.approx(1.0)]
+
+
+@pytest.mark.parametrize("url_cell, rollout_s", [({"a": 0}, {0: 10.0}), ({"a": 0, "b": 1}, {0: 10.0, 1: 0.0})])
+def test_serving_load_is_unknown_when_an_engine_has_no_cell_or_no_rollout_time(url_cell, rollout_s):
+    calls = [call("a", 0.0, 1.0), call("b", 0.0, 1.0)]
+    assert bench.serving_loads(calls, url_cell, rollout_s) is None
