@@ -286,6 +286,9 @@ class TrainConfig(_EnumFields):
                               "(sched.staleness > 0 or sched.steps_per_sync > 1) and train.minibatches_per_step "
                               "> 1, else tis (with one update per step the clip against pi_prox never acts: "
                               "clip_frac 0, benchmarks/bench_token_truth.py)")
+    pace_tokens_per_s: float = _f(0.0, min=0.0, help="benchmarks only: a cell trains at most this many tokens per "
+                                  "second (each micro-batch lasts its tokens at this rate, gyre/train/pace.py), "
+                                  "so training has the share of cell time a stated rate gives it; 0 = unpaced")
     minibatches_per_step: int = _f(1, min=1, help="PPO-style optimizer updates within a step (AReaL uses 4): the "
                                    "step's micro-batches in this many parts, one update each, pi_prox from the "
                                    "step's start (tis, decoupled); live runs reduce once per update and export "

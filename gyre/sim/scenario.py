@@ -56,6 +56,7 @@ class Scenario:
     # a real run's spec this scenario sweeps around (`gyre plan --config`): its burst order,
     # zero-variance rule and seed are kept; the fields above replace the rest
     base: RunSpec | None = None
+    router_spread: tuple = ()     # calls per endpoint of a live run's router; () = even (SimSpec.router_spread)
 
     def spec(self, workload: Workload) -> RunSpec:
         """The run spec simulated: the cluster model gives the cost hints a live run configures."""
@@ -69,8 +70,8 @@ class Scenario:
     def run(self, workload: Workload | None = None, give_up_after: float = math.inf) -> SimResult:
         """The simulated run; with `give_up_after` (seconds), GaveUp once it is sure to take longer."""
         w = workload or Workload.named(self.workload, self.seed)
-        r = simulate(self.spec(w), w, self.cluster, SimSpec(record=self.record, segments=SEGMENTS),
-                     give_up_after=give_up_after)
+        sim = SimSpec(record=self.record, segments=SEGMENTS, router_spread=self.router_spread)
+        r = simulate(self.spec(w), w, self.cluster, sim, give_up_after=give_up_after)
         r.preset = self.preset
         r.async_rollout_cells = (self.async_rollout_cells or max(1, self.cluster.cells // 2)) if self.scheme == Scheme.A else 0
         return r

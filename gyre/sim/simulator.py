@@ -82,8 +82,20 @@ class SimSpec:
     # is a parameter (measured live: benchmarks/results/learning.json,
     # replaced_zero_variance_share); 0 = none. The core's rule decides what happens to them.
     zero_variance_share: float = 0.0
+    # The router's spread of executions over the engines (calls per endpoint a live run measured,
+    # any positive numbers; their order does not matter). Empty = the pooled decode of
+    # gyre/sim/cost_model.py (calls spread evenly at every instant). Given, each execution is kept
+    # on one of L = len(router_spread) lanes (as affinity keeps it on one engine), chosen so the
+    # running executions follow the shares, and each lane is 1/L of the serving replicas: its
+    # calls decode at the batch its own calls in flight make there. Identical executions on an
+    # even spread give the pooled figures.
+    router_spread: tuple = ()
 
     def __post_init__(self) -> None:
+        self.router_spread = tuple(float(x) for x in self.router_spread)
+        if any(not math.isfinite(x) or x <= 0 for x in self.router_spread):
+            raise ConfigError(f"router_spread must hold positive shares (calls per endpoint), got "
+                              f"{list(self.router_spread)}; leave out endpoints that served no call")
         if self.segments < 1:
             raise ConfigError(f"segments must be >= 1, got {self.segments}")
         if self.tick_s <= 0:
@@ -94,7 +106,7 @@ class SimSpec:
 
 class _Exec:
     __slots__ = ("id", "group", "version", "started_at", "seg", "env_seg", "out_seg", "pre_seg",
-                 "calls_seg", "calls_done", "in_call", "spec", "home", "call_seq", "cached", "ctx_mid")
+                 "calls_seg", "calls_done", "in_call", "spec", "home", "call_seq", "cached", "ctx_mid", "lane")
 
     def __init__(self, eid, group, version, now, spec, segments):
         self.id, self.group, self.version, self.started_at, self.spec = eid, group, version, now, spec
@@ -109,6 +121,7 @@ class _Exec:
         self.call_seq = -1    # identifies its call's entry in the decode heap
         self.cached = 0.0     # tokens of its context whose KV its home cell holds
         self.ctx_mid = 0.0    # mean context of its call in flight (KV read per decode step)
+        self.lane = 0         # its lane of the decode pool (SimSpec.router_spread)
 
 
 class _Group:
@@ -149,9 +162,15 @@ class Simulator:
         self.seq = itertools.count()
         self.n_events = 0
         self.decisions = 0
-        # decode pool
-        self.vclock = 0.0
-        self.calls: list = []          # (virtual finish, seq, exec)
+        # decode pool: one lane per share of the router's spread (one lane: an even spread), each
+        # with its virtual clock in tokens and its heap of calls (virtual finish, seq, exec)
+        spread = self.s.router_spread or (1.0,)
+        self.lane_share = tuple(x / sum(spread) for x in spread)
+        self.lane_running = [0] * len(spread)  # running executions per lane
+        self.lane_calls = [0] * len(spread)    # calls decoding per lane
+        self.lane_ctx = [0.0] * len(spread)    # their mean-context numerator
+        self.vclocks = [0.0] * len(spread)
+        self.lanes: list[list] = [[] for _ in spread]
         self.in_call = 0
         self.push_until = 0.0
         self.opt_until = 0.0
@@ -170,9 +189,6 @@ class Simulator:
         self.n_train = sum(1 for r in roles if r is Role.TRAIN)
         self.roles_rev = 0
         self._assign_cache: dict = {}
-        self._busy_key: tuple | None = None  # (roles_rev, busy rollout cells, pushing, training) of busy_a
-        self._n_cells = cluster.cells
-        self._segments = self.s.segments
         self.homed: list[dict] = [{} for _ in range(n)]  # per cell: the executions it serves
         self.lru: list[OrderedDict] = [OrderedDict() for _ in range(n)]  # per cell: those holding a prefix
         self.kv_used = [0.0] * n   # tokens of KV held per cell
@@ -188,7 +204,7 @@ class Simulator:
         # is the core asked (step_ready), not after every event
         self._maybe_ready = True
         self._speed_key: tuple = ()  # (calls in flight, serving cells, context sum) of _speed_v
-        self._speed_v = 0.0
+        self._speed_v: tuple = (0.0,) * len(self.lanes)
         self.evictions = 0         # prefixes evicted for capacity
         self.reprefills = 0        # calls that re-prefilled a lost context (eviction or cell switch)
         self.ctx_sum = 0.0         # mean-context numerator of the calls in flight
@@ -228,16 +244,23 @@ class Simulator:
     def _serving(self) -> int:
         return 0 if self.now < self.push_until - _EPS else self.n_rollout
 
-    def _speed(self) -> float:
-        """Tokens per second each call in flight gains now (kept until the load, the serving
-        cells or the mean context change: asked several times per event)."""
+    def _speed(self) -> tuple:
+        """Tokens per second each call in flight gains now, per lane (kept until the load, the
+        serving cells or the mean context change: asked several times per event)."""
         n, cs = self.in_call, self.ctx_sum
         serving = 0 if self.now < self.push_until - _EPS else self.n_rollout
-        key = (n, serving, cs)
+        key = (n, serving, cs) if len(self.lanes) == 1 else (n, serving, cs, tuple(self.lane_calls))
         if key != self._speed_key:
             self._speed_key = key
-            self._speed_v = self._rate(n, serving, cs / n if n else 0.0)
+            self._speed_v = (self._rate(n, serving, cs / n if n else 0.0),) if len(self.lanes) == 1 else \
+                self._lane_speeds(serving)
         return self._speed_v
+
+    def _lane_speeds(self, serving: int) -> tuple:
+        """Per lane (SimSpec.router_spread): a lane is 1/L of the serving replicas, loaded by its
+        own calls in flight."""
+        lanes, rate = len(self.lanes), self._rate
+        return tuple(rate(k * lanes, serving, c / k) if k else 0.0 for k, c in zip(self.lane_calls, self.lane_ctx))
 
     def _train_rate(self) -> float:
         return self.n_train * self._tps  # ClusterModel.train_rate
@@ -266,10 +289,8 @@ class Simulator:
             a = self._assign_cache[key] = tuple(out)
         return a
 
-    def _advance(self, t: float, speed: float) -> None:
-        """Move the clock to `t`; `speed` is `_speed()` now (the run loop asks it once per event).
-        Runs once per event: constants are read from locals, and the busy set is looked up only
-        when what it depends on changed (the same figures as asking every time)."""
+    def _advance(self, t: float, speed: tuple) -> None:
+        """Move the clock to `t`; `speed` is `_speed()` now (the run loop asks it once per event)."""
         now = self.now
         dt = t - now
         if dt <= 0:
@@ -279,32 +300,28 @@ class Simulator:
         optimizing = now < self.opt_until - _EPS
         left = self.train_left
         n, n_rollout = self.in_call, self.n_rollout
-        drains = left > _EPS and rate > 0
         # During the optimizer step trainers are busy; during a weight push rollout cells pause.
-        key = (self.roles_rev, n if n < n_rollout else n_rollout, pushing, drains or optimizing)
-        if key != self._busy_key:
-            self._busy_key = key
-            a = self._assignment(*key[1:])
-            if a is not self.busy_a:
-                self._busy_changed(a)
-        running = self.running
-        if running and not n_rollout:
+        training = (left > _EPS and rate > 0) or optimizing
+        a = self._assignment(n if n < n_rollout else n_rollout, pushing, training)
+        if a is not self.busy_a:
+            self._busy_changed(a)
+        if self.running and not n_rollout:
             self.unserved += dt
         if self.win_open:
-            spare = self._n_cells - n / self.knee
-            self.win_spare += (spare if spare > 0.0 else 0.0) * dt
+            self.win_spare += max(0.0, self.c.cells - n / self.knee) * dt
         # Regime: rollout is the critical path while executions run (or await evaluation) and the
         # trainers have nothing admitted to train.
-        if (running or self.awaiting_eval) and left <= _EPS and not optimizing:
+        if (self.running or self.awaiting_eval) and left <= _EPS and not optimizing:
             self.crit_roll += dt
         if n and n_rollout and not pushing:  # calls per busy replica (ClusterModel.batch)
             b = n / (n_rollout * self._reps)
             self.load_num += n * (b if b > 1.0 else 1.0) * dt
             self.load_den += n * dt
-        self.vclock += speed * dt
-        if drains:
-            d = rate * dt
-            self._drain(d if d < left else left)  # min(left, rate * dt)
+        vc = self.vclocks
+        for i, v in enumerate(speed):
+            vc[i] += v * dt
+        if left > _EPS and rate > 0:
+            self._drain(min(left, rate * dt))
         self.now = t
 
     def _busy_changed(self, a: tuple[int, ...]) -> None:
@@ -340,6 +357,17 @@ class Simulator:
         if not self.mb_queue:
             self.train_left = 0.0
 
+    def _next_time(self, speed: tuple) -> float:
+        t = self.events[0][0] if self.events else math.inf
+        for calls, vc, v in zip(self.lanes, self.vclocks, speed):
+            if calls and v > 0:
+                t = min(t, self.now + max(0.0, calls[0][0] - vc) / v)
+        rate = self.n_train * self._tps
+        left = self.train_left
+        if left > _EPS and rate > 0:
+            t = min(t, self.now + left / rate)
+        return t
+
     # ---- executions -----------------------------------------------------------------------
     def _start_group(self, rec) -> None:
         g = _Group(rec.id, self.w.group(rec.id))
@@ -349,6 +377,7 @@ class Simulator:
         version = self.core.version if self.now < self.push_until - _EPS else self.core.rollout_version
         for spec in g.spec.execs:
             e = _Exec(self.next_exec, g, version, self.now, spec, self.s.segments)
+            self._assign_lane(e)
             self.next_exec += 1
             g.exec_ids.append(e.id)
             self.running[e.id] = e
@@ -361,7 +390,7 @@ class Simulator:
         then decode its output in the shared pool."""
         e.in_call = True
         self.core.call_started(e.id)
-        seg, n = e.seg, self._segments
+        seg, n = e.seg, self.s.segments
         ctx = e.spec.context_tokens
         before = ctx * seg / n
         after = ctx * (seg + 1) / n
@@ -394,8 +423,21 @@ class Simulator:
         """Its prefill done, a call decodes its output in the shared pool."""
         self.ctx_sum += e.ctx_mid
         self.in_call += 1
-        e.call_seq = sq = next(self.seq)  # identifies its entry in the decode heap
-        heappush(self.calls, (self.vclock + e.out_seg, sq, e))
+        self.lane_calls[e.lane] += 1
+        self.lane_ctx[e.lane] += e.ctx_mid
+        self._queue_call(e, e.out_seg)
+
+    def _queue_call(self, e: _Exec, work: float) -> None:
+        e.call_seq = sq = next(self.seq)
+        heappush(self.lanes[e.lane], (self.vclocks[e.lane] + work, sq, e))
+
+    def _assign_lane(self, e: _Exec) -> None:
+        """The lane furthest below its share of the running executions (the lowest index among
+        equals): over a run the lanes carry the router's measured spread."""
+        run, share = self.lane_running, self.lane_share
+        total = sum(run) + 1
+        e.lane = max(range(len(run)), key=lambda i: (share[i] * total - run[i], -i))
+        run[e.lane] += 1
 
     def _make_room(self, cell: int) -> None:
         """LRU eviction of idle executions' prefixes until the cell's KV fits; calls in flight
@@ -440,8 +482,8 @@ class Simulator:
         self.homed[cell] = {}
         self.kv_used[cell] = 0.0
         self.lru[cell].clear()
-        rate = 0.0
-        at = None  # heap position of each call in flight, built once (not a scan per execution)
+        rate: tuple = ()
+        at = None  # (lane, heap position) of each call in flight, built once (not a scan per execution)
         for e in homed:
             e.home = -1
             e.cached = 0.0
@@ -453,45 +495,46 @@ class Simulator:
                 # no cell serves now (a whole-pool switch) or no call is decoding yet: price the
                 # re-prefill at one replica's rate for the calls in flight (at least this one)
                 n = max(self.in_call, 1)
-                rate = rate or self._speed() or self.c.token_rate(n, 1, self.ctx_sum / n)
+                rate = rate or self._speed()
+                lane_rate = rate[e.lane] or self.c.token_rate(n, 1, self.ctx_sum / n)
                 if at is None:
-                    at = {sq: j for j, (_, sq, _) in enumerate(self.calls)}
-                j = at.get(e.call_seq)
-                if j is not None:  # decoding (a call still prefilling pays at its next call)
-                    v, sq, x = self.calls[j]
-                    self.calls[j] = (v + cost * rate, sq, x)
+                    at = {sq: (k, j) for k, calls in enumerate(self.lanes) for j, (_, sq, _) in enumerate(calls)}
+                kj = at.get(e.call_seq)
+                if kj is not None:  # decoding (a call still prefilling pays at its next call)
+                    k, j = kj
+                    v, sq, x = self.lanes[k][j]
+                    self.lanes[k][j] = (v + cost * lane_rate, sq, x)
                     moved = True
                     self.reprefills += 1
                     if e.home >= 0:  # the retry rebuilt its context on the new cell
                         e.cached = e.spec.context_tokens * (e.seg + 1) / self.s.segments
                         self.kv_used[e.home] += e.cached
         if moved:
-            heapq.heapify(self.calls)
+            for calls in self.lanes:
+                heapq.heapify(calls)
 
     def _end_call(self, e: _Exec) -> None:
         e.in_call = False
         self.core.call_ended(e.id, e.calls_seg)
         self.in_call -= 1
-        if self.in_call:
-            cs = self.ctx_sum - e.ctx_mid
-            self.ctx_sum = cs if cs > 0.0 else 0.0  # max(0.0, ...): float residue
-        else:
-            self.ctx_sum = 0.0
+        self.ctx_sum = max(0.0, self.ctx_sum - e.ctx_mid) if self.in_call else 0.0
+        k = self.lane_calls[e.lane] = self.lane_calls[e.lane] - 1
+        self.lane_ctx[e.lane] = max(0.0, self.lane_ctx[e.lane] - e.ctx_mid) if k else 0.0
         e.calls_done += e.calls_seg
         if e.home >= 0:
-            try:
-                self.lru[e.home].move_to_end(e.id)  # most recently used
-            except KeyError:  # it holds no prefix there (evicted)
-                pass
+            lru = self.lru[e.home]
+            if e.id in lru:
+                lru.move_to_end(e.id)  # most recently used
         heappush(self.events, (self.now + e.env_seg, next(self.seq), _ENV, e))
 
     def _end_env(self, e: _Exec) -> bool:
         """Next segment, or the execution ends (True)."""
         e.seg += 1
-        if e.seg < self._segments:
+        if e.seg < self.s.segments:
             self._begin_call(e)
             return False
         del self.running[e.id]
+        self.lane_running[e.lane] -= 1
         self._unhome(e)  # a finished execution's prefix is never used again
         took = self.now - e.started_at
         self.exec_time += took
@@ -616,72 +659,17 @@ class Simulator:
         self._apply(self.p.decide(self._state(), self.now))
         idle_ticks = 0
         core, steps = self.core, self.core.spec.steps  # core.done: version >= steps
-        advance, rate_fn, tps = self._advance, self._rate, self._tps
-        end_call, decode, end_env = self._end_call, self._decode, self._end_env
-        events, calls, inf = self.events, self.calls, math.inf
-        key = None  # (calls in flight, serving cells, context sum) of `speed` (see _speed)
-        speed = 0.0
+        next_time, advance, handle_due, speed_now = self._next_time, self._advance, self._handle_due, self._speed
         while core.version < steps:
-            # _speed and _next_time, inline (once per event; the same arithmetic): nothing changes
-            # the speed between the next event's time and the advance to it
-            now, n, cs = self.now, self.in_call, self.ctx_sum
-            serving = 0 if now < self.push_until - _EPS else self.n_rollout
-            if key is None or n != key[0] or serving != key[1] or cs != key[2]:
-                key = (n, serving, cs)
-                speed = rate_fn(n, serving, cs / n if n else 0.0)
-            t = events[0][0] if events else inf
-            if calls and speed > 0:
-                d = calls[0][0] - self.vclock
-                x = now + (d if d > 0.0 else 0.0) / speed
-                if x < t:
-                    t = x
-            left = self.train_left
-            rate = self.n_train * tps
-            if left > _EPS and rate > 0:
-                x = now + left / rate
-                if x < t:
-                    t = x
-            if t > give_up_after or t == inf:  # (strictly: a run as fast as the limit may win a tie)
-                if t == inf:
+            speed = speed_now()  # nothing changes it between the next event's time and the advance to it
+            t = next_time(speed)
+            if t > give_up_after or t == math.inf:  # (strictly: a run as fast as the limit may win a tie)
+                if t == math.inf:
                     raise SimError(f"{self.p.label}: nothing left to happen at t={self.now:.0f}s")
                 raise GaveUp(t)  # its makespan is at least t
+            left = self.train_left
             advance(t, speed)
-            # everything due now: calls that ended, then events (most are a call's prefill or its
-            # tool time: handled here, the rest by _event). Calls and tool time inside an execution
-            # change nothing a policy decides on, so only execution ends, evaluations, switches,
-            # step ends and ticks wake the policy.
-            progressed = wake = False
-            done = 0
-            if calls:
-                v = self.vclock
-                due = v + _EPS * (v if v > 1.0 else 1.0)
-                while calls and calls[0][0] <= due:
-                    end_call(heappop(calls)[2])
-                    done += 1
-                progressed = done > 0
-            due = self.now + _EPS
-            while events and events[0][0] <= due:
-                _, _, kind, obj = heappop(events)
-                done += 1
-                if kind == _PREFILL:
-                    progressed = True
-                    decode(obj)
-                elif kind == _ENV:
-                    progressed = True
-                    if end_env(obj):
-                        wake = True
-                elif kind == _TICK:
-                    self._push(self.now + self.s.tick_s, _TICK, None)
-                    wake = True
-                else:
-                    progressed = wake = True
-                    self._event(kind, obj)
-            self.n_events += done
-            if self._maybe_ready and not self.opt_until:
-                self._maybe_ready = False
-                if core.step_ready():
-                    progressed = wake = True
-                    self._ready()
+            progressed, wake = handle_due()
             progressed |= self.train_left < left  # training drained work (a long step has no events)
             if core.version >= steps:
                 break
@@ -693,22 +681,60 @@ class Simulator:
                 self._apply(self.p.decide(self._state(), self.now))
         return self._result(time.perf_counter() - wall)
 
-    def _event(self, kind: int, obj) -> None:
-        """An evaluation, a switch's end, an optimizer step's end or a weight push's end."""
-        if kind == _EVAL:
-            self._evaluated(obj)
-        elif kind == _SWITCH:
-            self._set_role(obj, Role.TRAIN if self.role[obj] is Role.TO_TRAIN else Role.ROLLOUT)
-            if self.role[obj] is Role.ROLLOUT:
-                for e in self.running.values():
-                    if e.home < 0:
-                        self._home(e)
-        elif kind == _OPT:
-            self.opt_until = 0.0
-            self._step_end()
-        elif kind == _PUSH:
-            self.push_until = 0.0
-            self.core.weights_pushed(self.core.version)
+    def _handle_due(self) -> tuple[bool, bool]:
+        """Process everything due now. Returns (progressed, the policy should look again):
+        calls and environment time inside an execution change nothing a policy decides on, so
+        only execution ends, evaluations, switches, step ends and ticks wake the policy."""
+        progressed = wake = False
+        events = self.events
+        for calls, vc in zip(self.lanes, self.vclocks):
+            if calls:
+                due = vc + _EPS * max(1.0, vc)
+                while calls and calls[0][0] <= due:
+                    self._end_call(heappop(calls)[2])
+                    self.n_events += 1
+                    progressed = True
+        due = self.now + _EPS
+        while events and events[0][0] <= due:
+            _, _, kind, obj = heappop(events)
+            self.n_events += 1
+            if kind == _PREFILL:
+                progressed = True
+                self._decode(obj)
+                continue
+            if kind == _ENV:
+                progressed = True
+                wake |= self._end_env(obj)
+                continue
+            if kind == _TICK:
+                self._push(self.now + self.s.tick_s, _TICK, None)
+                wake = True
+                continue
+            progressed = True
+            if kind == _EVAL:
+                wake = True
+                self._evaluated(obj)
+            elif kind == _SWITCH:
+                wake = True
+                self._set_role(obj, Role.TRAIN if self.role[obj] is Role.TO_TRAIN else Role.ROLLOUT)
+                if self.role[obj] is Role.ROLLOUT:
+                    for e in self.running.values():
+                        if e.home < 0:
+                            self._home(e)
+            elif kind == _OPT:
+                wake = True
+                self.opt_until = 0.0
+                self._step_end()
+            elif kind == _PUSH:
+                wake = True
+                self.push_until = 0.0
+                self.core.weights_pushed(self.core.version)
+        if self._maybe_ready and not self.opt_until:
+            self._maybe_ready = False
+            if self.core.step_ready():
+                progressed = wake = True
+                self._ready()
+        return progressed, wake
 
     def _ready(self) -> None:
         """The open step's batch is complete and trained: its optimizer step runs."""

@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 from gyre import faults
 from gyre.config import TrainBackend, TrainConfig, env
+from gyre.train.pace import TrainPacer
 from gyre.train.messages import (Applied, Apply, Close, ExportWeights, ForwardBackward, Hostnames, LoadCheckpoint,
                                  Logprobs, Offload, ReduceGrads, GradsReduced, Reply, Request, Restore, SaveCheckpoint, Start, Started,
                                  Stash, Stashed)
@@ -96,6 +97,7 @@ class Rank:
         if init.offloaded:
             self.trainer.offload()
         self.dp_group, self.dp_rank, self.dp_size = self._data_parallel()
+        self.pacer = TrainPacer(cfg.pace_tokens_per_s, self.dp_size) if cfg.pace_tokens_per_s > 0 else None
         self.grad_group, self.grad_size = self._gradient_group()
         self.device = self.trainer.device
         self.reducer = CrossCellReducer(store, cell=cell, local_rank=rank, incarnation=incarnation,
@@ -139,8 +141,12 @@ class Rank:
         if m.update:
             faults.hit("trainer", "later_minibatch")
         self._new_step(m.step, m.update)
+        t0 = self.pacer.start() if self.pacer is not None else 0.0
         mb = rows_of(from_wire(m.wire_mb), self.dp_rank, self.dp_size)
-        return self.trainer.forward_backward(mb) if mb is not None else None
+        out = self.trainer.forward_backward(mb) if mb is not None else None
+        if self.pacer is not None and out is not None:  # train.pace_tokens_per_s (benchmarks only)
+            self.pacer.hold(t0, out["tokens"])
+        return out
 
     def logprobs(self, m: Logprobs):
         """(indices of this rank's targets in the whole micro-batch, their log-probs), or None."""
