@@ -211,8 +211,7 @@ def gather_target_logprobs(local: Tensor, plan: RankPlan, all_gather: Callable[[
     buf = local.new_zeros(width)
     buf[:local.numel()] = local
     gathered = all_gather(buf)
-    num_targets = sum(len(i) for i in index)
-    return scatter_back(num_targets, [(i, g[:len(i)]) for i, g in zip(index, gathered)])
+    return scatter_back(int(plan.target_owner.numel()), [(i, g[:len(i)]) for i, g in zip(index, gathered)])
 
 
 def select_targets(mb: MicroBatch, index: Tensor) -> MicroBatch:
