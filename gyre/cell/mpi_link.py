@@ -39,12 +39,15 @@ def init_mpi():
 
 def one_machine_env(env: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for an MPI job whose ranks all run on this machine (`gyre run`): the OFI
-    netmod's tcp provider on loopback. Left to itself it binds the first interface it lists, which
+    netmod on loopback. Left to itself the provider binds the first interface it lists, which
     may be a bridge or a VPN that goes away mid-run (seen: a Slurm dev cluster's bridge torn down
-    while a `gyre run` ran beside it failed its MPI_Finalize); loopback is always there. A site's
-    own choice wins."""
+    while a `gyre run` ran beside it failed its MPI_Finalize, "default nic=gyrebr0"); loopback is
+    always there. MPICH's libfabric picks the `sockets` provider over `tcp` here (it scores
+    higher), and each provider reads its own interface variable, so both are set. A site's own
+    choice wins."""
     out = dict(os.environ if env is None else env)
-    out.setdefault("FI_TCP_IFACE", "lo")
+    for var in ("FI_SOCKETS_IFACE", "FI_TCP_IFACE"):
+        out.setdefault(var, "lo")
     return out
 
 

@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Sequence
 
 from gyre.config import ConfigError, EngineBackend
-from gyre.engine.server import READY_MARKER
+from gyre.engine.ready import READY_MARKER
 from gyre.engine.sglang_launch import SGLangSpec, srun_step
 from gyre.model.families import ModelFormatError, family_of, text_config
-from gyre.model.spec import read_config
+from gyre.model.families import read_config
 
 
 class EngineStartError(RuntimeError):

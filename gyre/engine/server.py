@@ -61,10 +61,10 @@ import uuid
 from aiohttp import web
 
 from gyre import faults
+from gyre.engine.ready import READY_MARKER
 from gyre.engine.runtime import MEMORY_TAGS, Engine, Finished, Refused
 from gyre.engine.sampling import BadRequest, parse_sampling_params
 
-READY_MARKER = "GYRE_ENGINE_LISTENING"
 ENGINE_KEY = web.AppKey("engine", Engine)
 LIMIT_KEY = web.AppKey("max_body_bytes", int)
 INCREMENTAL_KEY = web.AppKey("incremental_streaming_output", bool)

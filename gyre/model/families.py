@@ -8,7 +8,9 @@ family is one row plus whatever new layer it brings.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 
 class ModelFormatError(ValueError):
@@ -72,3 +74,17 @@ def family_of(cfg: dict) -> Family:
         raise ModelFormatError(f"model_type {kind!r} is not supported; supported families: "
                                f"{', '.join(supported())}")
     return FAMILIES[kind]
+
+
+# here, not in spec.py (which needs torch): launchers read a config without importing torch
+def read_config(model_dir: str | Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelFormatError(f"{path} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise ModelFormatError(f"{path}: unreadable config ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ModelFormatError(f"{path}: not a JSON object")
+    return cfg

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from gyre.model.families import Family, ModelFormatError, family_of, text_config
+from gyre.model.families import Family, ModelFormatError, family_of, read_config, text_config
 
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -206,19 +206,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(dtype)
-
-
-def read_config(model_dir: str | Path) -> dict:
-    path = Path(model_dir) / "config.json"
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ModelFormatError(f"{path} does not exist") from None
-    except json.JSONDecodeError as e:
-        raise ModelFormatError(f"{path}: unreadable config ({e})") from None
-    if not isinstance(cfg, dict):
-        raise ModelFormatError(f"{path}: not a JSON object")
-    return cfg
 
 
 def read_spec(model_dir: str | Path) -> ModelSpec:

@@ -18,7 +18,7 @@ from gyre.batch import MicroBatch
 from gyre.config import TrainConfig
 from gyre.train.base import ATTENTION_PATHS, Trainer, phase_timings, torch_dtype
 from gyre.train.offload import HostStash, PhaseTimer
-from gyre.model.spec import read_config
+from gyre.model.families import read_config
 from gyre.train.hybrid import lm_class
 from gyre.train.logprobs import rows_at, target_logprobs
 from gyre.train.qwen2 import Qwen2LM

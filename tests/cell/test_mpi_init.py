@@ -26,3 +26,21 @@ def test_ofi_is_the_default_and_mpi_starts_on_it():
 
 def test_a_sites_netmod_wins():
     assert _run({"MPIR_CVAR_CH4_NETMOD": "ucx"}) == ["ucx", "1"]
+
+
+def test_a_one_machine_job_binds_loopback_whichever_provider_mpich_picks(tmp_path):
+    # MPICH prints the provider and network it chose; without FI_SOCKETS_IFACE it chose `sockets`
+    # on the first interface (here eth0, in CI a dev cluster's bridge that a parallel test removed)
+    from gyre.cell.mpi_link import one_machine_env
+
+    env = {k: v for k, v in one_machine_env().items() if not k.startswith(("PMI_", "SLURM_", "FI_PROVIDER"))}
+    env.update(PYTHONPATH=str(REPO), MPIR_CVAR_CH4_NETMOD="ofi", MPIR_CVAR_CH4_OFI_CAPABILITY_SETS_DEBUG="1")
+    mpiexec = Path(sys.executable).with_name("mpiexec")
+    r = subprocess.run([str(mpiexec), "-n", "2", sys.executable, "-c",
+                        "from mpi4py import MPI; c = MPI.COMM_WORLD; print('sum', c.allreduce(c.rank))"],
+                       env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("sum 1") == 2, r.stdout
+    chosen = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("libfabric provider:")]
+    assert chosen, "MPICH no longer prints its chosen provider: " + (r.stdout + r.stderr)[-2000:]
+    assert all(line.endswith("127.0.0.1/32") for line in chosen), chosen
