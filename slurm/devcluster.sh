@@ -127,7 +127,7 @@ SelectTypeParameters=CR_Core
 SlurmdParameters=config_overrides
 ReturnToService=2
 SchedulerType=sched/backfill
-SchedulerParameters=bf_interval=1
+SchedulerParameters=bf_interval=1,sched_interval=1
 MpiDefault=none
 GresTypes=gpu
 TmpFS=$TMPFS
