@@ -39,13 +39,26 @@ def parse_json(raw: bytes, depth: bool = True) -> dict:
         raise RequestError(400, f"request body must be a JSON object, got {type(body).__name__}")
     if depth:
         check_depth(body)
-    if "\\u" in text and _SURROGATE_ESCAPE.search(text):  # cheap test first: bodies reach MBs
-        try:  # a pair is joined by json.loads; a lone half cannot be encoded
-            json.dumps(body, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            raise RequestError(400, "request body contains a lone UTF-16 surrogate escape (\\ud800-\\udfff "
-                                    "without its pair); send valid Unicode text")
+    if has_lone_surrogate(text, body):
+        raise lone_surrogate_error()
     return body
+
+
+def has_lone_surrogate(text: str, parsed) -> bool:
+    """Whether ``parsed`` (the values of JSON ``text``) holds half a surrogate pair: json.loads
+    joins a pair of escapes, and takes a lone half as a character that cannot be encoded."""
+    if "\\u" not in text or not _SURROGATE_ESCAPE.search(text):  # cheap test first: bodies reach MBs
+        return False
+    try:
+        json.dumps(parsed, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def lone_surrogate_error() -> RequestError:
+    return RequestError(400, "request body contains a lone UTF-16 surrogate escape (\\ud800-\\udfff "
+                             "without its pair); send valid Unicode text")
 
 
 def prompt_chars(body: dict) -> int:
