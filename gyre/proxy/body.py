@@ -78,6 +78,7 @@ class ChatBody:
     model name (what the agent role is read from): the messages are never sent back."""
     body: dict
     chars: int
+    kept: tuple | None = None  # where its messages end (gyre.proxy.body_cache.BodyCache.kept)
 
 
 def parse_chat_body(raw: bytes, limit: int | None, max_token_chars: int) -> ChatBody | tuple:
@@ -86,9 +87,12 @@ def parse_chat_body(raw: bytes, limit: int | None, max_token_chars: int) -> Chat
     order, so a body with two faults is refused for the same one: the bound before the nesting
     check the proxy makes before rendering (the rest of the body, then the messages one level
     down). That check also keeps pickling the answer clear of Python's recursion limit."""
+    from gyre.proxy.body_cache import BodyCache  # here: it imports this module
+
+    cache = BodyCache()  # parses as parse_json(raw, depth=False), noting where each message ends
     try:
-        body = parse_json(raw, depth=False)
-        chars = prompt_chars(body)
+        body, chars = cache.parse(raw)
+        chars = prompt_chars(body) if chars is None else chars
         if over_bound(chars, limit, max_token_chars):
             model = body.get("model")
             # agent_role_of reads at most ROLE_CHARS of it: that prefix decides the same role
@@ -97,7 +101,7 @@ def parse_chat_body(raw: bytes, limit: int | None, max_token_chars: int) -> Chat
         check_depth(body.get("messages"), MAX_DEPTH - 1)
     except RequestError as e:
         return e.status, e.message, e.type, e.code, e.param
-    return ChatBody(body, chars)
+    return ChatBody(body, chars, cache.kept() if cache.scanned >= 0 else None)
 
 
 def refusal(answer: Any) -> RequestError | None:

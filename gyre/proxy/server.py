@@ -319,10 +319,15 @@ class Proxy:
         """A chat body and (parsed off the loop) its prompt characters. A body over
         ``big_body_bytes`` is parsed in a worker process, queued behind its execution's own calls
         (an execution has one big body there at a time, never holding a sibling's back); a small
-        one on the loop, which costs less than the round trip, and only its text that the
-        execution's previous body did not hold (gyre.proxy.body_cache)."""
+        one on the loop, which costs less than the round trip. On the loop, only what the
+        execution's previous body did not hold is parsed (gyre.proxy.body_cache): a big body that
+        is the previous one plus at most ``big_body_bytes`` is parsed there too."""
         if len(raw) <= self.big_body_bytes:  # parsed from where the execution's last body stops matching
             return sess.body.parse(raw)
+        if sess.body.follows(raw, self.big_body_bytes):  # big, but all new in it is a small body's worth
+            parsed = sess.body.parse(raw, whole=False)
+            if parsed is not None:
+                return parsed
         limit = await self._input_limit()
         try:
             async with self.workers.session(sess.record.execution_id):
@@ -332,6 +337,8 @@ class Proxy:
         error = refusal(answer)
         if error is not None:
             raise error
+        if answer.kept is not None:  # the next body parses from where this one stops matching
+            sess.body.adopt(raw, answer.body, answer.kept)
         return answer.body, answer.chars
 
     async def prepare(self, sess: ExecutionSession, body: dict, role: str, chars: int | None = None) -> Call:
