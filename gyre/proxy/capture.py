@@ -247,6 +247,7 @@ class ExecutionSession:
     walk_depth: dict[tuple[int, str], int] = field(default_factory=dict)
     texts: dict[int, str] = field(default_factory=dict)  # node id -> decoded text (template path)
     body: BodyCache = field(default_factory=BodyCache)  # the last chat body, parsed (gyre.proxy.body_cache)
+    renders_whole: bool = False  # its last call's template window did not hold (template path)
 
     @property
     def tree(self) -> TrajectoryTree:

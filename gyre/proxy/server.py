@@ -357,11 +357,13 @@ class Proxy:
 
     def _fresh_chars(self, sess: ExecutionSession, body: dict, chars: int) -> int:
         """The characters a preparation may render and tokenize: where it renders only what the
-        execution's last recorded call did not send (the built-in renderer, a windowed template),
-        those of the messages after the ones that call sent, and the tools; else all of them.
+        execution's last recorded call did not send (the built-in renderer, a template whose
+        window held last time), those of the messages after the ones that call sent, and the
+        tools; else all of them.
         Under the session's lock (the walk is the one _prepare starts from)."""
         w, raw = sess.walked, body.get("messages")
-        if w is None or not isinstance(raw, list) or (self.template is not None and not self.template_window):
+        whole = self.template is not None and (not self.template_window or sess.renders_whole)
+        if w is None or not isinstance(raw, list) or whole:
             return chars
         tools = body.get("tools")
         same = w.common(raw, tools_salt(tools) if isinstance(tools, list) else "")

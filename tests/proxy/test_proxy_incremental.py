@@ -305,3 +305,42 @@ def test_per_call_work_does_not_grow_with_the_history(template, history, monkeyp
         assert per_call[-1]["rendered"] < 2 * len(messages) if template else per_call[-1]["rendered"] == 0
     finally:
         pair.close()
+
+
+@pytest.mark.parametrize("template,force_window,offloaded", [
+    (None, False, False), ("chatml_hermes", False, False),
+    # its window does not hold (reasoning dropped from the history): each call renders it whole
+    ("chatml_drop_reasoning", True, True)])
+def test_a_long_execution_is_prepared_on_the_loop_only_where_its_calls_render_their_end(
+        template, force_window, offloaded, monkeypatch):
+    """The inline decision counts the characters a call may render and tokenize: past INLINE_CHARS
+    in all, an execution whose calls render only their new messages stays on the loop, one whose
+    calls render the whole conversation goes to the worker pool."""
+    from gyre.proxy import server
+
+    monkeypatch.setattr(server, "INLINE_CHARS", 4000)
+    pair = Pair(template, "exact", True, force_window)
+    to_pool = []
+    real = pair.proxies[0].workers.run
+
+    async def run(fn, *args):
+        to_pool.append(1)
+        return await real(fn, *args)
+
+    monkeypatch.setattr(pair.proxies[0].workers, "run", run)
+    try:
+        messages = [{"role": "system", "content": "You are a coding agent."},
+                    {"role": "user", "content": "Fix the failing test in the repository."}]
+        for i in range(14):  # 14 tool outputs of 500 characters: 7,000 in all
+            msg = pair.post(messages)["choices"][0]["message"]
+            turn = {"role": "assistant", "content": msg["content"], "tool_calls": msg["tool_calls"]}
+            if msg.get("reasoning_content"):
+                turn["reasoning_content"] = msg["reasoning_content"]
+            messages += [turn, {"role": "tool", "tool_call_id": "c", "content": f"{i:03d} " * 125}]
+            if i % 3 == 2:  # a user turn: the reasoning of the turns before it drops out of the render
+                messages.append({"role": "user", "content": "Go on."})
+        assert (len(to_pool) > 0) == offloaded, to_pool
+        got, want = (e.requests for e in pair.engines)
+        assert [r["input_ids"] for r in got] == [r["input_ids"] for r in want]
+    finally:
+        pair.close()
