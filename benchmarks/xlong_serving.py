@@ -9,9 +9,10 @@ once, no model), so the figure is the proxy's own work. The per-call time is the
 measure (handler time minus the time on the wire to the engine, ``Proxy.overhead_s``); the
 execution is run PROXY_REPEATS times and each call's minimum kept (the machine is shared: load
 spikes are not the proxy's). ``proxy_call_ms_first``/``_last`` are the p50 of the first and last
-PROXY_WINDOW calls. The proxy prepares a request over INLINE_CHARS characters on a worker thread
-(gyre.proxy.offload): the late calls of this execution do, the first ones do not, so the
-``*_inline`` keys repeat each figure with every request prepared inline, without that hand-off. Run for
+PROXY_WINDOW calls. The proxy prepares a request on a worker thread (gyre.proxy.offload) when what it
+may tokenize holds over INLINE_CHARS characters: counted over the messages the execution's last
+call did not send, this execution's calls all stay under it (before, its late calls went over), and
+the ``*_inline`` keys repeat each figure with every request prepared inline whatever its size. Run for
 the built-in ChatML renderer (no suffix) and for the model-template path in both history modes
 (``_exact``, ``_template``; template: tests/templates/chatml_hermes.jinja).
 

@@ -39,13 +39,26 @@ def parse_json(raw: bytes, depth: bool = True) -> dict:
         raise RequestError(400, f"request body must be a JSON object, got {type(body).__name__}")
     if depth:
         check_depth(body)
-    if "\\u" in text and _SURROGATE_ESCAPE.search(text):  # cheap test first: bodies reach MBs
-        try:  # a pair is joined by json.loads; a lone half cannot be encoded
-            json.dumps(body, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            raise RequestError(400, "request body contains a lone UTF-16 surrogate escape (\\ud800-\\udfff "
-                                    "without its pair); send valid Unicode text")
+    if has_lone_surrogate(text, body):
+        raise lone_surrogate_error()
     return body
+
+
+def has_lone_surrogate(text: str, parsed) -> bool:
+    """Whether ``parsed`` (the values of JSON ``text``) holds half a surrogate pair: json.loads
+    joins a pair of escapes, and takes a lone half as a character that cannot be encoded."""
+    if "\\u" not in text or not _SURROGATE_ESCAPE.search(text):  # cheap test first: bodies reach MBs
+        return False
+    try:
+        json.dumps(parsed, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def lone_surrogate_error() -> RequestError:
+    return RequestError(400, "request body contains a lone UTF-16 surrogate escape (\\ud800-\\udfff "
+                             "without its pair); send valid Unicode text")
 
 
 def prompt_chars(body: dict) -> int:
@@ -65,6 +78,7 @@ class ChatBody:
     model name (what the agent role is read from): the messages are never sent back."""
     body: dict
     chars: int
+    kept: tuple | None = None  # where its messages end (gyre.proxy.body_cache.BodyCache.kept)
 
 
 def parse_chat_body(raw: bytes, limit: int | None, max_token_chars: int) -> ChatBody | tuple:
@@ -73,9 +87,12 @@ def parse_chat_body(raw: bytes, limit: int | None, max_token_chars: int) -> Chat
     order, so a body with two faults is refused for the same one: the bound before the nesting
     check the proxy makes before rendering (the rest of the body, then the messages one level
     down). That check also keeps pickling the answer clear of Python's recursion limit."""
+    from gyre.proxy.body_cache import BodyCache  # here: it imports this module
+
+    cache = BodyCache()  # parses as parse_json(raw, depth=False), noting where each message ends
     try:
-        body = parse_json(raw, depth=False)
-        chars = prompt_chars(body)
+        body, chars = cache.parse(raw)
+        chars = prompt_chars(body) if chars is None else chars
         if over_bound(chars, limit, max_token_chars):
             model = body.get("model")
             # agent_role_of reads at most ROLE_CHARS of it: that prefix decides the same role
@@ -84,7 +101,7 @@ def parse_chat_body(raw: bytes, limit: int | None, max_token_chars: int) -> Chat
         check_depth(body.get("messages"), MAX_DEPTH - 1)
     except RequestError as e:
         return e.status, e.message, e.type, e.code, e.param
-    return ChatBody(body, chars)
+    return ChatBody(body, chars, cache.kept() if cache.scanned >= 0 else None)
 
 
 def refusal(answer: Any) -> RequestError | None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gyre.proxy.body_cache import BodyCache
 from gyre.proxy.chat import Control, Message, render_body
 from gyre.traj.record import ExecutionRecord
 from gyre.traj.tree import ROOT, CallRecord, Segment, TrajectoryTree
@@ -198,9 +199,22 @@ class WireIds:
 
 def wire_ids(session: "ExecutionSession", prepared: PreparedCall, tail: list[int]) -> WireIds:
     """``prepared.input_ids + tail`` with its JSON digits built from per-node pieces encoded once
-    per execution (a long execution re-sends the same stored ids on every call)."""
-    parts = []
-    for seg, nid in zip(prepared.segments, prepared.nodes):
+    per execution (a long execution re-sends the same stored ids on every call). The digits of
+    the tree path the last call was sent with are kept joined: a call on that path joins only
+    its segments after it, not one piece per message of the history."""
+    nodes = prepared.nodes
+    path = len(nodes)  # the leading segments that are tree nodes (a path from the root; new ones follow)
+    while path and nodes[path - 1] is None:
+        path -= 1
+    kept = session.wire_path
+    start, parts = 0, []
+    if kept is not None and 0 < kept[1] <= path and nodes[kept[1] - 1] == kept[0]:
+        # a node stands for its whole path from the root: the first kept[1] segments are those nodes
+        start = kept[1]
+        if kept[2]:
+            parts.append(kept[2])
+    for k in range(start, len(nodes)):
+        seg, nid = prepared.segments[k], nodes[k]
         piece = session.wire.get(nid) if nid is not None else None
         if piece is None:
             piece = json.dumps(np.asarray(seg.tokens).tolist())[1:-1]
@@ -208,6 +222,8 @@ def wire_ids(session: "ExecutionSession", prepared: PreparedCall, tail: list[int
                 session.wire[nid] = piece
         if piece:
             parts.append(piece)
+        if k + 1 == path and path > start:  # the path's digits, joined once for the calls that follow it
+            session.wire_path = (nid, path, ", ".join(parts))
     tail = list(tail)
     rest = list(prepared.prompt_tokens) + tail
     if rest:
@@ -224,11 +240,14 @@ class ExecutionSession:
     ended: bool = False
     in_flight: int = 0
     wire: dict[int, str] = field(default_factory=dict)  # node id -> JSON digits of its tokens
+    wire_path: tuple[int, int, str] | None = None  # (last node, segments, their joined digits): see wire_ids
     replay: object | None = None  # gyre.proxy.replay.Replay of a resumed execution's recorded calls
     walked: Walked | None = None  # the last recorded call's walk (see Walked)
     # (parent, key) -> depth of every node a walk kept: a new node with the same pair replaces it
     walk_depth: dict[tuple[int, str], int] = field(default_factory=dict)
     texts: dict[int, str] = field(default_factory=dict)  # node id -> decoded text (template path)
+    body: BodyCache = field(default_factory=BodyCache)  # the last chat body, parsed (gyre.proxy.body_cache)
+    renders_whole: bool = False  # its last call's template window did not hold (template path)
 
     @property
     def tree(self) -> TrajectoryTree:

@@ -39,7 +39,8 @@ from typing import Any, Iterator
 WORKERS = max(2, min(4, os.cpu_count() or 2))  # tokenization is CPU work: more threads than cores buy nothing
 # A request whose strings hold at most this many characters is prepared on the loop: at about 3 us
 # a character (measured, tiny-qwen tokenizer) it costs under 50 ms at worst, less than waiting for a
-# worker another execution's big request holds.
+# worker another execution's big request holds. Counted over what the preparation may tokenize: the
+# messages its execution's last call did not send, where only those are rendered (Proxy._fresh_chars).
 INLINE_CHARS = 16_384
 # A chat body of more bytes is parsed in a worker process. Measured on 2 busy cores: json.loads
 # of 256 KB holds the loop 0.5 ms (one long text) to 6 ms (many small messages); the round trip

@@ -48,7 +48,7 @@ from gyre.proxy.chat import (DEFAULT_TOOL_SYSTEM, Message, MessageError, ParsedO
                              parse_messages, parse_output, strip_end_tokens, validate_tools)
 from gyre.proxy.fairness import CallGate
 from gyre.proxy.journal import Journal
-from gyre.proxy.offload import BIG_BODY_BYTES, INLINE_CHARS, PrepareWorkers, max_token_chars
+from gyre.proxy.offload import BIG_BODY_BYTES, INLINE_CHARS, PrepareWorkers, max_token_chars, text_chars
 from gyre.proxy.params import MAX_DEPTH, CallParams, RequestError, check_depth, forced_prefix, parse_params
 from gyre.proxy.replay import Replay
 from gyre.proxy.streaming import ContentStream, ReasoningStream
@@ -319,9 +319,15 @@ class Proxy:
         """A chat body and (parsed off the loop) its prompt characters. A body over
         ``big_body_bytes`` is parsed in a worker process, queued behind its execution's own calls
         (an execution has one big body there at a time, never holding a sibling's back); a small
-        one on the loop, which costs less than the round trip."""
-        if len(raw) <= self.big_body_bytes:
-            return parse_json(raw, depth=False), None
+        one on the loop, which costs less than the round trip. On the loop, only what the
+        execution's previous body did not hold is parsed (gyre.proxy.body_cache): a big body that
+        is the previous one plus at most ``big_body_bytes`` is parsed there too."""
+        if len(raw) <= self.big_body_bytes:  # parsed from where the execution's last body stops matching
+            return sess.body.parse(raw)
+        if sess.body.follows(raw, self.big_body_bytes):  # big, but all new in it is a small body's worth
+            parsed = sess.body.parse(raw, whole=False)
+            if parsed is not None:
+                return parsed
         limit = await self._input_limit()
         try:
             async with self.workers.session(sess.record.execution_id):
@@ -331,21 +337,37 @@ class Proxy:
         error = refusal(answer)
         if error is not None:
             raise error
+        if answer.kept is not None:  # the next body parses from where this one stops matching
+            sess.body.adopt(raw, answer.body, answer.kept)
         return answer.body, answer.chars
 
     async def prepare(self, sess: ExecutionSession, body: dict, role: str, chars: int | None = None) -> Call:
         """Parse, render and tokenize a request (off the event loop, gyre.proxy.offload), after a
         cheap bound that refuses a prompt too long for the engine without tokenizing it.
-        ``chars``: the prompt's characters, when the body was parsed off the loop (read_chat)."""
+        ``chars``: the prompt's characters, when read_chat counted them."""
         limit = await self._input_limit()
         if chars is None:
             chars = prompt_chars(body)
         if over_bound(chars, limit, self.max_token_chars):
             raise context_error(chars // self.max_token_chars, limit + 1, at_least=True)
         async with self.workers.session(sess.record.execution_id):
-            if chars <= INLINE_CHARS:  # a small request costs less than the hand-off (and never queues)
+            if self._fresh_chars(sess, body, chars) <= INLINE_CHARS:  # costs less than the hand-off (never queues)
                 return self._prepare(sess, body, role, limit)
             return await self.workers.run(self._prepare, sess, body, role, limit)
+
+    def _fresh_chars(self, sess: ExecutionSession, body: dict, chars: int) -> int:
+        """The characters a preparation may render and tokenize: where it renders only what the
+        execution's last recorded call did not send (the built-in renderer, a template whose
+        window held last time), those of the messages after the ones that call sent, and the
+        tools; else all of them.
+        Under the session's lock (the walk is the one _prepare starts from)."""
+        w, raw = sess.walked, body.get("messages")
+        whole = self.template is not None and (not self.template_window or sess.renders_whole)
+        if w is None or not isinstance(raw, list) or whole:
+            return chars
+        tools = body.get("tools")
+        same = w.common(raw, tools_salt(tools) if isinstance(tools, list) else "")
+        return text_chars(raw[same:]) + text_chars(tools) if same else chars
 
     def _prepare(self, sess: ExecutionSession, body: dict, role: str, limit: int | None) -> Call:
         raw = body.get("messages")

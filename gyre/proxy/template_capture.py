@@ -216,6 +216,9 @@ def _prepare(r: Renderer, template: ChatTemplate, session: ExecutionSession, mes
         matched.append(nid)
         parent = nid
     cut_view = _window(r, template, session, dicts, matched, tools) if window else None
+    # a window that did not hold: this conversation renders whole (the proxy prepares the next
+    # call of it off the loop when it is long, gyre.proxy.server.Proxy._fresh_chars)
+    session.renders_whole = window and cut_view is None and len(matched) - WINDOW >= 2
     if cut_view is not None:
         view, base, cut = cut_view
     else:

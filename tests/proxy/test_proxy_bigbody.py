@@ -164,3 +164,34 @@ def test_a_dead_worker_costs_one_call_a_503_and_the_next_gets_a_new_pool(stack):
     assert status == 503 and err["type"] == "server_error" and "retry" in err["message"], err
     assert chat(stack, key, body("hi"))[0] == 200
     assert len(stack.tree().calls) == 2
+
+
+def test_a_big_body_that_extends_the_last_one_is_parsed_on_the_loop_from_where_it_differs(stack, monkeypatch):
+    """A growing execution's bodies pass big_body_bytes: the first big one is parsed in a worker
+    process, which hands back where its messages end; each next one that adds at most
+    big_body_bytes is parsed on the loop from there (gyre.proxy.body_cache), as parse_json would;
+    one that rewrites its history goes to the worker again."""
+    _, key = stack.client()
+    to_worker = []
+    real = stack.proxy.workers.parse
+
+    async def parse(fn, raw, *args):
+        to_worker.append(len(raw))
+        return await real(fn, raw, *args)
+
+    monkeypatch.setattr(stack.proxy.workers, "parse", parse)
+    stack.proxy.big_body_bytes = 4000
+    sess = stack.proxy.by_id["e1"]
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "hello " * 1000}]
+    for i in range(4):
+        status, raw = chat(stack, key, json.dumps({"model": "main", "messages": messages}).encode())
+        assert status == 200, raw[:300]
+        assert len(to_worker) == 1 and sess.body.scanned == 2  # the first by the worker, then the 2 new ones
+        messages += [{"role": "assistant", "content": json.loads(raw)["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": f"go on {i} ü"}]
+    messages[1] = {"role": "user", "content": "bye " * 1000}  # the history rewritten: all of it is new
+    assert chat(stack, key, json.dumps({"model": "main", "messages": messages}).encode())[0] == 200
+    assert len(to_worker) == 2
+    calls = stack.tree().calls
+    assert len(calls) == 5 and [stack.tree().call_input_ids(c).tolist() for c in calls[:4]] == \
+           [r["input_ids"] for r in stack.engine.requests[:4]]

@@ -15,6 +15,7 @@ import pytest
 from gyre.engine.router import Router
 from gyre.model.chat_template import ChatTemplate
 from gyre.proxy import template_capture
+from gyre.proxy.body_cache import BodyCache
 from gyre.proxy.capture import ExecutionSession, message_keys, prepare_call, record_call, remember
 from gyre.proxy.chat import Message, parse_messages
 from gyre.proxy.server import Proxy, create_app, start_site
@@ -69,8 +70,9 @@ class Pair:
                                                   "Authorization": f"Bearer {key}"})
             with urllib.request.urlopen(req, timeout=30) as r:
                 out.append(json.loads(r.read()))
-            if k == 1:  # the reference forgets its walk: every call walks, parses and keys all
-                self.proxies[1].by_id["e"].walked = None
+            if k == 1:  # the reference forgets its walk, body and wire digits: every call walks, parses and keys all
+                sess = self.proxies[1].by_id["e"]
+                sess.walked, sess.body, sess.wire_path = None, BodyCache(), None
         return out[0]
 
     def close(self):
@@ -230,3 +232,115 @@ def test_windowed_render_of_real_templates_equals_transformers(tmp_path, name, m
                                       for k, t in enumerate(m.tool_calls)]
             messages.append(echo)
     assert len(plan) == 17 and sum(windows) >= 5
+
+
+class _CountingDict(dict):
+    """A session's wire-digit cache that counts its look-ups (one per segment joined)."""
+
+    def __init__(self, counter: list):
+        super().__init__()
+        self.counter = counter
+
+    def get(self, key, default=None):
+        self.counter.append(1)
+        return super().get(key, default)
+
+
+@pytest.mark.parametrize("template,history", [(None, "exact"), ("chatml_hermes", "exact"),
+                                              ("chatml_hermes", "template")])
+def test_per_call_work_does_not_grow_with_the_history(template, history, monkeypatch):
+    """Issue 28: the proxy's per-call work follows the call's new messages, in both history modes.
+    Counted, not timed, over a 40-call execution whose turns all have the same size: messages the
+    body parse scans, characters the cheap bound and the inline decision walk, messages parsed,
+    messages the chat template renders, segments whose wire digits are joined, segments the tree
+    compares. The late calls (history 4x longer) must do no more of any than the early ones."""
+    from gyre.model import chat_template
+    from gyre.proxy import body, body_cache, server
+    from gyre.traj.tree import TrajectoryTree
+
+    work: dict[str, list] = {k: [] for k in ("chars", "parsed", "rendered", "wire", "tree")}
+
+    def counting(mod, name, what, size):
+        real = getattr(mod, name)
+
+        def f(*a, **k):
+            out = real(*a, **k)
+            work[what].append(size(a, k, out))
+            return out
+        monkeypatch.setattr(mod, name, f)
+
+    for mod in (body, body_cache, server):  # text_chars: the characters walked, what it returns
+        counting(mod, "text_chars", "chars", lambda a, k, out: out)
+    counting(server, "parse_messages", "parsed", lambda a, k, out: len(out))
+    counting(chat_template.ChatTemplate, "render", "rendered", lambda a, k, out: len(a[1]))
+    counting(TrajectoryTree, "add_call", "tree", lambda a, k, out: len(a[1]) - (k["path"] or (0,))[0])
+    pair = Pair(template, history, False, False)
+    sess = pair.proxies[0].by_id["e"]
+    sess.wire = _CountingDict(work["wire"])
+    proxy, port, key = pair.proxies[0], pair.ports[0], pair.keys[0]
+    pair.engines[0].script = [R.encode('<tool_call>\n{"name": "bash", "arguments": {"command": "cat m%03d.py"}}\n'
+                                       '</tool_call>' % i) + [R.im_end] for i in range(40)]
+    try:
+        messages = [{"role": "system", "content": "You are a coding agent."},
+                    {"role": "user", "content": "Fix the failing test in the repository."}]
+        per_call, scanned = [], []
+        for i in range(40):
+            before = {k: len(v) for k, v in work.items()}
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/chat/completions", method="POST",
+                data=json.dumps({"model": "main", "messages": messages, "tools": TOOLS}).encode(),
+                headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+            with urllib.request.urlopen(req, timeout=30) as r:
+                msg = json.loads(r.read())["choices"][0]["message"]
+            per_call.append({k: sum(v[before[k]:]) for k, v in work.items()})
+            scanned.append(sess.body.scanned)
+            messages += [{"role": "assistant", "content": msg["content"], "tool_calls": msg["tool_calls"]},
+                         {"role": "tool", "tool_call_id": "c", "content": f"line {i:03d}\n" * 20}]
+        assert len(proxy.by_id["e"].tree.calls) == 40 and len(messages) == 82
+        assert scanned[0] == 2 and set(scanned[1:]) == {2}  # the body parse: the two new messages
+        for what in work:
+            early = max(c[what] for c in per_call[8:13])
+            late = max(c[what] for c in per_call[-5:])
+            assert late <= early, (what, [c[what] for c in per_call])
+        assert per_call[-1]["rendered"] < 2 * len(messages) if template else per_call[-1]["rendered"] == 0
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("template,force_window,offloaded", [
+    (None, False, False), ("chatml_hermes", False, False),
+    # its window does not hold (reasoning dropped from the history): each call renders it whole
+    ("chatml_drop_reasoning", True, True)])
+def test_a_long_execution_is_prepared_on_the_loop_only_where_its_calls_render_their_end(
+        template, force_window, offloaded, monkeypatch):
+    """The inline decision counts the characters a call may render and tokenize: past INLINE_CHARS
+    in all, an execution whose calls render only their new messages stays on the loop, one whose
+    calls render the whole conversation goes to the worker pool."""
+    from gyre.proxy import server
+
+    monkeypatch.setattr(server, "INLINE_CHARS", 4000)
+    pair = Pair(template, "exact", True, force_window)
+    to_pool = []
+    real = pair.proxies[0].workers.run
+
+    async def run(fn, *args):
+        to_pool.append(1)
+        return await real(fn, *args)
+
+    monkeypatch.setattr(pair.proxies[0].workers, "run", run)
+    try:
+        messages = [{"role": "system", "content": "You are a coding agent."},
+                    {"role": "user", "content": "Fix the failing test in the repository."}]
+        for i in range(14):  # 14 tool outputs of 500 characters: 7,000 in all
+            msg = pair.post(messages)["choices"][0]["message"]
+            turn = {"role": "assistant", "content": msg["content"], "tool_calls": msg["tool_calls"]}
+            if msg.get("reasoning_content"):
+                turn["reasoning_content"] = msg["reasoning_content"]
+            messages += [turn, {"role": "tool", "tool_call_id": "c", "content": f"{i:03d} " * 125}]
+            if i % 3 == 2:  # a user turn: the reasoning of the turns before it drops out of the render
+                messages.append({"role": "user", "content": "Go on."})
+        assert (len(to_pool) > 0) == offloaded, to_pool
+        got, want = (e.requests for e in pair.engines)
+        assert [r["input_ids"] for r in got] == [r["input_ids"] for r in want]
+    finally:
+        pair.close()
