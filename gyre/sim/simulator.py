@@ -492,12 +492,13 @@ class Simulator:
         self.lru[cell].clear()
         rate: tuple = ()
         at = None  # (lane, heap position) of each call in flight, built once (not a scan per execution)
+        home, prefill, lanes, segments, kv = self._home, self._prefill, self.lanes, self._segments, self.kv_used
         for e in homed:
             e.home = -1
             e.cached = 0.0
-            self._home(e)
+            home(e)
             if e.in_call:  # the call in flight is retried elsewhere and re-prefills its context
-                cost = self.c.prefill_s(e.ctx_mid)
+                cost = prefill(e.ctx_mid)  # ClusterModel.prefill_s
                 if cost <= 0:
                     continue
                 # no cell serves now (a whole-pool switch) or no call is decoding yet: price the
@@ -505,18 +506,20 @@ class Simulator:
                 n = max(self.in_call, 1)
                 rate = rate or self._speed()
                 lane_rate = rate[e.lane] or self.c.token_rate(n, 1, self.ctx_sum / n)
-                if at is None:
-                    at = {sq: (k, j) for k, calls in enumerate(self.lanes) for j, (_, sq, _) in enumerate(calls)}
+                if at is None:  # only the entries of this cell's calls are looked for
+                    wanted = {x.call_seq for x in homed if x.in_call}
+                    at = {item[1]: (k, j) for k, calls in enumerate(lanes)
+                          for j, item in enumerate(calls) if item[1] in wanted}
                 kj = at.get(e.call_seq)
                 if kj is not None:  # decoding (a call still prefilling pays at its next call)
                     k, j = kj
-                    v, sq, x = self.lanes[k][j]
-                    self.lanes[k][j] = (v + cost * lane_rate, sq, x)
+                    v, sq, x = lanes[k][j]
+                    lanes[k][j] = (v + cost * lane_rate, sq, x)
                     moved = True
                     self.reprefills += 1
                     if e.home >= 0:  # the retry rebuilt its context on the new cell
-                        e.cached = e.spec.context_tokens * (e.seg + 1) / self.s.segments
-                        self.kv_used[e.home] += e.cached
+                        e.cached = e.spec.context_tokens * (e.seg + 1) / segments
+                        kv[e.home] += e.cached
         if moved:
             for calls in self.lanes:
                 heapq.heapify(calls)
