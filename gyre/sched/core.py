@@ -285,6 +285,19 @@ class Coordinator:
         s = self.spec
         return expired(step, g.version, s.staleness, s.steps_per_sync, s.start_version, s.staleness_rule)
 
+    def _admissible_waiting(self) -> int:
+        """Waiting groups not expired at the current version. Expiry depends on a group's version
+        only, so it is worked out once per version present (the queue can hold thousands of
+        groups of a few versions, and is recounted at each of its changes)."""
+        step, expired_at, n = self.version, {}, 0
+        for g in self._waiting.values():
+            x = expired_at.get(g.version)
+            if x is None:
+                x = expired_at[g.version] = self._expired(g, step)
+            if not x:
+                n += 1
+        return n
+
     def cluster_state(self, now: float, cells: tuple[CellView, ...]) -> ClusterState:
         """The one builder of what a policy sees. While the step's optimizer step runs, one token
         of work is reported left: the trainers are still busy with it."""
@@ -295,7 +308,7 @@ class Coordinator:
             self._running_views = weakref.ref(running)
         if self._waiting_key != (self._waiting_rev, self.version):  # admissibility moves with these only
             self._waiting_key = (self._waiting_rev, self.version)
-            self._waiting_n = sum(1 for g in self._waiting.values() if not self._expired(g, self.version))
+            self._waiting_n = self._admissible_waiting()
         waiting = self._waiting_n
         left = st.tokens_left
         if st.reducing:

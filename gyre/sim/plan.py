@@ -322,12 +322,13 @@ def execute(scs: list[Scenario], executor: str, jobs_dir: str = "gyre-plan-jobs"
 
 
 def _pooled(scs: list[Scenario], jobs: int) -> Iterator[dict]:
-    """The points in a pool of processes, heaviest first (an Async point searches several splits),
-    rows yielded in the sweep's order. Closing the iterator (Ctrl-C) stops the workers."""
+    """The points in a pool of processes, heaviest first (so no long point starts last while the
+    other processes sit idle), rows yielded in the sweep's order. Closing the iterator (Ctrl-C)
+    stops the workers."""
     ex = ProcessPoolExecutor(min(jobs, len(scs)), mp_context=multiprocessing.get_context("spawn"))
     procs = []
     try:
-        order = sorted(range(len(scs)), key=lambda i: (scs[i].scheme != Scheme.A, i))
+        order = sorted(range(len(scs)), key=lambda i: (_weight(scs[i]), i))
         futures = {i: ex.submit(_guarded, scs[i]) for i in order}
         procs = list(ex._processes.values())  # started by submit; stopped below, not waited for
         for i in range(len(scs)):
@@ -339,6 +340,13 @@ def _pooled(scs: list[Scenario], jobs: int) -> Iterator[dict]:
         for p in procs:
             p.terminate()  # a point in progress is not waited for
         ex.shutdown(wait=True, cancel_futures=True)  # (the pool sees its workers gone and ends)
+
+
+def _weight(s: Scenario) -> tuple:
+    """Sort key, heaviest point first: an Async point searches several splits (3-5 full runs at
+    64 nodes); a higher staleness keeps more executions running (more events per step); more
+    steps and more cells (smaller ones at the same nodes) mean more events."""
+    return (s.scheme != Scheme.A, -s.staleness, -s.steps, -s.cluster.cells)
 
 
 def _point(s: Scenario) -> dict:

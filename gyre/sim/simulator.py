@@ -189,7 +189,13 @@ class Simulator:
         self.n_train = sum(1 for r in roles if r is Role.TRAIN)
         self.roles_rev = 0
         self._assign_cache: dict = {}
+        self._busy_key: tuple | None = None  # (roles_rev, busy rollout cells, pushing, training) of busy_a
+        self._n_cells = cluster.cells
+        self._segments = self.s.segments
         self.homed: list[dict] = [{} for _ in range(n)]  # per cell: the executions it serves
+        self.n_homed = [0] * n     # their number (the router's load)
+        self._rollout_rev = -1     # roles_rev of _rollout_ids, the settled rollout cells in order
+        self._rollout_ids: list[int] = []
         self.lru: list[OrderedDict] = [OrderedDict() for _ in range(n)]  # per cell: those holding a prefix
         self.kv_used = [0.0] * n   # tokens of KV held per cell
         self.kv_cap = cluster.kv_tokens_per_cell
@@ -290,7 +296,9 @@ class Simulator:
         return a
 
     def _advance(self, t: float, speed: tuple) -> None:
-        """Move the clock to `t`; `speed` is `_speed()` now (the run loop asks it once per event)."""
+        """Move the clock to `t`; `speed` is `_speed()` now (the run loop asks it once per event).
+        Runs once per event: constants are read from locals, and the busy set is looked up only
+        when what it depends on changed (the same figures as asking every time)."""
         now = self.now
         dt = t - now
         if dt <= 0:
@@ -300,28 +308,37 @@ class Simulator:
         optimizing = now < self.opt_until - _EPS
         left = self.train_left
         n, n_rollout = self.in_call, self.n_rollout
+        drains = left > _EPS and rate > 0
         # During the optimizer step trainers are busy; during a weight push rollout cells pause.
-        training = (left > _EPS and rate > 0) or optimizing
-        a = self._assignment(n if n < n_rollout else n_rollout, pushing, training)
-        if a is not self.busy_a:
-            self._busy_changed(a)
-        if self.running and not n_rollout:
+        key = (self.roles_rev, n if n < n_rollout else n_rollout, pushing, drains or optimizing)
+        if key != self._busy_key:
+            self._busy_key = key
+            a = self._assignment(*key[1:])
+            if a is not self.busy_a:
+                self._busy_changed(a)
+        running = self.running
+        if running and not n_rollout:
             self.unserved += dt
         if self.win_open:
-            self.win_spare += max(0.0, self.c.cells - n / self.knee) * dt
+            spare = self._n_cells - n / self.knee
+            self.win_spare += (spare if spare > 0.0 else 0.0) * dt  # max(0.0, spare)
         # Regime: rollout is the critical path while executions run (or await evaluation) and the
         # trainers have nothing admitted to train.
-        if (self.running or self.awaiting_eval) and left <= _EPS and not optimizing:
+        if (running or self.awaiting_eval) and left <= _EPS and not optimizing:
             self.crit_roll += dt
         if n and n_rollout and not pushing:  # calls per busy replica (ClusterModel.batch)
             b = n / (n_rollout * self._reps)
             self.load_num += n * (b if b > 1.0 else 1.0) * dt
             self.load_den += n * dt
         vc = self.vclocks
-        for i, v in enumerate(speed):
-            vc[i] += v * dt
-        if left > _EPS and rate > 0:
-            self._drain(min(left, rate * dt))
+        if len(speed) == 1:
+            vc[0] += speed[0] * dt
+        else:
+            for i, v in enumerate(speed):
+                vc[i] += v * dt
+        if drains:
+            d = rate * dt
+            self._drain(d if d < left else left)  # min(left, rate * dt)
         self.now = t
 
     def _busy_changed(self, a: tuple[int, ...]) -> None:
@@ -357,17 +374,6 @@ class Simulator:
         if not self.mb_queue:
             self.train_left = 0.0
 
-    def _next_time(self, speed: tuple) -> float:
-        t = self.events[0][0] if self.events else math.inf
-        for calls, vc, v in zip(self.lanes, self.vclocks, speed):
-            if calls and v > 0:
-                t = min(t, self.now + max(0.0, calls[0][0] - vc) / v)
-        rate = self.n_train * self._tps
-        left = self.train_left
-        if left > _EPS and rate > 0:
-            t = min(t, self.now + left / rate)
-        return t
-
     # ---- executions -----------------------------------------------------------------------
     def _start_group(self, rec) -> None:
         g = _Group(rec.id, self.w.group(rec.id))
@@ -390,7 +396,7 @@ class Simulator:
         then decode its output in the shared pool."""
         e.in_call = True
         self.core.call_started(e.id)
-        seg, n = e.seg, self.s.segments
+        seg, n = e.seg, self._segments
         ctx = e.spec.context_tokens
         before = ctx * seg / n
         after = ctx * (seg + 1) / n
@@ -425,11 +431,8 @@ class Simulator:
         self.in_call += 1
         self.lane_calls[e.lane] += 1
         self.lane_ctx[e.lane] += e.ctx_mid
-        self._queue_call(e, e.out_seg)
-
-    def _queue_call(self, e: _Exec, work: float) -> None:
-        e.call_seq = sq = next(self.seq)
-        heappush(self.lanes[e.lane], (self.vclocks[e.lane] + work, sq, e))
+        e.call_seq = sq = next(self.seq)  # identifies its entry in the decode heap
+        heappush(self.lanes[e.lane], (self.vclocks[e.lane] + e.out_seg, sq, e))
 
     def _assign_lane(self, e: _Exec) -> None:
         """The lane furthest below its share of the running executions (the lowest index among
@@ -455,20 +458,24 @@ class Simulator:
     def _home(self, e: _Exec) -> None:
         """Place an execution on the least-loaded settled rollout cell (the router's choice; the
         lowest index among equals)."""
-        best, load, homed = -1, 0, self.homed
-        for i, r in enumerate(self.role):
-            if r is Role.ROLLOUT:
-                n = len(homed[i])
-                if best < 0 or n < load:
-                    best, load = i, n
+        if self._rollout_rev != self.roles_rev:
+            self._rollout_ids = [i for i, r in enumerate(self.role) if r is Role.ROLLOUT]
+            self._rollout_rev = self.roles_rev
+        ids, n_homed = self._rollout_ids, self.n_homed
+        # min() keeps the first of equals: the lowest index, as a scan in cell order would
+        best = min(ids, key=n_homed.__getitem__) if ids else -1
         e.home = best
         e.cached = 0.0
         if best >= 0:
-            homed[best][e.id] = e
+            h = self.homed[best]
+            h[e.id] = e
+            n_homed[best] = len(h)
 
     def _unhome(self, e: _Exec) -> None:
         if e.home >= 0:
-            self.homed[e.home].pop(e.id, None)
+            h = self.homed[e.home]
+            h.pop(e.id, None)
+            self.n_homed[e.home] = len(h)
             self.kv_used[e.home] -= e.cached
             self.lru[e.home].pop(e.id, None)
         e.home = -1
@@ -480,16 +487,18 @@ class Simulator:
         moved = False
         homed = list(self.homed[cell].values())
         self.homed[cell] = {}
+        self.n_homed[cell] = 0
         self.kv_used[cell] = 0.0
         self.lru[cell].clear()
         rate: tuple = ()
         at = None  # (lane, heap position) of each call in flight, built once (not a scan per execution)
+        home, prefill, lanes, segments, kv = self._home, self._prefill, self.lanes, self._segments, self.kv_used
         for e in homed:
             e.home = -1
             e.cached = 0.0
-            self._home(e)
+            home(e)
             if e.in_call:  # the call in flight is retried elsewhere and re-prefills its context
-                cost = self.c.prefill_s(e.ctx_mid)
+                cost = prefill(e.ctx_mid)  # ClusterModel.prefill_s
                 if cost <= 0:
                     continue
                 # no cell serves now (a whole-pool switch) or no call is decoding yet: price the
@@ -497,18 +506,20 @@ class Simulator:
                 n = max(self.in_call, 1)
                 rate = rate or self._speed()
                 lane_rate = rate[e.lane] or self.c.token_rate(n, 1, self.ctx_sum / n)
-                if at is None:
-                    at = {sq: (k, j) for k, calls in enumerate(self.lanes) for j, (_, sq, _) in enumerate(calls)}
+                if at is None:  # only the entries of this cell's calls are looked for
+                    wanted = {x.call_seq for x in homed if x.in_call}
+                    at = {item[1]: (k, j) for k, calls in enumerate(lanes)
+                          for j, item in enumerate(calls) if item[1] in wanted}
                 kj = at.get(e.call_seq)
                 if kj is not None:  # decoding (a call still prefilling pays at its next call)
                     k, j = kj
-                    v, sq, x = self.lanes[k][j]
-                    self.lanes[k][j] = (v + cost * lane_rate, sq, x)
+                    v, sq, x = lanes[k][j]
+                    lanes[k][j] = (v + cost * lane_rate, sq, x)
                     moved = True
                     self.reprefills += 1
                     if e.home >= 0:  # the retry rebuilt its context on the new cell
-                        e.cached = e.spec.context_tokens * (e.seg + 1) / self.s.segments
-                        self.kv_used[e.home] += e.cached
+                        e.cached = e.spec.context_tokens * (e.seg + 1) / segments
+                        kv[e.home] += e.cached
         if moved:
             for calls in self.lanes:
                 heapq.heapify(calls)
@@ -517,20 +528,25 @@ class Simulator:
         e.in_call = False
         self.core.call_ended(e.id, e.calls_seg)
         self.in_call -= 1
-        self.ctx_sum = max(0.0, self.ctx_sum - e.ctx_mid) if self.in_call else 0.0
+        if self.in_call:
+            cs = self.ctx_sum - e.ctx_mid
+            self.ctx_sum = cs if cs > 0.0 else 0.0  # max(0.0, ...): float residue
+        else:
+            self.ctx_sum = 0.0
         k = self.lane_calls[e.lane] = self.lane_calls[e.lane] - 1
         self.lane_ctx[e.lane] = max(0.0, self.lane_ctx[e.lane] - e.ctx_mid) if k else 0.0
         e.calls_done += e.calls_seg
         if e.home >= 0:
-            lru = self.lru[e.home]
-            if e.id in lru:
-                lru.move_to_end(e.id)  # most recently used
+            try:
+                self.lru[e.home].move_to_end(e.id)  # most recently used
+            except KeyError:  # it holds no prefix there (evicted)
+                pass
         heappush(self.events, (self.now + e.env_seg, next(self.seq), _ENV, e))
 
     def _end_env(self, e: _Exec) -> bool:
         """Next segment, or the execution ends (True)."""
         e.seg += 1
-        if e.seg < self.s.segments:
+        if e.seg < self._segments:
             self._begin_call(e)
             return False
         del self.running[e.id]
@@ -653,23 +669,94 @@ class Simulator:
     # ---- main loop ------------------------------------------------------------------------
     def run(self, give_up_after: float = math.inf) -> SimResult:
         """Simulate to the last step; with `give_up_after`, raise GaveUp once the next event lies
-        past it (the makespan would be longer)."""
+        past it (the makespan would be longer).
+
+        The loop runs once per event, so the decode speed, the next event's time and the events due
+        are worked out inline (the arithmetic of `_speed`, with its cache, and of the calls' and
+        training's next ends); the rarer kinds of event go to `_event`."""
         wall = time.perf_counter()
         self.decisions += 1
         self._apply(self.p.decide(self._state(), self.now))
         idle_ticks = 0
         core, steps = self.core, self.core.spec.steps  # core.done: version >= steps
-        next_time, advance, handle_due, speed_now = self._next_time, self._advance, self._handle_due, self._speed
+        advance, rate_fn, lane_speeds, tps = self._advance, self._rate, self._lane_speeds, self._tps
+        end_call, decode, end_env, event = self._end_call, self._decode, self._end_env, self._event
+        events, lanes, vclocks, lane_calls = self.events, self.lanes, self.vclocks, self.lane_calls
+        one = len(lanes) == 1  # the pooled decode: one lane (the common case, kept short)
+        calls0 = lanes[0]
+        inf = math.inf
         while core.version < steps:
-            speed = speed_now()  # nothing changes it between the next event's time and the advance to it
-            t = next_time(speed)
-            if t > give_up_after or t == math.inf:  # (strictly: a run as fast as the limit may win a tie)
-                if t == math.inf:
+            # the decode speed per lane (_speed): nothing changes it between the next event's time
+            # and the advance to it
+            now, n, cs = self.now, self.in_call, self.ctx_sum
+            serving = 0 if now < self.push_until - _EPS else self.n_rollout
+            key = (n, serving, cs) if one else (n, serving, cs, tuple(lane_calls))
+            if key != self._speed_key:
+                self._speed_key = key
+                self._speed_v = (rate_fn(n, serving, cs / n if n else 0.0),) if one else lane_speeds(serving)
+            speed = self._speed_v
+            # the next event: a queued one, a call's end in a lane, or the open step's training end
+            t = events[0][0] if events else inf
+            if one:
+                v = speed[0]
+                if calls0 and v > 0:
+                    d = calls0[0][0] - vclocks[0]
+                    x = now + (d if d > 0.0 else 0.0) / v  # max(0.0, d)
+                    if x < t:
+                        t = x
+            else:
+                for calls, vc, v in zip(lanes, vclocks, speed):
+                    if calls and v > 0:
+                        d = calls[0][0] - vc
+                        x = now + (d if d > 0.0 else 0.0) / v
+                        if x < t:
+                            t = x
+            left = self.train_left
+            rate = self.n_train * tps
+            if left > _EPS and rate > 0:
+                x = now + left / rate
+                if x < t:
+                    t = x
+            if t > give_up_after or t == inf:  # (strictly: a run as fast as the limit may win a tie)
+                if t == inf:
                     raise SimError(f"{self.p.label}: nothing left to happen at t={self.now:.0f}s")
                 raise GaveUp(t)  # its makespan is at least t
-            left = self.train_left
             advance(t, speed)
-            progressed, wake = handle_due()
+            # everything due now: calls that ended, then events (most are a call's prefill or its
+            # tool time). Calls and tool time inside an execution change nothing a policy decides
+            # on, so only execution ends, evaluations, switches, step ends and ticks wake the policy.
+            progressed = wake = False
+            done = 0
+            for calls, vc in zip(lanes, vclocks):
+                if calls:
+                    due = vc + _EPS * (vc if vc > 1.0 else 1.0)  # max(1.0, vc)
+                    while calls and calls[0][0] <= due:
+                        end_call(heappop(calls)[2])
+                        done += 1
+            progressed = done > 0
+            due = self.now + _EPS
+            while events and events[0][0] <= due:
+                _, _, kind, obj = heappop(events)
+                done += 1
+                if kind == _PREFILL:
+                    progressed = True
+                    decode(obj)
+                elif kind == _ENV:
+                    progressed = True
+                    if end_env(obj):
+                        wake = True
+                elif kind == _TICK:
+                    self._push(self.now + self.s.tick_s, _TICK, None)
+                    wake = True
+                else:
+                    progressed = wake = True
+                    event(kind, obj)
+            self.n_events += done
+            if self._maybe_ready and not self.opt_until:
+                self._maybe_ready = False
+                if core.step_ready():
+                    progressed = wake = True
+                    self._ready()
             progressed |= self.train_left < left  # training drained work (a long step has no events)
             if core.version >= steps:
                 break
@@ -681,60 +768,22 @@ class Simulator:
                 self._apply(self.p.decide(self._state(), self.now))
         return self._result(time.perf_counter() - wall)
 
-    def _handle_due(self) -> tuple[bool, bool]:
-        """Process everything due now. Returns (progressed, the policy should look again):
-        calls and environment time inside an execution change nothing a policy decides on, so
-        only execution ends, evaluations, switches, step ends and ticks wake the policy."""
-        progressed = wake = False
-        events = self.events
-        for calls, vc in zip(self.lanes, self.vclocks):
-            if calls:
-                due = vc + _EPS * max(1.0, vc)
-                while calls and calls[0][0] <= due:
-                    self._end_call(heappop(calls)[2])
-                    self.n_events += 1
-                    progressed = True
-        due = self.now + _EPS
-        while events and events[0][0] <= due:
-            _, _, kind, obj = heappop(events)
-            self.n_events += 1
-            if kind == _PREFILL:
-                progressed = True
-                self._decode(obj)
-                continue
-            if kind == _ENV:
-                progressed = True
-                wake |= self._end_env(obj)
-                continue
-            if kind == _TICK:
-                self._push(self.now + self.s.tick_s, _TICK, None)
-                wake = True
-                continue
-            progressed = True
-            if kind == _EVAL:
-                wake = True
-                self._evaluated(obj)
-            elif kind == _SWITCH:
-                wake = True
-                self._set_role(obj, Role.TRAIN if self.role[obj] is Role.TO_TRAIN else Role.ROLLOUT)
-                if self.role[obj] is Role.ROLLOUT:
-                    for e in self.running.values():
-                        if e.home < 0:
-                            self._home(e)
-            elif kind == _OPT:
-                wake = True
-                self.opt_until = 0.0
-                self._step_end()
-            elif kind == _PUSH:
-                wake = True
-                self.push_until = 0.0
-                self.core.weights_pushed(self.core.version)
-        if self._maybe_ready and not self.opt_until:
-            self._maybe_ready = False
-            if self.core.step_ready():
-                progressed = wake = True
-                self._ready()
-        return progressed, wake
+    def _event(self, kind: int, obj) -> None:
+        """An evaluation, a switch's end, an optimizer step's end or a weight push's end."""
+        if kind == _EVAL:
+            self._evaluated(obj)
+        elif kind == _SWITCH:
+            self._set_role(obj, Role.TRAIN if self.role[obj] is Role.TO_TRAIN else Role.ROLLOUT)
+            if self.role[obj] is Role.ROLLOUT:
+                for e in self.running.values():
+                    if e.home < 0:
+                        self._home(e)
+        elif kind == _OPT:
+            self.opt_until = 0.0
+            self._step_end()
+        elif kind == _PUSH:
+            self.push_until = 0.0
+            self.core.weights_pushed(self.core.version)
 
     def _ready(self) -> None:
         """The open step's batch is complete and trained: its optimizer step runs."""

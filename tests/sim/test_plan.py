@@ -268,6 +268,16 @@ def test_a_pool_of_processes_gives_the_inline_rows_in_the_sweeps_order():
     assert pooled == inline
 
 
+def test_the_pool_takes_the_heaviest_points_first():
+    """Async (a split search) first, then the higher staleness, then more cells: at 64 nodes the
+    last points to start are the cheap staleness-0 runs (no long point starts last)."""
+    scs = plan.scenarios(args("--nodes", "64"))
+    order = [(s.scheme, s.staleness, s.cluster.cells) for s in sorted(scs, key=plan._weight)]
+    assert order[:4] == [("A", 2, 16), ("A", 2, 8), ("A", 0, 16), ("A", 0, 8)]
+    assert {s for s, _, _ in order[4:]} == {"E", "C"}
+    assert [k for _, k, _ in order[4:]] == [2, 2, 2, 2, 0, 0, 0, 0]
+
+
 def test_closing_a_pooled_sweep_stops_its_workers():
     scs = plan.scenarios(args("--nodes", "8", "--cell-nodes", "4", "--schemes", "E,C", "--staleness", "0,1,2",
                               "--steps", "2", "--groups-per-step", "2"))
