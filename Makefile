@@ -7,8 +7,11 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP     := $(VENV)/.installed
 PYTEST_ARGS ?=
 # the unit tests run in JOBS pytest-xdist workers; the e2e tests (tests/conftest.py: whole jobs of
-# many processes, ~1.5 cores each) run one at a time after them
+# many processes) after them, in E2E_JOBS workers: a job waits on its processes' start-up, timers and
+# Slurm for much of its time, so two at once fill the cores (tests/conftest.py groups those that
+# must share a worker)
 JOBS      ?= 2
+E2E_JOBS  ?= 2
 PYTEST    := PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q -ra
 
 .PHONY: install sysdeps test test-fast demo bench bench-nl2repo clean-venv
@@ -47,8 +50,8 @@ test: install sysdeps
 	@rc=0; \
 	echo "== unit tests ($(JOBS) workers)"; \
 	$(PYTEST) -n $(JOBS) -m "not e2e" --durations=10 $(PYTEST_ARGS) || { r=$$?; [ $$r = 5 ] || rc=$$r; }; \
-	echo "== end-to-end tests (one at a time)"; \
-	$(PYTEST) -m e2e --durations=15 $(PYTEST_ARGS) || { r=$$?; [ $$r = 5 ] || rc=$$r; }; \
+	echo "== end-to-end tests ($(E2E_JOBS) workers)"; \
+	$(PYTEST) -n $(E2E_JOBS) --dist loadgroup -m e2e --durations=15 $(PYTEST_ARGS) || { r=$$?; [ $$r = 5 ] || rc=$$r; }; \
 	exit $$rc
 
 # the unit tests: under 2 minutes on 2 cores; --durations names any test that grew slow

@@ -1,8 +1,8 @@
 """Markers by file, in one place.
 
 `e2e`: whole jobs (a Slurm dev cluster, mpiexec runs of head + cells, whole rollouts). Each is
-many processes and keeps ~1.5 cores busy, so `make test` runs them one at a time after the rest,
-which runs in two pytest-xdist workers. `slow`: left out of `make test-fast` (every e2e test, and
+many processes; `make test` runs them after the rest, two at a time (a job spends much of its time
+waiting on process start-up, timers and Slurm: one at a time left the cores half idle). `slow`: left out of `make test-fast` (every e2e test, and
 unit tests that start a process stack for more than ~3 s).
 """
 
@@ -12,18 +12,29 @@ import pytest
 
 E2E_FILES = {"test_slurm.py", "test_slurm_cells.py", "test_online.py", "test_cell_agent.py",
              "test_cell_agent_fault_phase.py", "test_megatron_dist.py", "test_rollout.py"}
-# e2e tests that must share one pytest-xdist worker (`--dist loadgroup`): the dev cluster's tests
-# (one cluster per machine: a second worker would wait on its lock), and a module-scoped job
-# (test_cell_agent's `run`, started once for its ten tests)
+# e2e tests that must share one pytest-xdist worker: the dev cluster's tests (one cluster per
+# machine: a second worker would wait on its lock), and test_cell_agent's module-scoped job
+# (started once for its ten tests)
 XDIST_GROUPS = {"test_slurm.py": "slurm", "test_slurm_cells.py": "slurm", "test_cell_agent.py": "cell_agent"}
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in E2E_FILES:
             item.add_marker(pytest.mark.e2e)
             item.add_marker(pytest.mark.slow)
-        if item.path.name in XDIST_GROUPS:
-            item.add_marker(pytest.mark.xdist_group(XDIST_GROUPS[item.path.name]))
 
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup` by XDIST_GROUPS, each other test on its own. Not xdist_group marks:
+    pytest-xdist 3.8 groups by a suffix it writes to ``item._nodeid``, which pytest 9 no longer
+    reads (its nodeid is ``item._id``), so marked tests were spread over both workers."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return XDIST_GROUPS.get(nodeid.split("::", 1)[0].rsplit("/", 1)[-1], nodeid)
+
+    return ByGroup(config, log)
