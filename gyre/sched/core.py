@@ -272,6 +272,9 @@ class Coordinator:
         return max(0, self.spec.groups_needed - self.trained - self.n_open)
 
     def start_budget(self) -> int:
+        return self._start_budget(self.groups_still_needed)
+
+    def _start_budget(self, still_needed: int) -> int:
         s = self.spec
         if s.staleness_rule == StalenessRule.COUNT:
             rule = count_budget(s.groups_per_round, s.staleness, self.rollout_sync,
@@ -279,7 +282,7 @@ class Coordinator:
         else:
             rule = window_budget(s.groups_per_step, s.staleness, self.n_open, s.steps_per_sync,
                                  self.rollout_sync, self.version - s.start_version)
-        return min(rule, self.groups_still_needed)
+        return min(rule, still_needed)
 
     def _expired(self, g: GroupRecord, step: int) -> bool:
         s = self.spec
@@ -313,12 +316,13 @@ class Coordinator:
         left = st.tokens_left
         if st.reducing:
             left = max(left, 1.0)
+        done, still = self.done, self.groups_still_needed  # (read once: the simulator asks often)
         return ClusterState(
             version=self.version, staleness=s.staleness, groups_per_step=s.groups_per_step,
             group_size=s.group_size, cells=tuple(cells), running=running, groups_open=self.n_open,
             groups_waiting=waiting, step_groups=len(st.groups), train_tokens_left=left,
-            train_tokens_done=st.tokens_done, starts_blocked=self.groups_still_needed <= 0 or self.done,
-            starts_allowed=0 if self.done else self.start_budget(), steps_per_sync=s.steps_per_sync,
+            train_tokens_done=st.tokens_done, starts_blocked=still <= 0 or done,
+            starts_allowed=0 if done else self._start_budget(still), steps_per_sync=s.steps_per_sync,
             staleness_rule=s.staleness_rule, step_ready=self.step_ready(),
             calls_in_flight=self.calls_in_flight)
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 from gyre.config import Scheme
 from gyre.sched.admission import oldest_version_key, start_budget
 from gyre.sched.fixed import ColocatePolicy
-from gyre.sched.policy import Hints, Policy, ceil_div, heading_counts, move
+from gyre.sched.policy import Hints, Policy, ceil_div, cell_counts, move
 from gyre.sched.state import ClusterState, Decision, Role
 
 
@@ -100,19 +100,19 @@ class ElasticPolicy(Policy):
         return min(options, key=lambda n: (finish(n) + (h.to_rollout_s if n == r else 0.0), n))
 
     def decide(self, state: ClusterState, now: float) -> Decision:
-        live = [c for c in state.cells if c.role is not Role.FAILED]
-        if len(live) == 1:
+        n = cell_counts(state.cells)
+        if n.live == 1:
             return self._one_cell.decide(state, now)
         budget = start_budget(state)
-        settled_rollout = state.count(Role.ROLLOUT)
+        settled_rollout = n.rollout
         starting = budget if settled_rollout else 0  # new executions start on a settled rollout cell
         running = bool(state.running) or budget > 0
-        r, t = heading_counts(state.cells)
+        r, t = n.heading_rollout, n.heading_train
         work = state.train_tokens_left > 0 or state.step_ready
         if not running:
             want = t + self.idle_joiners(state, t, r) if work else t
         else:
-            want = self.train_target(state, t, len(live), self.rollout_need(state, budget))
+            want = self.train_target(state, t, n.live, self.rollout_need(state, budget))
         dwell = self.hints.min_dwell_s
         if want > t:
             sw = move(state, now, Role.TRAIN, want - t, dwell, keep_rollout=1 if running else 0)

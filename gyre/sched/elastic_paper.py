@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from gyre.config import Scheme
 from gyre.sched.admission import start_budget
-from gyre.sched.policy import Policy, ceil_div, heading_counts, move
+from gyre.sched.policy import Policy, ceil_div, cell_counts, move
 from gyre.sched.state import ClusterState, Decision, Role
 
 
@@ -27,21 +27,21 @@ class ElasticPaperPolicy(Policy):
 
     def rollout_target(self, state: ClusterState, now: float, starting: int) -> int:
         """Rollout cells wanted; at least one whenever executions run or start."""
-        live = sum(1 for c in state.cells if c.role is not Role.FAILED)
+        n = cell_counts(state.cells)
         work = len(state.running) + starting * state.group_size
         need = ceil_div(work, self.hints.execs_per_cell * self.hints.cell_scale)
-        r, _ = heading_counts(state.cells)
         if state.train_tokens_left <= 0:
-            need = max(need, r)  # nothing to train: no reason to leave rollout
-        return min(live, max(need, 1 if work else 0))
+            need = max(need, n.heading_rollout)  # nothing to train: no reason to leave rollout
+        return min(n.live, max(need, 1 if work else 0))
 
     def decide(self, state: ClusterState, now: float) -> Decision:
-        settled_rollout = state.count(Role.ROLLOUT)
+        n = cell_counts(state.cells)
+        settled_rollout = n.rollout
         budget = start_budget(state)
         # Start only once a settled rollout cell will serve the new executions.
         starting = budget if settled_rollout else 0
         target = self.rollout_target(state, now, budget)
-        r, t = heading_counts(state.cells)
+        r, t = n.heading_rollout, n.heading_train
         if state.step_ready and t == 0:
             # only the optimizer step is left (a step of zero-advantage executions has no work,
             # so the work-driven target never asks for a trainer): bring one

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from gyre.config import Scheme
 from gyre.sched.admission import oldest_version_key, start_budget
-from gyre.sched.policy import Hints, Policy
+from gyre.sched.policy import Hints, Policy, cell_counts
 from gyre.sched.state import ClusterState, Decision, Role, Switch
 
 
@@ -34,17 +34,20 @@ class ColocatePolicy(Policy):
     admission_key = staticmethod(oldest_version_key)
 
     def decide(self, state: ClusterState, now: float) -> Decision:
-        live = [c for c in state.cells if c.role is not Role.FAILED]
-        if any(not c.role.settled for c in live):
+        n = cell_counts(state.cells)
+        if n.switching:
             return Decision()  # mid-switch: wait until the whole pool has arrived
-        training = live[0].role is Role.TRAIN if live else False
-        if not training:
+        if n.first_live is not Role.TRAIN:
             # (a full step with no work, every reward equal, still needs its optimizer step)
             if state.step_full and (state.train_tokens_left > 0 or state.step_ready):
-                return Decision(tuple(Switch(c.id, Role.TRAIN) for c in live), notes=("batch complete",))
+                return Decision(_switch_live(state, Role.TRAIN), notes=("batch complete",))
             return Decision(start_groups=start_budget(state))
         # Training: stay while the open step's batch is complete (the next one may already be);
         # a partial batch waits in the queue for the next training phase.
         if state.step_full:
             return Decision()
-        return Decision(tuple(Switch(c.id, Role.ROLLOUT) for c in live), notes=("step trained",))
+        return Decision(_switch_live(state, Role.ROLLOUT), notes=("step trained",))
+
+
+def _switch_live(state: ClusterState, to: Role) -> tuple[Switch, ...]:
+    return tuple(Switch(c.id, to) for c in state.cells if c.role is not Role.FAILED)

@@ -59,8 +59,60 @@ class Policy:
         raise NotImplementedError
 
 
+@dataclass(frozen=True, slots=True)
+class CellCounts:
+    """What the policies count over the cells, in one pass."""
+    live: int             # not failed
+    rollout: int          # settled in rollout
+    heading_rollout: int  # in rollout or on the way there
+    heading_train: int    # training or on the way there
+    switching: int        # live cells mid-switch
+    first_live: Role | None  # the role of the first live cell (Colocate reads the pool's role from it)
+
+
+_last_counts: tuple = ((), CellCounts(0, 0, 0, 0, 0, None))
+
+
+def cell_counts(cells: tuple[CellView, ...]) -> CellCounts:
+    """The cells' counts, worked out once per tuple of views: the simulator hands every decision
+    between two role changes the same tuple (~100 decisions per switch), and a policy reads
+    several counts each time. The last tuple is kept (held, so its identity is not reused); only
+    a tuple is remembered (it and its frozen views cannot change)."""
+    global _last_counts
+    key, counts = _last_counts
+    if cells is key:
+        return counts
+    live = rollout = hr = ht = switching = 0
+    first = None
+    for c in cells:
+        role = c.role
+        if role is Role.FAILED:
+            continue
+        live += 1
+        if first is None:
+            first = role
+        if role is Role.ROLLOUT:
+            rollout += 1
+            hr += 1
+        elif role is Role.TRAIN:
+            ht += 1
+        elif role is Role.TO_ROLLOUT:
+            hr += 1
+            switching += 1
+        else:  # TO_TRAIN
+            ht += 1
+            switching += 1
+    counts = CellCounts(live, rollout, hr, ht, switching, first)
+    if type(cells) is tuple:
+        _last_counts = (cells, counts)
+    return counts
+
+
 def heading_counts(cells: Iterable[CellView]) -> tuple[int, int]:
     """(rollout, train) counting cells on their way to a role as already there."""
+    if type(cells) is tuple:
+        n = cell_counts(cells)
+        return n.heading_rollout, n.heading_train
     r = t = 0
     for c in cells:
         h = c.role.heading
@@ -84,8 +136,7 @@ def move(state: ClusterState, now: float, to: Role, n: int, dwell_s: float,
     pool = sorted((c for c in state.cells if c.role is src and now - c.since >= dwell_s),
                   key=lambda c: (c.since, c.id))
     if src is Role.ROLLOUT:
-        settled = sum(1 for c in state.cells if c.role is Role.ROLLOUT)
-        n = min(n, settled - keep_rollout)
+        n = min(n, cell_counts(state.cells).rollout - keep_rollout)
     return [Switch(c.id, to) for c in pool[:max(0, n)]]
 
 

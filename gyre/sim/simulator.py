@@ -455,13 +455,17 @@ class Simulator:
             x.cached = 0.0
             self.evictions += 1
 
-    def _home(self, e: _Exec) -> None:
-        """Place an execution on the least-loaded settled rollout cell (the router's choice; the
-        lowest index among equals)."""
+    def _rollout_cells(self) -> list[int]:
+        """The settled rollout cells, in index order (kept until a role changes)."""
         if self._rollout_rev != self.roles_rev:
             self._rollout_ids = [i for i, r in enumerate(self.role) if r is Role.ROLLOUT]
             self._rollout_rev = self.roles_rev
-        ids, n_homed = self._rollout_ids, self.n_homed
+        return self._rollout_ids
+
+    def _home(self, e: _Exec) -> None:
+        """Place an execution on the least-loaded settled rollout cell (the router's choice; the
+        lowest index among equals)."""
+        ids, n_homed = self._rollout_cells(), self.n_homed
         # min() keeps the first of equals: the lowest index, as a scan in cell order would
         best = min(ids, key=n_homed.__getitem__) if ids else -1
         e.home = best
@@ -492,11 +496,23 @@ class Simulator:
         self.lru[cell].clear()
         rate: tuple = ()
         at = None  # (lane, heap position) of each call in flight, built once (not a scan per execution)
-        home, prefill, lanes, segments, kv = self._home, self._prefill, self.lanes, self._segments, self.kv_used
+        prefill, lanes, segments, kv = self._prefill, self.lanes, self._segments, self.kv_used
+        # each execution goes where _home would put it, one after another: the least-loaded
+        # rollout cell, the lowest index among equals (a heap of (homed, index), not a scan each)
+        n_homed, homes = self.n_homed, self.homed
+        least = [(n_homed[i], i) for i in self._rollout_cells()]
+        heapq.heapify(least)
         for e in homed:
-            e.home = -1
+            if least:
+                best = least[0][1]
+                h = homes[best]
+                h[e.id] = e
+                n_homed[best] = len(h)
+                heapq.heapreplace(least, (len(h), best))
+            else:
+                best = -1
+            e.home = best
             e.cached = 0.0
-            home(e)
             if e.in_call:  # the call in flight is retried elsewhere and re-prefills its context
                 cost = prefill(e.ctx_mid)  # ClusterModel.prefill_s
                 if cost <= 0:

@@ -10,7 +10,7 @@ import pytest
 from gyre.sched import (CellView, ClusterState, ExecView, GroupView, Hints, Role, make_policy,
                         start_budget)
 from gyre.sched.admission import admissible, expired, fifo_key, oldest_version_key, pick
-from gyre.sched.policy import heading_counts
+from gyre.sched.policy import cell_counts, heading_counts
 
 HINTS = Hints(train_tokens_per_s=2200, calls_per_cell=4)
 
@@ -153,6 +153,22 @@ def test_start_budget_and_heading_counts():
     st = state([R, TT, T, TR], running=0, k=1, open_=5)
     assert start_budget(st) == 3
     assert heading_counts(st.cells) == (2, 2)
+
+
+def test_cell_counts_follow_every_tuple_and_never_a_mutated_list():
+    roles = [Role.ROLLOUT, Role.FAILED, Role.TO_TRAIN, Role.TRAIN, Role.TO_ROLLOUT, Role.ROLLOUT]
+    cells = tuple(CellView(i, r, 0.0) for i, r in enumerate(roles))
+    n = cell_counts(cells)
+    assert (n.live, n.rollout, n.heading_rollout, n.heading_train, n.switching, n.first_live) == \
+        (5, 2, 3, 2, 2, Role.ROLLOUT)
+    assert cell_counts(cells) is n  # the same tuple: counted once
+    other = tuple(CellView(i, Role.FAILED if i == 0 else Role.TRAIN, 0.0) for i in range(3))
+    assert (cell_counts(other).live, cell_counts(other).first_live) == (2, Role.TRAIN)
+    listed = list(cells)  # a list may change between decisions: counted each time
+    assert cell_counts(listed).rollout == 2
+    listed[0] = CellView(0, Role.TRAIN, 0.0)
+    assert cell_counts(listed).rollout == 1
+    assert cell_counts(cells) == n
 
 
 def test_unknown_scheme_and_bad_staleness():
