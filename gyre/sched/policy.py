@@ -73,7 +73,7 @@ class CellCounts:
 _last_counts: tuple = ((), CellCounts(0, 0, 0, 0, 0, None))
 
 
-def cell_counts(cells: tuple[CellView, ...]) -> CellCounts:
+def cell_counts(cells: Iterable[CellView]) -> CellCounts:
     """The cells' counts, worked out once per tuple of views: the simulator hands every decision
     between two role changes the same tuple (~100 decisions per switch), and a policy reads
     several counts each time. The last tuple is kept (held, so its identity is not reused); only
@@ -110,17 +110,8 @@ def cell_counts(cells: tuple[CellView, ...]) -> CellCounts:
 
 def heading_counts(cells: Iterable[CellView]) -> tuple[int, int]:
     """(rollout, train) counting cells on their way to a role as already there."""
-    if type(cells) is tuple:
-        n = cell_counts(cells)
-        return n.heading_rollout, n.heading_train
-    r = t = 0
-    for c in cells:
-        h = c.role.heading
-        if h is Role.ROLLOUT:
-            r += 1
-        elif h is Role.TRAIN:
-            t += 1
-    return r, t
+    n = cell_counts(cells)
+    return n.heading_rollout, n.heading_train
 
 
 def move(state: ClusterState, now: float, to: Role, n: int, dwell_s: float,
