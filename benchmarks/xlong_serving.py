@@ -35,6 +35,7 @@ benchmarks/results/xlong_serving.json.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import resource
@@ -271,11 +272,16 @@ if __name__ == "__main__":
     # bench_xlong.py merges these keys into xlong.json; run alone, this prints them, and with
     # `--update benchmarks/results/xlong.json` re-measures just them there (the training points
     # of bench_xlong.py take hours on 2 cores; these, minutes)
+    ap = argparse.ArgumentParser(description="the xlong serving keys (proxy cost over a long execution)")
+    ap.add_argument("--update", type=Path, metavar="XLONG_JSON",
+                    help="merge the measured keys into this results file (benchmarks/results/xlong.json)")
+    path = ap.parse_args().update
+    if path is not None and not path.is_file():  # checked before minutes of measuring
+        ap.error(f"--update {path}: no such results file (bench_xlong.py writes it)")
     figures = measure()
     for k, v in figures.items():
         print(f"{k:>34}: {v}")
-    if "--update" in sys.argv:
-        path = Path(sys.argv[sys.argv.index("--update") + 1])
+    if path is not None:
         merged = {**json.loads(path.read_text()), **figures}
         path.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
         print(f"updated {len(figures)} keys in {path}")

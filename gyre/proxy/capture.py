@@ -248,10 +248,19 @@ class ExecutionSession:
     texts: dict[int, str] = field(default_factory=dict)  # node id -> decoded text (template path)
     body: BodyCache = field(default_factory=BodyCache)  # the last chat body, parsed (gyre.proxy.body_cache)
     renders_whole: bool = False  # its last call's template window did not hold (template path)
+    salted: tuple[list, str] | None = None  # the last tools list salted and its salt (see salt_of)
 
     @property
     def tree(self) -> TrajectoryTree:
         return self.record.tree
+
+    def salt_of(self, tools: list[dict]) -> str:
+        """tools_salt of a call's tools: a harness sends the same tools on every call, and comparing
+        the lists is cheaper than serializing and hashing them again (once to decide where a call
+        is prepared, once to prepare it)."""
+        if self.salted is None or self.salted[0] != tools:
+            self.salted = (tools, tools_salt(tools))
+        return self.salted[1]
 
 
 def tools_salt(tools: list[dict]) -> str:

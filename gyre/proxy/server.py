@@ -43,7 +43,7 @@ from gyre.model.parsers import parse
 from gyre.model.tokenizer import load_tokenizer
 from gyre.proxy.body import over_bound, parse_chat_body, parse_json, prompt_chars, refusal
 from gyre.proxy.capture import (ExecutionSession, PreparedCall, Renderer, message_keys, new_api_key,
-                                prepare_call, record_call, remember, tools_salt, wire_ids)
+                                prepare_call, record_call, remember, wire_ids)
 from gyre.proxy.chat import (DEFAULT_TOOL_SYSTEM, Message, MessageError, ParsedOutput, ToolCall, canonical_arguments,
                              parse_messages, parse_output, strip_end_tokens, validate_tools)
 from gyre.proxy.fairness import CallGate
@@ -366,14 +366,14 @@ class Proxy:
         if w is None or not isinstance(raw, list) or whole:
             return chars
         tools = body.get("tools")
-        same = w.common(raw, tools_salt(tools) if isinstance(tools, list) else "")
+        same = w.common(raw, sess.salt_of(tools) if isinstance(tools, list) else "")
         return text_chars(raw[same:]) + text_chars(tools) if same else chars
 
     def _prepare(self, sess: ExecutionSession, body: dict, role: str, limit: int | None) -> Call:
         raw = body.get("messages")
         check_depth({k: v for k, v in body.items() if k != "messages"})
         tools = validate_tools(body.get("tools"))
-        salt, w = tools_salt(tools), sess.walked
+        salt, w = sess.salt_of(tools), sess.walked
         # messages the execution's last recorded call sent too are checked and parsed already
         same = w.common(raw, salt) if w is not None and isinstance(raw, list) else 0
         check_depth(raw[same:] if same else raw, MAX_DEPTH - 1)

@@ -253,12 +253,13 @@ def test_per_call_work_does_not_grow_with_the_history(template, history, monkeyp
     Counted, not timed, over a 40-call execution whose turns all have the same size: messages the
     body parse scans, characters the cheap bound and the inline decision walk, messages parsed,
     messages the chat template renders, segments whose wire digits are joined, segments the tree
-    compares. The late calls (history 4x longer) must do no more of any than the early ones."""
+    compares. The late calls (history 4x longer) must do no more of any than the early ones; the
+    tools, the same on every call, are serialized and hashed once for the whole execution."""
     from gyre.model import chat_template
-    from gyre.proxy import body, body_cache, server
+    from gyre.proxy import body, body_cache, capture, server
     from gyre.traj.tree import TrajectoryTree
 
-    work: dict[str, list] = {k: [] for k in ("chars", "parsed", "rendered", "wire", "tree")}
+    work: dict[str, list] = {k: [] for k in ("chars", "parsed", "rendered", "wire", "tree", "salted")}
 
     def counting(mod, name, what, size):
         real = getattr(mod, name)
@@ -274,6 +275,7 @@ def test_per_call_work_does_not_grow_with_the_history(template, history, monkeyp
     counting(server, "parse_messages", "parsed", lambda a, k, out: len(out))
     counting(chat_template.ChatTemplate, "render", "rendered", lambda a, k, out: len(a[1]))
     counting(TrajectoryTree, "add_call", "tree", lambda a, k, out: len(a[1]) - (k["path"] or (0,))[0])
+    counting(capture, "tools_salt", "salted", lambda a, k, out: 1)
     pair = Pair(template, history, False, False)
     sess = pair.proxies[0].by_id["e"]
     sess.wire = _CountingDict(work["wire"])
@@ -303,6 +305,7 @@ def test_per_call_work_does_not_grow_with_the_history(template, history, monkeyp
             late = max(c[what] for c in per_call[-5:])
             assert late <= early, (what, [c[what] for c in per_call])
         assert per_call[-1]["rendered"] < 2 * len(messages) if template else per_call[-1]["rendered"] == 0
+        assert sum(c["salted"] for c in per_call) == 1, [c["salted"] for c in per_call]
     finally:
         pair.close()
 
