@@ -16,7 +16,7 @@ from gyre.train.loss import policy_loss, token_logprobs
 from gyre.train.toy import random_qwen2, tiny_qwen2_config
 from gyre.train.qwen2 import Qwen2LM
 from gyre.train.tree_attention import TreeMask
-from gyre.traj.materialize import (TreeArrays, best_fit, materialize,
+from gyre.traj.materialize import (TreeArrays, balanced, best_fit, materialize, plan_micro_batches,
                                    prepare_step, union_preorder)
 from gyre.traj.record import ExecutionRecord
 from gyre.traj.select import SelectionSpec
@@ -336,6 +336,31 @@ def test_best_fit_packs_and_respects_capacity():
     bins = best_fit([7, 5, 4, 3, 2, 2, 1], lambda x: x, lambda x: 10)
     assert all(sum(b) <= 10 for b in bins) and len(bins) == 3
     assert sorted(x for b in bins for x in b) == [1, 2, 2, 3, 4, 5, 7]
+
+
+def test_balanced_evens_the_bins_best_fit_needs_and_refuses_what_does_not_fit():
+    units = [900, 800, 700, 600, 500, 300, 200]  # 4,000 in all: best-fit at 3,000 fills 3,000 + 1,000
+    assert sorted(sum(b) for b in best_fit(units, lambda x: x, lambda x: 3000)) == [1000, 3000]
+    bins = balanced(units, lambda x: x, 2, 3000)
+    assert sorted(x for b in bins for x in b) == sorted(units)
+    assert sorted(sum(b) for b in bins) == [2000, 2000]
+    assert balanced([2000, 1500], lambda x: x, 1, 3000) is None  # needs 2 bins of 3,000
+    assert balanced([5], lambda x: x, 3, 10) == [[5]]  # no empty micro-batch
+
+
+def test_tree_micro_batches_are_even_where_best_fit_left_a_remainder():
+    """A step's trainers take micro-batches by progress, so the step ends with its largest one:
+    the tree layout keeps best-fit's number of micro-batches and evens their tokens out."""
+    step = prepare_step(records(), SelectionSpec(k="all"), step_version=5)
+    sizes = sorted(e.n_tokens for e in step.executions)
+    budget = int(sum(sizes) * 0.75)  # two micro-batches: best-fit would fill one to ~0.75
+    assert max(sizes) < sum(sizes) / 2, sizes  # units small enough to even out
+    brim = sorted(sum(b) for b in best_fit(sorted(sizes, reverse=True), lambda x: x, lambda x: budget))
+    plans = plan_micro_batches(step.executions, "tree", budget)
+    loads = sorted(p.tokens for p in plans)
+    assert len(plans) == len(brim) == 2 and sum(loads) == sum(sizes)
+    assert brim[1] - brim[0] > 2 * min(sizes), brim  # best-fit's remainder (713 vs 369 tokens)
+    assert loads[1] - loads[0] <= min(sizes), loads  # evened out: within one unit
 
 
 def test_case_study_shape_runs_fast_and_tree_is_exact():
