@@ -127,26 +127,58 @@ def test_waiting_group_expires_when_a_step_ends():
 def test_hung_sequence_is_replaced_and_the_last_step_fills():
     """The live hang: at staleness 1 a group dropped as stale was never replaced (the head
     blocked starts once steps x Q groups had *started*), so the last step never filled."""
-    c = core(steps=3, q=1, k=1)
+    c = core(steps=4, q=1, k=1)
     g0, g1 = launch(c, 2)                      # both served by v0
     finish(c, g0, 1.0, version=0)
     train_and_end(c, 2.0)                      # v1
-    (g2,) = launch(c, 1, 2.0)
+    (g2,) = launch(c, 1, 2.0)                  # a group is still to start: no slot kept for g1
     finish(c, g2, 3.0, version=1)
     train_and_end(c, 4.0)                      # v2
     adm = finish(c, g1, 5.0, version=0)        # the slow one: lag 2 > 1
-    assert adm.dropped and c.started == 3 and c.spec.groups_needed == 3
-    # the old rule (started >= steps x Q) would block here for good
+    assert adm.dropped and c.started == 3 and c.spec.groups_needed == 4
+    # the old rule (started < steps x Q) would allow one start here and then block for good
     st = c.cluster_state(5.0, (CellView(0, Role.ROLLOUT, 0.0),))
-    assert not st.starts_blocked and start_budget(st) == 1
+    assert not st.starts_blocked and start_budget(st) == 2
     d = make_policy("E", 1).decide(st, 5.0)
-    assert d.start_groups == 1                 # a shipped policy asks for the replacement
-    (g3,) = launch(c, d.start_groups, 5.0)
+    assert d.start_groups == 2                 # a shipped policy asks for the replacement too
+    g3, g4 = launch(c, d.start_groups, 5.0)
     finish(c, g3, 6.0, version=2)
-    res = train_and_end(c, 7.0)
-    assert c.done and res.groups == (c.groups[g3],)
-    assert [g.state for g in c.groups.values()] == [S.TRAINED, S.DROPPED, S.TRAINED, S.TRAINED]
-    assert c.cluster_state(7.0, ()).starts_blocked
+    assert train_and_end(c, 7.0).groups == (c.groups[g3],)
+    finish(c, g4, 8.0, version=2)
+    res = train_and_end(c, 9.0)
+    assert c.done and res.groups == (c.groups[g4],)
+    assert [g.state for g in c.groups.values()] == [S.TRAINED, S.DROPPED] + [S.TRAINED] * 3
+    assert c.cluster_state(9.0, ()).starts_blocked
+
+
+def test_once_every_group_has_started_a_step_keeps_a_slot_for_its_straggler():
+    """Dropping the straggler now would mean a replacement from nothing at the run's end."""
+    c = core(steps=3, q=1, k=1)
+    g0, g1 = launch(c, 2)                      # both served by v0: g1 may train in step 1 at the latest
+    finish(c, g0, 1.0, version=0)
+    train_and_end(c, 2.0)                      # v1
+    (g2,) = launch(c, 1, 2.0)                  # the run's last start
+    assert finish(c, g2, 3.0, version=1).assigned == ()  # the slot is g1's
+    assert c.groups[g2].state is S.WAITING and not c.step_ready()
+    assert finish(c, g1, 5.0, version=0).assigned == (c.groups[g1],)
+    assert train_and_end(c, 6.0).admission.assigned == (c.groups[g2],)  # g2 trains next
+    train_and_end(c, 7.0)
+    assert c.done and all(g.state is S.TRAINED for g in c.groups.values()) and c.started == 3
+
+
+def test_the_straggler_takes_its_kept_slot_before_newer_groups_that_came_first():
+    c = core(steps=3, q=2, k=1)               # admits first come, first in (fifo_key)
+    a, b, x, y = launch(c, 4)
+    finish(c, a, 1.0, version=0)
+    finish(c, b, 1.0, version=0)
+    train_and_end(c, 2.0)                     # v1: x and y may train in step 1 only
+    n1, n2 = launch(c, 2, 2.0)                # the run's last starts
+    assert finish(c, n1, 3.0, version=1).assigned == ()   # two slots, both kept
+    assert finish(c, x, 4.0, version=0).assigned == (c.groups[x],)
+    assert finish(c, n2, 5.0, version=1).assigned == ()   # one slot, kept for y
+    adm = finish(c, y, 6.0, version=0)
+    assert adm.assigned == (c.groups[y],) and not adm.dropped
+    assert train_and_end(c, 7.0).admission.assigned == (c.groups[n1], c.groups[n2])
 
 
 def end_step(c: Coordinator, now: float):
