@@ -516,8 +516,13 @@ class Simulator:
             self.ctx_sum = cs if cs > 0.0 else 0.0  # max(0.0, ...): float residue
         else:
             self.ctx_sum = 0.0
-        k = self.lane_calls[e.lane] = self.lane_calls[e.lane] - 1
-        self.lane_ctx[e.lane] = max(0.0, self.lane_ctx[e.lane] - e.ctx_mid) if k else 0.0
+        lane = e.lane
+        k = self.lane_calls[lane] = self.lane_calls[lane] - 1
+        if k:
+            x = self.lane_ctx[lane] - e.ctx_mid
+            self.lane_ctx[lane] = x if x > 0.0 else 0.0  # max(0.0, x)
+        else:
+            self.lane_ctx[lane] = 0.0
         e.calls_done += e.calls_seg
         if e.home >= 0:
             try:
