@@ -141,15 +141,28 @@ class ReplicaSpec:
         return ep
 
     def step_fn(self) -> Callable[[float, float], float]:
-        """Seconds of one decode step with `batch` calls of mean context `context` tokens."""
+        """Seconds of one decode step with `batch` calls of mean context `context` tokens:
+        overheads + roofline_fn / bw_efficiency + ep_fn. The simulator asks it at most events, so
+        the roofline and the EP traffic are written out here (the same floats, in the same order,
+        as calling those functions: a test holds them equal) instead of two more calls each time."""
         over, per_call, bw_eff = self.overhead_ms, self.per_call_ms, self.bw_efficiency
-        roofline = self.roofline_fn()
-        ep = self.ep_fn() if self.ep_remote_share > 0 and self.moe_layers > 0 else None
+        dense, expert, kv, state2 = self.dense_gb, self.expert_gb, self.kv_bytes_per_token, 2 * self.state_bytes_per_request
+        moe, bandwidth = expert > 0, self.bandwidth
+        keep = 1.0 - self.topk / self.experts if moe else 0.0
+        if self.ep_remote_share > 0 and self.moe_layers > 0:
+            a2a, remote_share, layers = self.a2a_bytes_per_token, self.ep_remote_share, self.moe_layers
+            floor2, link = 2 * self.a2a_floor_us / 1e6, self.gpus * self.rdma_gb_s * 1e9
 
-        def step(batch: float, context: float) -> float:
-            b = batch if batch > 1.0 else 1.0
-            t = (over + b * per_call) / 1e3 + roofline(b, context) / bw_eff
-            return t + ep(b) if ep is not None else t
+            def step(batch: float, context: float) -> float:
+                b = batch if batch > 1.0 else 1.0
+                read = (dense + expert * ((1.0 - keep ** b) if moe else 0.0)) * 1e9 + b * (context * kv + state2)
+                t = (over + b * per_call) / 1e3 + read / bandwidth / bw_eff
+                return t + layers * (floor2 + b * a2a * remote_share / link)
+        else:
+            def step(batch: float, context: float) -> float:
+                b = batch if batch > 1.0 else 1.0
+                read = (dense + expert * ((1.0 - keep ** b) if moe else 0.0)) * 1e9 + b * (context * kv + state2)
+                return (over + b * per_call) / 1e3 + read / bandwidth / bw_eff
 
         return step
 

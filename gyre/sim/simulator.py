@@ -137,6 +137,19 @@ class _Group:
 
 
 class Simulator:
+    # slots: the run loop and its handlers read these at every event, and CPython reads a slot
+    # faster than an entry of a 70-attribute instance dict
+    __slots__ = ('spec', 'w', 'c', 's', 'p', 'on_event', 'core', 'role', 'since', 'now', 'events', 'seq',
+                 'n_events', 'decisions', 'lane_share', 'lane_running', 'lane_calls', 'lane_ctx', 'vclocks',
+                 'lanes', 'in_call', 'push_until', 'opt_until', 'running', 'groups', 'next_exec', 'outcomes',
+                 'awaiting_eval', 'mb_queue', 'train_left', 'trained_by_step', 'last_step_end', 'n_rollout',
+                 'n_train', 'roles_rev', '_assign_cache', '_busy_key', '_n_cells', '_segments', 'homed',
+                 'n_homed', '_rollout_rev', '_rollout_ids', 'lru', 'kv_used', 'kv_cap', '_rate', '_reps',
+                 '_tps', '_prefill', '_cells_rev', '_cells_v', '_maybe_ready', '_speed_key', '_speed_v',
+                 'evictions', 'reprefills', 'ctx_sum', 'tool_time', 'knee', 'win_spare', 'win_open',
+                 'slacks', 'unserved', 'exec_time', 'execs_ended', 'crit_roll', 'load_num', 'load_den',
+                 'stats', 'busy_a', 'busy_since')
+
     def __init__(self, spec: RunSpec, workload: Workload, cluster: ClusterModel, sim: SimSpec | None = None,
                  on_event: Callable[[Event], object] | None = None) -> None:
         """`spec` is the run (the live head builds its own from the same `RunSpec.from_config`);
@@ -294,52 +307,6 @@ class Simulator:
                 out.append(b)
             a = self._assign_cache[key] = tuple(out)
         return a
-
-    def _advance(self, t: float, speed: tuple) -> None:
-        """Move the clock to `t`; `speed` is `_speed()` now (the run loop asks it once per event).
-        Runs once per event: constants are read from locals, and the busy set is looked up only
-        when what it depends on changed (the same figures as asking every time)."""
-        now = self.now
-        dt = t - now
-        if dt <= 0:
-            return
-        rate = self.n_train * self._tps
-        pushing = now < self.push_until - _EPS
-        optimizing = now < self.opt_until - _EPS
-        left = self.train_left
-        n, n_rollout = self.in_call, self.n_rollout
-        drains = left > _EPS and rate > 0
-        # During the optimizer step trainers are busy; during a weight push rollout cells pause.
-        key = (self.roles_rev, n if n < n_rollout else n_rollout, pushing, drains or optimizing)
-        if key != self._busy_key:
-            self._busy_key = key
-            a = self._assignment(*key[1:])
-            if a is not self.busy_a:
-                self._busy_changed(a)
-        running = self.running
-        if running and not n_rollout:
-            self.unserved += dt
-        if self.win_open:
-            spare = self._n_cells - n / self.knee
-            self.win_spare += (spare if spare > 0.0 else 0.0) * dt  # max(0.0, spare)
-        # Regime: rollout is the critical path while executions run (or await evaluation) and the
-        # trainers have nothing admitted to train.
-        if (running or self.awaiting_eval) and left <= _EPS and not optimizing:
-            self.crit_roll += dt
-        if n and n_rollout and not pushing:  # calls per busy replica (ClusterModel.batch)
-            b = n / (n_rollout * self._reps)
-            self.load_num += n * (b if b > 1.0 else 1.0) * dt
-            self.load_den += n * dt
-        vc = self.vclocks
-        if len(speed) == 1:
-            vc[0] += speed[0] * dt
-        else:
-            for i, v in enumerate(speed):
-                vc[i] += v * dt
-        if drains:
-            d = rate * dt
-            self._drain(d if d < left else left)  # min(left, rate * dt)
-        self.now = t
 
     def _busy_changed(self, a: tuple[int, ...]) -> None:
         """The busy set changed at now: a cell's busy stretch (bucket 0: serving calls, 1:
@@ -549,8 +516,13 @@ class Simulator:
             self.ctx_sum = cs if cs > 0.0 else 0.0  # max(0.0, ...): float residue
         else:
             self.ctx_sum = 0.0
-        k = self.lane_calls[e.lane] = self.lane_calls[e.lane] - 1
-        self.lane_ctx[e.lane] = max(0.0, self.lane_ctx[e.lane] - e.ctx_mid) if k else 0.0
+        lane = e.lane
+        k = self.lane_calls[lane] = self.lane_calls[lane] - 1
+        if k:
+            x = self.lane_ctx[lane] - e.ctx_mid
+            self.lane_ctx[lane] = x if x > 0.0 else 0.0  # max(0.0, x)
+        else:
+            self.lane_ctx[lane] = 0.0
         e.calls_done += e.calls_seg
         if e.home >= 0:
             try:
@@ -687,30 +659,44 @@ class Simulator:
         """Simulate to the last step; with `give_up_after`, raise GaveUp once the next event lies
         past it (the makespan would be longer).
 
-        The loop runs once per event, so the decode speed, the next event's time and the events due
-        are worked out inline (the arithmetic of `_speed`, with its cache, and of the calls' and
-        training's next ends); the rarer kinds of event go to `_event`."""
+        The loop runs once per event, so the decode speed, the next event's time, the advance of
+        the clock to it (with the figures the loop already holds: the busy set, the run's
+        diagnostics, the decode clocks and training's drain) and the events due are worked out
+        inline; the rarer kinds of event go to `_event`."""
         wall = time.perf_counter()
         self.decisions += 1
         self._apply(self.p.decide(self._state(), self.now))
         idle_ticks = 0
         core, steps = self.core, self.core.spec.steps  # core.done: version >= steps
-        advance, rate_fn, lane_speeds, tps = self._advance, self._rate, self._lane_speeds, self._tps
-        end_call, decode, end_env, event = self._end_call, self._decode, self._end_env, self._event
-        events, lanes, vclocks, lane_calls = self.events, self.lanes, self.vclocks, self.lane_calls
+        rate_fn, lane_speeds, tps = self._rate, self._lane_speeds, self._tps
+        end_call, decode, end_env, event, drain = self._end_call, self._decode, self._end_env, self._event, self._drain
+        events, lanes, vclocks, lane_calls, mbq = self.events, self.lanes, self.vclocks, self.lane_calls, self.mb_queue
         one = len(lanes) == 1  # the pooled decode: one lane (the common case, kept short)
         calls0 = lanes[0]
         inf = math.inf
-        while core.version < steps:
+        n_cells, knee, reps = self._n_cells, self.knee, self._reps
+        # the loop's own cache of the decode speed (`_speed`'s, without building its key per event)
+        k_n, k_serving, k_cs, k_lanes, speed = -1, -1, -1.0, None, self._speed_v
+        # `while True`: its unconditional back edge is where CPython 3.11 specializes a running
+        # function's code (a `while cond` loop's conditional one is not; the loop once ran three
+        # times the dictionary lookups per event for it)
+        while True:
+            if core.version >= steps:
+                break
             # the decode speed per lane (_speed): nothing changes it between the next event's time
             # and the advance to it
-            now, n, cs = self.now, self.in_call, self.ctx_sum
-            serving = 0 if now < self.push_until - _EPS else self.n_rollout
-            key = (n, serving, cs) if one else (n, serving, cs, tuple(lane_calls))
-            if key != self._speed_key:
-                self._speed_key = key
-                self._speed_v = (rate_fn(n, serving, cs / n if n else 0.0),) if one else lane_speeds(serving)
-            speed = self._speed_v
+            now, n, cs, n_rollout = self.now, self.in_call, self.ctx_sum, self.n_rollout
+            pushing = now < self.push_until - _EPS
+            serving = 0 if pushing else n_rollout
+            if one:
+                if n != k_n or serving != k_serving or cs != k_cs:
+                    k_n, k_serving, k_cs = n, serving, cs
+                    speed = (rate_fn(n, serving, cs / n if n else 0.0),)
+            else:
+                key = tuple(lane_calls)
+                if n != k_n or serving != k_serving or cs != k_cs or key != k_lanes:
+                    k_n, k_serving, k_cs, k_lanes = n, serving, cs, key
+                    speed = lane_speeds(serving)
             # the next event: a queued one, a call's end in a lane, or the open step's training end
             t = events[0][0] if events else inf
             if one:
@@ -729,7 +715,8 @@ class Simulator:
                             t = x
             left = self.train_left
             rate = self.n_train * tps
-            if left > _EPS and rate > 0:
+            drains = left > _EPS and rate > 0
+            if drains:
                 x = now + left / rate
                 if x < t:
                     t = x
@@ -737,18 +724,65 @@ class Simulator:
                 if t == inf:
                     raise SimError(f"{self.p.label}: nothing left to happen at t={self.now:.0f}s")
                 raise GaveUp(t)  # its makespan is at least t
-            advance(t, speed)
+            dt = t - now
+            if dt > 0:  # move the clock to t
+                # During the optimizer step trainers are busy; during a weight push rollout cells pause.
+                optimizing = now < self.opt_until - _EPS
+                key = (self.roles_rev, n if n < n_rollout else n_rollout, pushing, drains or optimizing)
+                if key != self._busy_key:
+                    self._busy_key = key
+                    a = self._assignment(*key[1:])
+                    if a is not self.busy_a:
+                        self._busy_changed(a)
+                running = self.running
+                if running and not n_rollout:
+                    self.unserved += dt
+                if self.win_open:
+                    spare = n_cells - n / knee
+                    self.win_spare += (spare if spare > 0.0 else 0.0) * dt  # max(0.0, spare)
+                # Regime: rollout is the critical path while executions run (or await evaluation)
+                # and the trainers have nothing admitted to train.
+                if (running or self.awaiting_eval) and left <= _EPS and not optimizing:
+                    self.crit_roll += dt
+                if n and n_rollout and not pushing:  # calls per busy replica (ClusterModel.batch)
+                    b = n / (n_rollout * reps)
+                    self.load_num += n * (b if b > 1.0 else 1.0) * dt
+                    self.load_den += n * dt
+                if one:
+                    vclocks[0] += speed[0] * dt
+                else:
+                    for i, v in enumerate(speed):
+                        vclocks[i] += v * dt
+                if drains:
+                    d = rate * dt
+                    if d > left:  # min(left, rate * dt)
+                        d = left
+                    if mbq and mbq[0][1] > d + 1e-3:  # _drain when the head micro-batch takes it all
+                        self.train_left = left - d
+                        mb, rem = mbq[0]
+                        mbq[0] = (mb, rem - d)
+                    else:
+                        drain(d)
+                self.now = t
             # everything due now: calls that ended, then events (most are a call's prefill or its
             # tool time). Calls and tool time inside an execution change nothing a policy decides
             # on, so only execution ends, evaluations, switches, step ends and ticks wake the policy.
             progressed = wake = False
             done = 0
-            for calls, vc in zip(lanes, vclocks):
-                if calls:
+            if one:
+                if calls0:
+                    vc = vclocks[0]
                     due = vc + _EPS * (vc if vc > 1.0 else 1.0)  # max(1.0, vc)
-                    while calls and calls[0][0] <= due:
-                        end_call(heappop(calls)[2])
+                    while calls0 and calls0[0][0] <= due:
+                        end_call(heappop(calls0)[2])
                         done += 1
+            else:
+                for calls, vc in zip(lanes, vclocks):
+                    if calls:
+                        due = vc + _EPS * (vc if vc > 1.0 else 1.0)
+                        while calls and calls[0][0] <= due:
+                            end_call(heappop(calls)[2])
+                            done += 1
             progressed = done > 0
             due = self.now + _EPS
             while events and events[0][0] <= due:

@@ -253,6 +253,21 @@ def test_presets_decode_at_the_fitted_fraction_of_the_roofline():
         replace(rep, bw_efficiency=1.5)
 
 
+def test_decode_step_is_its_parts_to_the_bit():
+    """step_fn writes the roofline and the EP traffic out (the simulator's hottest arithmetic):
+    it must stay the very floats of overheads + roofline / efficiency + all-to-all."""
+    for p in (cal.P122B, cal.P2P4T):
+        rep = p.cluster().replica
+        step, roof, ep = rep.step_fn(), rep.roofline_fn(), rep.ep_fn()
+        for b in (0.5, 1.0, 3.7, 32.0, 511.3):
+            for ctx in (0.0, 1234.5, 64e3):
+                bb = max(b, 1.0)
+                parts = (rep.overhead_ms + bb * rep.per_call_ms) / 1e3 + roof(bb, ctx) / rep.bw_efficiency
+                if rep.ep_remote_share > 0 and rep.moe_layers > 0:
+                    parts = parts + ep(bb)
+                assert step(b, ctx) == parts, (p.name, b, ctx)
+
+
 def test_a_replica_over_nodes_pays_the_cross_node_all_to_all():
     """The 2.4T replica spans 4 nodes: every MoE layer of every step dispatches and combines over
     RDMA, so it decodes slower than the one-node 122B replica at every batch (it was faster on
