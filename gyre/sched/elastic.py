@@ -20,8 +20,7 @@ executions of the 122B preset at staleness 0 and made E 3.9% slower than E-paper
 rollout first (tests/sched/test_elastic_grid.py). At staleness > 0 executions always run (new
 groups start while the step trains), so spare cells alone left training behind: trainers busy all
 the time, too few, and the staleness window holding back new starts (the 122B preset, k = 2, 24
-steps: 117.8 h, none dropped, against Async's 90.6 h; an earlier core under the same rule dropped
-21,559 groups as stale instead). There training also gets the cells its
+steps: 117.8 h, none dropped, against Async's 90.6 h). There training also gets the cells its
 admitted work keeps busy over a 600 s horizon (a switch round trip costs 2% of it): 84.4 h, 445
 groups dropped.
 
