@@ -29,6 +29,8 @@ Two limits, the larger wins:
 
 from __future__ import annotations
 
+import math
+
 from gyre.sim.cost_model import ClusterModel
 from gyre.sim.workload import ExecSpec, Workload
 
@@ -103,6 +105,8 @@ def _step_arrival_bound(rows: list[tuple], cells: int, eval_s: float, full: floa
     a bound on the estimate's rounding error; only the x whose estimate plus that bound could beat
     the best so far get the exact, sequential knapsack (almost always one or two), so the result
     is the float-for-float one of summing every x's knapsack in order (O(n^2) at 256 groups/step)."""
+    if not rows:
+        return 0.0
     rows = sorted(rows)
     n = len(rows)
     total = sum(r[2] for r in rows)
@@ -118,6 +122,9 @@ def _step_arrival_bound(rows: list[tuple], cells: int, eval_s: float, full: floa
     rmax = max(0.0, -min(ratio))
     work_all = sum(r[1] for r in rows)
     tol = 64 * n * 2.0 ** -52
+    # a group with no decode work is taken whole while any capacity is left, so a rounding of the
+    # capacity can move done by its tokens: with one, every x is summed exactly (none in a run)
+    every_x = any(r[1] <= 0 for r in rows)
     est = []  # (upper bound on the exact candidate, x, rows that could be ready by x)
     j, prev = 0, None
     for x, _, _ in rows:
@@ -152,13 +159,15 @@ def _step_arrival_bound(rows: list[tuple], cells: int, eval_s: float, full: floa
                     step >>= 1
                 _, work, tokens = rows[order[q]]
                 done += tokens * (min(1.0, (capacity - w_acc) / work) if work > 0 else 1.0)
-        err = tol * (total + rmax * (abs(capacity) + work_all)) / full + tol * (abs(x) + total / full)
+        err = math.inf if every_x else (tol * (total + rmax * (abs(capacity) + work_all)) / full
+                                        + tol * (abs(x) + total / full))
         est.append((x + (total - done) / full + err, x, j))
     best = total / full  # x = 0: nothing is ready, everything trains afterwards
     for upper, x, m in sorted(est, reverse=True):
         if upper <= best:  # neither this x nor any later one can raise the max
             break
-        best = max(best, _knapsack_candidate(rows, sorted(range(m), key=rank.__getitem__), x, cells, eval_s, total, full))
+        eligible = sorted(range(m), key=rank.__getitem__)
+        best = max(best, _knapsack_candidate(rows, eligible, x, cells, eval_s, total, full))
     return best
 
 

@@ -196,9 +196,13 @@ def test_fast_arrival_bound_is_the_quadratic_one_float_for_float(seed):
     grid = rnd.random() < 0.3  # few distinct values: ties everywhere
     def val(scale):
         return float(rnd.randrange(4)) * scale if grid else rnd.lognormvariate(0, 1) * scale
-    rows = [(eval_s + val(3600.0), val(rnd.choice([1.0, 1e3, 1e5])) if rnd.random() > 0.05 else 0.0,
+    no_work = 0.05 if seed % 4 == 0 else 0.0  # groups without decode work: every x summed exactly
+    rows = [(eval_s + val(3600.0), val(rnd.choice([1.0, 1e3, 1e5])) if rnd.random() >= no_work else 0.0,
              val(1e4)) for _ in range(n)]
-    cells, full = rnd.choice([1, 4, 16]), rnd.choice([1e3, 2.5e4])
+    # training the step takes about as long as the ready times spread: early and late x compete and
+    # done's last bits reach the result (the knapsack summed in another order fails most seeds)
+    cells = rnd.choice([1, 4, 16])
+    full = (sum(r[2] for r in rows) or 1.0) / (max(r[0] for r in rows) or 1.0) * rnd.choice([1.0, 3.0])
     assert _step_arrival_bound(rows, cells, eval_s, full) == _arrival_bound_quadratic(rows, cells, eval_s, full)
 
 
