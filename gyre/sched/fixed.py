@@ -12,6 +12,7 @@ class AsyncPolicy(Policy):
     """A fixed rollout pool and a fixed training pool; nothing ever switches."""
     scheme = Scheme.A
     admission_key = staticmethod(oldest_version_key)  # baselines get the order that drops least
+    starts_budget_only = True  # decide below: the fixed split only ever starts the budget
 
     def __init__(self, staleness: int = 0, hints: Hints | None = None, rollout_cells: int = 1) -> None:
         super().__init__(staleness, hints)

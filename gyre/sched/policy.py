@@ -40,6 +40,11 @@ class Hints:
 class Policy:
     scheme: str = "?"
     admission_key: AdmissionKey = staticmethod(fifo_key)
+    # True declares that `decide` is exactly `Decision(start_groups=start_budget(state))` for every
+    # state (no switch, no note): a driver may then start the core's budget itself without building
+    # the state (the simulator asks ~100k times a run, most at execution ends that move no budget).
+    # A subclass that overrides `decide` must set it back to False.
+    starts_budget_only: bool = False
 
     def __init__(self, staleness: int = 0, hints: Hints | None = None) -> None:
         if staleness < 0:

@@ -31,7 +31,7 @@ class SimResult:
     not_admitted: dict[str, int]          # reason -> executions
     unserved_s: float                     # time with running executions and no rollout cell
     events: int
-    decisions: int                        # calls of the policy's decide
+    decisions: int                        # decision points (a starts_budget_only policy: the core answers)
     wall_s: float
     mean_rollout_h: float = 0.0           # observed wall time of an execution (paper: 1.93 h)
     mean_query_h: float = 0.0             # observed wall time of a group's slowest (paper: 2.96 h)

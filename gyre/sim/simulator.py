@@ -148,7 +148,7 @@ class Simulator:
                  '_tps', '_prefill', '_cells_rev', '_cells_v', '_maybe_ready', '_speed_key', '_speed_v',
                  'evictions', 'reprefills', 'ctx_sum', 'tool_time', 'knee', 'win_spare', 'win_open',
                  'slacks', 'unserved', 'exec_time', 'execs_ended', 'crit_roll', 'load_num', 'load_den',
-                 'stats', 'busy_a', 'busy_since')
+                 'stats', 'busy_a', 'busy_since', '_budget_only')
 
     def __init__(self, spec: RunSpec, workload: Workload, cluster: ClusterModel, sim: SimSpec | None = None,
                  on_event: Callable[[Event], object] | None = None) -> None:
@@ -175,6 +175,10 @@ class Simulator:
         self.seq = itertools.count()
         self.n_events = 0
         self.decisions = 0
+        # the policy declares it only starts the start budget: ask the core for the budget, not the
+        # policy (bit-identical: the state's start_budget is the core's; the core here never has
+        # minibatches > 1, whose step_ready in cluster_state would split the step as a side effect)
+        self._budget_only = policy.starts_budget_only
         # decode pool: one lane per share of the router's spread (one lane: an even spread), each
         # with its virtual clock in tokens and its heap of calls (virtual finish, seq, exec)
         spread = self.s.router_spread or (1.0,)
@@ -629,6 +633,18 @@ class Simulator:
             self._cells_rev = self.roles_rev
         return self.core.cluster_state(self.now, self._cells_v)
 
+    def _decide(self) -> None:
+        """Ask the policy (one decision, counted) and carry its decision out."""
+        self.decisions += 1
+        if self._budget_only:
+            core = self.core
+            n = 0 if core.done else core.start_budget()  # = start_budget(cluster_state(...))
+            if n > 0:
+                for rec in core.start_groups(n, self.now):
+                    self._start_group(rec)
+            return
+        self._apply(self.p.decide(self._state(), self.now))
+
     def _apply(self, d: Decision) -> None:
         for sw in d.switches:
             i = sw.cell
@@ -664,8 +680,7 @@ class Simulator:
         diagnostics, the decode clocks and training's drain) and the events due are worked out
         inline; the rarer kinds of event go to `_event`."""
         wall = time.perf_counter()
-        self.decisions += 1
-        self._apply(self.p.decide(self._state(), self.now))
+        self._decide()
         idle_ticks = 0
         core, steps = self.core, self.core.spec.steps  # core.done: version >= steps
         rate_fn, lane_speeds, tps = self._rate, self._lane_speeds, self._tps
@@ -814,8 +829,7 @@ class Simulator:
             if idle_ticks > 1000:
                 raise SimError(f"{self.p.label}: no progress for 1000 ticks at t={self.now:.0f}s")
             if wake:
-                self.decisions += 1
-                self._apply(self.p.decide(self._state(), self.now))
+                self._decide()
         return self._result(time.perf_counter() - wall)
 
     def _event(self, kind: int, obj) -> None:

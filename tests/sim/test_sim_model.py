@@ -161,6 +161,51 @@ def test_lower_bound_holds_on_the_work_trained_when_groups_drop():
     assert lower_bound(sim.w, sim.c, 8, 4, 2) != pytest.approx(r.lower_bound_s)  # not the first groups
 
 
+def _arrival_bound_quadratic(rows, cells, eval_s, full):
+    """The arrival bound as it was (every x's knapsack summed in order): the fast one's reference."""
+    import bisect
+    rows = sorted(rows)
+    total = sum(r[2] for r in rows)
+    best = total / full
+    eligible, j = [], 0
+    for x, _, _ in rows:
+        while j < len(rows) and rows[j][0] <= x:
+            _, work, tokens = rows[j]
+            bisect.insort(eligible, (-tokens / max(work, 1e-12), j, work, tokens))
+            j += 1
+        capacity, done = cells * (x - eval_s), 0.0
+        for _, _, work, tokens in eligible:
+            if capacity <= 0:
+                break
+            take = min(1.0, capacity / work) if work > 0 else 1.0
+            done += tokens * take
+            capacity -= work * take
+        best = max(best, x + (total - done) / full)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_fast_arrival_bound_is_the_quadratic_one_float_for_float(seed):
+    """Random steps (repeated ready times, equal ratios, zero work, binding and slack capacity):
+    the estimated-then-exact bound returns exactly the old O(n^2) one's float."""
+    import random
+    from gyre.sim.bound import _step_arrival_bound
+    rnd = random.Random(seed)
+    n = rnd.choice([1, 2, 3, 7, 40, 256])
+    eval_s = rnd.choice([0.0, 30.0])
+    grid = rnd.random() < 0.3  # few distinct values: ties everywhere
+    def val(scale):
+        return float(rnd.randrange(4)) * scale if grid else rnd.lognormvariate(0, 1) * scale
+    no_work = 0.05 if seed % 4 == 0 else 0.0  # groups without decode work: every x summed exactly
+    rows = [(eval_s + val(3600.0), val(rnd.choice([1.0, 1e3, 1e5])) if rnd.random() >= no_work else 0.0,
+             val(1e4)) for _ in range(n)]
+    # training the step takes about as long as the ready times spread: early and late x compete and
+    # done's last bits reach the result (the knapsack summed in another order fails most seeds)
+    cells = rnd.choice([1, 4, 16])
+    full = (sum(r[2] for r in rows) or 1.0) / (max(r[0] for r in rows) or 1.0) * rnd.choice([1.0, 3.0])
+    assert _step_arrival_bound(rows, cells, eval_s, full) == _arrival_bound_quadratic(rows, cells, eval_s, full)
+
+
 def test_prefill_grows_with_context():
     c = cal.P122B.cluster()
     assert c.prefill_s(0) == 0

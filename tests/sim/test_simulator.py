@@ -133,6 +133,18 @@ def test_same_policy_object_drives_the_simulator():
     assert len(calls) == r.decisions > 10 and calls == sorted(calls)
 
 
+@pytest.mark.parametrize("k", [1, 2])  # k=1 starts a single group once
+def test_async_starting_the_cores_budget_is_asking_its_decide(monkeypatch, k):
+    """Async declares starts_budget_only, so the simulator starts the core's budget without
+    building a state; the run must equal one where its decide is asked every time."""
+    from gyre.sched import AsyncPolicy
+    fast = small("A", k).to_dict()
+    monkeypatch.setattr(AsyncPolicy, "starts_budget_only", False)
+    slow = small("A", k).to_dict()
+    fast.pop("wall_s"), slow.pop("wall_s")
+    assert fast == slow and fast["decisions"] > 10
+
+
 def test_more_staleness_is_not_slower_for_elastic(runs):
     assert runs[("E", 2)].makespan_s <= runs[("E", 0)].makespan_s
 
