@@ -170,9 +170,13 @@ HOLD_AGENT = ROOT / "tests" / "harness_scripts" / "hold_agent.py"
 def test_run_stale_drop_replaces_the_group_and_every_step_completes(tmp_path, scheme, k):
     """Group 0 is held (tests/harness_scripts/hold_agent.py) until k + 1 steps have closed, so
     it is scored at lag k + 1 and dropped as stale. The run needs a replacement for it to fill its
-    last step (before the coordinator core, the head never started one and hung)."""
+    last step (before the coordinator core, the head never started one and hung). 2k + 2 steps:
+    while step k fills, the window has let groups start for steps up to 2k only, so groups are still
+    needed and the step does not keep a slot for its straggler (the core keeps one only once every
+    group the run needs has started; with k + 2 steps step k waited on group 0, held until step k
+    closed, until the harness's wall-clock limit)."""
     run_dir, q, g = tmp_path / f"{scheme}{k}", 2, 2
-    steps = k + 2
+    steps = 2 * k + 2
     hold = [f"GYRE_HOLD_DIR={tmp_path / 'marks'}", "GYRE_HOLD_PREFIX=q0-", f"GYRE_HOLD_MEMBERS={g}",
             f"GYRE_HOLD_STEPS_FILE={run_dir / 'steps.jsonl'}", f"GYRE_HOLD_UNTIL_STEPS={k + 1}"]
     rc, out = gyre_run(run_dir, f"sched.scheme={scheme}", f"sched.staleness={k}", f"run.groups_per_step={q}",
