@@ -43,8 +43,13 @@ class Policy:
     # True declares that `decide` is exactly `Decision(start_groups=start_budget(state))` for every
     # state (no switch, no note): a driver may then start the core's budget itself without building
     # the state (the simulator asks ~100k times a run, most at execution ends that move no budget).
-    # A subclass that overrides `decide` must set it back to False.
+    # A subclass that overrides `decide` and does not declare it again is set back to False.
     starts_budget_only: bool = False
+
+    def __init_subclass__(cls, **kw) -> None:
+        super().__init_subclass__(**kw)
+        if "decide" in cls.__dict__ and "starts_budget_only" not in cls.__dict__:
+            cls.starts_budget_only = False  # its own decide may do more than start the budget
 
     def __init__(self, staleness: int = 0, hints: Hints | None = None) -> None:
         if staleness < 0:

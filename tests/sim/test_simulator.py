@@ -181,3 +181,23 @@ def test_the_simulator_tells_the_live_heads_events_and_reports_in_their_schema()
             "StepEnded", "RunEnded"} <= kinds
     # the report reads cell time in gyre.events.BUCKETS: every simulated cell fills exactly those
     assert all(set(bucket_seconds(c)) == set(BUCKETS) for c in r.cell_stats)
+
+
+def test_a_policy_overriding_decide_is_not_taken_as_starting_the_budget_only():
+    """starts_budget_only lets the simulator skip `decide`: a subclass with its own `decide` must
+    not inherit it unless it declares it again."""
+    from gyre.sched import AsyncPolicy
+    from gyre.sched.state import Decision
+
+    class Switching(AsyncPolicy):
+        def decide(self, state, now):
+            return Decision()
+
+    class Declared(AsyncPolicy):
+        starts_budget_only = True
+
+        def decide(self, state, now):
+            return super().decide(state, now)
+
+    assert AsyncPolicy.starts_budget_only and Declared.starts_budget_only
+    assert not Switching.starts_budget_only
