@@ -494,8 +494,9 @@ class Coordinator:
         kept = sum(1 for g in self._unready.values() if self._expiring(g.started_version))
         ok = pick(waiting, self.version, s.staleness, len(waiting), self.key, s.steps_per_sync,
                   s.start_version, s.staleness_rule)
-        old = [v for v in ok if self._expiring(v.version)][:room]
-        new = [v for v in ok if not self._expiring(v.version)]
+        expiring = [self._expiring(v.version) for v in ok]
+        old = [v for v, x in zip(ok, expiring) if x][:room]
+        new = [v for v, x in zip(ok, expiring) if not x]
         return old + new[:max(0, room - len(old) - kept)]
 
     def _shuffled_pick(self, waiting: list[GroupView], room: int) -> list[GroupView]:

@@ -269,7 +269,8 @@ class Simulator:
 
     def _speed(self) -> tuple:
         """Tokens per second each call in flight gains now, per lane (kept until the load, the
-        serving cells or the mean context change: asked several times per event)."""
+        serving cells or the mean context change). The run loop keeps its own copy of this cache;
+        this one serves the rarer askers (an evicted cell's re-prefill)."""
         n, cs = self.in_call, self.ctx_sum
         serving = 0 if self.now < self.push_until - _EPS else self.n_rollout
         key = (n, serving, cs) if len(self.lanes) == 1 else (n, serving, cs, tuple(self.lane_calls))
