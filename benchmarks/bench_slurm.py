@@ -124,7 +124,7 @@ def weight_sync(tmp: Path, ranks: int = 2) -> dict:
     from gyre.engine.sglang_api import SGLangAdmin
     from gyre.model.identity import write_identity
     from gyre.model.tiny import ensure_tiny_model
-    from gyre.train.worker import TrainerProcess
+    from gyre.cell.trainer_process import TrainerProcess
 
     tiny = ensure_tiny_model(tmp / "tiny")
     model = tmp / "wide"  # the tiny model's tokenizer, a wider random body: ~64 MB of float32

@@ -3,7 +3,7 @@
 Started by ``gyre.cluster.main`` on ranks >= 1 (:mod:`gyre.cell.main` is its process entry),
 with a :class:`~gyre.cell.placement.Placement` that says where the cell's processes run.
 The agent starts its engine (:class:`~gyre.cell.engine.CellEngine`, through the one engine seam)
-and its trainer: ranks of gyre.train.rank over the cell's nodes (an srun step under Slurm, local
+and its trainer: ranks of gyre.cell.trainer_rank over the cell's nodes (an srun step under Slurm, local
 processes otherwise), offloaded since cells start in rollout. It sends Event ``hello``, then obeys
 the head's commands one at a time (typed, gyre.sched.protocol; a dispatch table picks the
 handler). Between commands it sends a heartbeat every ``HEARTBEAT_S`` and watches its children:
@@ -15,7 +15,7 @@ gradients died with it are reported ``lost``. Every failing command is answered 
 Gradients stay in the trainer ranks: ``done`` = micro-batches trained this step, ``held_mbs`` =
 those already summed over the cell (prepare_reduce, a role switch), ``lost`` = those whose
 gradients died with a trainer. The reduce goes over torch.distributed groups among the trainer
-ranks of the participant cells (gyre.train.groups); this link carries control only. The agent of
+ranks of the participant cells (gyre.cell.groups); this link carries control only. The agent of
 cell 0 serves the job's TCPStore those groups meet in and tells the other agents where it is.
 
 Commit order of a reduce: every participant sums; the leader applies, exports (one piece per
@@ -44,8 +44,8 @@ from gyre.fsio import atomic_write_json
 from gyre.sched.protocol import (TAG_STORE, Command, Event, PrepareReduce, PushWeights, Reduce, Reply, Stop,
                                  ToRollout, ToTrain, Train, reply_for)
 from gyre.sched.state import Role
-from gyre.train.groups import abort_attempt, attempt_key, connect_store, serve_store
-from gyre.train.worker import TrainerDied, TrainerError, TrainerProcess
+from gyre.cell.groups import abort_attempt, attempt_key, connect_store, serve_store
+from gyre.cell.trainer_process import TrainerDied, TrainerError, TrainerProcess
 
 HEARTBEAT_S = 1.0
 POLL_S = 0.02            # command poll granularity while idle

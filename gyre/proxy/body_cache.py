@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from json.decoder import WHITESPACE, scanstring
 
-from gyre.proxy.body import has_lone_surrogate, lone_surrogate_error, parse_json
+from gyre.proxy.json_body import has_lone_surrogate, lone_surrogate_error, parse_json
 from gyre.proxy.offload import text_chars
 
 _scan = json.JSONDecoder().scan_once  # what json.loads parses every value with

@@ -41,7 +41,8 @@ from gyre.engine.router import RouterError
 from gyre.model.chat_template import ChatTemplate, end_token_ids
 from gyre.model.parsers import parse
 from gyre.model.tokenizer import load_tokenizer
-from gyre.proxy.body import over_bound, parse_chat_body, parse_json, prompt_chars, refusal
+from gyre.proxy.body import over_bound, parse_chat_body, prompt_chars, refusal
+from gyre.proxy.json_body import parse_json
 from gyre.proxy.capture import (ExecutionSession, PreparedCall, Renderer, message_keys, new_api_key,
                                 prepare_call, record_call, remember, wire_ids)
 from gyre.proxy.chat import (DEFAULT_TOOL_SYSTEM, Message, MessageError, ParsedOutput, ToolCall, canonical_arguments,
@@ -671,7 +672,7 @@ async def _read_body(request: web.Request) -> bytes:
 
 
 async def _read_json(request: web.Request, depth: bool = True) -> dict:
-    """The request's JSON object, parsed on the loop (gyre.proxy.body.parse_json): the admin
+    """The request's JSON object, parsed on the loop (gyre.proxy.json_body.parse_json): the admin
     routes' small bodies."""
     return parse_json(await _read_body(request), depth)
 

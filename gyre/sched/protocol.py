@@ -5,7 +5,7 @@ dispatch table keyed by the command's class. Small and pickled (mpi4py's lowerca
 the head sends one command at a time to a cell and gets exactly one reply with the same ``seq``;
 agents also send unsolicited `Event`s (hello, heartbeat, a child process restarted). Bulk data
 travels only in `Train` (one micro-batch as numpy arrays); gradients never cross this link (they
-are reduced over torch.distributed groups among the trainer ranks, gyre.train.groups).
+are reduced over torch.distributed groups among the trainer ranks, gyre.cell.groups).
 
 Lost micro-batches (their gradients died with a trainer) are reported once, in the next reply
 that has a ``lost`` field (train, prepare_reduce, reduce); the head hands them out again.

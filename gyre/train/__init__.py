@@ -1,5 +1,6 @@
-"""gyre.train: policy loss, trainer backends (Megatron-Core, embedded torch), a cell's trainer
-ranks, cross-cell gradient reduction, weight export.
+"""gyre.train: a library a trainer rank calls: policy loss, trainer backends (Megatron-Core,
+embedded torch), models, weight export. The processes that run it (a cell's trainer ranks, their
+protocol, the cross-cell reduce groups) are the cell's and live in gyre.cell.
 
 base           the Trainer interface every backend implements, shared helpers
 backends       the table of backends by name (`train.backend`), make_trainer
@@ -11,8 +12,7 @@ loss           policy loss against recorded behaviour log-probs, off-policy corr
 step_stats     micro-batch statistics merged into a step's (torch-free: the head merges them)
 offload        host stash of accelerator storage for role switches
 export         atomic directories, transformers-layout weights (engines load them from disk)
-worker, rank   a cell's trainer: the agent's handle and its ranks; messages between them
-dist, groups   torch.distributed inside a cell, and the cross-cell reduce groups
+dist           torch.distributed inside a cell (the world its ranks form)
 cli            `gyre train`: offline steps from HDF5 shards
 toy            small random models built in code (tests, benchmarks)
 

@@ -80,7 +80,7 @@ def test_trainer_process_survives_nothing_but_reports_everything(tmp_path):
     """A two-rank cell trainer: requests reach every rank, a rank's death is the trainer's."""
     from gyre.model.tiny import ensure_tiny_model
     from gyre.train.export import load_hf_dir
-    from gyre.train.worker import TrainerDied, TrainerError, TrainerProcess
+    from gyre.cell.trainer_process import TrainerDied, TrainerError, TrainerProcess
 
     model = ensure_tiny_model(tmp_path / "tiny")
     tp = TrainerProcess(TrainConfig(dtype="float32"), model, offloaded=True, timeout_s=60, ranks=2)
@@ -117,7 +117,7 @@ def test_trainer_process_survives_nothing_but_reports_everything(tmp_path):
 
 
 def test_rows_split_over_ranks_sum_to_the_whole_micro_batch():
-    from gyre.train.rank import merge_logprobs, merge_stats, rows_of, targets_of
+    from gyre.cell.trainer_rank import merge_logprobs, merge_stats, rows_of, targets_of
     from gyre.train.trainer import EmbeddedTrainer
 
     mb = _batch()
@@ -145,9 +145,9 @@ def test_two_cells_of_two_ranks_reduce_to_one_process(tmp_path):
 
     from gyre.model.tiny import ensure_tiny_model
     from gyre.train.export import load_hf_dir
-    from gyre.train.groups import serve_store
+    from gyre.cell.groups import serve_store
     from gyre.train.trainer import EmbeddedTrainer
-    from gyre.train.worker import TrainerProcess
+    from gyre.cell.trainer_process import TrainerProcess
 
     model = ensure_tiny_model(tmp_path / "tiny")
     cfg = TrainConfig(dtype="float32", lr=1e-2, adam_eps=1.0)

@@ -49,25 +49,58 @@ def test_traj_imports_nothing_from_train():
         assert not {i for i in imports_of(f) if i.startswith(("gyre.train", "gyre.traj"))}, f.name
 
 
-def test_train_modules_have_no_import_cycles():
-    g = graph("gyre.train")
-    assert "gyre.train.backends" in g and "gyre.train.base" in g
+def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``g`` as the path that closes it, or None."""
     state: dict[str, int] = {}  # 1 = on the stack, 2 = done
 
-    def visit(m: str, stack: list[str]) -> None:
+    def visit(m: str, stack: list[str]) -> list[str] | None:
         state[m] = 1
         for n in sorted(g[m]):
-            assert state.get(n) != 1, "import cycle: " + " -> ".join(stack + [m, n])
-            if n not in state:
-                visit(n, stack + [m])
+            if state.get(n) == 1:
+                return stack[stack.index(n):] + [m, n] if n in stack else [m, n]
+            if n not in state and (found := visit(n, stack + [m])):
+                return found
         state[m] = 2
+        return None
 
     for m in sorted(g):
-        if m not in state:
-            visit(m, [])
+        if m not in state and (found := visit(m, [])):
+            return found
+    return None
+
+
+def test_no_import_cycle_anywhere_in_gyre():
+    """Over every module of the package, imports inside functions included (an import moved into a
+    function to hide a circle is still a circle)."""
+    g = graph("gyre")
+    assert "gyre.train.backends" in g and "gyre.proxy.body" in g and "gyre.cell.trainer_rank" in g
+    cycle = find_cycle(g)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
     # the backends know nothing of each other; only the table names them
     assert "gyre.train.megatron_trainer" not in g["gyre.train.trainer"]
     assert "gyre.train.trainer" not in g["gyre.train.megatron_trainer"]
+
+
+def test_cycle_finder_sees_a_function_level_circle():
+    """The check above can fail: a circle through an import inside a function is found."""
+    assert find_cycle({"a": {"b"}, "b": {"a"}}) in (["a", "b", "a"], ["b", "a", "b"])
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+    src = "def f():\n    from gyre.proxy.body import parse_chat_body\n"
+    import tempfile
+    with tempfile.NamedTemporaryFile("w", suffix=".py") as f:
+        f.write(src)
+        f.flush()
+        assert "gyre.proxy.body" in imports_of(Path(f.name))
+
+
+def test_a_cells_process_tree_lives_in_cell():
+    """The trainer's ranks, their pipe and the cross-cell groups are the cell's: gyre.train is a
+    library they call and imports nothing of gyre.cell."""
+    for name in ("trainer_process", "trainer_rank", "trainer_messages", "groups"):
+        assert (PKG / "cell" / f"{name}.py").exists(), name
+    for f in sorted((PKG / "train").rglob("*.py")):
+        bad = sorted(i for i in imports_of(f) if i.startswith("gyre.cell"))
+        assert not bad, f"{f.name} imports {bad}"
 
 
 # What gyre.model may use besides itself: the atomic writer (a weights manifest is written

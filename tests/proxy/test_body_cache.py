@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from gyre.proxy.body import parse_json, prompt_chars
+from gyre.proxy.body import prompt_chars
+from gyre.proxy.json_body import parse_json
 from gyre.proxy.body_cache import BodyCache
 from gyre.proxy.params import RequestError
 

@@ -66,13 +66,13 @@ def test_the_config_default_is_unpaced_and_a_negative_rate_is_refused():
 
 
 def test_a_rank_holds_each_micro_batch_it_trains_to_the_pace():
-    """The seam in gyre.train.rank: the rank's forward_backward is held to the tokens its trainer
+    """The seam in gyre.cell.trainer_rank: the rank's forward_backward is held to the tokens its trainer
     reports; without a pacer nothing is held."""
     from types import SimpleNamespace
 
     from gyre.batch import expanded_batch, to_wire
-    from gyre.train.messages import ForwardBackward
-    from gyre.train.rank import Rank
+    from gyre.cell.trainer_messages import ForwardBackward
+    from gyre.cell.trainer_rank import Rank
 
     mb = expanded_batch([[1, 2, 3, 4]], [2], old_logprobs=[[-1.0, -1.0]], advantages=[1.0], execution_index=[0])
     msg = ForwardBackward(wire_mb=to_wire(mb))

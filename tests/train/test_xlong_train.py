@@ -18,7 +18,7 @@ from gyre.train import tree_attention
 from gyre.train.logprobs import rows_at, target_logprobs
 from gyre.train.loss import token_logprobs
 from gyre.train.qwen2 import Qwen2LM
-from gyre.train.rank import rows_of
+from gyre.cell.trainer_rank import rows_of
 from gyre.train.toy import random_qwen2, tiny_qwen2_config
 from gyre.train.trainer import EmbeddedTrainer
 from gyre.traj.materialize import materialize, prepare_step

@@ -26,7 +26,7 @@ and a user session bus, and Apptainer refuses to start the instance where one is
 
 from __future__ import annotations
 
-from gyre.harness.runtimes import ImageRef, Instance, Launch, Runtime, image_file
+from gyre.harness.runtimes.base import ImageRef, Instance, Launch, Runtime, image_file
 
 
 class Apptainer(Runtime):

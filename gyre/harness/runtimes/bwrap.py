@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from gyre.harness.runtimes import ImageRef, Instance, Launch, Runtime, image_file
+from gyre.harness.runtimes.base import ImageRef, Instance, Launch, Runtime, image_file
 
 # Host paths a program needs to run (read-only). /etc is curated: the rest of it (shadow, munge
 # and ssh keys, Slurm configs) is none of a harness's business, and as root in a user namespace

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import re
 
-from gyre.harness.runtimes import ImageRef, Instance, Launch, Runtime, image_file
+from gyre.harness.runtimes.base import ImageRef, Instance, Launch, Runtime, image_file
 
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
 # enroot's own /tmp options (10-system.fstab), world-writable as a /tmp is, plus the size

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import subprocess
 
-from gyre.harness.runtimes import ImageRef, Instance, Launch, Runtime
+from gyre.harness.runtimes.base import ImageRef, Instance, Launch, Runtime
 
 
 class Oci(Runtime):

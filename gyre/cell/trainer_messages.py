@@ -1,4 +1,4 @@
-"""The messages between a cell's agent (gyre.train.worker) and its trainer ranks (gyre.train.rank).
+"""The messages between a cell's agent (gyre.cell.trainer_process) and its trainer ranks (gyre.cell.trainer_rank).
 
 One small dataclass per request, carrying its arguments as fields, and one per reply that a
 caller reads fields of. They travel pickled over the ``multiprocessing.connection`` pipe between

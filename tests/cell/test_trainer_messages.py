@@ -1,4 +1,4 @@
-"""The typed trainer pipe (gyre.train.messages): every request and reply survives the pipe as it
+"""The typed trainer pipe (gyre.cell.trainer_messages): every request and reply survives the pipe as it
 is, each request type has exactly one handler on the ranks, and what has none is refused clearly
 on both sides."""
 
@@ -11,9 +11,9 @@ from multiprocessing.connection import Pipe
 import pytest
 
 from gyre.config import TrainConfig
-from gyre.train import messages as m
-from gyre.train.rank import MERGE, Rank, combine, dispatch
-from gyre.train.worker import TrainerProcess
+from gyre.cell import trainer_messages as m
+from gyre.cell.trainer_rank import MERGE, Rank, combine, dispatch
+from gyre.cell.trainer_process import TrainerProcess
 
 REQUESTS = [
     m.Start(cfg=dataclasses.asdict(TrainConfig()), model_dir="/models/tiny", seed=3, offloaded=True,

@@ -1,4 +1,4 @@
-"""A cell's trainer as seen by its agent: ``ranks`` processes of gyre.train.rank over the cell's nodes.
+"""A cell's trainer as seen by its agent: ``ranks`` processes of gyre.cell.trainer_rank over the cell's nodes.
 
 Launch: local processes (``gyre run``, tests) or ONE ``srun`` job step over the cell's nodes
 (``srun=[...]`` prefix given by the agent under Slurm). Rank 0 connects back to a listener here
@@ -7,7 +7,7 @@ is carried out by every rank. A trainer with any dead rank is dead as a whole: t
 that notices raises :class:`TrainerDied`, the agent kills what is left and starts a new
 incarnation (``gen`` + 1), which forms new groups from the job's store.
 
-The processes are fresh interpreters (``python -m gyre.train.rank``), not multiprocessing
+The processes are fresh interpreters (``python -m gyre.cell.trainer_rank``), not multiprocessing
 children: a spawned child re-imports the parent's ``__main__``, which under MPI could initialise
 MPI a second time in a process the launcher does not know.
 """
@@ -26,7 +26,7 @@ from multiprocessing.connection import Listener
 from typing import Any, Callable
 
 from gyre.config import TrainConfig
-from gyre.train.messages import (Applied, Apply, Close, ExportWeights, ForwardBackward, Hostnames, LoadCheckpoint,
+from gyre.cell.trainer_messages import (Applied, Apply, Close, ExportWeights, ForwardBackward, Hostnames, LoadCheckpoint,
                                  Logprobs, Offload, ReduceGrads, GradsReduced, Reply, Request, Restore, SaveCheckpoint, Start, Started,
                                  Stash, Stashed)
 
@@ -61,7 +61,7 @@ class TrainerProcess:
         self._own_store = None
         self._srun = srun is not None
         if store is None:
-            from gyre.train.groups import serve_store  # torch.distributed: only for a multi-rank trainer
+            from gyre.cell.groups import serve_store  # torch.distributed: only for a multi-rank trainer
 
             self._own_store = serve_store()
             store = ("127.0.0.1", self._own_store.port)
@@ -71,7 +71,7 @@ class TrainerProcess:
         port = self._listener.address[1]
         self._accepted: list = []
         threading.Thread(target=self._accept, daemon=True, name=f"trainer-accept-{cell}").start()
-        base = [sys.executable, "-m", "gyre.train.rank", "--cell", str(cell), "--gen", str(gen),
+        base = [sys.executable, "-m", "gyre.cell.trainer_rank", "--cell", str(cell), "--gen", str(gen),
                 "--store", f"{store[0]}:{store[1]}", "--agent", f"{advertise}:{port}",
                 "--timeout-s", str(timeout_s)]
         env = {**os.environ, "GYRE_TRAINER_AUTHKEY": authkey.hex()}
@@ -215,7 +215,7 @@ class TrainerProcess:
     # --- transport ------------------------------------------------------------------------------
     def request(self, msg: Request, *, timeout_s: float | None = None,
                 on_wait: Callable[[], Any] | None = None) -> Any:
-        """Send one request to the ranks and return its reply's value (see gyre.train.messages)."""
+        """Send one request to the ranks and return its reply's value (see gyre.cell.trainer_messages)."""
         if not isinstance(msg, Request) or isinstance(msg, (Start, Close)):
             raise TypeError(f"not a trainer request: {msg!r}")
         timeout_s = timeout_s or self.timeout_s

@@ -1,16 +1,16 @@
-"""One trainer rank of a cell: ``python -m gyre.train.rank`` (started by gyre.train.worker).
+"""One trainer rank of a cell: ``python -m gyre.cell.trainer_rank`` (started by gyre.cell.trainer_process).
 
 A cell's trainer is ``size`` of these processes, one per GPU slot (one per node on CPU), spread
 over the cell's nodes (an ``srun`` step under Slurm, local processes under ``gyre run``). They form
 the cell's torch.distributed world (gloo on CPU, NCCL on GPU) with Megatron-Core's parallel state
 inside it. Rank 0 connects back to the cell agent and receives its requests (typed messages,
-gyre.train.messages, dispatched by type: ``Rank.HANDLERS``); every request is
+gyre.cell.trainer_messages, dispatched by type: ``Rank.HANDLERS``); every request is
 broadcast to all ranks, which all carry it out (forward/backward on their rows of the micro-batch,
 offload, restore, reduce, optimizer step, export and checkpoint), and rank 0 answers for the cell.
 
 Gradients never leave the trainer ranks: ``stash`` sums this step's gradients over the cell into a
 held vector (so the trainer is between steps and can offload), ``reduce`` sums the held vectors of
-the member cells over a cross-cell process group (gyre.train.groups), ``apply`` takes the step.
+the member cells over a cross-cell process group (gyre.cell.groups), ``apply`` takes the step.
 A reduce that has to be retried for the same step (a member died) contributes the same held vector
 again; a rank that already applied that step only contributes.
 """
@@ -30,7 +30,7 @@ from typing import Any, Callable
 from gyre import faults
 from gyre.config import TrainBackend, TrainConfig, env
 from gyre.train.pace import TrainPacer
-from gyre.train.messages import (Applied, Apply, Close, ExportWeights, ForwardBackward, Hostnames, LoadCheckpoint,
+from gyre.cell.trainer_messages import (Applied, Apply, Close, ExportWeights, ForwardBackward, Hostnames, LoadCheckpoint,
                                  Logprobs, Offload, ReduceGrads, GradsReduced, Reply, Request, Restore, SaveCheckpoint, Start, Started,
                                  Stash, Stashed)
 
@@ -76,7 +76,7 @@ class Rank:
         import torch
         import torch.distributed as dist
 
-        from gyre.train.groups import CrossCellReducer  # torch: trainer process only
+        from gyre.cell.groups import CrossCellReducer  # torch: trainer process only
         from gyre.train.backends import make_trainer  # as above
 
         self.cell, self.rank, self.size, self.store = cell, rank, size, store
@@ -195,7 +195,7 @@ class Rank:
         cells among the ranks of the same coordinate, then the cell gathers the shards."""
         import torch
 
-        from gyre.train.groups import shard_bounds  # as above
+        from gyre.cell.groups import shard_bounds  # as above
 
         step, members, attempt = m.step, list(m.members), m.attempt
         faults.hit("trainer", "reduce")
@@ -332,12 +332,12 @@ def serve(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from gyre.train.groups import connect_store  # torch.distributed: trainer process only
+    from gyre.cell.groups import connect_store  # torch.distributed: trainer process only
 
     rank = args.rank if args.rank is not None else _env_int("SLURM_PROCID")
     size = args.size if args.size is not None else _env_int("SLURM_NTASKS")
     if rank is None or size is None:
-        print("gyre.train.rank: give --rank/--size or run under srun", file=sys.stderr)
+        print("gyre.cell.trainer_rank: give --rank/--size or run under srun", file=sys.stderr)
         return 2
     torch.set_num_threads(1)  # cells share cores with their engine and with each other
     host, port = args.store.rsplit(":", 1)
@@ -399,7 +399,7 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m gyre.train.rank", description="one trainer rank of a cell (internal)")
+    p = argparse.ArgumentParser(prog="python -m gyre.cell.trainer_rank", description="one trainer rank of a cell (internal)")
     p.add_argument("--cell", type=int, required=True)
     p.add_argument("--gen", type=int, required=True, help="trainer incarnation of the cell (restarts count up)")
     p.add_argument("--rank", type=int, default=None, help="default $SLURM_PROCID")
