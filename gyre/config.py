@@ -77,6 +77,9 @@ ResumeMode = _choices("ResumeMode", "`harness.resume`", "replay", "restart")
 EvalNetwork = _choices("EvalNetwork", "`eval.network`", "auto", "on", "off")
 EvalExecutor = _choices("EvalExecutor", "`eval.executor`", "pool", "submitit-local", "submitit-slurm")
 EvalOutput = _choices("EvalOutput", "`eval.output`", "official", "merged")
+LrSchedule = _choices("LrSchedule", "`train.lr_schedule`", "constant", "linear", "cosine")
+KlEstimator = _choices("KlEstimator", "`train.kl_estimator`", "k1", "k2", "k3")
+SamplingPolicy = _choices("SamplingPolicy", "`proxy.sampling`", "harness", "fix", "clamp", "refuse")
 
 
 def enum_value(key: str, value: Any, kind: type[Enum]) -> Any:
@@ -210,6 +213,22 @@ class ProxyConfig(_EnumFields):
                           help="tool-call format of the model's output (chat_template = model)")
     reasoning_parser: ReasoningParser = _f(ReasoningParser.NONE,
                                help="qwen3: <think>...</think> goes to reasoning_content (chat_template = model)")
+    sampling: SamplingPolicy = _f(SamplingPolicy.HARNESS,
+                                  help="rollout sampling of training executions (docs/openai.md, 'Sampling policy'): "
+                                       "harness = the harness's temperature/top_p; fix = proxy.temperature and "
+                                       "proxy.top_p whatever the harness sends; clamp = the harness's values moved "
+                                       "into [temperature_min, temperature_max] and [top_p_min, 1]; refuse = a call "
+                                       "outside those bounds gets a 400 naming the bound")
+    temperature: float = _f(1.0, min=0.0, max=2.0, help="sampling = fix: the temperature every call samples at")
+    top_p: float = _f(1.0, min=1e-6, max=1.0, help="sampling = fix: the top_p every call samples with")
+    temperature_min: float = _f(0.0, min=0.0, max=2.0, help="sampling = clamp/refuse: lowest temperature "
+                                "(greedy decoding, temperature 0 or top_p 0, counts as temperature 0)")
+    temperature_max: float = _f(2.0, min=0.0, max=2.0, help="sampling = clamp/refuse: highest temperature")
+    top_p_min: float = _f(0.0, min=0.0, max=1.0, help="sampling = clamp/refuse: lowest top_p")
+    execution_token_budget: int = _f(0, min=0, help="sampled (completion) tokens one execution may use; the call "
+                                     "that reaches it is cut to what is left, later calls are refused "
+                                     "(token_budget_exhausted) and the execution ends as timed out, scored as "
+                                     "a timeout is (tests-after-timeout); 0 = no budget")
 
 
 @dataclass
@@ -267,7 +286,24 @@ class SelectionConfig:
 class TrainConfig(_EnumFields):
     _SECTION = "train"
     backend: TrainBackend = _f(TrainBackend.EMBEDDED)
-    lr: float = _f(1e-4, min=0.0)
+    lr: float = _f(1e-4, min=0.0, help="peak learning rate (after warmup; the constant rate with lr_schedule = constant)")
+    lr_schedule: LrSchedule = _f(LrSchedule.CONSTANT,
+                                 help="learning rate over optimizer steps, Megatron's formulas (gyre/train/lr_schedule.py): "
+                                      "constant = lr; linear / cosine = decay from lr to min_lr over lr_decay_steps; "
+                                      "all after lr_warmup_steps of linear warmup from 0")
+    lr_warmup_steps: int = _f(0, min=0, help="optimizer steps of linear warmup to lr (the first step trains at "
+                                             "lr / lr_warmup_steps); 0 = none")
+    lr_decay_steps: int = _f(0, min=0, help="optimizer step at which linear/cosine decay reaches min_lr; 0 = "
+                                            "run.steps (the run's last step trains at min_lr)")
+    min_lr: float = _f(0.0, min=0.0, help="learning rate at the end of linear/cosine decay (at most lr)")
+    kl_coef: float = _f(0.0, min=0.0, help="weight of the KL penalty to a frozen reference (the initial weights, "
+                                           "held by every trainer rank: one more copy of the parameters, one more "
+                                           "no-grad forward per micro-batch); 0 = off, no reference is built")
+    kl_estimator: KlEstimator = _f(KlEstimator.K3, help="KL(pi_theta || pi_ref) estimator per target token "
+                                  "(Schulman): k1 = log r, k2 = (log r)^2 / 2, k3 = 1/r - 1 + log r, "
+                                  "r = pi_theta / pi_ref")
+    entropy_coef: float = _f(0.0, min=0.0, help="weight of the entropy bonus (the loss subtracts coef x the "
+                                                "targets' token entropy, computed chunked); 0 = off")
     micro_batch_tokens: int = _f(4096, min=16)
     layout: Layout = _f(Layout.TREE)
     advantage: Advantage = _f(Advantage.GRPO)
@@ -593,6 +629,22 @@ def _cross_check(cfg: GyreConfig) -> None:
     if t.context_parallel > 1 and t.backend != TrainBackend.MEGATRON:
         raise ConfigError(f"train.context_parallel = {t.context_parallel} needs train.backend = \"megatron\" "
                           "(the embedded trainer keeps a row on one device); or keep train.context_parallel = 1")
+    if t.min_lr > t.lr:
+        raise ConfigError(f"train.min_lr ({t.min_lr:g}) must not exceed train.lr ({t.lr:g}): decay goes from lr "
+                          "down to min_lr")
+    if t.entropy_coef > 0 and t.tensor_parallel > 1:
+        raise ConfigError(f"train.entropy_coef > 0 needs each target's whole-vocabulary distribution, which a "
+                          f"tensor-parallel rank does not hold (train.tensor_parallel = {t.tensor_parallel}): "
+                          "set train.tensor_parallel = 1 or train.entropy_coef = 0")
+    decay = t.lr_decay_steps or cfg.run.steps
+    if t.lr_schedule != "constant" and t.lr_warmup_steps >= decay:
+        raise ConfigError(f"train.lr_warmup_steps ({t.lr_warmup_steps}) must be below the decay horizon "
+                          f"({decay}: train.lr_decay_steps, or run.steps when it is 0) for lr_schedule = "
+                          f"{t.lr_schedule}")
+    p = cfg.proxy
+    if p.temperature_min > p.temperature_max:
+        raise ConfigError(f"proxy.temperature_min ({p.temperature_min:g}) must not exceed proxy.temperature_max "
+                          f"({p.temperature_max:g})")
 
 
 def resolved_off_policy(cfg: GyreConfig) -> OffPolicyMode:
@@ -608,8 +660,10 @@ def resolved_off_policy(cfg: GyreConfig) -> OffPolicyMode:
 
 
 def trainer_config(cfg: GyreConfig) -> TrainConfig:
-    """The TrainConfig a run's trainers get: `off_policy` resolved against the run's schedule."""
-    return dataclasses.replace(cfg.train, off_policy=resolved_off_policy(cfg))
+    """The TrainConfig a run's trainers get: `off_policy` resolved against the run's schedule, and
+    `lr_decay_steps` 0 resolved to the run's steps."""
+    return dataclasses.replace(cfg.train, off_policy=resolved_off_policy(cfg),
+                               lr_decay_steps=cfg.train.lr_decay_steps or cfg.run.steps)
 
 
 def to_dict(cfg: Any) -> dict:

@@ -28,14 +28,16 @@ from gyre.batch import MicroBatch
 from gyre.config import TrainConfig
 from gyre.minibatch import minibatch_parts, minibatch_scales
 from gyre.train.export import save_torch_atomic, write_hf_weights
-from gyre.train.loss import OffPolicy, policy_loss_from_logprobs
+from gyre.train.loss import OffPolicy, Regularizers, policy_loss_from_logprobs
+from gyre.train.lr_schedule import LrSchedule
 from gyre.train.offload import PhaseTimer
+from gyre.train.reference import Reference
 from gyre.train.step_stats import merge, summarize
 
 ATTENTION_PATHS = ("tree", "dense")  # tree: work follows kv_end (tree_attention); dense: S x S mask
 
 CHECKPOINT_FILE = "trainer.pt"
-_MEAN_STATS = ("ratio_mean", "clip_frac", "logp_mean", "kl_old", "entropy")  # averaged over targets
+_MEAN_STATS = ("ratio_mean", "clip_frac", "logp_mean", "kl_old", "entropy", "kl_ref")  # averaged over targets
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -53,16 +55,39 @@ class Trainer(ABC):
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
         self.off_policy = OffPolicy.from_config(cfg)
+        self.reg = Regularizers.from_config(cfg)
+        self.schedule = LrSchedule.from_config(cfg)
+        self.reference: Reference | None = None  # built by the backend when reg.needs_reference
         self.step = 0
         self.update = 0  # optimizer updates applied inside the open step (train.minibatches_per_step)
         self._reset_step_stats()
 
     # --- backend hooks ---------------------------------------------------------------------
     @abstractmethod
-    def _target_logprobs(self, mb: MicroBatch, entropy: list[float] | None = None) -> Tensor:
+    def _target_logprobs(self, mb: MicroBatch, entropy: list | None = None, token_entropy: bool = False) -> Tensor:
         """float32 log-probs [T] of the micro-batch's targets under the current policy, from the
         hidden states at `pred_pos` in chunks of `train.logprob_chunk` (gyre.train.logprobs):
-        never the [B, S, V] logits. `entropy`: a list to receive each chunk's entropy sum."""
+        never the [B, S, V] logits. `entropy`: a list to receive each chunk's entropy sum, or with
+        `token_entropy` each chunk's per-target entropies with gradient (the entropy bonus)."""
+
+    @abstractmethod
+    def _set_lr(self) -> None:
+        """Point the optimizer's learning rate at the next update's, `self.schedule` after
+        `self.step` optimizer steps (at construction, after each step, after a checkpoint load)."""
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next update applies."""
+        return self.schedule.lr_at(self.step + 1)
+
+    @torch.no_grad()
+    def reference_logprobs(self, mb: MicroBatch) -> Tensor:
+        """The frozen reference's log-probs [T] of the micro-batch's targets (gyre.train.reference),
+        by the same chunked forward as the policy's."""
+        if self.reference is None:
+            raise RuntimeError("no reference model: train.kl_coef is 0")
+        with self.reference.standing_in(self):
+            return self._target_logprobs(mb)
 
     @abstractmethod
     def _logits(self, mb: MicroBatch) -> Tensor:
@@ -126,12 +151,22 @@ class Trainer(ABC):
         mb = mb.to(self.device)
         if prox is None:
             prox = mb.prox_logprobs
-        ent: list[float] = []  # the targets' entropy sums, chunk by chunk (no second pass)
-        logp = self._target_logprobs(mb, entropy=ent)
+        ref, ref_s = None, 0.0
+        if self.reference is not None:  # before the policy's forward: its activations are not held yet
+            t_ref = time.perf_counter()
+            ref = self.reference_logprobs(mb)
+            ref_s = time.perf_counter() - t_ref
+        ent: list = []  # the targets' entropy, chunk by chunk (no second pass)
+        bonus = self.reg.entropy_coef > 0  # per target, with gradient
+        logp = self._target_logprobs(mb, entropy=ent, token_entropy=bonus)
         loss, stats = policy_loss_from_logprobs(logp, mb, self.cfg.clip_low, self.cfg.clip_high,
                                                 clip=self.cfg.clip, staleness_weights=self.cfg.staleness_weights,
                                                 off_policy=self.off_policy, prox_logprobs=prox,
-                                                entropy=sum(ent) if ent else None)
+                                                entropy=None if bonus or not ent else sum(ent), reg=self.reg,
+                                                ref_logprobs=ref,
+                                                token_entropy=torch.cat(ent) if bonus and ent else None)
+        if ref is not None:
+            stats["ref_time_sum"] = ref_s
         extra, aux = self._moe_aux_loss()
         if extra is not None:
             loss = loss + extra
@@ -144,8 +179,10 @@ class Trainer(ABC):
         a = self._acc
         for k in ("loss", "targets", "tokens", "fwd_bwd_s"):
             a[k] += stats[k]
+        if "ref_time_sum" in stats:
+            a["ref_time_sum"] = a.get("ref_time_sum", 0.0) + stats["ref_time_sum"]
         for k in _MEAN_STATS:
-            if stats[k] is not None:  # entropy: None where the backend cannot tell it
+            if stats.get(k) is not None:  # entropy: None where the backend cannot tell it; kl_ref: off
                 a[k] += stats[k] * stats["targets"]
         a["micro_batches"] += 1
         return stats
@@ -269,13 +306,18 @@ class Trainer(ABC):
         a = self._acc
         out = {k: a[k] for k in ("loss", "targets", "tokens", "micro_batches", "fwd_bwd_s")}
         out.update({k: a[k] / max(a["targets"], 1) for k in _MEAN_STATS})
+        if self.reference is None:
+            out.pop("kl_ref")
+        else:  # its cost: bytes held, share of the step's forward-and-backward time
+            out.update(ref_memory_bytes=self.reference.nbytes, ref_time_s=a.get("ref_time_sum", 0.0))
         merged = merge(self._mb_stats, parallel=False)
         out.update(summarize(merged), prox_drift_max=merged.get("prox_drift_max"))
         if "moe_aux_loss" in a:  # mean over the step's micro-batches
             out["moe_aux_loss"] = a["moe_aux_loss"] / max(a["micro_batches"], 1)
         out.update(step=self.step, grad_norm=grad_norm, optimizer_s=time.perf_counter() - t0,
-                   off_policy=self.off_policy.mode)
+                   off_policy=self.off_policy.mode, lr=self.schedule.lr_at(self.step))
         self._reset_step_stats()
+        self._set_lr()  # the next step's rate
         return out
 
     @torch.no_grad()
@@ -307,6 +349,7 @@ class Trainer(ABC):
         self._load_state(payload["state"])
         self.step = payload["step"]
         self.update = payload.get("update", 0)  # checkpoints written before minibatch updates: 0
+        self._set_lr()  # the schedule follows the restored optimizer step
         torch.set_rng_state(payload["rng"])
         if payload["cuda_rng"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(payload["cuda_rng"])

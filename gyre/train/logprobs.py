@@ -29,12 +29,16 @@ def log_softmax_gather(logits: Tensor, targets: Tensor) -> Tensor:
 
 def _chunk_logprobs(rows: Tensor, targets: Tensor, temperature: Tensor | float,
                     project: Callable[[Tensor], Tensor], logp_of: Callable[[Tensor, Tensor], Tensor],
-                    want_entropy: bool) -> tuple[Tensor, Tensor]:
-    """(log-probs [t], the chunk's entropy sum, detached: a second output, not a side effect, so
-    the checkpoint's recomputation in backward counts nothing twice)."""
+                    want_entropy: bool, per_token: bool = False) -> tuple[Tensor, Tensor]:
+    """(log-probs [t], the chunk's entropy: its sum, detached, or with `per_token` each target's
+    entropy [t] with gradient (the entropy bonus); a second output, not a side effect, so the
+    checkpoint's recomputation in backward counts nothing twice)."""
     logits = project(rows).float() / temperature
     ent = logits.new_zeros(())
-    if want_entropy:
+    if per_token:
+        lsm = torch.log_softmax(logits, dim=-1)
+        ent = -(lsm.exp() * lsm).sum(-1)
+    elif want_entropy:
         with torch.no_grad():
             lsm = torch.log_softmax(logits, dim=-1)
             ent = -(lsm.exp() * lsm).sum()
@@ -44,10 +48,11 @@ def _chunk_logprobs(rows: Tensor, targets: Tensor, temperature: Tensor | float,
 def target_logprobs(rows: Tensor, project: Callable[[Tensor], Tensor], targets: Tensor, *,
                     temperature: Tensor | float | None = None, chunk: int = DEFAULT_CHUNK,
                     logp_of: Callable[[Tensor, Tensor], Tensor] = log_softmax_gather,
-                    entropy: list[float] | None = None) -> Tensor:
+                    entropy: list | None = None, token_entropy: bool = False) -> Tensor:
     """float32 log p(target | prefix) [T] from the hidden rows [T, hidden] that predict them;
     ``entropy``: a list that receives each chunk's sum of token entropies (the logits of a full
-    vocabulary: not for a tensor-parallel shard)."""
+    vocabulary: not for a tensor-parallel shard), or with `token_entropy` each chunk's per-target
+    entropies [t] with gradient (``torch.cat(entropy)`` is then [T])."""
     if chunk < 1:
         raise ValueError(f"train.logprob_chunk must be >= 1, got {chunk}")
     T = rows.shape[0]
@@ -64,11 +69,12 @@ def target_logprobs(rows: Tensor, project: Callable[[Tensor], Tensor], targets: 
     # slice's backward would write a zero-padded [T, hidden] gradient of its own
     temps = temperature[:, None].split(chunk) if isinstance(temperature, Tensor) else None
     for i, (r, t) in enumerate(zip(rows.split(chunk), targets.split(chunk))):
-        args = (r, t, temps[i] if temps is not None else temperature, project, logp_of, entropy is not None)
+        args = (r, t, temps[i] if temps is not None else temperature, project, logp_of, entropy is not None,
+                token_entropy and entropy is not None)
         logp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False) if grad else _chunk_logprobs(*args)
         out.append(logp)
         if entropy is not None:
-            entropy.append(float(ent))
+            entropy.append(ent if token_entropy else float(ent))
     return torch.cat(out) if out else rows.new_zeros(0, dtype=torch.float32)
 
 

@@ -21,8 +21,17 @@ pi_behaviour a stale or numerically different sample would sit outside the regio
 update and its gradient would be cut for a reason that is not the update's size. The importance
 weight corrects what pi_prox is not: the distribution the tokens were actually sampled from.
 
-loss = sum_t w_t * staleness_weight(s_t) * l_t; because `weights` are precomputed for the whole
-step, summing over micro-batches and data-parallel ranks gives the step's loss exactly.
+loss = sum_t w_t * staleness_weight(s_t) * (l_t + kl_coef * kl_t - entropy_coef * H_t); because
+`weights` are precomputed for the whole step, summing over micro-batches and data-parallel ranks
+gives the step's loss exactly. kl_t is Schulman's estimator (`train.kl_estimator`) of
+KL(pi_theta || pi_ref) at the target, with pi_ref a frozen copy of the initial weights
+(gyre.train.reference) and d_t = log pi_theta - log pi_ref:
+
+    k1 = d_t        k2 = d_t^2 / 2        k3 = exp(-d_t) - 1 + d_t
+
+(k3, verl's `low_var_kl`, is unbiased for KL(pi_theta || pi_ref) under samples of pi_theta and never
+negative). H_t is the token entropy of pi_theta at the target's position and sampling temperature,
+with gradient (gyre.train.logprobs, chunked). Both terms are off (0) by default.
 """
 
 from __future__ import annotations
@@ -68,6 +77,43 @@ class OffPolicy:
         used on its own has no schedule: nothing lags, so `auto` is tis."""
         mode = OffPolicyMode.TIS if cfg.off_policy == OffPolicyMode.AUTO else cfg.off_policy
         return cls(mode, cfg.is_cap, cfg.is_mask, cfg.is_mask_low, cfg.is_mask_high)
+
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+@dataclass(frozen=True)
+class Regularizers:
+    """The KL-to-reference and entropy terms of the module doc; both 0 (off) by default."""
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"train.kl_estimator {self.kl_estimator!r}: choose one of {', '.join(KL_ESTIMATORS)}")
+        if self.kl_coef < 0 or self.entropy_coef < 0:
+            raise ValueError(f"train.kl_coef ({self.kl_coef}) and train.entropy_coef ({self.entropy_coef}) must be >= 0")
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.kl_coef > 0
+
+    @classmethod
+    def from_config(cls, cfg) -> "Regularizers":
+        return cls(cfg.kl_coef, str(cfg.kl_estimator), cfg.entropy_coef)
+
+
+def kl_estimate(logp: Tensor, ref_logp: Tensor, estimator: str = "k3") -> Tensor:
+    """Per-token estimate of KL(pi_theta || pi_ref) from the targets' log-probs (module doc)."""
+    d = logp - ref_logp
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d * d
+    if estimator == "k3":
+        return torch.expm1(-d) + d
+    raise ValueError(f"train.kl_estimator {estimator!r}: choose one of {', '.join(KL_ESTIMATORS)}")
 
 
 def sampling_temperature(rows: Tensor, temperature: Tensor) -> Tensor:
@@ -135,14 +181,20 @@ def policy_loss(logits: Tensor, mb: MicroBatch, clip_low: float = 0.2, clip_high
 def policy_loss_from_logprobs(logp: Tensor, mb: MicroBatch, clip_low: float = 0.2, clip_high: float = 0.28,
                               *, clip: bool = True, staleness_weights: Sequence[float] | None = None,
                               off_policy: OffPolicy | None = None, prox_logprobs: Tensor | None = None,
-                              entropy: float | None = None) -> tuple[Tensor, dict]:
+                              entropy: float | None = None, reg: Regularizers | None = None,
+                              ref_logprobs: Tensor | None = None,
+                              token_entropy: Tensor | None = None) -> tuple[Tensor, dict]:
     """(loss, stats) for one micro-batch from its targets' current log-probs [T] (float32, with
     gradient); `loss` is a sum, ready for gradient accumulation.
 
     `prox_logprobs`: pi_prox (no gradient) when the weights moved since the step's start; None
     means they did not, so pi_prox is pi_theta's own value (detached). `entropy`: the sum over
     targets of the policy's token entropy where the log-prob computation had it (None: not known).
+    `reg`: the KL and entropy terms; `ref_logprobs` [T] (no gradient) the reference's log-probs,
+    needed when reg.kl_coef > 0; `token_entropy` [T] the per-target entropy with gradient, needed
+    when reg.entropy_coef > 0.
     """
+    reg = reg or Regularizers()
     off = off_policy or OffPolicy()
     dev = logp.device
     behaviour = mb.old_logprobs.to(dev).float()
@@ -164,6 +216,18 @@ def policy_loss_from_logprobs(logp: Tensor, mb: MicroBatch, clip_low: float = 0.
         per_token = -unclipped
         clipped_mask = torch.zeros_like(ratio, dtype=torch.bool)
     loss = (w * c * per_token).sum()
+    kl = None
+    if reg.kl_coef > 0:
+        if ref_logprobs is None:
+            raise ValueError("train.kl_coef > 0 needs the reference's log-probs (ref_logprobs)")
+        kl = kl_estimate(logp, ref_logprobs.to(dev).float().detach(), reg.kl_estimator)
+        loss = loss + reg.kl_coef * (w * kl).sum()
+    if reg.entropy_coef > 0:
+        if token_entropy is None:
+            raise ValueError("train.entropy_coef > 0 needs the targets' token entropy with gradient (token_entropy)")
+        loss = loss - reg.entropy_coef * (w * token_entropy.float()).sum()
+        if entropy is None:
+            entropy = float(token_entropy.detach().sum())
     with torch.no_grad():
         n = max(mb.num_targets, 1)
         d = logp.detach() - anchor
@@ -177,6 +241,7 @@ def policy_loss_from_logprobs(logp: Tensor, mb: MicroBatch, clip_low: float = 0.
             "logp_mean": float(logp.sum() / n),
             "entropy": None if entropy is None else entropy / n,  # merged as a mean weighted by targets
             "kl_old": float((torch.exp(-d) - 1 + d).sum() / n),  # k3 estimator of KL(anchor || cur)
+            **({} if kl is None else {"kl_ref": float(kl.detach().sum() / n)}),  # the penalty's estimator
             "weight_sum": float(w.sum()),
             "is_weight_mean": float(c.sum() / n),
             "truncated_n": int(truncated.sum()),

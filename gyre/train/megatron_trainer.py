@@ -28,6 +28,7 @@ from gyre.model.megatron_names import as_spec
 from gyre.train.dist import init_megatron
 from gyre.train.offload import HostStash, PhaseTimer
 from gyre.train.base import ATTENTION_PATHS, Trainer, phase_timings, torch_dtype
+from gyre.train.reference import Reference
 from gyre.train.routing_replay import check_model, replayed
 from gyre.train.logprobs import rows_at, target_logprobs
 from gyre.train.tree_attention import TreeMask
@@ -61,6 +62,13 @@ class MegatronTrainer(Trainer):
         load_hf_weights(model, {k: v.to(self.dtype) for k, v in hf_state.items()}, hf_config)
         model.to(self.device)
         self.model = model
+        if self.reg.needs_reference:  # the initial weights, frozen, in the model dtype (gyre.train.reference)
+            ref = build_gpt_model(hf_config, dtype=self.dtype, moe_aux_loss_coef=0.0,
+                                  routing_replay=cfg.routing_replay, recompute=False,
+                                  context_parallel=cfg.context_parallel)
+            load_hf_weights(ref, {k: v.to(self.dtype) for k, v in hf_state.items()}, hf_config)
+            ref.to(self.device)
+            self.reference = Reference({"model": ref, "ddp": ref})  # the forward calls both names
         self.ddp = DistributedDataParallel(
             config=model.config,
             ddp_config=DistributedDataParallelConfig(
@@ -70,8 +78,18 @@ class MegatronTrainer(Trainer):
             OptimizerConfig(optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay,
                             adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
                             clip_grad=cfg.grad_clip, bf16=self.dtype == torch.bfloat16,
-                            params_dtype=self.dtype),
+                            params_dtype=self.dtype, min_lr=cfg.min_lr),
             [self.ddp])
+        # Megatron's own scheduler (the formulas of gyre.train.lr_schedule); its position is set
+        # from self.step in _set_lr, so a restored checkpoint continues the schedule
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        sch = self.schedule
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0, max_lr=sch.lr, min_lr=sch.min_lr, lr_warmup_steps=sch.warmup_steps,
+            lr_decay_steps=sch.horizon, lr_decay_style=sch.style, start_wd=cfg.weight_decay,
+            end_wd=cfg.weight_decay, wd_incr_steps=0, wd_incr_style="constant")
+        self._set_lr()
         self._offloaded: dict[str, HostStash] | None = None
         self._grads_reduced = False  # flat_grads already ran the data-parallel reduction
         self._plan: cpar.RankPlan | None = None  # the CP plan of the micro-batch being computed
@@ -92,6 +110,11 @@ class MegatronTrainer(Trainer):
             raise ValueError("train.routing_replay with train.context_parallel > 1 is not supported (the replayed "
                              "routing would have to be cut like the rows): keep one of them off")
         return parallel_state.get_context_parallel_rank(), size
+
+    def _set_lr(self) -> None:
+        # Megatron counts the update that makes step n as num_steps n (gyre.train.lr_schedule)
+        self.scheduler.num_steps = self.step
+        self.scheduler.step(1)
 
     # --- context parallelism ------------------------------------------------------------------
     @contextmanager
@@ -179,7 +202,7 @@ class MegatronTrainer(Trainer):
         clear_aux_losses_tracker()
         return None, value
 
-    def _target_logprobs(self, mb: MicroBatch, entropy: list[float] | None = None) -> Tensor:
+    def _target_logprobs(self, mb: MicroBatch, entropy: list | None = None, token_entropy: bool = False) -> Tensor:
         """Hidden states from GPTModel, then only the target rows through Megatron's output layer
         (ColumnParallelLinear: a vocab shard per tensor-parallel rank) and its vocab-parallel
         cross entropy, `train.logprob_chunk` rows at a time."""
@@ -206,7 +229,8 @@ class MegatronTrainer(Trainer):
         return target_logprobs(rows_at(hidden, rows, seq_first=True), project, mb.target_ids,
                                temperature=mb.temperature, chunk=self.cfg.logprob_chunk, logp_of=logp_of,
                                # entropy needs the whole vocabulary: one tensor-parallel rank holds it only at TP 1
-                               entropy=entropy if get_tensor_model_parallel_world_size() == 1 else None)
+                               entropy=entropy if get_tensor_model_parallel_world_size() == 1 else None,
+                               token_entropy=token_entropy)
 
     def _logits(self, mb: MicroBatch) -> Tensor:
         if self.cp_size > 1:  # [B, S, V] of whole rows is what context parallelism exists to avoid
@@ -320,8 +344,9 @@ class MegatronTrainer(Trainer):
             self.ddp.offload_grad_buffers(synchronize=cuda, empty_cache=cuda)
         with timer("params"):
             stashes["params"] = HostStash()
+            ref = self.reference.parameters() if self.reference is not None else []
             moved["params"] = stashes["params"].offload(
-                p for p in self.model.parameters() if p.device.type == self.device.type)
+                p for p in [*self.model.parameters(), *ref] if p.device.type == self.device.type)
         self._offloaded = stashes
         return phase_timings(timer, moved)
 

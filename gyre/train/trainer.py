@@ -8,6 +8,7 @@ exports back to that layout.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 
@@ -22,6 +23,7 @@ from gyre.model.families import read_config
 from gyre.train.hybrid import lm_class
 from gyre.train.logprobs import rows_at, target_logprobs
 from gyre.train.qwen2 import Qwen2LM
+from gyre.train.reference import Reference
 from gyre.train.routing_replay import check_model, replayed
 from gyre.train.tree_attention import TreeMask
 
@@ -58,7 +60,20 @@ class EmbeddedTrainer(Trainer):
             [{"params": [p for n, p in named if not no_decay(n, p)], "weight_decay": cfg.weight_decay},
              {"params": [p for n, p in named if no_decay(n, p)], "weight_decay": 0.0}],
             lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+        # torch's scheduler over the shared formula (gyre.train.lr_schedule); its position is set
+        # from self.step in _set_lr, so a restored checkpoint continues the schedule
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule.factor)
+        if self.reg.needs_reference:  # the initial weights, frozen (float32, like the policy's master copy)
+            self.reference = Reference({"model": copy.deepcopy(self.model)})
         self._stashes: dict[str, HostStash] = {}
+
+    def _set_lr(self) -> None:
+        # LambdaLR's last_epoch counts optimizer steps: each group's lr = its base lr x factor(step)
+        if self.scheduler.last_epoch == self.step - 1 and getattr(self.optimizer, "_opt_called", False):
+            self.scheduler.step()  # after an optimizer step, as torch documents
+        elif self.scheduler.last_epoch != self.step:  # a restored step: resume the scheduler there
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule.factor,
+                                                               last_epoch=self.step - 1)
 
     def _moe_aux_loss(self):
         aux = self.model.moe_aux_loss()
@@ -76,13 +91,14 @@ class EmbeddedTrainer(Trainer):
         return torch.autocast(self.device.type, dtype=self.compute_dtype,
                               enabled=self.compute_dtype != torch.float32)
 
-    def _target_logprobs(self, mb: MicroBatch, entropy: list[float] | None = None) -> Tensor:
+    def _target_logprobs(self, mb: MicroBatch, entropy: list | None = None, token_entropy: bool = False) -> Tensor:
         self.model.train(torch.is_grad_enabled())
         with self._autocast():
             h = self.model.hidden(mb.input_ids, mb.position_ids, self._mask(mb), replayed(self.cfg, mb),
                                   recompute=self.cfg.recompute)
             return target_logprobs(rows_at(h, mb.pred_pos), self.model.lm_head, mb.target_ids,
-                                   temperature=mb.temperature, chunk=self.cfg.logprob_chunk, entropy=entropy)
+                                   temperature=mb.temperature, chunk=self.cfg.logprob_chunk, entropy=entropy,
+                                   token_entropy=token_entropy)
 
     def _logits(self, mb: MicroBatch) -> Tensor:
         self.model.train(torch.is_grad_enabled())
@@ -129,7 +145,8 @@ class EmbeddedTrainer(Trainer):
             raise RuntimeError("already offloaded")
         self._check_between_steps()  # so there are no grads: the step set them to None
         timer, moved = PhaseTimer(), {}
-        for phase, tensors in (("params", list(self.model.parameters())),
+        ref = self.reference.parameters() if self.reference is not None else []
+        for phase, tensors in (("params", [*self.model.parameters(), *ref]),
                                ("optimizer", self._optimizer_tensors())):
             self._stashes[phase] = HostStash()
             with timer(phase):
