@@ -450,7 +450,7 @@ class Head:
             for eid, stal in self.training.admitted.pop(g.id, []):
                 self.ledger.line(eid, g, admitted=True, staleness=stal, step=res.index)
         extra, _, _ = self.training.step_figures(self.stats.microbatch_stats(res.microbatches),
-                                                 res.replaced, len(res.groups), res.microbatches)
+                                                 res.replaced, len(res.groups), res.microbatches, res.index)
         norms = red.grad_norms or [red.grad_norm]  # one per optimizer update of the step
         extra.update(minibatches=len(norms), minibatch_grad_norms=norms)
         row = self._emit(StepEnded(

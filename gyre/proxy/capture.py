@@ -249,6 +249,10 @@ class ExecutionSession:
     body: BodyCache = field(default_factory=BodyCache)  # the last chat body, parsed (gyre.proxy.body_cache)
     renders_whole: bool = False  # its last call's template window did not hold (template path)
     salted: tuple[list, str] | None = None  # the last tools list salted and its salt (see salt_of)
+    sampling: object | None = None  # gyre.proxy.params.SamplingPolicy of this execution (None: the proxy's)
+    tokens_out: int = 0  # sampled tokens of its recorded calls (proxy.execution_token_budget)
+    budget_spent: bool = False  # its token budget is used up: further calls are refused
+    sampling_changed: int = 0  # calls whose temperature/top_p the sampling policy changed
 
     @property
     def tree(self) -> TrajectoryTree:

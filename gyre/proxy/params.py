@@ -54,6 +54,8 @@ class CallParams:
     tool_choice: str = "auto"  # none | auto | required | function
     tool_name: str | None = None  # the named function, for tool_choice == "function"
     explicit_max: bool = field(default=False, repr=False)
+    # what the harness asked for where the sampling policy changed it ({"temperature": t, "top_p": p})
+    requested: dict | None = None
 
 
 MAX_DEPTH = 64  # JSON nesting a request may have (Python's own recursion fails near 1,000)
@@ -219,3 +221,4 @@ def forced_prefix(p: CallParams) -> str:
     if p.tool_choice == "function":
         return '<tool_call>\n{"name": %s, "arguments": ' % json.dumps(p.tool_name, ensure_ascii=False)
     return ""
+

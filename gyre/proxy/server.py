@@ -51,6 +51,7 @@ from gyre.proxy.fairness import CallGate
 from gyre.proxy.journal import Journal
 from gyre.proxy.offload import BIG_BODY_BYTES, INLINE_CHARS, PrepareWorkers, max_token_chars, text_chars
 from gyre.proxy.params import MAX_DEPTH, CallParams, RequestError, check_depth, forced_prefix, parse_params
+from gyre.proxy.sampling import SamplingPolicy, budget_left, count_call
 from gyre.proxy.replay import Replay
 from gyre.proxy.streaming import ContentStream, ReasoningStream
 from gyre.proxy.template_capture import check_template, prepare_call_template
@@ -199,14 +200,20 @@ class Proxy:
                    default_max_tokens=proxy_cfg.default_max_tokens, max_tokens_cap=proxy_cfg.max_tokens_cap,
                    max_executions=proxy_cfg.max_executions, max_calls_in_flight=proxy_cfg.max_calls_in_flight,
                    context_length=context_length(model_dir), **template_options(proxy_cfg, model_dir),
-                   **routing_options(cfg.train, model_dir))
+                   **routing_options(cfg.train, model_dir), sampling=SamplingPolicy.from_config(proxy_cfg),
+                   token_budget=proxy_cfg.execution_token_budget)
 
     def __init__(self, router, tokenizer, *, model_name: str = "gyre", default_max_tokens: int = 512,
                  max_tokens_cap: int = 4096, identity: dict | None = None, context_length: int | None = None,
                  max_executions: int = 10_000, max_calls_in_flight: int = 8, chat_template=None, history: str = "exact",
                  tool_parser: str = "hermes", reasoning_parser: str = "none", end_ids: list[int] | None = None,
-                 routing: tuple[int, int, int] | None = None):
+                 routing: tuple[int, int, int] | None = None, sampling: SamplingPolicy | None = None,
+                 token_budget: int = 0):
         self.router = router
+        # proxy.sampling: temperature/top_p of training executions (gyre.proxy.params.SamplingPolicy)
+        self.sampling = sampling or SamplingPolicy()
+        self.sampling_changed = 0  # calls whose sampling the policy changed
+        self.token_budget = token_budget  # sampled tokens per execution; 0 = none
         # routing replay: (MoE layers, top_k, experts) of the served model; the engine is asked for
         # the routed experts of every call and they are stored per node (gyre.traj.routing)
         self.routing = routing
@@ -252,10 +259,11 @@ class Proxy:
 
     # -- execution registry (head side) ---------------------------------------------------
     def register(self, execution_id: str, task: str = "", group: int = 0, api_key: str | None = None,
-                 replay: TrajectoryTree | Replay | None = None) -> str:
+                 replay: TrajectoryTree | Replay | None = None, sampling: SamplingPolicy | None = None) -> str:
         """A key for a new execution; ``replay``: the tree a stopped run of it recorded (or the
         Replay of a killed run's journal), whose calls are answered again where the resumed
-        harness asks the same (gyre.proxy.replay)."""
+        harness asks the same (gyre.proxy.replay). ``sampling``: its own sampling policy (e.g. a
+        validation execution's); None: the proxy's."""
         if execution_id in self.by_id:
             raise ValueError(f"execution {execution_id!r} is already registered")
         if len(self.by_id) >= self.max_executions:
@@ -265,9 +273,15 @@ class Proxy:
         sess = ExecutionSession(ExecutionRecord(execution_id, task, group, t_start=time.time()), key,
                                 replay=replay if isinstance(replay, Replay) and replay.recorded else
                                 Replay(replay) if isinstance(replay, TrajectoryTree) and replay.calls else None)
+        sess.sampling = sampling
         self.sessions[key] = sess
         self.by_id[execution_id] = sess
         return key
+
+    def budget_spent(self, execution_id: str) -> bool:
+        """The execution used up proxy.execution_token_budget (it ends as a timeout)."""
+        sess = self.by_id.get(execution_id)
+        return sess is not None and sess.budget_spent
 
     def calls_made(self, execution_id: str) -> int:
         """Calls recorded so far for a registered execution."""
@@ -381,7 +395,9 @@ class Proxy:
         check_names(body, self.template_tokens, same)
         offset = w.offset if same else 0
         messages = (w.messages[:same + offset] if same else []) + parse_messages(raw, same)
-        p = parse_params(body, tools, self.default_max_tokens, self.max_tokens_cap)
+        p = (sess.sampling or self.sampling).apply(parse_params(body, tools, self.default_max_tokens,
+                                                                self.max_tokens_cap))
+        left = budget_left(sess, self.token_budget)
         if self.template is None and not same and tools and messages[0].role != "system":
             # as the Qwen template: tools go in a system turn
             messages, offset = [Message("system", DEFAULT_TOOL_SYSTEM), *messages], 1
@@ -401,6 +417,8 @@ class Proxy:
             if n_prompt > limit:  # before calling the engine: the harness must compact
                 raise context_error(n_prompt, limit + 1)
             max_new = min(max_new, limit + 1 - n_prompt)  # as SGLang clamps to the context
+        if left is not None:
+            max_new = min(max_new, left)  # the call that reaches the budget samples what is left
         stop = list(p.stop) + (["<tool_call>"] if p.tool_choice == "none" and tools else [])
         eparams: dict[str, Any] = {"max_new_tokens": max_new, "temperature": p.temperature, "top_p": p.top_p,
                                    "stop_token_ids": self.renderer.stop_ids()}
@@ -452,6 +470,7 @@ class Proxy:
                            weight_version=str(res.weight_version), endpoint=res.endpoint,
                            finish_reason=res.finish_reason, t_start=c.t0, replay_ids=c.forced + out_ids,
                            sampling=c.engine_params)
+        self.sampling_changed += count_call(sess, p, len(out_ids), self.token_budget)
         remember(sess, prepared, *c.walk, self.renderer.im_end, prepared.dicts)
         if self.journal is not None and c.wire is not None:  # durable past a SIGKILL before the harness hears
             self.journal.append(sess.record.execution_id, c.wire, out_ids, lps, res.finish_reason,
@@ -478,7 +497,11 @@ class Proxy:
             "choices": [{"index": 0, "message": msg, "finish_reason": finish,
                          "logprobs": self._logprobs(out_ids, res) if p.logprobs else None}],
             "usage": {"prompt_tokens": n_in, "completion_tokens": len(out_ids), "total_tokens": n_in + len(out_ids)},
-            "gyre": {"call_index": call.index, "weight_version": call.weight_version, "reused_messages": prepared.n_reused},
+            "gyre": {"call_index": call.index, "weight_version": call.weight_version, "reused_messages": prepared.n_reused,
+                     # what the engine sampled with (stored with the call) and, where the policy changed
+                     # it, what the harness asked for
+                     "sampling": {"temperature": p.temperature, "top_p": p.top_p,
+                                  **({"requested": p.requested} if p.requested else {})}},
         }
         return resp, parsed
 

@@ -90,6 +90,11 @@ class RolloutService:
         """
         key = self.proxy.register(execution_id, task=task.name, group=group, replay=replay)
         status, workspace, error, own, log_dir, start_failure = await self._run_harness(task, execution_id, key)
+        if self.proxy.budget_spent(execution_id) and status in (Status.DONE, Status.FAILED, Status.CRASHED):
+            # proxy.execution_token_budget: its calls were refused from there on; scored as a timeout is
+            status = Status.TIMEOUT
+            error = (f"token budget of {self.proxy.token_budget} sampled tokens reached "
+                     f"(proxy.execution_token_budget)" + (f"; then: {error}" if error else ""))
         rec = self.proxy.end(execution_id, status)
         rec.workspace, rec.error = workspace, error
         if on_ended is not None:

@@ -30,6 +30,8 @@ from gyre.sched.protocol import PrepareReduceReply, ReduceReply
 from gyre.sched.state import Role
 from gyre.traj.audit import Audit, audit_micro_batch
 from gyre.traj.materialize import materialize, prepare_step
+from gyre.config import trainer_config
+from gyre.train.lr_schedule import LrSchedule
 from gyre.train.step_stats import merge, summarize
 
 
@@ -229,7 +231,7 @@ class TrainingDispatch:
         self.core.update_applied()
 
     def step_figures(self, stats: list[dict], replaced: int, groups: int,
-                     microbatches=()) -> tuple[dict, dict, Audit]:
+                     microbatches=(), step: int | None = None) -> tuple[dict, dict, Audit]:
         """(the step row's extra figures, the merged mismatch summary, the token-identity audit)
         of a step's micro-batches: off-policy weights, train/inference mismatch, MoE aux loss,
         replaced groups, trained tokens that differ from what the engine returned."""
@@ -242,12 +244,19 @@ class TrainingDispatch:
             # the loss of a GRPO step is ~0 by construction; what moves is the surrogate's scale
             "loss_per_target": merged["loss"] / merged["targets"] if merged.get("targets") else None,
             "is_weight_mean": merged.get("is_weight_mean"), "clip_frac": merged.get("clip_frac"),
-            "entropy": merged.get("entropy"), "learning_rate": self.cfg.train.lr,
+            "entropy": merged.get("entropy"),
+            # the rate the trainers applied to step `step` (0-based; gyre.train.lr_schedule)
+            "learning_rate": self.cfg.train.lr if step is None else
+            LrSchedule.from_config(trainer_config(self.cfg)).lr_at(step + 1),
             "replaced_zero_variance": replaced,
             "replaced_share": replaced / (replaced + groups) if groups else 0.0,
             "audit_tokens": audit.tokens, "audit_mismatched_tokens": audit.mismatched,
             "audit_unchecked_tokens": audit.unchecked, "audit_first_offender": audit.first,
             **mismatch}
+        if merged.get("kl_ref") is not None:  # train.kl_coef > 0: the penalty's estimate, its forward's share
+            extra["kl_ref_mean"] = merged["kl_ref"]
+            extra["ref_time_fraction"] = merged.get("ref_time_sum", 0.0) / merged["fwd_bwd_s"] \
+                if merged.get("fwd_bwd_s") else None
         aux = [x["moe_aux_loss"] for x in stats if x.get("moe_aux_loss") is not None]
         if aux:  # MoE models: the load-balancing loss, mean over the step's micro-batches
             extra["moe_aux_loss"] = statistics.fmean(aux)
