@@ -105,3 +105,56 @@ def test_config_keys():
         load_config(None, ["proxy.temperature_min=1.5", "proxy.temperature_max=1.0"])
     with pytest.raises(ConfigError, match="proxy.sampling"):
         load_config(None, ["proxy.sampling=greedy"])
+
+
+# A harness that writes a solution, then calls the model until the proxy refuses, then exits 3
+# (as a harness does when its API errors): the execution still ends as a timeout.
+AGENT = r'''
+import json, os, sys, urllib.error, urllib.request
+open("fizzbuzz.py", "w").write("def fizzbuzz(n):\n    return 'x'\n")
+for i in range(50):
+    req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions", method="POST",
+        data=json.dumps({"model": "m", "messages": [{"role": "user", "content": "go %d" % i}]}).encode(),
+        headers={"Content-Type": "application/json", "Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]})
+    try:
+        urllib.request.urlopen(req, timeout=30).read()
+    except urllib.error.HTTPError as e:
+        print(json.loads(e.read())["error"]["code"], file=sys.stderr)
+        sys.exit(3)
+'''
+
+
+def test_an_execution_past_its_budget_is_scored_as_a_timeout(stack, tmp_path):
+    import sys
+    import warnings
+
+    from gyre.config import GyreConfig
+    from gyre.harness.evaluator import EvalOptions, EvaluatorPool
+    from gyre.harness.runner import HarnessPool
+    from gyre.harness.sandbox import Environments, SandboxConfig
+    from gyre.harness.tasks import load_suite
+    from gyre.services.rollout import RolloutService
+
+    task = {t.name: t for t in load_suite("builtin")}["fizzbuzz"]
+    (tmp_path / "agent.py").write_text(AGENT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        envs = Environments(SandboxConfig(sandbox="none"))
+    out = R.encode("Hello from the model.") + [R.im_end]
+    stack.engine.script = [out] * 50
+    stack.proxy.token_budget = 2 * len(out) + 1  # the third call is cut to 1 token, the fourth refused
+    service = RolloutService(GyreConfig(), envs, "unused", {"model_hash": "m" * 8, "tokenizer_hash": "t" * 8},
+                             tmp_path / "shards")
+    service.proxy, service.base_url = stack.proxy, stack.base + "/v1"
+    service.pool = HarnessPool(tmp_path / "run", [sys.executable, str(tmp_path / "agent.py")], environments=envs)
+    service.evaluators = EvaluatorPool(EvalOptions(timeout_s=60, scratch_dir=str(tmp_path / "scratch")), workers=1,
+                                       workspaces_root=tmp_path / "run" / "workspaces")
+    try:
+        rec = stack.lt.run(service.execute(task, "fizzbuzz-g0-a0", 0))
+    finally:
+        service.evaluators.shutdown()
+    assert rec.status == "timeout" and "execution_token_budget" in rec.error
+    assert rec.reward_source == "tests-after-timeout" and rec.total > 0  # its workspace scored, as a timeout's is
+    assert [c.n_output for c in rec.tree.calls] == [len(out), len(out), 1]
+    logs = list((tmp_path / "run").rglob("harness.stderr"))
+    assert len(logs) == 1 and "token_budget_exhausted" in logs[0].read_text()  # what the harness was told
