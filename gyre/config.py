@@ -214,7 +214,7 @@ class ProxyConfig(_EnumFields):
     reasoning_parser: ReasoningParser = _f(ReasoningParser.NONE,
                                help="qwen3: <think>...</think> goes to reasoning_content (chat_template = model)")
     sampling: SamplingPolicy = _f(SamplingPolicy.HARNESS,
-                                  help="rollout sampling of training executions (docs/openai.md, 'Sampling policy'): "
+                                  help="rollout sampling of training executions (docs/openai.md, 'Sampling policy and token budget'): "
                                        "harness = the harness's temperature/top_p; fix = proxy.temperature and "
                                        "proxy.top_p whatever the harness sends; clamp = the harness's values moved "
                                        "into [temperature_min, temperature_max] and [top_p_min, 1]; refuse = a call "
@@ -637,7 +637,7 @@ def _cross_check(cfg: GyreConfig) -> None:
                           f"tensor-parallel rank does not hold (train.tensor_parallel = {t.tensor_parallel}): "
                           "set train.tensor_parallel = 1 or train.entropy_coef = 0")
     decay = t.lr_decay_steps or cfg.run.steps
-    if t.lr_schedule != "constant" and t.lr_warmup_steps >= decay:
+    if t.lr_schedule != LrSchedule.CONSTANT and t.lr_warmup_steps >= decay:
         raise ConfigError(f"train.lr_warmup_steps ({t.lr_warmup_steps}) must be below the decay horizon "
                           f"({decay}: train.lr_decay_steps, or run.steps when it is 0) for lr_schedule = "
                           f"{t.lr_schedule}")
