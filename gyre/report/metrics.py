@@ -32,7 +32,7 @@ _GROUP = {
                 "replaced_zero_variance", "replaced_share", "stopped_by_limits"),
     "train": ("loss", "loss_per_target", "grad_norm", "entropy", "learning_rate", "micro_batches", "groups",
               "moe_aux_loss", "ratio_mean", "kl_old_max", "clip_frac", "version", "minibatches", "minibatch_grad_norms",
-              "kl_ref_mean", "ref_time_fraction",
+              "kl_ref_mean", "ref_time_fraction", "ref_memory_bytes",
               "audit_tokens", "audit_mismatched_tokens", "audit_unchecked_tokens"),
     "offpolicy": ("is_weight_mean", "truncated_frac", "masked_frac"),
     "sched": ("step", "staleness_mean", "staleness_max", "staleness_token_mean", "lag_syncs_mean", "lag_syncs_max",

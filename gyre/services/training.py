@@ -255,6 +255,7 @@ class TrainingDispatch:
             **mismatch}
         if merged.get("kl_ref") is not None:  # train.kl_coef > 0: the penalty's estimate, its forward's share
             extra["kl_ref_mean"] = merged["kl_ref"]
+            extra["ref_memory_bytes"] = merged.get("ref_bytes_max")  # per trainer rank
             extra["ref_time_fraction"] = merged.get("ref_time_sum", 0.0) / merged["fwd_bwd_s"] \
                 if merged.get("fwd_bwd_s") else None
         aux = [x["moe_aux_loss"] for x in stats if x.get("moe_aux_loss") is not None]

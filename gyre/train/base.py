@@ -165,8 +165,8 @@ class Trainer(ABC):
                                                 entropy=None if bonus or not ent else sum(ent), reg=self.reg,
                                                 ref_logprobs=ref,
                                                 token_entropy=torch.cat(ent) if bonus and ent else None)
-        if ref is not None:
-            stats["ref_time_sum"] = ref_s
+        if ref is not None:  # its cost, merged over micro-batches and cells (gyre.train.step_stats)
+            stats.update(ref_time_sum=ref_s, ref_bytes_max=self.reference.nbytes)
         extra, aux = self._moe_aux_loss()
         if extra is not None:
             loss = loss + extra
