@@ -84,3 +84,22 @@ def test_backend_applies_the_schedule_and_resumes_it(backend, tmp_path):
     # the resumed trainer took the same third update as the one that never stopped
     for k, v in trainer.hf_state_dict().items():
         torch.testing.assert_close(fresh.hf_state_dict()[k], v, rtol=0, atol=1e-6)
+
+
+def test_step_rows_log_the_rate_kl_and_reference_cost():
+    """The head's step row (gyre.services.training.step_figures) says what the trainers applied."""
+    from gyre.services.training import TrainingDispatch
+
+    cfg = load_config(None, ["train.lr=0.01", "train.lr_schedule=linear", "train.lr_warmup_steps=1", "run.steps=3",
+                             "train.kl_coef=0.1"])
+    d = TrainingDispatch(cfg, [], emit=lambda ev: None, clock=lambda: 0.0, spawn=lambda c: None)
+    mb = [{"loss": 0.0, "targets": 10, "tokens": 20, "fwd_bwd_s": 2.0, "kl_ref": 0.5, "ref_time_sum": 0.5,
+           "ref_bytes_max": 1024},
+          {"loss": 0.0, "targets": 30, "tokens": 40, "fwd_bwd_s": 2.0, "kl_ref": 0.1, "ref_time_sum": 0.5,
+           "ref_bytes_max": 1024}]
+    rates = [d.step_figures(mb, 0, 1, (), step=i)[0]["learning_rate"] for i in range(3)]
+    assert rates == pytest.approx([0.01, 0.005, 0.0])  # warmup step, then linear to min_lr at run.steps
+    extra = d.step_figures(mb, 0, 1, (), step=0)[0]
+    assert extra["kl_ref_mean"] == pytest.approx((0.5 * 10 + 0.1 * 30) / 40)  # per target
+    assert extra["ref_time_fraction"] == pytest.approx(0.25) and extra["ref_memory_bytes"] == 1024
+    assert "kl_ref_mean" not in d.step_figures([{"loss": 0.0, "targets": 1, "tokens": 1}], 0, 1, ())[0]
