@@ -110,3 +110,14 @@ def test_kl_is_zero_at_step_0_then_grows_and_costs_a_copy(backend):
     # the reference did not move: its log-probs are the initial policy's
     torch.testing.assert_close(trainer.reference_logprobs(mb.to(trainer.device)).cpu(),
                                make(backend).logprobs(mb), rtol=0, atol=1e-5)
+
+
+def test_offload_moves_the_reference_with_the_policy():
+    trainer = make("embedded", kl_coef=0.1)
+    plain = make("embedded")
+    mb = toy_batch(trainer)
+    before = trainer.reference_logprobs(mb)
+    moved = trainer.offload()["bytes"] - plain.offload()["bytes"]
+    assert moved == trainer.reference.nbytes  # a role switch frees the reference's memory too
+    trainer.restore()
+    torch.testing.assert_close(trainer.reference_logprobs(mb), before, rtol=0, atol=0)
