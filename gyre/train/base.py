@@ -75,11 +75,6 @@ class Trainer(ABC):
         """Point the optimizer's learning rate at the next update's, `self.schedule` after
         `self.step` optimizer steps (at construction, after each step, after a checkpoint load)."""
 
-    @property
-    def lr(self) -> float:
-        """The learning rate the next update applies."""
-        return self.schedule.lr_at(self.step + 1)
-
     @torch.no_grad()
     def reference_logprobs(self, mb: MicroBatch) -> Tensor:
         """The frozen reference's log-probs [T] of the micro-batch's targets (gyre.train.reference),

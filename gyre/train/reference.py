@@ -11,13 +11,13 @@ no gradient buffers, no optimizer state.
 What it costs: one more copy of the parameters (the embedded trainer keeps float32, 4 bytes a
 parameter next to the policy's ~16 with AdamW; Megatron keeps the model dtype, 2 bytes in bf16
 next to ~18 in mixed precision) and one more forward per micro-batch (about a third of a
-forward-and-backward). `nbytes` and `seconds` measure both (benchmarks/bench_loop_opt.py).
+forward-and-backward). `nbytes` and the step stats' `ref_time_s` measure both
+(benchmarks/bench_loop_opt.py).
 With kl_coef 0 none of this exists.
 """
 
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
 
 from torch import nn
@@ -35,8 +35,6 @@ class Reference:
             for p in m.parameters():
                 seen[id(p)] = p.numel() * p.element_size()
         self.nbytes = sum(seen.values())  # distinct parameters: "model" and "ddp" may be one module
-        self.seconds = 0.0  # reference forwards so far
-        self.calls = 0
 
     def parameters(self) -> list:
         """Its distinct parameters (offload moves them with the policy's)."""
@@ -52,7 +50,6 @@ class Reference:
     def standing_in(self, owner):
         """`owner`'s attributes replaced by the reference's modules inside, restored after."""
         saved = {name: getattr(owner, name) for name in self.modules}
-        t0 = time.perf_counter()
         try:
             for name, m in self.modules.items():
                 setattr(owner, name, m)
@@ -60,5 +57,3 @@ class Reference:
         finally:
             for name, m in saved.items():
                 setattr(owner, name, m)
-            self.seconds += time.perf_counter() - t0
-            self.calls += 1
