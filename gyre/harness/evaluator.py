@@ -348,17 +348,7 @@ def evaluate_workspace(task: Task, workspace: str | os.PathLike, status: str = "
         left = lambda floor: None if deadline is None else max(floor, deadline - time.monotonic())  # noqa: E731
         network = eval_network(opts, place)
         _clean_candidate(task, ws, cand, opts, notes, deadline)
-        if place.kind == "image":
-            # the image's /workspace (its hidden tests), copied out by one instance ...
-            rc, timed_out = runner.run(["--copy-tree", WORKSPACE, f"{OUT}/repo"], [Mount(str(scratch), OUT, True)],
-                                       left(1.0), workdir="/")
-            if rc != 0 or timed_out or not repo.is_dir():
-                raise RuntimeError(f"could not copy /workspace out of {place.image.location} (exit {rc})")
-            _overlay(cand, repo)
-            notes.append("candidate laid over the image's /workspace")
-        else:
-            cand.rename(repo)  # a scratch copy moved, nothing durable: no fsio
-            _add_shipped_tests(task, repo, notes)
+        _lay_out_repo(task, place, runner, scratch, cand, repo, notes, left(1.0) if place.kind == "image" else None)
         with open(lp, "a", encoding="utf-8") as f:
             f.writelines(n + "\n" for n in notes)
         notes = [n for n in notes if not n.startswith(("removed", "added", "candidate laid"))]
@@ -369,20 +359,7 @@ def evaluate_workspace(task: Task, workspace: str | os.PathLike, status: str = "
                                     "--workdir", WORKSPACE, "--command-timeout", str(opts.command_timeout_s)],
                                    [Mount(str(repo), WORKSPACE, True), Mount(str(scratch), OUT, True)],
                                    left(0.0), network=network)
-        limit = opts.max_output_mb << 20
-        results, ran = [], 0
-        with open(lp, "a", encoding="utf-8") as f:
-            for i, command in enumerate(task.test_commands):
-                stdout = _read_output(out / f"cmd-{i}.out", limit)
-                stderr = _read_output(out / f"cmd-{i}.err", limit)
-                done = (out / f"cmd-{i}.rc").exists()
-                rc_i = (out / f"cmd-{i}.rc").read_text().strip() if done else "not finished"
-                if done or stdout or stderr:
-                    ran += 1
-                    code = int(rc_i) if rc_i.lstrip("-").isdigit() else None  # None: cut by the time limit
-                    results.append((command, scoring.command_output(argvs[i], code, stdout, stderr,
-                                                                    opts.output)))
-                f.write(f"\n$ {command}\n{stdout}\n[stderr]\n{stderr}\n[exit status {rc_i}]\n")
+        results, ran = _command_results(task, argvs, out, opts, lp)
         if timed_out:
             notes.append(f"evaluation time limit of {cap:g}s reached; "
                          f"{len(task.test_commands) - ran} commands not run")
@@ -400,6 +377,43 @@ def evaluate_workspace(task: Task, workspace: str | os.PathLike, status: str = "
     finally:
         if scratch is not None and not opts.keep_scratch:
             shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _lay_out_repo(task: Task, place, runner: "_Runner", scratch: Path, cand: Path, repo: Path, notes: list[str],
+                  copy_s: float | None) -> None:
+    """The repository the commands run in: for an image, its /workspace (its hidden tests) copied
+    out by one instance within `copy_s` seconds and the candidate laid over it; else the candidate
+    with the task's shipped tests added."""
+    if place.kind == "image":
+        # the image's /workspace (its hidden tests), copied out by one instance ...
+        rc, timed_out = runner.run(["--copy-tree", WORKSPACE, f"{OUT}/repo"], [Mount(str(scratch), OUT, True)],
+                                   copy_s, workdir="/")
+        if rc != 0 or timed_out or not repo.is_dir():
+            raise RuntimeError(f"could not copy /workspace out of {place.image.location} (exit {rc})")
+        _overlay(cand, repo)
+        notes.append("candidate laid over the image's /workspace")
+    else:
+        cand.rename(repo)  # a scratch copy moved, nothing durable: no fsio
+        _add_shipped_tests(task, repo, notes)
+
+
+def _command_results(task: Task, argvs: list, out: Path, opts: EvalOptions, lp: Path) -> tuple[list, int]:
+    """(command, output) of each test command that ran (in part), and their number; every
+    command's output and exit status go to the log."""
+    limit = opts.max_output_mb << 20
+    results, ran = [], 0
+    with open(lp, "a", encoding="utf-8") as f:
+        for i, command in enumerate(task.test_commands):
+            stdout = _read_output(out / f"cmd-{i}.out", limit)
+            stderr = _read_output(out / f"cmd-{i}.err", limit)
+            done = (out / f"cmd-{i}.rc").exists()
+            rc_i = (out / f"cmd-{i}.rc").read_text().strip() if done else "not finished"
+            if done or stdout or stderr:
+                ran += 1
+                code = int(rc_i) if rc_i.lstrip("-").isdigit() else None  # None: cut by the time limit
+                results.append((command, scoring.command_output(argvs[i], code, stdout, stderr, opts.output)))
+            f.write(f"\n$ {command}\n{stdout}\n[stderr]\n{stderr}\n[exit status {rc_i}]\n")
+    return results, ran
 
 
 def _holds_cwd(path: Path) -> bool:

@@ -15,7 +15,7 @@ from gyre.proxy.body_cache import BodyCache
 from gyre.proxy.offload import text_chars
 from gyre.proxy.params import MAX_DEPTH, RequestError, check_depth
 
-ROLE_CHARS = 128  # the most of the model name an agent role keeps (gyre.proxy.server.agent_role_of)
+ROLE_CHARS = 128  # the most of the model name an agent role keeps (gyre.proxy.routes.agent_role_of)
 
 
 def prompt_chars(body: dict) -> int:

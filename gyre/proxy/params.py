@@ -98,23 +98,8 @@ def parse_params(body: dict, tools: list[dict], default_max: int, cap: int) -> C
     n = body.get("n", 1)
     if n not in (1, None):
         raise RequestError(400, f"n: only n=1 is supported (got {n!r}); send n separate requests instead", param="n")
-    mt = body.get("max_completion_tokens", body.get("max_tokens"))
-    if isinstance(mt, int) and not isinstance(mt, bool) and mt > 2**62:
-        mt = 2**62  # any larger value means the same (clamped to the cap); keeps the int small
-    explicit = mt is not None
-    if mt is None:
-        mt = default_max
-    if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
-        raise RequestError(400, f"max_tokens: expected a positive integer, got {mt!r}", param="max_tokens")
-    stop = body.get("stop") or []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP_STRINGS:
-        raise RequestError(400, f"stop: expected a non-empty string or a list of up to {MAX_STOP_STRINGS} "
-                                "non-empty strings", param="stop")
-    if sum(map(len, stop)) > MAX_STOP_TOTAL_CHARS:
-        raise RequestError(400, f"stop: the stop strings hold {sum(map(len, stop))} characters in all; at most "
-                                f"{MAX_STOP_TOTAL_CHARS} are allowed", param="stop")
+    mt, explicit = _max_tokens(body, default_max)
+    stop = _stop(body)
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -136,6 +121,56 @@ def parse_params(body: dict, tools: list[dict], default_max: int, cap: int) -> C
                                param="top_logprobs")
         if top and not logprobs:
             raise RequestError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
+    _refuse_unsupported(body)
+    pt = body.get("parallel_tool_calls")
+    if pt is not None and not isinstance(pt, bool):
+        raise RequestError(400, f"parallel_tool_calls: expected true or false, got {pt!r}", param="parallel_tool_calls")
+    choice, name = _tool_choice(body.get("tool_choice"), tools)
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if 0.0 < top_p < MIN_TOP_P:  # rounds to 0 in the engine's float32: every token filtered, NaN sampling
+        raise RequestError(400, f"top_p: {top_p!r} is below the smallest value served ({MIN_TOP_P}); send 0 for "
+                                "greedy decoding or a value in [1e-6, 1]", param="top_p")
+    if top_p == 0.0:  # OpenAI: only the most likely token is kept, i.e. greedy decoding
+        temperature, top_p = 0.0, 1.0
+    return CallParams(
+        max_new_tokens=min(mt, cap),
+        temperature=temperature,
+        top_p=top_p,
+        stop=stop, stream=stream, include_usage=include_usage,
+        seed=seed, logprobs=logprobs, top_logprobs=top or 0, tool_choice=choice, tool_name=name,
+        explicit_max=explicit)
+
+
+def _max_tokens(body: dict, default_max: int) -> tuple[int, bool]:
+    """max_completion_tokens (or max_tokens), and whether the client sent one."""
+    mt = body.get("max_completion_tokens", body.get("max_tokens"))
+    if isinstance(mt, int) and not isinstance(mt, bool) and mt > 2**62:
+        mt = 2**62  # any larger value means the same (clamped to the cap); keeps the int small
+    explicit = mt is not None
+    if mt is None:
+        mt = default_max
+    if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
+        raise RequestError(400, f"max_tokens: expected a positive integer, got {mt!r}", param="max_tokens")
+    return mt, explicit
+
+
+def _stop(body: dict) -> list[str]:
+    """The stop strings, bounded in number and length (they are matched on every token)."""
+    stop = body.get("stop") or []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP_STRINGS:
+        raise RequestError(400, f"stop: expected a non-empty string or a list of up to {MAX_STOP_STRINGS} "
+                                "non-empty strings", param="stop")
+    if sum(map(len, stop)) > MAX_STOP_TOTAL_CHARS:
+        raise RequestError(400, f"stop: the stop strings hold {sum(map(len, stop))} characters in all; at most "
+                                f"{MAX_STOP_TOTAL_CHARS} are allowed", param="stop")
+    return stop
+
+
+def _refuse_unsupported(body: dict) -> None:
+    """Parameters the proxy cannot honour, refused for any value a client actually sets."""
     _off(body, "frequency_penalty", (0, 0.0), "the engine samples without penalties; leave it out or send 0")
     _off(body, "presence_penalty", (0, 0.0), "the engine samples without penalties; leave it out or send 0")
     if body.get("logit_bias"):
@@ -155,24 +190,6 @@ def parse_params(body: dict, tools: list[dict], default_max: int, cap: int) -> C
             raise RequestError(400, f"response_format {json.dumps(fmt)[:80]} is not supported: the engine has no "
                                     "constrained decoding; ask for JSON in the prompt instead (only "
                                     "{\"type\": \"text\"} is accepted)", param="response_format")
-    pt = body.get("parallel_tool_calls")
-    if pt is not None and not isinstance(pt, bool):
-        raise RequestError(400, f"parallel_tool_calls: expected true or false, got {pt!r}", param="parallel_tool_calls")
-    choice, name = _tool_choice(body.get("tool_choice"), tools)
-    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
-    if 0.0 < top_p < MIN_TOP_P:  # rounds to 0 in the engine's float32: every token filtered, NaN sampling
-        raise RequestError(400, f"top_p: {top_p!r} is below the smallest value served ({MIN_TOP_P}); send 0 for "
-                                "greedy decoding or a value in [1e-6, 1]", param="top_p")
-    if top_p == 0.0:  # OpenAI: only the most likely token is kept, i.e. greedy decoding
-        temperature, top_p = 0.0, 1.0
-    return CallParams(
-        max_new_tokens=min(mt, cap),
-        temperature=temperature,
-        top_p=top_p,
-        stop=stop, stream=stream, include_usage=include_usage,
-        seed=seed, logprobs=logprobs, top_logprobs=top or 0, tool_choice=choice, tool_name=name,
-        explicit_max=explicit)
 
 
 def _stream_options(opts: Any, stream: bool) -> bool:

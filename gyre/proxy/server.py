@@ -19,134 +19,40 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import dataclasses
-import hmac
 import json
 import logging
-import re
 import time
 import uuid
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from aiohttp import web
-from aiohttp.http_exceptions import ContentEncodingError
-from aiohttp.web_protocol import RequestPayloadError
 
-from gyre.config import History, ReasoningParser, TemplateSource
+from gyre.config import History, TemplateSource
 from gyre.engine.client import EngineError
 from gyre.engine.router import RouterError
 from gyre.model.chat_template import ChatTemplate, end_token_ids
-from gyre.model.parsers import parse
 from gyre.model.tokenizer import load_tokenizer
+from gyre.proxy import recording, relay
 from gyre.proxy.body import over_bound, parse_chat_body, prompt_chars, refusal
-from gyre.proxy.json_body import parse_json
-from gyre.proxy.capture import (ExecutionSession, PreparedCall, Renderer, message_keys, new_api_key,
-                                prepare_call, record_call, remember, wire_ids)
-from gyre.proxy.chat import (DEFAULT_TOOL_SYSTEM, Message, MessageError, ParsedOutput, ToolCall, canonical_arguments,
-                             parse_messages, parse_output, strip_end_tokens, validate_tools)
+from gyre.proxy.call import Call, TooManyExecutions, context_error, engine_failure
+from gyre.proxy.capture import ExecutionSession, Renderer, message_keys, new_api_key, prepare_call, wire_ids
+from gyre.proxy.chat import DEFAULT_TOOL_SYSTEM, Message, parse_messages, validate_tools
 from gyre.proxy.fairness import CallGate
 from gyre.proxy.journal import Journal
 from gyre.proxy.offload import BIG_BODY_BYTES, INLINE_CHARS, PrepareWorkers, max_token_chars, text_chars
-from gyre.proxy.params import MAX_DEPTH, CallParams, RequestError, check_depth, forced_prefix, parse_params
-from gyre.proxy.sampling import SamplingPolicy, budget_left, count_call
+from gyre.proxy.params import MAX_DEPTH, RequestError, check_depth, forced_prefix, parse_params
+from gyre.proxy.sampling import SamplingPolicy, budget_left
 from gyre.proxy.replay import Replay
-from gyre.proxy.streaming import ContentStream, ReasoningStream
+# the HTTP face, served by every driver as gyre.proxy.server's (gyre.proxy.routes)
+from gyre.proxy.routes import create_app, start_site  # noqa: F401
 from gyre.proxy.template_capture import check_template, prepare_call_template
 from gyre.proxy.token_safety import check_names, template_tokens
-from gyre.traj.record import FINISHED, ExecutionRecord
-from gyre.traj.routing import record_call_routing
+from gyre.traj.record import ExecutionRecord
 from gyre.traj.tree import TrajectoryTree
 
 log = logging.getLogger("gyre.proxy")
-
-ROLE_HEADER = "X-Gyre-Role"
-_ROLE_MODELS = ("main", "compactor")
-
-
-def agent_role_of(model: Any, header: str | None) -> str:
-    """Agent role from the X-Gyre-Role header, else from the model name, else `main`. The role
-    is written into shards: one that is not printable Unicode (aiohttp hands a non-UTF-8 header
-    over surrogate-escaped) is refused here, never met by the shard writer."""
-    if header:
-        return _checked_role(header.strip()[:128], f"header {ROLE_HEADER}")
-    if isinstance(model, str) and (model in _ROLE_MODELS or model.startswith("subagent:")):
-        return _checked_role(model[:128], "model")
-    return "main"
-
-
-def _checked_role(role: str, where: str) -> str:
-    if not role.isprintable():  # surrogates and control characters are not printable
-        raise RequestError(400, f"{where}: the agent role {ascii(role)[:80]} holds a character that is not "
-                                "printable text (a control character or an undecodable byte); send a "
-                                "printable UTF-8 name such as 'main' or 'subagent:search'",
-                           param="model" if where == "model" else None)
-    return role
-
-
-def _error(status: int, message: str, type: str = "invalid_request_error", code: str | None = None,
-           param: str | None = None) -> web.Response:
-    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
-    return web.json_response({"error": {"message": message, "type": type, "param": param, "code": code}},
-                             status=status)
-
-
-_CONTEXT_RE = re.compile(r"\((\d+) tokens\) is longer than the model's context length \((\d+) tokens\)")
-
-
-def context_error(tokens: int, limit: int, at_least: bool = False) -> RequestError:
-    """OpenAI's own wording and code, which the openai SDK and litellm map to their
-    context-window exceptions (so a harness can compact and go on)."""
-    return RequestError(400, f"This model's maximum context length is {limit} tokens. However, your messages "
-                             f"resulted in {'at least ' if at_least else ''}{tokens} tokens. Please reduce the "
-                             "length of the messages.",
-                        code="context_length_exceeded", param="messages")
-
-
-def engine_failure(e: Exception) -> RequestError:
-    """An engine-side failure as the harness should see it: its own request's fault -> 4xx,
-    the backend's -> 5xx (retryable)."""
-    if isinstance(e, EngineError) and e.status is not None and 400 <= e.status < 500 and e.status != 429:
-        m = _CONTEXT_RE.search(e.message)
-        if m:
-            return context_error(int(m.group(1)), int(m.group(2)) - 1)
-        return RequestError(400, f"the model engine refused the request: {e.message}")
-    return RequestError(503, f"model backend unavailable, retry later: {e}", "server_error", "backend_unavailable")
-
-
-class TooManyExecutions(ValueError):
-    """The proxy holds `max_executions` registered executions already."""
-
-
-class AbortedCall(Exception):
-    """The engine aborted the generation and the router could not finish it elsewhere."""
-
-
-@dataclass
-class Call:
-    """One chat completion between parsing and recording."""
-    sess: ExecutionSession
-    body: dict
-    role: str
-    params: CallParams
-    tools: list[dict]
-    prepared: PreparedCall
-    forced: list[int]  # assistant ids placed before sampling (tool_choice), recorded as prompt
-    engine_params: dict
-    rid: str
-    t0: float
-    engine_s: float = 0.0  # time on the wire to the engine and back (not the proxy's own work)
-    priority: int | None = None  # the engines admit higher first (gyre.proxy.fairness)
-    wire: Any = None  # the input ids as sent (their key journals the call, gyre.proxy.journal)
-    # the request's messages for the next call's walk (capture.remember): raw, tools salt, offset,
-    # parsed messages, their keys
-    walk: tuple = ()
-
-    @property
-    def id(self) -> str:
-        return f"chatcmpl-{self.rid}"
 
 
 def template_options(proxy_cfg, model_dir) -> dict:
@@ -299,7 +205,7 @@ class Proxy:
         return sess.record
 
     @contextlib.contextmanager
-    def _track(self, c: "Call"):
+    def track(self, c: "Call"):
         """The call is live (aborted by `end` of its execution) while inside."""
         self._live[c.rid] = (c.sess.record.execution_id, asyncio.get_running_loop())
         try:
@@ -430,133 +336,27 @@ class Proxy:
         return Call(sess, body, role, p, tools, prepared, forced, eparams, rid, time.time(),
                     walk=(raw, salt, offset, messages, keys))
 
-    def _generate_args(self, c: Call) -> tuple:
+    def generate_args(self, c: Call) -> tuple:
+        """The engine call's arguments: execution id, the input ids as sent (their JSON), sampling."""
         return (c.sess.record.execution_id, wire_ids(c.sess, c.prepared, c.forced), c.engine_params)
 
-    def _engine(self, c: Call, args: tuple):
+    def engine_for(self, c: Call, args: tuple):
         """The router, or (a resumed execution) the recorded answer to these exact input ids."""
         replay = c.sess.replay
         hit = replay.match(args[1]) if replay is not None else None
         return self.router if hit is None else hit
 
     def finish(self, c: Call, res) -> tuple[dict, Any]:
-        """Record a finished generation and build the OpenAI response (non-streamed shape)."""
-        sess, p = c.sess, c.params
-        if sess.ended:  # the execution ended while its call ran (its generation was aborted): not recorded
-            self.abandoned["execution_ended"] += 1
-            raise RequestError(409, "execution ended while the call was running", "invalid_request_error",
-                               "execution_ended")
-        if res.finish_reason == "abort":
-            self.abandoned["aborted"] += 1
-            raise AbortedCall(res.finish_message or "generation aborted")
-        out_ids, lps = list(res.output_ids), list(res.logprobs)
-        text = self.renderer.decode_output(c.forced + out_ids)
-        matched_stop = res.finish_reason == "stop" and isinstance(res.meta_info.get("finish_reason", {}).get("matched"), str)
-        hits = [text.find(s) for s in c.engine_params.get("stop", ()) if s in text]
-        if hits:
-            text = text[: min(hits)]
-        tools_on = bool(c.tools) and p.tool_choice != "none"
-        reasoning = None
-        if self.template is not None:  # parsers by name (gyre.model.parsers)
-            parsed, reasoning = self._parse_named(text, tools_on)
-        else:
-            parsed = parse_output(text, tools_enabled=tools_on)
-        reply = Message("assistant", parsed.content or "", tuple(parsed.tool_calls), reasoning or "")
-        prepared = c.prepared
-        if c.forced:  # forced ids are context the model saw, not samples
-            prepared = dataclasses.replace(prepared, prompt_tokens=prepared.prompt_tokens + c.forced,
-                                           n_input=prepared.n_input + len(c.forced))
-        call = record_call(sess, prepared, reply, out_ids, lps, agent_role=c.role,
-                           weight_version=str(res.weight_version), endpoint=res.endpoint,
-                           finish_reason=res.finish_reason, t_start=c.t0, replay_ids=c.forced + out_ids,
-                           sampling=c.engine_params)
-        self.sampling_changed += count_call(sess, p, len(out_ids), self.token_budget)
-        remember(sess, prepared, *c.walk, self.renderer.im_end, prepared.dicts)
-        if self.journal is not None and c.wire is not None:  # durable past a SIGKILL before the harness hears
-            self.journal.append(sess.record.execution_id, c.wire, out_ids, lps, res.finish_reason,
-                                str(res.weight_version))
-        if self.routing is not None:
-            self._record_routing(sess, call, res)
-        self.calls_total += 1
-        if parsed.tool_calls:
-            finish = "tool_calls"
-        elif res.finish_reason == "length" and not matched_stop and not hits:
-            finish = "length"
-        else:
-            finish = "stop"
-        msg: dict[str, Any] = {"role": "assistant", "content": parsed.content}
-        if reasoning:
-            msg["reasoning_content"] = reasoning
-        if parsed.tool_calls:
-            msg["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:16]}", "type": "function",
-                                  "function": {"name": t.name, "arguments": t.arguments}} for t in parsed.tool_calls]
-        n_in = prepared.n_input
-        resp = {
-            "id": c.id, "object": "chat.completion", "created": int(c.t0),
-            "model": c.body.get("model") or self.model_name,
-            "choices": [{"index": 0, "message": msg, "finish_reason": finish,
-                         "logprobs": self._logprobs(out_ids, res) if p.logprobs else None}],
-            "usage": {"prompt_tokens": n_in, "completion_tokens": len(out_ids), "total_tokens": n_in + len(out_ids)},
-            "gyre": {"call_index": call.index, "weight_version": call.weight_version, "reused_messages": prepared.n_reused,
-                     # what the engine sampled with (stored with the call) and, where the policy changed
-                     # it, what the harness asked for
-                     "sampling": {"temperature": p.temperature, "top_p": p.top_p,
-                                  **({"requested": p.requested} if p.requested else {})}},
-        }
-        return resp, parsed
-
-    def _record_routing(self, sess: ExecutionSession, call, res) -> None:
-        """The call's routed experts into its tree; a call answered without them (an engine not
-        started with --enable-return-routed-experts) trains with free routing, counted and warned."""
-        b64 = res.meta_info.get("routed_experts")
-        if b64:
-            try:
-                record_call_routing(sess.tree, call, b64, self.routing)
-                return
-            except ValueError as e:
-                log.warning("call %d of %s: routed experts not stored: %s", call.index,
-                            sess.record.execution_id, e)
-        elif not self.routing_missing:
-            log.warning("train.routing_replay: the engine answered without routed experts (SGLang needs "
-                        "--enable-return-routed-experts); such calls train with free routing")
-        self.routing_missing += 1
-
-    def _parse_named(self, text: str, tools_on: bool):
-        """The configured tool-call and reasoning parsers, as the built-in path's ParsedOutput."""
-
-        out = parse(strip_end_tokens(text), self.tool_parser, self.reasoning_parser, tools_enabled=tools_on)
-        calls = [ToolCall(t.name, canonical_arguments(t.arguments, "output")) for t in out.tool_calls]
-        return ParsedOutput(out.content, calls), out.reasoning_content
-
-    def _logprobs(self, out_ids: list[int], res) -> dict:
-        """OpenAI's ``logprobs.content``: every sampled token but a final end token, with the
-        log-prob of the distribution it was drawn from (the one training uses)."""
-        stop = set(self.renderer.stop_ids())
-        n = len(out_ids) - (1 if out_ids and out_ids[-1] in stop else 0)
-        return {"content": self._logprob_entries(out_ids, res, 0, n), "refusal": None}
-
-    def _logprob_entries(self, out_ids: list[int], res, start: int, stop: int) -> list[dict]:
-        """The `logprobs.content` entries of tokens [start, stop): a streamed chunk carries those
-        of its own tokens (as OpenAI and SGLang stream them), so each is built once."""
-        def entry(tid: int, lp: float) -> dict:
-            tok = self.renderer.decode([tid])
-            return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8", "surrogatepass"))}
-
-        content = []
-        for k in range(start, stop):
-            e = entry(out_ids[k], res.logprobs[k])
-            tops = res.top_logprobs[k] if k < len(res.top_logprobs) else []
-            e["top_logprobs"] = [entry(t, lp) for lp, t in tops]
-            content.append(e)
-        return content
+        """Record a finished generation and build the OpenAI response (gyre.proxy.recording)."""
+        return recording.finish(self, c, res)
 
     async def complete(self, c: Call) -> dict:
         """Run one call to the end (non-streamed); returns the OpenAI response."""
         try:
-            args = self._generate_args(c)  # the input ids' JSON, built once per call
+            args = self.generate_args(c)  # the input ids' JSON, built once per call
             c.wire = args[1]
-            with self._track(c):
-                res = await self._engine(c, args).generate(*args, rid=c.rid, top_logprobs_num=c.params.top_logprobs,
+            with self.track(c):
+                res = await self.engine_for(c, args).generate(*args, rid=c.rid, top_logprobs_num=c.params.top_logprobs,
                                                            priority=c.priority,
                                                            return_routed_experts=self.routing is not None)
         except asyncio.CancelledError:  # the client went away: the router aborted the engine request
@@ -569,110 +369,9 @@ class Proxy:
             return self.finish(c, res)[0]
 
     async def stream(self, c: Call, out: web.StreamResponse) -> None:
-        """Stream one call: content deltas as tokens come, tool calls and usage at the end."""
-        p = c.params
-        base = {"id": c.id, "object": "chat.completion.chunk", "created": int(c.t0),
-                "model": c.body.get("model") or self.model_name}
-        tools_on = bool(c.tools) and p.tool_choice != "none"
-        content = ContentStream(c.engine_params.get("stop", []), tools_on)
-        if c.forced:
-            content.closed = True  # the whole output is a tool call
-        reasoning = ReasoningStream(content) if self.template is not None and self.reasoning_parser != ReasoningParser.NONE \
-            else None
-
-        stop_ids = set(self.renderer.stop_ids())
-        lp = {"sent": 0, "snap": None}  # logprobs: tokens already carried by a chunk, the newest snapshot
-
-        async def send(delta: dict, finish: str | None = None, **extra) -> None:
-            snap = lp["snap"]
-            ids = snap.output_ids if snap is not None else []
-            upto = len(ids) - (1 if ids and ids[-1] in stop_ids else 0)  # an end token has none (as unstreamed)
-            if p.logprobs and finish is None and upto > lp["sent"]:
-                # this chunk carries the log-probs of the tokens sampled since the last one
-                extra["logprobs"] = {"content": self._logprob_entries(ids, snap, lp["sent"], upto), "refusal": None}
-                lp["sent"] = upto
-            chunk = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, **extra}]}
-            await out.write(b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n")
-
-        await send({"role": "assistant", "content": ""})
-        args = self._generate_args(c)
-        c.wire = args[1]
-        gen = self._engine(c, args).generate_stream(*args, rid=c.rid, top_logprobs_num=p.top_logprobs,
-                                                    priority=c.priority,
-                                                    return_routed_experts=self.routing is not None)
-        try:
-            with self._track(c):
-                final = await self._relay(c, gen, content, send, reasoning, lp)
-        except (asyncio.CancelledError, ConnectionError):
-            self.abandoned["client_disconnected"] += 1
-            raise
-        except (EngineError, RouterError) as e:
-            await self._stream_error(out, engine_failure(e))
-            return
-        finally:
-            await gen.aclose()
-        if final is None and c.sess.ended:
-            await self._stream_error(out, RequestError(409, "execution ended while the call was running",
-                                                       code="execution_ended"))
-            return
-        if final is None:
-            await self._stream_error(out, RequestError(503, "model backend ended the stream early", "server_error"))
-            return
-        try:
-            async with self.workers.session(c.sess.record.execution_id):
-                resp, parsed = self.finish(c, final)
-        except AbortedCall as e:
-            await self._stream_error(out, RequestError(503, f"generation aborted, retry: {e}", "server_error",
-                                                       "generation_aborted"))
-            return
-        except RequestError as e:  # e.g. the execution ended while its call ran (409)
-            await self._stream_error(out, e)
-            return
-        choice = resp["choices"][0]
-        lp["snap"] = final  # the deltas held back until the end carry their tokens' log-probs too
-        if reasoning is not None:
-            r_rest = reasoning.rest(choice["message"].get("reasoning_content"))
-            if r_rest:
-                await send({"reasoning_content": r_rest})
-        rest = content.rest(parsed.content)
-        if rest:
-            await send({"content": rest})
-        for i, tc in enumerate(choice["message"].get("tool_calls") or []):
-            await send({"tool_calls": [{"index": i, **tc}]})
-        rest_lp = choice["logprobs"] and {**choice["logprobs"], "content": choice["logprobs"]["content"][lp["sent"]:]}
-        await send({}, choice["finish_reason"], logprobs=rest_lp)  # the tokens no chunk carried yet
-        if p.include_usage:
-            await out.write(b"data: " + json.dumps({**base, "choices": [], "usage": resp["usage"]}).encode() + b"\n\n")
-        await out.write(b"data: [DONE]\n\n")
-
-    async def _relay(self, c: Call, gen, content: ContentStream, send, reasoning=None, lp: dict | None = None):
-        """Pass content (or reasoning) deltas on as snapshots come; returns the final snapshot
-        (None if none came). `lp["snap"]`: the newest snapshot, whose log-probs `send` attaches."""
-        final = None
-        async for snap in gen:  # the router ends after the final snapshot
-            if snap.finish_reason is not None:
-                final = snap
-                continue
-            if lp is not None:
-                lp["snap"] = snap
-            text = self.renderer.decode_output(c.forced + snap.output_ids)
-            if reasoning is not None:
-                delta = {k: v for k, v in reasoning.deltas(text).items() if v}
-                if delta:
-                    await send(delta)
-                continue
-            delta = content.delta(text)
-            if delta:
-                await send({"content": delta})
-        return final
-
-    @staticmethod
-    async def _stream_error(out: web.StreamResponse, e: RequestError) -> None:
-        """After the headers went out, an error can only travel as an event (the openai SDK
-        raises it as an APIError)."""
-        body = {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
-        await out.write(b"data: " + json.dumps(body).encode() + b"\n\n")
-        await out.write(b"data: [DONE]\n\n")  # the stream is over: a client must not wait for more
+        """Stream one call: content deltas as tokens come, tool calls and usage at the end
+        (gyre.proxy.relay)."""
+        await relay.stream(self, c, out)
 
     def overhead_percentiles(self) -> dict:
         if not self.overhead_s:
@@ -681,177 +380,3 @@ class Proxy:
         pick = lambda q: ms[min(len(ms) - 1, int(q * len(ms)))]
         return {"calls": len(ms), "p50_ms": pick(0.5), "p99_ms": pick(0.99), "mean_ms": sum(ms) / len(ms)}
 
-
-async def _read_body(request: web.Request) -> bytes:
-    """The request's body bytes, refused when too big or unreadable as its headers say."""
-    try:
-        return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise RequestError(413, f"request body larger than the limit of {request.client_max_size} bytes "
-                                f"(raise proxy.max_body_bytes if this is intended)")
-    except (ContentEncodingError, RequestPayloadError) as e:  # e.g. Content-Encoding: gzip on a plain body
-        raise RequestError(400, f"request body could not be read as its headers say (Content-Encoding, "
-                                f"Content-Length): {getattr(e, 'message', e)}")
-
-
-async def _read_json(request: web.Request, depth: bool = True) -> dict:
-    """The request's JSON object, parsed on the loop (gyre.proxy.json_body.parse_json): the admin
-    routes' small bodies."""
-    return parse_json(await _read_body(request), depth)
-
-
-def create_app(proxy: Proxy, *, admin_key: str, max_body_bytes: int = 8 << 20,
-               on_end: Callable[[ExecutionRecord], dict] | None = None) -> web.Application:
-    """`on_end`: what POST /gyre/executions/{eid}/end does with the ended record (a standalone
-    proxy writes it to a shard, off the event loop); None: the route only ends the execution."""
-    @web.middleware
-    async def errors(request: web.Request, handler):
-        try:
-            return await handler(request)
-        except RequestError as e:
-            resp = _error(e.status, e.message, e.type, e.code, e.param)
-            resp.headers.update(getattr(e, "headers", {}))  # e.g. Retry-After on a 429
-            return resp
-        except MessageError as e:
-            return _error(400, str(e), param="messages")
-        except AbortedCall as e:
-            return _error(503, f"generation aborted by the engine, retry: {e}", "server_error", "generation_aborted")
-        except web.HTTPException as e:
-            if e.status == 413:
-                return _error(413, f"request body larger than the limit of {max_body_bytes} bytes")
-            if e.status in (404, 405):
-                return _error(e.status, f"no route {request.method} {request.path}; "
-                                        "this proxy serves POST /v1/chat/completions and GET /v1/models",
-                              code="not_found")
-            raise
-        except (asyncio.CancelledError, ConnectionError):
-            raise
-        except Exception as e:  # a bug must cost one request, not the proxy
-            log.exception("call failed")
-            return _error(500, f"internal error in the proxy: {type(e).__name__}: {e}", "server_error")
-
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[errors])
-
-    async def stop_parsers(app: web.Application) -> None:  # the body parser processes end with the server
-        await asyncio.to_thread(proxy.workers.close_parsers)  # joining them blocks
-    app.on_cleanup.append(stop_parsers)
-
-    async def chat(request: web.Request) -> web.StreamResponse:
-        t0 = time.perf_counter()
-        sess = proxy.session_for(request.headers.get("Authorization"))
-        body, chars = await proxy.read_chat(sess, await _read_body(request))
-        with proxy.gate.admit(sess.record.execution_id) as priority:  # 429 beyond proxy.max_calls_in_flight
-            call = await proxy.prepare(sess, body, agent_role_of(body.get("model"), request.headers.get(ROLE_HEADER)),
-                                       chars)
-            call.priority = priority
-            if not call.params.stream:
-                resp = await proxy.complete(call)
-                out = web.json_response(resp)
-                proxy.overhead_s.append(time.perf_counter() - t0 - call.engine_s)
-                return out
-            out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-            await out.prepare(request)
-            await proxy.stream(call, out)
-            await out.write_eof()
-            return out
-
-    async def models(request: web.Request) -> web.Response:
-        proxy.session_for(request.headers.get("Authorization"))
-        names = [proxy.model_name, "main", "compactor"]
-        return web.json_response({"object": "list", "data": [
-            {"id": n, "object": "model", "created": 0, "owned_by": "gyre"} for n in names]})
-
-    def require_admin(request: web.Request) -> None:
-        auth = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(auth.encode(), f"Bearer {admin_key}".encode()):
-            raise RequestError(401, "admin routes need the job's admin key", "authentication_error")
-
-    async def register(request: web.Request) -> web.Response:
-        require_admin(request)
-        body = await _read_json(request)
-        eid = body.get("execution_id")
-        if not isinstance(eid, str) or not eid or len(eid) > 256:
-            raise RequestError(400, "execution_id: expected a non-empty string of at most 256 characters")
-        task, group = body.get("task", ""), body.get("group", 0)
-        if not isinstance(task, str) or len(task) > 256:
-            raise RequestError(400, "task: expected a string of at most 256 characters", param="task")
-        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < 2**63:
-            raise RequestError(400, f"group: expected a non-negative integer, got {json.dumps(group)[:40]}",
-                               param="group")
-        unknown = sorted(set(body) - {"execution_id", "task", "group"})
-        if unknown:
-            raise RequestError(400, f"unknown field(s) {', '.join(unknown)[:200]}; known: execution_id, task, group")
-        try:
-            key = proxy.register(eid, task, group)
-        except TooManyExecutions as e:
-            raise RequestError(429, str(e), code="too_many_executions")
-        except ValueError as e:
-            raise RequestError(409, str(e))
-        return web.json_response({"execution_id": eid, "api_key": key})
-
-    async def stats(request: web.Request) -> web.Response:
-        require_admin(request)
-        sess = proxy.by_id.get(request.match_info["eid"])
-        if sess is None:
-            raise RequestError(404, f"no running execution {request.match_info['eid']!r}", "not_found")
-        return web.json_response({"execution_id": sess.record.execution_id, **sess.tree.stats().as_dict()})
-
-    async def end(request: web.Request) -> web.Response:
-        """End an execution (its key is revoked, its calls in flight aborted) and hand its record to
-        `on_end`: the route a standalone proxy's user ends a harness run with."""
-        require_admin(request)
-        eid = request.match_info["eid"]
-        body = await _read_json(request) if request.can_read_body else {}
-        status, reward = body.get("status", "done"), body.get("reward")
-        if status not in FINISHED:
-            raise RequestError(400, f"status: {status!r} is not one of {', '.join(FINISHED)}", param="status")
-        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))):
-            raise RequestError(400, f"reward: expected a number, got {json.dumps(reward)[:40]}", param="reward")
-        unknown = sorted(set(body) - {"status", "reward"})
-        if unknown:
-            raise RequestError(400, f"unknown field(s) {', '.join(unknown)[:200]}; known: status, reward")
-        if eid not in proxy.by_id:
-            raise RequestError(404, f"no running execution {eid!r}", "not_found")
-        rec = proxy.end(eid, status)
-        if reward is not None:
-            rec.reward, rec.reward_source = float(reward), "client"
-        out = {"execution_id": eid, "status": rec.status, **rec.tree.stats().as_dict()}
-        if on_end is not None:
-            out.update(await asyncio.to_thread(on_end, rec))
-        return web.json_response(out)
-
-    async def health(request: web.Request) -> web.Response:
-        return web.json_response({"ok": True})
-
-    async def stats_all(request: web.Request) -> web.Response:
-        require_admin(request)
-        out = {"executions": len(proxy.by_id), "calls": proxy.calls_total,
-               "abandoned": dict(proxy.abandoned), "overhead": proxy.overhead_percentiles()}
-        if request.query.get("reset") == "1":  # start a new measurement window (benchmarks)
-            proxy.overhead_s.clear()
-        return web.json_response(out)
-
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_get("/v1/models", models)
-    app.router.add_post("/gyre/executions", register)
-    app.router.add_get("/gyre/executions/{eid}", stats)
-    app.router.add_post("/gyre/executions/{eid}/end", end)
-    app.router.add_get("/gyre/stats", stats_all)
-    app.router.add_get("/health", health)
-    return app
-
-
-async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Start serving `app`; returns the runner and the bound port (port 0 = any free port)."""
-    # handler_cancellation: a client that disconnects cancels its handler, which aborts the
-    # engine request (aiohttp's default since 3.9 lets the handler run on unseen).
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    bound = site._server.sockets[0].getsockname()[1]  # aiohttp exposes no public accessor
-    return runner, bound
-
-
-def run_forever(coro) -> None:
-    asyncio.run(coro)

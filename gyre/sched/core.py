@@ -17,7 +17,8 @@ order, and act on what it answers (ARCHITECTURE.md invariant 3):
     cluster_state(now, cells)             ->     the ClusterState a policy decides on (the one builder)
 
 It is pure and clock-free: every time is an argument, nothing sleeps, reads a clock or does I/O.
-Policies stay in their own modules; the core only asks their admission order (a key function).
+Policies stay in their own modules; the core only asks their admission order (a key function). Which
+waiting groups a step takes is gyre.sched.picking's.
 
 Group states: STARTED (the coordinator started it; no execution has begun) -> RUNNING -> EVALUATED
 (every execution ended and was scored) -> WAITING (in the admission queue) -> ASSIGNED (in the open
@@ -45,7 +46,6 @@ E's 24-step staleness-2 run of the preset (256 groups a step) took 92.1 h; kept 
 from __future__ import annotations
 
 import math
-import random
 import weakref
 from dataclasses import dataclass, field
 from enum import Enum
@@ -53,8 +53,8 @@ from typing import Hashable, Iterable
 
 from gyre.config import BurstOrder, StalenessRule
 from gyre.minibatch import minibatch_parts
-from gyre.sched.admission import (RULES, AdmissionKey, count_budget, expired, fifo_key, pick,
-                                  sync_of, window_budget)
+from gyre.sched.picking import keeping_slots, shuffled
+from gyre.sched.admission import RULES, AdmissionKey, count_budget, expired, fifo_key, sync_of, window_budget
 from gyre.sched.state import CellView, ClusterState, ExecView, GroupView, RunningViews
 
 _EPS = 1e-6
@@ -461,9 +461,10 @@ class Coordinator:
             return Admission()
         waiting = [g.view() for g in self._waiting.values()]
         if s.burst_order is BurstOrder.SHUFFLE and s.steps_per_sync > 1:
-            chosen = self._shuffled_pick(waiting, room)
-        else:
-            chosen = self._pick_keeping(waiting, room)
+            chosen = shuffled(s, self.version, st.index, self.key, waiting, room)
+        else:  # slots kept for the groups expiring with this step (gyre.sched.picking)
+            chosen = keeping_slots(s, self.version, self.key, waiting, room, self.groups_still_needed,
+                                   (g.started_version for g in self._unready.values()))
         out = []
         for v in chosen:
             g = self.groups[v.id]
@@ -475,43 +476,6 @@ class Coordinator:
         if out and st.started_at is None:
             st.started_at = now
         return Admission(assigned=tuple(out))
-
-    def _expiring(self, version: int) -> bool:
-        """A group of this version may train in the open step but in no later one."""
-        s = self.spec
-        step = self.version
-        return (not expired(step, version, s.staleness, s.steps_per_sync, s.start_version, s.staleness_rule)
-                and expired(step + 1, version, s.staleness, s.steps_per_sync, s.start_version, s.staleness_rule))
-
-    def _pick_keeping(self, waiting: list[GroupView], room: int) -> list[GroupView]:
-        """Up to `room` waiting groups in the admission order; once nothing is left to start, the
-        groups that expire with this step come first and newer ones leave a slot for each such
-        group still running (see the module docstring)."""
-        s = self.spec
-        args = (self.version, s.staleness, room, self.key, s.steps_per_sync, s.start_version, s.staleness_rule)
-        if s.staleness_rule != StalenessRule.WINDOW or self.groups_still_needed > 0:
-            return pick(waiting, *args)
-        kept = sum(1 for g in self._unready.values() if self._expiring(g.started_version))
-        ok = pick(waiting, self.version, s.staleness, len(waiting), self.key, s.steps_per_sync,
-                  s.start_version, s.staleness_rule)
-        expiring = [self._expiring(v.version) for v in ok]
-        old = [v for v, x in zip(ok, expiring) if x][:room]
-        new = [v for v, x in zip(ok, expiring) if not x]
-        return old + new[:max(0, room - len(old) - kept)]
-
-    def _shuffled_pick(self, waiting: list[GroupView], room: int) -> list[GroupView]:
-        """burst_order = shuffle: nothing until the groups for the rest of the round are in (the
-        first ones in admission order), then `room` of them at random (seeded by step), so a
-        step's position in the round says nothing about how long its executions ran."""
-        s = self.spec
-        left = min(s.steps_per_sync - (self.version - s.start_version) % s.steps_per_sync,
-                   s.steps - self.version)
-        need = room + s.groups_per_step * (left - 1)
-        ready = pick(waiting, self.version, s.staleness, need, self.key, s.steps_per_sync,
-                     s.start_version, s.staleness_rule)
-        if len(ready) < need:
-            return []
-        return random.Random(s.seed * 1_000_003 + self.step.index).sample(ready, room)
 
     # ---- training work of the open step ---------------------------------------------------------
     def microbatches_added(self, group: int, tokens: dict) -> None:

@@ -392,19 +392,19 @@ def preset(name: str) -> Preset:
 
 
 def calibration(p: Preset) -> dict:
-    """{name: {value, source, fitted_on}} for every number of the preset."""
-    c = p.cluster()
-    m, w, hw, rep = p.model, p.workload, p.hw, c.replica
-    fl = m.train_flops_per_token(w.mean_context_tokens)
+    """{name: {value, source, fitted_on}} for every number of the preset: its workload and run,
+    its model and serving engine, its training and switches."""
+    return {**_workload_numbers(p), **_serving_numbers(p), **_training_numbers(p)}
 
-    def e(value, source, fitted_on=None):
-        return {"value": value, "source": source, "fitted_on": fitted_on}
 
-    ef, ctx = engine_fit(), w.mean_context_tokens / 2
-    bare = m.replica(hw, EngineTerms.roofline())
-    fit_on = f"{len(ENGINE_MEASUREMENTS)} published decode figures of other models/GPUs (ENGINE_MEASUREMENTS)"
+def _e(value, source, fitted_on=None) -> dict:
+    return {"value": value, "source": source, "fitted_on": fitted_on}
+
+
+def _workload_numbers(p: Preset) -> dict:
+    w = p.workload
+    e = _e
     prof = "paper's 122B workload profile: 1.93 h mean rollout, 2.96 h mean query, 9.51% >= 4 h"
-    in_call = 1 - w.mean_tool_s / w.mean_duration_s
     return {
         "nominal_duration_h": e(round(w.mean_duration_s / 3600, 3), "paper (122B profile); a check on the "
                                 "simulated durations, not an input" if p is P122B else p.notes.get("durations", "")),
@@ -426,6 +426,17 @@ def calibration(p: Preset) -> dict:
         "steps": e(p.steps, p.notes.get("steps", "paper: 48 training steps")),
         "groups_per_step": e(p.groups_per_step, p.notes.get("groups_per_step", "unknown"),
                              "20.85% slack, 8x4 vs 4x8 within 2.2%"),
+    }
+
+
+def _serving_numbers(p: Preset) -> dict:
+    c = p.cluster()
+    m, w, hw, rep = p.model, p.workload, p.hw, c.replica
+    e = _e
+    ef, ctx = engine_fit(), w.mean_context_tokens / 2
+    bare = m.replica(hw, EngineTerms.roofline())
+    fit_on = f"{len(ENGINE_MEASUREMENTS)} published decode figures of other models/GPUs (ENGINE_MEASUREMENTS)"
+    return {
         "model_params": e(m.params, m.sources.get("params", "")),
         "model_active_params": e(m.active, m.sources.get("active", m.sources.get("params", ""))),
         "experts": e(f"{m.experts} routed, top-{m.topk}", m.sources.get("experts", "")),
@@ -464,6 +475,16 @@ def calibration(p: Preset) -> dict:
         "state_slots_per_replica": e(round(rep.state_slots) if rep.state_slots < float("inf") else "unbounded", "computed: (HBM x mem_fraction - weights) x 0.9 / 1.9 / "
                                      "state bytes per request (requests a replica holds at once)"),
         "prefill_mfu": e(PREFILL_MFU, "assumed"),
+    }
+
+
+def _training_numbers(p: Preset) -> dict:
+    c = p.cluster()
+    m, w, hw = p.model, p.workload, p.hw
+    e = _e
+    fl = m.train_flops_per_token(w.mean_context_tokens)
+    in_call = 1 - w.mean_tool_s / w.mean_duration_s
+    return {
         "mfu": e(p.mfu, "assumed: 25% for MoE RL training; Megatron-Core reports up to 47% MFU for "
                         "dense GPT-175B on H100 (NVIDIA Megatron-Core docs), MoE RL runs lower"),
         "train_flops_per_token": e(fl, "8 x active + 8 x attn_layers x attn_dim x mean context "

@@ -247,23 +247,9 @@ def train(args: argparse.Namespace) -> int:
     spec = SelectionSpec.from_config(cfg.selection)
     files = _shard_files(args.shards)
     model_dir = resolve_model(cfg)
-    try:
-        ident = model_identity(model_dir)
-        vocab = int(json.loads((model_dir / "config.json").read_text(encoding="utf-8"))["vocab_size"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise InputError(f"model {model_dir}: cannot read its identity or config: {e}") from None
-    data = load_executions(files, ident, vocab, verify=not args.no_verify, skip_bad=args.skip_bad_shards)
+    ident, data = _load(args, files, model_dir)
     console = _console()
-    for note in data.notes:
-        console.print(f"note: {note}")
-    dropped = ", ".join(f"{n} {why}" for why, n in sorted(data.not_trained.items()))
-    console.print(f"{len(files)} shard(s), {data.read} executions read: {len(data.records)} trainable"
-                  + (f"; not trained: {dropped}" if dropped else "")
-                  + (f"; {len(data.bad_shards)} bad shard(s) skipped" if data.bad_shards else ""))
-    if not data.records:
-        raise InputError(f"no trainable executions in {', '.join(map(str, files))}: "
-                         f"{data.read} read" + (f", not trained: {dropped}" if dropped else "")
-                         + " (training needs finished executions with a finite reward)")
+    _tell_data(console, files, data)
 
     # check every step's selection and packing before loading the model, so a budget or selection
     # problem shows at once; steps are built again when they run (they hold copies of the trees)
@@ -278,20 +264,7 @@ def train(args: argparse.Namespace) -> int:
         except ValueError as e:  # a trajectory longer than the budget, a bad estimator...
             raise InputError(str(e)) from None
 
-    steps, skipped_steps, checked = [], [], {}
-    for s, recs in enumerate(step_plan(data.records, args.steps, args.groups_per_step)):
-        key = tuple(id(r) for r in recs)
-        if key not in checked:
-            batch, mats = build(recs, v0)
-            checked[key] = None if mats is not None else (
-                "; ".join(sorted({r for _, r in batch.skipped})) or "nothing selected")
-        if checked[key] is not None:
-            skipped_steps.append({"step_index": s, "reason": checked[key]})
-            console.print(f"step {s + 1} of {args.steps}: no trajectory to train ({checked[key]}; "
-                          f"selection.k={spec.k}); skipped")
-            continue
-        steps.append(recs)
-    checked.clear()
+    steps, skipped_steps = _checked_steps(args, data, spec, lambda recs: build(recs, v0), console)
     if not steps:
         raise InputError(f"no step to train: selection.k={spec.k} picks no trajectory with a target "
                          f"token in these executions")
@@ -306,9 +279,7 @@ def train(args: argparse.Namespace) -> int:
                   f"({ident.get('model_hash', '?')[:16]}...), loaded in {time.perf_counter() - t0:.1f} s; "
                   f"selection k={spec.k}, layout {cfg.train.layout}, "
                   f"micro_batch_tokens {cfg.train.micro_batch_tokens}")
-    table = Table(title=f"gyre train: {len(steps)} step(s)", title_justify="left")
-    for c in COLUMNS:
-        table.add_column(c, justify="right")
+    table = _table(Table, len(steps))
     history = []
     for recs in steps:
         t_step = time.perf_counter()
@@ -320,9 +291,7 @@ def train(args: argparse.Namespace) -> int:
         history.append(st)
         table.add_row(*_row(st))
         # one line per step while it runs (steps can take minutes); the table comes at the end
-        console.print(f"step {st['step']}: loss {st['loss']:+.5f}  grad norm {st['grad_norm']:.4f}  "
-                      f"tokens {st['tokens']:,}  time {st['time_s']:.2f} s  executions "
-                      f"{st['executions']}  trajectories {st['trajectories']}")
+        console.print(_step_line(st))
         warning = lag0_warning(st, cfg.train.mismatch_warn_k3)
         if warning:
             console.print(f"warning: step {st['step']}: {warning}")
@@ -343,6 +312,64 @@ def train(args: argparse.Namespace) -> int:
                   f"model_hash {new_ident['model_hash'][:16]}...\ncheckpoint: {ckpt}\n"
                   f"log: {out_dir / 'train.json'}")
     return 0
+
+
+def _load(args: argparse.Namespace, files: list, model_dir: Path) -> tuple[dict, object]:
+    """The model's identity and the shards' executions read against it (and its vocabulary)."""
+    try:
+        ident = model_identity(model_dir)
+        vocab = int(json.loads((model_dir / "config.json").read_text(encoding="utf-8"))["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise InputError(f"model {model_dir}: cannot read its identity or config: {e}") from None
+    return ident, load_executions(files, ident, vocab, verify=not args.no_verify, skip_bad=args.skip_bad_shards)
+
+
+def _table(table_cls, steps: int):
+    """The steps' table (rich.table.Table, imported when the command runs), its columns COLUMNS."""
+    table = table_cls(title=f"gyre train: {steps} step(s)", title_justify="left")
+    for c in COLUMNS:
+        table.add_column(c, justify="right")
+    return table
+
+
+def _step_line(st: dict) -> str:
+    return (f"step {st['step']}: loss {st['loss']:+.5f}  grad norm {st['grad_norm']:.4f}  "
+            f"tokens {st['tokens']:,}  time {st['time_s']:.2f} s  executions "
+            f"{st['executions']}  trajectories {st['trajectories']}")
+
+
+def _tell_data(console, files: list, data) -> None:
+    """What the shards held (notes, executions read, trainable, not trained); none trainable is
+    the user's error."""
+    for note in data.notes:
+        console.print(f"note: {note}")
+    dropped = ", ".join(f"{n} {why}" for why, n in sorted(data.not_trained.items()))
+    console.print(f"{len(files)} shard(s), {data.read} executions read: {len(data.records)} trainable"
+                  + (f"; not trained: {dropped}" if dropped else "")
+                  + (f"; {len(data.bad_shards)} bad shard(s) skipped" if data.bad_shards else ""))
+    if not data.records:
+        raise InputError(f"no trainable executions in {', '.join(map(str, files))}: "
+                         f"{data.read} read" + (f", not trained: {dropped}" if dropped else "")
+                         + " (training needs finished executions with a finite reward)")
+
+
+def _checked_steps(args: argparse.Namespace, data, spec, build, console) -> tuple[list, list]:
+    """The steps to train (their records) and those skipped (nothing selected), each distinct
+    step built once by `build(records)` to check it before the model loads."""
+    steps, skipped_steps, checked = [], [], {}
+    for s, recs in enumerate(step_plan(data.records, args.steps, args.groups_per_step)):
+        key = tuple(id(r) for r in recs)
+        if key not in checked:
+            batch, mats = build(recs)
+            checked[key] = None if mats is not None else (
+                "; ".join(sorted({r for _, r in batch.skipped})) or "nothing selected")
+        if checked[key] is not None:
+            skipped_steps.append({"step_index": s, "reason": checked[key]})
+            console.print(f"step {s + 1} of {args.steps}: no trajectory to train ({checked[key]}; "
+                          f"selection.k={spec.k}); skipped")
+            continue
+        steps.append(recs)
+    return steps, skipped_steps
 
 
 def run(args: argparse.Namespace) -> int:
