@@ -150,7 +150,8 @@ class RolloutService:
             # its own workspace only: the evaluator refuses anything else (never the current directory);
             # the evaluation's log beside the harness's, under run.dir (not the system temp dir)
             ev = await self.evaluators.evaluate(task, rec.workspace, rec.status, execution_id=own,
-                                                log_path=f"{log_dir}/evaluation.log" if log_dir else None)
+                                                log_path=f"{log_dir}/evaluation.log" if log_dir else None,
+                                                calls=rec.tree.calls)  # what a reward function sees
             rec.reward = float("nan") if ev.reward is None else float(ev.reward)
             rec.reward_source, rec.passed, rec.total = ev.source, ev.passed, ev.total
         else:
