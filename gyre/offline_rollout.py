@@ -366,3 +366,73 @@ def run(args: argparse.Namespace) -> int:
         print("gyre rollout: failed: " + "; ".join(summary.failed), file=sys.stderr)
         return 4
     return 130 if ro._stop.is_set() else 0
+
+
+# ==== `gyre validate`: one validation round on a model or a run's weights, alone ==================
+
+async def validate(cfg: GyreConfig, weights: str | None = None, version: int | None = None,
+                   say=print) -> dict | None:
+    """One validation round (gyre.services.validation) on engines of this machine serving the
+    model (``model.path`` or the tiny model) or, with ``weights``, a run's exported weights
+    (``<run.dir>/weights/v<N>``, loaded into each engine after it starts from the model). The
+    round is labelled ``v<version>`` (the folder's number where it is one, else 0); results go to
+    ``<run.dir>/validation.jsonl`` like a run's, so a round already finished there is not redone
+    and an unfinished one keeps its finished samples."""
+    from gyre.engine.launch import start_cell_engine
+    from gyre.engine.sglang_api import SGLangAdmin
+    from gyre.services.validation import ValidationSpec, Validator
+
+    spec = ValidationSpec.from_config(cfg)  # before any engine: no held-out task is the first message
+    envs = Environments(SandboxConfig.from_config(cfg.harness))
+    check_scorable(spec.tasks, envs, cfg.harness.min_scorable_share)
+    run_dir = private_dir(Path(cfg.run.dir))
+    if version is None:
+        m = re.fullmatch(r"v(\d+)", Path(weights).name) if weights else None
+        version = int(m[1]) if m else 0
+    model_dir = Path(cfg.model.path or ensure_tiny_model(default_tiny_dir(cfg), cfg.model.tiny_family))
+    identity = model_identity(model_dir)
+    service = RolloutService(cfg, envs, model_dir, identity, private_dir(run_dir / "validation"))
+    engine_key = secrets.token_urlsafe(24)
+    pids = ProcessList(run_dir, "validate")
+    with contextlib.ExitStack() as stack:
+        stack.callback(pids.close)
+        engines = []
+        for i in range(cfg.engine.endpoints):
+            engines.append(stack.enter_context(start_cell_engine(cfg, model_dir, api_key=engine_key)))
+            pids.add(f"engine{i}", engines[-1].pids, engines[-1].key_file)
+            if weights:  # exported weights carry no tokenizer: the engine boots from the model, then loads them
+                SGLangAdmin(engines[-1].url, engine_key).update_weights_from_disk(str(weights), str(version))
+        await service.start([e.url for e in engines], engine_key=engine_key)
+        validator = Validator(spec, service, run_dir, identity=identity, say=say)
+        loop = asyncio.get_running_loop()
+        job = asyncio.ensure_future(validator.round(version))
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, lambda: loop.create_task(service.stop_harnesses()))
+        try:
+            return await job
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+            await service.close()
+
+
+def validate_add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML configuration file ([validate] says which tasks, n, k, sampling)")
+    p.add_argument("--weights", "--checkpoint", dest="weights",
+                   help="exported weights to validate (a run's weights/v<N>); default: the model itself")
+    p.add_argument("--version", type=int, help="the round's label v<N> (default: from the weights folder, else 0)")
+    p.add_argument("overrides", nargs="*", help="section.key=value configuration overrides, e.g. validate.samples=8")
+
+
+def validate_run(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    if args.weights and not (Path(args.weights) / "model.safetensors").exists() \
+            and not any(Path(args.weights).glob("*.safetensors")):
+        print(f"gyre validate: --weights {args.weights}: no *.safetensors there (give a run's weights/v<N>)",
+              file=sys.stderr)
+        return 2
+    line = asyncio.run(validate(cfg, args.weights, args.version))
+    if line is None:
+        print("gyre validate: stopped before the round finished; run it again to finish it", file=sys.stderr)
+        return 130
+    return 0
