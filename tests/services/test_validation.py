@@ -15,6 +15,7 @@ from gyre.config import ConfigError, load_config
 from gyre.offline_rollout import validate
 from gyre.services.validation import ValidationLog, pass_at_k, summarize, validation_tasks
 from gyre.traj.store import iter_executions
+from support.gyre_run import check_ledger, gyre_run, report
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,6 +61,8 @@ def _cfg(run_dir: Path, *extra: str):
                         "validate.top_p=0.9", "harness.concurrency=8", *extra])
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_a_round_runs_through_the_rollout_service_never_into_training_and_is_not_redone(tmp_path):
     run = tmp_path / "run"
     lines = []
@@ -90,3 +93,29 @@ def test_a_round_runs_through_the_rollout_service_never_into_training_and_is_not
     after = sorted(p.name for p in (run / "workspaces").iterdir())
     assert len(after) == len(before) + 2  # only the two missing samples ran, in fresh workspaces
     assert again["executions"] == 6 and len(ValidationLog(run).done["v0"]) == 6
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_gyre_run_validates_at_start_every_step_and_at_the_end_with_a_reward_function(tmp_path):
+    run = tmp_path / "run"
+    rc, out = gyre_run(run, "validate.every_steps=1", "validate.suite=learnable", "validate.samples=2",
+                       "validate.k=2", "validate.pass_threshold=0.3", "reward.function=reward_fn:score",
+                       f'reward.pythonpath=["{ROOT / "docs" / "recipes"}"]', steps=2)
+    assert rc == 0, out[-3000:]
+    rep = report(run)
+    rounds = {r["round"]: r for r in rep["validation"]}
+    assert set(rounds) == {"v0", "v1", "v2"}, rounds.keys()
+    for r in rounds.values():
+        assert r["executions"] == 4 and r["unscored"] == 0 and set(r["parts"]) == {"tests", "brevity", "truncation"}
+        assert f"gyre: validation {r['round']}: pass@1 " in out
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    val = [m for m in metrics if "val/pass@1" in m]
+    assert sorted(m["step"] for m in val) == [0, 1, 2] and all("val/reward/brevity" in m for m in val)
+    # training executions were scored by the reward function, validation ones never trained
+    rows = check_ledger(run)
+    assert rows and all(not r["execution"].startswith("val") for r in rows)
+    rewards = [json.loads(x) for x in (run / "rewards.jsonl").read_text().splitlines()]
+    recs = list(iter_executions(run / "shards"))
+    assert len(rewards) == len(recs) + 3 * 4 and not any(r["error"] for r in rewards)  # trained + validation
+    assert recs and {r.reward_source for r in recs} <= {"reward", "reward-after-timeout"}
