@@ -327,6 +327,8 @@ class Head:
         """A round at the committed version once the rollout cells serve it, one at a time."""
         v, version = self.validation, self._committed
         if v is None or self.core.rollout_version != version or not v.due(version, self._start_version):
+            if v is not None and v.busy_at(version, self._start_version):  # said, never silent
+                self._notice("validation_skipped", {"version": version, "why": "the previous round still runs"})
             return
         v.task = self._spawn(self._validation_round(version), name=f"validation v{version}")
 

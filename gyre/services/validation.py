@@ -184,6 +184,7 @@ class Validator:
         self.running: dict[str, tuple[int, float, int]] = {}  # execution id -> (view id, started, version)
         self._ids = 0
         self.task: asyncio.Task | None = None   # the round in flight (the head keeps one at a time)
+        self._skipped: set[int] = set()
 
     @staticmethod
     def label(version: int) -> str:
@@ -200,6 +201,16 @@ class Validator:
         if version == start_version:
             return s.at_start
         return s.every_steps > 0 and version % s.every_steps == 0
+
+    def busy_at(self, version: int, start_version: int) -> bool:
+        """A round owed at ``version`` that cannot start because the previous one still runs (once
+        per version: the head says so, and the next owed version gets its round)."""
+        s = self.spec
+        owed = version != start_version and s.every_steps > 0 and version % s.every_steps == 0
+        if not owed or self.finished(version) or self.task is None or self.task.done() or version in self._skipped:
+            return False
+        self._skipped.add(version)
+        return True
 
     def views(self) -> tuple[ExecView, ...]:
         """Its running executions as the policy sees running rollout work (negative ids, group -1)."""

@@ -54,6 +54,23 @@ def test_no_held_out_tasks_is_a_clear_error(tmp_path):
         load_config(None, ["validate.k=5"])
 
 
+def test_due_rounds_and_a_finished_round_is_not_redone(tmp_path):
+    from types import SimpleNamespace
+
+    from gyre.services.validation import ValidationSpec, Validator
+
+    cfg = load_config(None, [f"run.dir={tmp_path}", "validate.every_steps=2", "validate.suite=learnable"])
+    spec = ValidationSpec.from_config(cfg)
+    (tmp_path / "validation.jsonl").write_text(json.dumps({"kind": "round", "round": "v4", "version": 4}) + "\n"
+                                               + "{cut short by a kill\n")
+    v = Validator(spec, SimpleNamespace(cfg=cfg), tmp_path, identity={"model_hash": "m", "tokenizer_hash": "t"})
+    assert [n for n in range(9) if v.due(n, 0)] == [0, 2, 6, 8]  # v4 finished before a preemption
+    assert [n for n in range(3, 9) if v.due(n, 3)] == [3, 6, 8]  # a resumed run validates where it starts
+    spec.at_start = False
+    assert not v.due(0, 0) and v.due(2, 0)
+    assert v.views() == () and not v.busy_at(2, 0)
+
+
 def _cfg(run_dir: Path, *extra: str):
     return load_config(ROOT / "launchers" / "demo.toml",
                        [f"run.dir={run_dir}", "engine.endpoints=1", "validate.suite=learnable", "validate.samples=3",
