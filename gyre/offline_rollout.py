@@ -87,6 +87,7 @@ class RolloutSummary:
     diverged: int = 0       # resumed executions whose harness asked something not recorded
     reaped: dict = field(default_factory=dict)  # what a killed earlier run left running
     limits: dict[str, int] = field(default_factory=dict)  # executions stopped by a [harness] limit, by its key
+    validation: dict | None = None  # the validation round's line (--validate)
 
 
 def _split(execution_id: str) -> tuple[str, int]:
@@ -165,9 +166,11 @@ def used_attempts(run_dir: Path) -> dict[str, int]:
 
 
 class Rollout:
-    def __init__(self, cfg: GyreConfig, *, progress: bool = True):
+    def __init__(self, cfg: GyreConfig, *, progress: bool = True, validate: bool = False):
+        """``validate``: after the executions, one validation round ([validate]) on the same engines."""
         self.cfg = cfg
         self.progress = progress
+        self.validate = validate
         self.summary = RolloutSummary()
         self._stop = asyncio.Event()
         self.started = asyncio.Event()  # set once engines, router and proxy serve (tests, tooling)
@@ -236,6 +239,8 @@ class Rollout:
                     await asyncio.wait(jobs)
                 self._failures(jobs)
                 stopper.cancel()
+                if self.validate and not (self._stop.is_set() or service.broken or self.summary.failed):
+                    await self._validation(service, envs, model_dir)
             finally:
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     loop.remove_signal_handler(sig)
@@ -250,6 +255,15 @@ class Rollout:
         self.summary.seconds = time.monotonic() - t0
         self.summary.broken = service.broken
         return self.summary
+
+    async def _validation(self, service: RolloutService, envs, model_dir: Path) -> None:
+        """One validation round at version 0 through this rollout's service (gyre.services.validation)."""
+        from gyre.services.validation import ValidationSpec, Validator
+
+        spec = ValidationSpec.from_config(self.cfg)
+        check_scorable(spec.tasks, envs, self.cfg.harness.min_scorable_share)
+        validator = Validator(spec, service, Path(self.cfg.run.dir), identity=model_identity(model_dir))
+        self.summary.validation = await validator.round(0)
 
     def _failures(self, jobs) -> None:
         """An execution whose task raised (e.g. its record could not be written) stops the run,
@@ -336,6 +350,10 @@ def print_summary(s: RolloutSummary, cfg: GyreConfig) -> None:
                                 f"{len(s.reaped.get('key_files', []))} key files"),
             ("broken task folders skipped", s.skipped_tasks),
             ("sandbox", s.sandbox), ("shards", len(s.shards)), ("time", f"{s.seconds:.1f} s")]
+    if s.validation:
+        from gyre.services.validation import console_line
+
+        rows.append(("validation", console_line(s.validation).removeprefix("gyre: validation ")))
     if s.failed:
         rows.append(("FAILED (not recorded; run again with --resume)", "\n".join(s.failed)))
     for k, v in rows:
@@ -347,6 +365,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML configuration file")
     p.add_argument("--resume", action="store_true", help="continue a stopped run in the same run.dir")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--validate", action="store_true",
+                   help="then one validation round ([validate]: held-out tasks, pass@1/pass@k) on the same engines")
     p.add_argument("--strict", action="store_true",
                    help="refuse a suite with a broken task folder (harness.strict_suite = true)")
     p.add_argument("overrides", nargs="*", help="section.key=value configuration overrides")
@@ -356,7 +376,11 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     if args.strict:
         cfg.harness.strict_suite = True
-    ro = Rollout(cfg, progress=not args.no_progress)
+    if args.validate:
+        from gyre.services.validation import validation_tasks
+
+        validation_tasks(cfg)  # no held-out task: said before any engine starts
+    ro = Rollout(cfg, progress=not args.no_progress, validate=args.validate)
     summary = asyncio.run(ro.run(resume=args.resume))
     print_summary(summary, cfg)
     if summary.broken:

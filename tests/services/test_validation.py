@@ -136,3 +136,17 @@ def test_gyre_run_validates_at_start_every_step_and_at_the_end_with_a_reward_fun
     recs = list(iter_executions(run / "shards"))
     assert len(rewards) == len(recs) + 3 * 4 and not any(r["error"] for r in rewards)  # trained + validation
     assert recs and {r.reward_source for r in recs} <= {"reward", "reward-after-timeout"}
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_gyre_rollout_validates_on_its_own_engines(tmp_path):
+    from gyre.offline_rollout import Rollout
+
+    cfg = _cfg(tmp_path / "run", "harness.suite=learnable", 'harness.tasks=["short_answer"]', "harness.group_size=2",
+               "validate.samples=2", 'validate.tasks=["no_letters"]')
+    summary = asyncio.run(Rollout(cfg, progress=False, validate=True).run())
+    assert summary.executions == {"done": 2}
+    assert summary.validation["round"] == "v0" and summary.validation["executions"] == 2
+    assert {r.task for r in iter_executions(tmp_path / "run" / "shards")} == {"short_answer"}
+    assert {r.task for r in iter_executions(tmp_path / "run" / "validation" / "shards")} == {"no_letters"}
