@@ -328,7 +328,8 @@ class Head:
         v, version = self.validation, self._committed
         if v is None or self.core.rollout_version != version or not v.due(version, self._start_version):
             if v is not None and v.busy_at(version, self._start_version):  # said, never silent
-                self._notice("validation_skipped", {"version": version, "why": "the previous round still runs"})
+                self._notice("validation_waiting", {"version": version, "why": "the previous round still runs; "
+                                                    "this one starts when it ends unless a step ends first"})
             return
         v.task = self._spawn(self._validation_round(version), name=f"validation v{version}")
 
@@ -354,7 +355,9 @@ class Head:
                 return
             await self._to_rollout(cell)
         v.task = self._spawn(self._validation_round(version), name=f"validation v{version}")
-        await asyncio.gather(v.task, return_exceptions=True)
+        stop = asyncio.ensure_future(self._stop.wait())  # SIGTERM: its harnesses stop, a resume finishes it
+        await asyncio.wait({v.task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
 
     # ==== switches: the fleet's commands, the rollout service's endpoints =======================
     async def _to_train(self, cell: Cell) -> None:

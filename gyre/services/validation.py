@@ -12,6 +12,14 @@ proxy, harness pool, evaluator, your reward), with three differences:
   ClusterState's ``running`` gets them), so a demand-sized policy keeps rollout cells serving
   them and the rollout capacity they take is accounted for.
 
+When (under `gyre run`): a round is labelled by the version the rollout cells serve when it
+starts (``v<N>``): at the start (``validate.at_start``), at every committed version that is a
+multiple of ``validate.every_steps`` once the rollout cells serve it, and after the last step
+(``validate.at_end``, on a cell switched back to rollout if none serves). Rounds run beside the
+training executions, not instead of them: training never waits for a round, and a round waits only
+for rollout capacity. One round runs at a time; the line of each round records the versions that
+actually served its calls (``versions_served``: with steps_per_sync = 1 a push can land mid-round).
+
 Durability (a preempted run does not redo finished work): each finished validation execution is
 one line of ``<run.dir>/validation.jsonl`` before it counts, and a finished round one more line.
 A resumed run skips finished rounds and, in an unfinished one, the samples already recorded.
@@ -203,8 +211,9 @@ class Validator:
         return s.every_steps > 0 and version % s.every_steps == 0
 
     def busy_at(self, version: int, start_version: int) -> bool:
-        """A round owed at ``version`` that cannot start because the previous one still runs (once
-        per version: the head says so, and the next owed version gets its round)."""
+        """A round owed at ``version`` waits because the previous one still runs (True once per
+        version: the head says so). It starts when that one ends, unless the version moved on
+        first; then the next owed version gets the next round."""
         s = self.spec
         owed = version != start_version and s.every_steps > 0 and version % s.every_steps == 0
         if not owed or self.finished(version) or self.task is None or self.task.done() or version in self._skipped:

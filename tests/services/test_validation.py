@@ -150,3 +150,20 @@ def test_gyre_rollout_validates_on_its_own_engines(tmp_path):
     assert summary.validation["round"] == "v0" and summary.validation["executions"] == 2
     assert {r.task for r in iter_executions(tmp_path / "run" / "shards")} == {"short_answer"}
     assert {r.task for r in iter_executions(tmp_path / "run" / "validation" / "shards")} == {"no_letters"}
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_resumed_run_does_not_redo_finished_rounds(tmp_path):
+    run = tmp_path / "run"
+    val = ["validate.every_steps=1", "validate.suite=learnable", "validate.samples=2", "validate.k=2"]
+    rc, out = gyre_run(run, *val, steps=1)
+    assert rc == 0, out[-3000:]
+    assert set(ValidationLog(run).rounds) == {"v0", "v1"}
+    before = {p.name for p in (run / "workspaces").iterdir() if p.name.startswith("val")}
+    rc, out = gyre_run(run, *val, steps=2, resume=True)
+    assert rc == 0, out[-3000:]
+    assert "gyre: validation v1:" not in out and "gyre: validation v2:" in out
+    after = {p.name for p in (run / "workspaces").iterdir() if p.name.startswith("val")}
+    assert before < after and {n.split("-")[0] for n in after - before} == {"val2"}
+    assert {r["round"] for r in report(run)["validation"]} == {"v0", "v1", "v2"}
