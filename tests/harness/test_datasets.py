@@ -65,6 +65,7 @@ def test_jsonl_rows_load_and_bad_rows_are_refused_with_their_line(tmp_path):
     assert ok.train[0].test_commands == () and ok.rows_refused == 0
 
 
+@pytest.mark.slow
 def test_a_row_is_a_task_the_harness_and_evaluator_use(tmp_path):
     ds = load_dataset(write_jsonl(tmp_path / "t.jsonl", [good("calc")]), tmp_path / "out")
     task = ds.train[0]
@@ -78,6 +79,7 @@ def test_a_row_is_a_task_the_harness_and_evaluator_use(tmp_path):
     assert (ev.reward, ev.passed, ev.total) == (1.0, 2, 2), ev
 
 
+@pytest.mark.slow
 def test_parquet_and_hf_directory_read_the_same_schema(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq

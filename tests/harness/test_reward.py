@@ -81,6 +81,7 @@ def test_a_failing_reward_is_a_failed_evaluation_never_zero(tmp_path):
     assert ev.official_reward == 1.0  # the benchmark's score is the tests', untouched
 
 
+@pytest.mark.slow
 def test_the_function_gets_workspace_task_tests_and_calls(tmp_path):
     body = ("import json, os\n"
             "def score(workspace, task, tests, calls):\n"
