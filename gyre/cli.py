@@ -21,6 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "make-model": ("gyre.model.cli", "build the embedded tiny Qwen-style model offline"),
     "tasks": ("gyre.harness.tasks_cli", "list a suite's tasks, whether each can be scored here and why not"),
     "rollout": ("gyre.offline_rollout", "run G executions per task through the proxy, evaluate them, write shards"),
+    "validate": ("gyre.offline_rollout:validate_", "one validation round ([validate]: held-out tasks, n samples, "
+                 "pass@1/pass@k, mean reward) on the model or a run's weights"),
     "run": ("gyre.cluster.local", "run the online RL job on this machine (head + cells under mpiexec)"),
     "train": ("gyre.train.cli", "policy-gradient steps from evaluated executions in HDF5 shards"),
     "submit": ("gyre.cluster.slurm:submit_", "write and submit the heterogeneous Slurm job (launchers/gyre.sbatch)"),

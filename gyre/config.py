@@ -490,6 +490,59 @@ class EvalConfig(_EnumFields):
     slurm_mem_gb: int = _f(8, min=1)
 
 
+DatasetFormat = _choices("DatasetFormat", "`dataset.format`", "auto", "jsonl", "parquet", "hf")
+
+
+@dataclass
+class DatasetConfig(_EnumFields):
+    """Tasks as rows of a dataset (gyre/harness/datasets.py has the schema); replaces harness.suite."""
+    _SECTION = "dataset"
+    path: str = _f("", help="a JSONL or parquet file, or a local Hugging Face `datasets` directory (save_to_disk), "
+                            "of task rows (schema: docs/recipes/datasets.md); empty = the tasks of harness.suite")
+    format: DatasetFormat = _f(DatasetFormat.AUTO, help="how `path` is read; auto = by its suffix (.jsonl, "
+                                                        ".parquet) or a directory as a Hugging Face dataset")
+    hf_split: str = _f("train", help="the split read from a Hugging Face DatasetDict directory")
+    shuffle: bool = _f(True, help="shuffle the training tasks with `seed` (else file order)")
+    seed: int = _f(0, help="seed of the shuffle, the weighted draw and the validation split")
+    validation_share: float = _f(0.0, min=0.0, max=0.9,
+                                 help="share of rows (those without a `split` field) held out for validation, "
+                                      "chosen with `seed`; rows with split = \"validation\" are held out always")
+
+
+@dataclass
+class RewardConfig:
+    """Your reward (gyre/harness/reward.py): replaces the tests' score when set."""
+    _SECTION = "reward"
+    function: str = _f("", help="`module:function` called as f(workspace, task, tests, calls) -> float or "
+                                "{name: float} (parts summed, or the part named `reward`); run in a "
+                                "subprocess; empty = the tests' score (the workspace evaluator)")
+    url: str = _f("", help="a reward server: the same arguments POSTed as JSON, the answer's float or "
+                           "object read the same way; used when `function` is empty")
+    pythonpath: list = _f([], help="directories put before the reward function's import path")
+    timeout_s: float = _f(60.0, min=0.1, help="time limit of one reward call; past it the execution is "
+                                              "not scored (reward-error), never 0")
+    memory_mb: int = _f(2048, min=0, help="address-space limit of the reward subprocess (0 = none)")
+
+
+@dataclass
+class ValidateConfig:
+    """Validation rounds on held-out tasks (gyre/services/validation.py): never trained."""
+    _SECTION = "validate"
+    every_steps: int = _f(0, min=0, help="a validation round every N optimizer steps (0 = no validation "
+                                         "during `gyre run`); also before the first and after the last step")
+    at_start: bool = _f(True, help="a round before the first step (at version 0 or the resumed version)")
+    at_end: bool = _f(True, help="a round after the last step")
+    suite: str = _f("", help="the held-out suite ('builtin', 'learnable' or a folder); empty = the dataset's "
+                             "validation split (dataset.validation_share)")
+    tasks: list = _f([], help="names of the held-out tasks to run; empty = all")
+    samples: int = _f(4, min=1, help="n: executions per task and round")
+    k: int = _f(4, min=1, help="pass@k reported besides pass@1 (unbiased estimator, k <= samples)")
+    pass_threshold: float = _f(1.0, help="an execution passes when its reward is at least this")
+    temperature: float = _f(1.0, min=0.0, max=2.0, help="sampling temperature of validation calls (set at "
+                                                        "the proxy, whatever the harness sends)")
+    top_p: float = _f(1.0, min=0.0, max=1.0, help="top-p of validation calls (set at the proxy)")
+
+
 @dataclass
 class GyreConfig:
     run: RunConfig = field(default_factory=RunConfig)
@@ -502,6 +555,9 @@ class GyreConfig:
     sched: SchedConfig = field(default_factory=SchedConfig)
     harness: HarnessConfig = field(default_factory=HarnessConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    validate: ValidateConfig = field(default_factory=ValidateConfig)
 
     def shard_dir(self) -> Path:
         return Path(self.store.dir) if self.store.dir else Path(self.run.dir) / "shards"
@@ -618,6 +674,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
 
 def _cross_check(cfg: GyreConfig) -> None:
     """Rules that span keys (each key alone was checked by `_apply`)."""
+    _check_loop(cfg)
     t = cfg.train
     if t.is_mask and not t.is_mask_low < t.is_mask_high:
         raise ConfigError(f"train.is_mask_low ({t.is_mask_low}) must be below train.is_mask_high "
@@ -645,6 +702,21 @@ def _cross_check(cfg: GyreConfig) -> None:
     if p.temperature_min > p.temperature_max:
         raise ConfigError(f"proxy.temperature_min ({p.temperature_min:g}) must not exceed proxy.temperature_max "
                           f"({p.temperature_max:g})")
+
+
+def _check_loop(cfg: GyreConfig) -> None:
+    """[validate] and [reward] rules that span keys."""
+    v, r = cfg.validate, cfg.reward
+    if v.k > v.samples:
+        raise ConfigError(f"validate.k = {v.k} is more than validate.samples = {v.samples}: pass@k needs at "
+                          "least k samples per task; raise validate.samples or lower validate.k")
+    if r.function and (":" not in r.function or not all(r.function.split(":", 1))):
+        raise ConfigError(f"reward.function: {r.function!r} is not `module:function` (e.g. "
+                          "\"my_rewards:score\", with reward.pythonpath naming the module's folder)")
+    if r.function and r.url:
+        raise ConfigError("reward.function and reward.url are both set: choose one")
+    if r.url and not r.url.startswith(("http://", "https://")):
+        raise ConfigError(f"reward.url: {r.url!r} is not an http(s) URL")
 
 
 def resolved_off_policy(cfg: GyreConfig) -> OffPolicyMode:

@@ -27,7 +27,7 @@ step: on resume, ledger and step rows past it are rolled back).
 from __future__ import annotations
 
 import asyncio
-import itertools
+import dataclasses
 import math
 import re
 import shutil
@@ -42,6 +42,7 @@ from gyre import faults
 from gyre.config import GyreConfig, ResumeMode, default_tiny_dir
 from gyre.events import (CallRecorded, CellRoleChanged, ExecutionEvaluated, ExecutionStarted, GroupDropped, GroupLag,
                          RunEnded, RunStarted, RunStats, StepEnded, WeightsPushed)
+from gyre.harness.datasets import TaskStream
 from gyre.harness.execute import check_scorable, load_tasks
 from gyre.harness.runner import private_dir
 from gyre.harness.sandbox import Environments, SandboxConfig
@@ -60,6 +61,7 @@ from gyre.services.fleet import CellFleet, WeightPaths
 from gyre.services.ledger import Ledger, execution_id
 from gyre.services.rollout import RecordError, RolloutService, journal_dir
 from gyre.services.training import StepReduced, TrainingDispatch
+from gyre.services.validation import ValidationSpec, Validator, scalars as validation_scalars
 from gyre.train.step_stats import lag0_warning
 from gyre.traj.audit import Audit, audit_warning
 from gyre.traj.record import FINISHED, Status, limit_of
@@ -111,6 +113,8 @@ class Head:
         self.warnings: list[str] = []     # health warnings (gyre/report/health.py), the first of each kind
         self.events: list[dict] = []      # notices of the head and its services (mismatch, reduce retries)
         self.replays: dict[tuple[str, int], list] = {}  # resume: stopped executions to replay
+        self.validation: Validator | None = None  # validation rounds ([validate], gyre/services/validation.py)
+        self._start_version = 0
 
     @property
     def cells(self) -> list[Cell]:
@@ -186,7 +190,10 @@ class Head:
         """Bind what start-up decided: the core, the tasks to cycle through, where weights live,
         the selection spec, and the rollout service (tests attach none and play executions)."""
         self.core, self.training.core = core, core
-        self.task_cycle = itertools.cycle(tasks)
+        # the suite's order cycled; a dataset's seeded shuffle or weighted draw, resumed where it was
+        d = self.cfg.dataset
+        self.task_cycle = TaskStream(tasks, shuffle=bool(d.path) and d.shuffle, seed=d.seed,
+                                     start=core.next_group if d.path else 0)
         self.fleet.paths = paths
         self.training.selection = selection
         self.rollout = rollout
@@ -221,6 +228,10 @@ class Head:
         self.attach(core, tasks, paths, SelectionSpec.from_config(cfg.selection), rollout)
         if self.resume:
             self.ledger.resume_marker(version)
+        self._start_version = version
+        if cfg.validate.every_steps > 0:  # held-out rounds through the same rollout service, never trained
+            self.validation = Validator(ValidationSpec.from_config(cfg), rollout, self.run_dir,
+                                        identity=model_identity(model_dir), clock=self.clock)
         self._write_state()  # a stop before the first step close still resumes
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -255,6 +266,8 @@ class Head:
                     break
                 await self.tick(self.clock())
                 await asyncio.sleep(0.1)
+            if not stopped and self.validation is not None:
+                await self._final_validation()
         finally:
             await rollout.stop_harnesses()
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
@@ -289,7 +302,10 @@ class Head:
         if now - self._cells_written > 0.5:
             self._cells_written = now
             self.fleet.write_status(self.run_dir / "cells.json", now, self.t0, self.version, len(self.core.step.queue))
-        decision = self.policy.decide(self.core.cluster_state(now, tuple(c.view() for c in self.cells)), now)
+        state = self.core.cluster_state(now, tuple(c.view() for c in self.cells))
+        if self.validation is not None and self.validation.running:  # rollout work the core does not own
+            state = dataclasses.replace(state, running=(*state.running, *self.validation.views()))
+        decision = self.policy.decide(state, now)
         for sw in decision.switches:
             cell = self.cells[sw.cell]
             if sw.to is Role.TRAIN and cell.role is Role.ROLLOUT:
@@ -299,11 +315,49 @@ class Head:
                 self.fleet.set_role(cell, Role.TO_ROLLOUT, now)
                 self._spawn(self._to_rollout(cell))
         self.start_groups(decision.start_groups, now)
+        self._validate_if_due()
         self.training.dispatch()
         if self.core.step_ready() and all(c.role.settled or c.role is Role.FAILED for c in self.cells):
             # (a cell mid-switch would miss the step: wait until it lands)
             self.core.step_ending(now)
             self._spawn(self._finish_step())
+
+    # ==== validation: rounds on held-out tasks (gyre/services/validation.py) ====================
+    def _validate_if_due(self) -> None:
+        """A round at the committed version once the rollout cells serve it, one at a time."""
+        v, version = self.validation, self._committed
+        if v is None or self.core.rollout_version != version or not v.due(version, self._start_version):
+            if v is not None and v.busy_at(version, self._start_version):  # said, never silent
+                self._notice("validation_waiting", {"version": version, "why": "the previous round still runs; "
+                                                    "this one starts when it ends unless a step ends first"})
+            return
+        v.task = self._spawn(self._validation_round(version), name=f"validation v{version}")
+
+    async def _validation_round(self, version: int) -> None:
+        line = await self.validation.round(version)
+        if line is not None and self.metrics is not None:
+            self.metrics.log(version, validation_scalars(line), t=self.clock() - self.t0)
+
+    async def _final_validation(self) -> None:
+        """After the last step: its weights on a rollout cell, then the last round."""
+        v = self.validation
+        others = [t for t in self._tasks if t is not v.task and not t.get_name().startswith("execution ")]
+        await asyncio.gather(*others, return_exceptions=True)  # the last step is written down, its weights pushed
+        if v.task is not None:
+            await asyncio.gather(v.task, return_exceptions=True)
+        version = self.core.rollout_version
+        if not v.spec.at_end or v.finished(version) or self.failed:
+            return
+        if not self.fleet.in_role(Role.ROLLOUT):
+            cell = next((c for c in self.cells if c.role is Role.TRAIN), None)
+            if cell is None:
+                self.fail("validation after the last step: no cell can serve it")
+                return
+            await self._to_rollout(cell)
+        v.task = self._spawn(self._validation_round(version), name=f"validation v{version}")
+        stop = asyncio.ensure_future(self._stop.wait())  # SIGTERM: its harnesses stop, a resume finishes it
+        await asyncio.wait({v.task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
 
     # ==== switches: the fleet's commands, the rollout service's endpoints =======================
     async def _to_train(self, cell: Cell) -> None:
@@ -500,7 +554,8 @@ class Head:
                 "executions": executions, "stopped_by_limits": dict(st.limit_counts), "version": self.version,
                 "intervals": {c.id: st.intervals(c.id, t1) for c in self.cells},
                 "idle": {c.id: st.idle_spans(c.id, t1) for c in self.cells},
-                "metrics": self.metrics.describe() if self.metrics else None}
+                "metrics": self.metrics.describe() if self.metrics else None,
+                "validation": list(self.validation.log.rounds.values()) if self.validation else []}
 
 
 def _reward_of(rec) -> tuple[float | None, bool]:

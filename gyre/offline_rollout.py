@@ -87,6 +87,7 @@ class RolloutSummary:
     diverged: int = 0       # resumed executions whose harness asked something not recorded
     reaped: dict = field(default_factory=dict)  # what a killed earlier run left running
     limits: dict[str, int] = field(default_factory=dict)  # executions stopped by a [harness] limit, by its key
+    validation: dict | None = None  # the validation round's line (--validate)
 
 
 def _split(execution_id: str) -> tuple[str, int]:
@@ -165,9 +166,11 @@ def used_attempts(run_dir: Path) -> dict[str, int]:
 
 
 class Rollout:
-    def __init__(self, cfg: GyreConfig, *, progress: bool = True):
+    def __init__(self, cfg: GyreConfig, *, progress: bool = True, validate: bool = False):
+        """``validate``: after the executions, one validation round ([validate]) on the same engines."""
         self.cfg = cfg
         self.progress = progress
+        self.validate = validate
         self.summary = RolloutSummary()
         self._stop = asyncio.Event()
         self.started = asyncio.Event()  # set once engines, router and proxy serve (tests, tooling)
@@ -236,6 +239,8 @@ class Rollout:
                     await asyncio.wait(jobs)
                 self._failures(jobs)
                 stopper.cancel()
+                if self.validate and not (self._stop.is_set() or service.broken or self.summary.failed):
+                    await self._validation(service, envs, model_dir)
             finally:
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     loop.remove_signal_handler(sig)
@@ -250,6 +255,15 @@ class Rollout:
         self.summary.seconds = time.monotonic() - t0
         self.summary.broken = service.broken
         return self.summary
+
+    async def _validation(self, service: RolloutService, envs, model_dir: Path) -> None:
+        """One validation round at version 0 through this rollout's service (gyre.services.validation)."""
+        from gyre.services.validation import ValidationSpec, Validator
+
+        spec = ValidationSpec.from_config(self.cfg)
+        check_scorable(spec.tasks, envs, self.cfg.harness.min_scorable_share)
+        validator = Validator(spec, service, Path(self.cfg.run.dir), identity=model_identity(model_dir))
+        self.summary.validation = await validator.round(0)
 
     def _failures(self, jobs) -> None:
         """An execution whose task raised (e.g. its record could not be written) stops the run,
@@ -336,6 +350,10 @@ def print_summary(s: RolloutSummary, cfg: GyreConfig) -> None:
                                 f"{len(s.reaped.get('key_files', []))} key files"),
             ("broken task folders skipped", s.skipped_tasks),
             ("sandbox", s.sandbox), ("shards", len(s.shards)), ("time", f"{s.seconds:.1f} s")]
+    if s.validation:
+        from gyre.services.validation import console_line
+
+        rows.append(("validation", console_line(s.validation).removeprefix("gyre: validation ")))
     if s.failed:
         rows.append(("FAILED (not recorded; run again with --resume)", "\n".join(s.failed)))
     for k, v in rows:
@@ -347,6 +365,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML configuration file")
     p.add_argument("--resume", action="store_true", help="continue a stopped run in the same run.dir")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--validate", action="store_true",
+                   help="then one validation round ([validate]: held-out tasks, pass@1/pass@k) on the same engines")
     p.add_argument("--strict", action="store_true",
                    help="refuse a suite with a broken task folder (harness.strict_suite = true)")
     p.add_argument("overrides", nargs="*", help="section.key=value configuration overrides")
@@ -356,7 +376,11 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     if args.strict:
         cfg.harness.strict_suite = True
-    ro = Rollout(cfg, progress=not args.no_progress)
+    if args.validate:
+        from gyre.services.validation import validation_tasks
+
+        validation_tasks(cfg)  # no held-out task: said before any engine starts
+    ro = Rollout(cfg, progress=not args.no_progress, validate=args.validate)
     summary = asyncio.run(ro.run(resume=args.resume))
     print_summary(summary, cfg)
     if summary.broken:
@@ -366,3 +390,73 @@ def run(args: argparse.Namespace) -> int:
         print("gyre rollout: failed: " + "; ".join(summary.failed), file=sys.stderr)
         return 4
     return 130 if ro._stop.is_set() else 0
+
+
+# ==== `gyre validate`: one validation round on a model or a run's weights, alone ==================
+
+async def validate(cfg: GyreConfig, weights: str | None = None, version: int | None = None,
+                   say=print) -> dict | None:
+    """One validation round (gyre.services.validation) on engines of this machine serving the
+    model (``model.path`` or the tiny model) or, with ``weights``, a run's exported weights
+    (``<run.dir>/weights/v<N>``, loaded into each engine after it starts from the model). The
+    round is labelled ``v<version>`` (the folder's number where it is one, else 0); results go to
+    ``<run.dir>/validation.jsonl`` like a run's, so a round already finished there is not redone
+    and an unfinished one keeps its finished samples."""
+    from gyre.engine.launch import start_cell_engine
+    from gyre.engine.sglang_api import SGLangAdmin
+    from gyre.services.validation import ValidationSpec, Validator
+
+    spec = ValidationSpec.from_config(cfg)  # before any engine: no held-out task is the first message
+    envs = Environments(SandboxConfig.from_config(cfg.harness))
+    check_scorable(spec.tasks, envs, cfg.harness.min_scorable_share)
+    run_dir = private_dir(Path(cfg.run.dir))
+    if version is None:
+        m = re.fullmatch(r"v(\d+)", Path(weights).name) if weights else None
+        version = int(m[1]) if m else 0
+    model_dir = Path(cfg.model.path or ensure_tiny_model(default_tiny_dir(cfg), cfg.model.tiny_family))
+    identity = model_identity(model_dir)
+    service = RolloutService(cfg, envs, model_dir, identity, private_dir(run_dir / "validation"))
+    engine_key = secrets.token_urlsafe(24)
+    pids = ProcessList(run_dir, "validate")
+    with contextlib.ExitStack() as stack:
+        stack.callback(pids.close)
+        engines = []
+        for i in range(cfg.engine.endpoints):
+            engines.append(stack.enter_context(start_cell_engine(cfg, model_dir, api_key=engine_key)))
+            pids.add(f"engine{i}", engines[-1].pids, engines[-1].key_file)
+            if weights:  # exported weights carry no tokenizer: the engine boots from the model, then loads them
+                SGLangAdmin(engines[-1].url, engine_key).update_weights_from_disk(str(weights), str(version))
+        await service.start([e.url for e in engines], engine_key=engine_key)
+        validator = Validator(spec, service, run_dir, identity=identity, say=say)
+        loop = asyncio.get_running_loop()
+        job = asyncio.ensure_future(validator.round(version))
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, lambda: loop.create_task(service.stop_harnesses()))
+        try:
+            return await job
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+            await service.close()
+
+
+def validate_add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML configuration file ([validate] says which tasks, n, k, sampling)")
+    p.add_argument("--weights", "--checkpoint", dest="weights",
+                   help="exported weights to validate (a run's weights/v<N>); default: the model itself")
+    p.add_argument("--version", type=int, help="the round's label v<N> (default: from the weights folder, else 0)")
+    p.add_argument("overrides", nargs="*", help="section.key=value configuration overrides, e.g. validate.samples=8")
+
+
+def validate_run(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    if args.weights and not (Path(args.weights) / "model.safetensors").exists() \
+            and not any(Path(args.weights).glob("*.safetensors")):
+        print(f"gyre validate: --weights {args.weights}: no *.safetensors there (give a run's weights/v<N>)",
+              file=sys.stderr)
+        return 2
+    line = asyncio.run(validate(cfg, args.weights, args.version))
+    if line is None:
+        print("gyre validate: stopped before the round finished; run it again to finish it", file=sys.stderr)
+        return 130
+    return 0

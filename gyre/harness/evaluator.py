@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -41,6 +43,7 @@ from pathlib import Path
 
 from gyre.config import EvalExecutor, EvalNetwork
 from gyre.harness import proc, scoring
+from gyre.harness.reward import RewardFn, call_summary, task_summary, tests_summary
 from gyre.harness.runner import workspace_path
 from gyre.harness.runtimes import Mount
 from gyre.harness.sandbox import OUT, WORKSPACE, Environments, Placement, SandboxConfig, run_steps
@@ -69,6 +72,7 @@ class Evaluation:
     error: str | None = None
     official_reward: float = 0.0  # the benchmark's score: unscorable and evaluator failures are 0
     environment: str = ""  # where the commands ran (runtime and image, or the host sandbox)
+    parts: dict | None = None  # the named parts of a reward function's answer (gyre.harness.reward)
 
 
 @dataclass
@@ -416,6 +420,22 @@ def _command_results(task: Task, argvs: list, out: Path, opts: EvalOptions, lp: 
     return results, ran
 
 
+def rewarded(reward, task: Task, workspace: str, ev: Evaluation, calls: list, execution_id: str) -> Evaluation:
+    """The tests' evaluation re-scored by ``reward`` (gyre.harness.reward.RewardFn): its value, its
+    parts, and a source saying so (``reward``, ``reward-after-timeout``, ...); a reward that fails
+    makes a failed evaluation (``reward-error``, reward None) with its reason, never a 0."""
+    payload = {"workspace": str(workspace), "task": task_summary(task), "tests": tests_summary(ev) if task.test_commands else None,
+               "calls": [call_summary(c) for c in calls], "execution_id": execution_id}
+    res = reward(payload, execution_id)
+    if ev.log_path:
+        with contextlib.suppress(OSError), open(ev.log_path, "a", encoding="utf-8") as f:
+            f.write(f"reward {reward.label}: {res.reward} parts {res.parts} error {res.error}\n")
+    if res.error is not None:
+        return dataclasses.replace(ev, reward=None, source="reward-error", error=res.error, parts=None)
+    source = "reward" + ev.source[len("tests"):] if ev.source.startswith("tests") else "reward"
+    return dataclasses.replace(ev, reward=res.reward, source=source, parts=res.parts or None)
+
+
 def _holds_cwd(path: Path) -> bool:
     cwd = Path.cwd().resolve()
     target = path.resolve()
@@ -462,8 +482,10 @@ class EvaluatorPool:
 
     def __init__(self, options: EvalOptions | None = None, workers: int = 2, executor: str = "pool",
                  submitit_dir: str | os.PathLike | None = None, slurm: dict | None = None,
-                 workspaces_root: str | os.PathLike | None = None):
+                 workspaces_root: str | os.PathLike | None = None, reward=None):
+        """``reward``: a gyre.harness.reward.RewardFn that scores after the tests (None: the tests' score)."""
         self.options = options or EvalOptions()
+        self.reward = reward
         # <run_dir>/workspaces: an execution's workspace must be its own folder there
         self.workspaces_root = Path(workspaces_root).absolute() if workspaces_root else None
         self.kind = executor
@@ -479,7 +501,7 @@ class EvaluatorPool:
                  "mem_gb": e.slurm_mem_gb}
         folder = e.submitit_dir or str(Path(cfg.run.dir) / "eval-jobs")
         return cls(EvalOptions.from_config(cfg, environments), e.workers, e.executor, folder, slurm,
-                   workspaces_root=Path(cfg.run.dir) / "workspaces")
+                   workspaces_root=Path(cfg.run.dir) / "workspaces", reward=RewardFn.from_config(cfg))
 
     def _make_submitit(self, kind: str, folder, slurm: dict):
         import submitit  # only where asked for: a pool needs no submitit
@@ -499,7 +521,17 @@ class EvaluatorPool:
         ex.update_parameters(**params)
         return ex
 
-    def _run(self, task: Task, workspace: str, status: str, log_path: str | None) -> Evaluation:
+    def _run(self, task: Task, workspace: str, status: str, log_path: str | None, calls=None,
+             execution_id: str | None = None) -> Evaluation:
+        if self.reward is not None and not task.test_commands:  # a dataset row scored by the reward alone
+            ev = Evaluation(None, 0, 0, source_for(status), 0.0, log_path)
+        else:
+            ev = self._run_tests(task, workspace, status, log_path)
+        if self.reward is None or ev.source == "refused":
+            return ev
+        return rewarded(self.reward, task, workspace, ev, calls or [], execution_id or "")
+
+    def _run_tests(self, task: Task, workspace: str, status: str, log_path: str | None) -> Evaluation:
         if self._submitit is None:
             return evaluate_workspace(task, workspace, status, self.options, log_path)
         t0 = time.monotonic()
@@ -513,7 +545,8 @@ class EvaluatorPool:
                               log_path, f"submitit job failed: {type(e).__name__}: {e}")
 
     def submit(self, task: Task, workspace: str | os.PathLike, status: str = "done",
-               log_path: str | os.PathLike | None = None, execution_id: str | None = None) -> cf.Future:
+               log_path: str | os.PathLike | None = None, execution_id: str | None = None,
+               calls: list | None = None) -> cf.Future:
         """A Future of the Evaluation; the call returns at once. With ``execution_id`` (and a
         pool made from a config) only that execution's own workspace is scored."""
         why = own_workspace_error(workspace, self.workspaces_root, execution_id) \
@@ -524,11 +557,13 @@ class EvaluatorPool:
             return fut
         # absolute: a submitit job may start in another directory
         return self._threads.submit(self._run, task, str(Path(workspace).absolute()), status,
-                                    str(Path(log_path).absolute()) if log_path else None)
+                                    str(Path(log_path).absolute()) if log_path else None, calls, execution_id)
 
     async def evaluate(self, task: Task, workspace: str | os.PathLike, status: str = "done",
-                       log_path: str | os.PathLike | None = None, execution_id: str | None = None) -> Evaluation:
-        return await asyncio.wrap_future(self.submit(task, workspace, status, log_path, execution_id))
+                       log_path: str | os.PathLike | None = None, execution_id: str | None = None,
+                       calls: list | None = None) -> Evaluation:
+        """``calls``: the execution's recorded calls (what a reward function is given of them)."""
+        return await asyncio.wrap_future(self.submit(task, workspace, status, log_path, execution_id, calls))
 
     def shutdown(self, wait: bool = True, cancel_pending: bool = False) -> None:
         self._threads.shutdown(wait=wait, cancel_futures=cancel_pending)

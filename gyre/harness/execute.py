@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 from gyre.config import ConfigError
+from gyre.harness.datasets import dataset_from_config
 from gyre.harness.tasks import read_suite
 
 log = logging.getLogger("gyre.execute")
@@ -39,10 +40,13 @@ def check_scorable(tasks: list, envs, min_share: float = 0.5) -> dict[str, str]:
 
 
 def read_tasks(cfg):
-    """The configured suite (``harness.suite``, ``strict_suite``, ``image_template``): the Suite
-    (its tasks and the broken folders skipped). Errors are ConfigErrors naming task and file."""
+    """The configured suite (``harness.suite``, ``strict_suite``, ``image_template``), or the
+    training rows of ``dataset.path``: the Suite (its tasks and the broken folders / refused rows
+    skipped). Errors are ConfigErrors naming task and file (or line)."""
 
     h = cfg.harness
+    if cfg.dataset.path:  # tasks as dataset rows (gyre.harness.datasets): its training split
+        return dataset_from_config(cfg).suite("train")
     return read_suite(h.suite, strict=h.strict_suite, image_template=h.image_template)
 
 

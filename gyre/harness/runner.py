@@ -117,6 +117,8 @@ def prepare_workspace(run_dir: str | os.PathLike, execution_id: str, task: Task)
     except FileExistsError:
         raise WorkspaceExists(f"workspace {ws} exists; workspaces are kept, use a new execution id") from None
     os.chmod(ws, 0o700)
+    if task.workspace_dir is not None:  # a dataset row's files (gyre.harness.datasets)
+        shutil.copytree(task.workspace_dir, ws, dirs_exist_ok=True, symlinks=False)
     shutil.copyfile(task.prompt_file, ws / "start.md")
     logs = private_dir(run / "logs")
     return ws, private_dir(logs / execution_id)

@@ -73,6 +73,10 @@ class Task:
     test_files: tuple[str, ...]
     tests_dir: Path | None  # root under which the test_files paths are shipped; None = not shipped
     image: str | None  # container image holding the tests, where the suite names one
+    # a dataset row's (gyre.harness.datasets): files laid into the workspace, its draw weight, its metadata
+    workspace_dir: Path | None = None
+    weight: float = 1.0
+    metadata: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
     def scorable(self) -> bool:

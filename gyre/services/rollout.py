@@ -78,7 +78,8 @@ class RolloutService:
 
     # ---- executions ----------------------------------------------------------------------------
     async def execute(self, task, execution_id: str, group: int, *, on_ended: Callable[[str], None] | None = None,
-                      on_scored: Callable[[ExecutionRecord], None] | None = None, replay=None) -> ExecutionRecord:
+                      on_scored: Callable[[ExecutionRecord], None] | None = None, replay=None,
+                      sampling=None, writer: ShardWriter | None = None) -> ExecutionRecord:
         """One execution's life: a key at the proxy, its harness, its evaluation, its durable record.
 
         Returns the ExecutionRecord, on disk when this returns (status, workspace, tree and, for
@@ -86,9 +87,11 @@ class RolloutService:
         why they were not scored). `on_ended(status)` is called when the harness has ended, before
         the evaluation (the coordinator stops counting it as running rollout work then);
         `on_scored` as in `settle`. ``replay``: what a stopped (its tree) or killed (its journal)
-        earlier run of this execution recorded (replay-resume, gyre.proxy.replay).
+        earlier run of this execution recorded (replay-resume, gyre.proxy.replay). ``sampling``:
+        its own gyre.proxy.sampling.SamplingPolicy at the proxy (None: the run's); ``writer``:
+        where its record goes instead of the run's shards (validation executions, never trained: gyre.services.validation).
         """
-        key = self.proxy.register(execution_id, task=task.name, group=group, replay=replay)
+        key = self.proxy.register(execution_id, task=task.name, group=group, replay=replay, sampling=sampling)
         status, workspace, error, own, log_dir, start_failure = await self._run_harness(task, execution_id, key)
         if self.proxy.budget_spent(execution_id) and status in (Status.DONE, Status.FAILED, Status.CRASHED):
             # proxy.execution_token_budget: its calls were refused from there on; scored as a timeout is
@@ -100,16 +103,17 @@ class RolloutService:
         if on_ended is not None:
             on_ended(status)
         await self._evaluate(rec, task, own, log_dir, start_failure, error)
-        self.settle(rec, on_scored)
+        self.settle(rec, on_scored, writer)
         return rec
 
-    def settle(self, rec: ExecutionRecord, on_scored: Callable[[ExecutionRecord], None] | None = None) -> None:
+    def settle(self, rec: ExecutionRecord, on_scored: Callable[[ExecutionRecord], None] | None = None,
+               writer: ShardWriter | None = None) -> None:
         """An ended, scored execution made durable: its record on disk first (RecordError: the run
         stops, saying why), then `on_scored(rec)` (what the driver writes down of it); only then may
         anyone count it. The fault phases `execution_ended` and `execution_recorded` sit before and
         after (gyre.faults)."""
         faults.hit(self.fault_scope, "execution_ended")
-        self.record([rec])
+        self.record([rec], writer)
         if on_scored is not None:
             on_scored(rec)
         faults.hit(self.fault_scope, "execution_recorded")
@@ -150,13 +154,17 @@ class RolloutService:
             # its own workspace only: the evaluator refuses anything else (never the current directory);
             # the evaluation's log beside the harness's, under run.dir (not the system temp dir)
             ev = await self.evaluators.evaluate(task, rec.workspace, rec.status, execution_id=own,
-                                                log_path=f"{log_dir}/evaluation.log" if log_dir else None)
+                                                log_path=f"{log_dir}/evaluation.log" if log_dir else None,
+                                                calls=rec.tree.calls)  # what a reward function sees
             rec.reward = float("nan") if ev.reward is None else float(ev.reward)
             rec.reward_source, rec.passed, rec.total = ev.source, ev.passed, ev.total
+            rec.reward_parts = dict(ev.parts or {})
+            if ev.source == "reward-error":  # the reward's reason, with the execution (never a silent 0)
+                rec.error = f"{rec.error}; {ev.error}" if rec.error else ev.error
         else:
             rec.reward_source = f"not-evaluated: {rec.status}" + (f" ({error})" if error else "")
 
-    def record(self, records) -> None:
+    def record(self, records, writer: ShardWriter | None = None) -> None:
         """Durable when it returns (one small shard, fsynced and renamed): only then may anyone count it.
         A write that fails is retried; a full file system, or a failure that stays, raises RecordError
         with its reason: the driver stops the run loudly (never a hang, never exit 0 with work missing)."""
@@ -164,13 +172,13 @@ class RolloutService:
         ids = ", ".join(r.execution_id for r in records)
         for attempt in range(1, RECORD_TRIES + 1):
             try:
-                self.writer.write(records)
+                (writer or self.writer).write(records)
                 if self.proxy is not None and self.proxy.journal is not None:  # in a shard now
                     for r in records:
                         self.proxy.journal.discard(r.execution_id)
                 return
             except OSError as e:
-                full = storage_full(e, self.writer.dir, "store.dir")
+                full = storage_full(e, (writer or self.writer).dir, "store.dir")
                 if full or attempt == RECORD_TRIES:
                     raise RecordError(f"cannot record execution {ids}: "
                                       f"{full or f'{type(e).__name__}: {e} (tried {attempt} times)'}") from e

@@ -54,6 +54,9 @@ class ExecutionRecord:
     workspace: str = ""
     tree: TrajectoryTree = field(default_factory=TrajectoryTree)
     error: str | None = None       # why it ended badly: a limit it passed, its time limit, a start failure
+    # the named parts of a reward function's answer (gyre.harness.reward); in memory only: the
+    # shards keep the reward, <run.dir>/rewards.jsonl keeps the parts
+    reward_parts: dict = field(default_factory=dict)
 
     @property
     def min_version(self) -> int:
