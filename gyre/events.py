@@ -172,6 +172,7 @@ class Lag:
     group_mean_syncs: float = 0.0
     token_mean_syncs: float = 0.0
     worst_syncs: int = 0
+    tokens: float = 0.0  # the trained groups' tokens (the token means' weight: sessions fold by it)
 
 
 class _CellBook:
@@ -429,7 +430,7 @@ class RunStats:
         n, tok = self._n, self._tok
         tmean = [(self._lag_tok[i] / tok) if tok > 0 else self._lag_sum[i] / n for i in (0, 1)]
         return Lag(n, self._lag_sum[0] / n, tmean[0], self._worst[0], self._lag_sum[1] / n, tmean[1],
-                   self._worst[1])
+                   self._worst[1], tok)
 
     def cell_ids(self) -> list[int]:
         return sorted(self._cells)

@@ -50,8 +50,10 @@ from gyre.model.tiny import ensure_tiny_model
 from gyre.proxy.replay import Replay, replayed_calls
 from gyre.report import config_file
 from gyre.report.health import Health, Thresholds
+from gyre.report.history import whole_run
 from gyre.report.metrics import MetricsSink
 from gyre.report.progress import Progress
+from gyre.report.session import session_report
 from gyre.sched.cells import Cell
 from gyre.sched.core import Admission, Coordinator, GroupRecord, StepResult
 from gyre.sched.runspec import RunSpec
@@ -62,7 +64,7 @@ from gyre.services.rollout import RecordError, RolloutService, journal_dir
 from gyre.services.training import StepReduced, TrainingDispatch
 from gyre.train.step_stats import lag0_warning
 from gyre.traj.audit import Audit, audit_warning
-from gyre.traj.record import FINISHED, Status, limit_of
+from gyre.traj.record import FINISHED, limit_of
 from gyre.traj.select import SelectionSpec
 
 
@@ -103,6 +105,7 @@ class Head:
         self.spec: RunSpec | None = None                # the run spec the core and the policy come from
         self.policy = None
         self._committed = 0                              # version of the last step written down
+        self._first_step = 0                             # the step this session started at (resume)
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._cells_written = 0.0
@@ -211,6 +214,7 @@ class Head:
         if self.resume:
             rollout.compact()  # finish one a crash cut short
         version, first_group = self.ledger.load_state() if self.resume else (0, 0)
+        self._first_step = version
         self.replays = (self.ledger.stopped_to_replay(journal_dir(cfg))
                         if self.resume and cfg.harness.resume is ResumeMode.REPLAY else {})
         self.ledger.open()
@@ -232,7 +236,7 @@ class Head:
         for c in self.cells:  # the role each cell is in at time zero
             self._emit(CellRoleChanged(now, c.id, c.role.value))
         self.metrics = MetricsSink(self.run_dir, cfg.run.loggers, name=cfg.run.name, config=asdict(cfg),
-                                   wandb_mode=cfg.run.wandb_mode.value)
+                                   wandb_mode=cfg.run.wandb_mode.value, first_step=version)
         self.progress = Progress(cfg.run.steps, cfg.run.groups_per_step * cfg.harness.group_size,
                                  first_step=version, bar=self.progress_bar)
         print(f"gyre: run {self.run_dir} started: {cfg.run.steps - version} steps to go ({len(self.cells)} cells, "
@@ -478,29 +482,8 @@ class Head:
 
     # ==== report ================================================================================
     def report(self, t1: float, stopped: bool) -> dict:
-        """report.json: every figure from the events (gyre/events.py); no shard is read back."""
-        st = self.stats
-        cells = [{**st.cell_time(c.id, t1), "hostname": c.hostname, "switch_phases": c.switch_phases}
-                 for c in self.cells]
-        s = self.cfg.sched
-        executions = dict(st.status_counts)
-        events = sorted(self.fleet.events + self.events, key=lambda e: e["t"])  # the cells' and the head's
-        return {"stopped_reason": self.failed or (self.rollout.broken if self.rollout else None),
-                "failed": self.failed,
-                "unscorable": dict(self.ledger.unscorable),
-                "scheme": s.scheme, "label": f"{s.scheme}{s.staleness}", "staleness": s.staleness,
-                "staleness_rule": s.staleness_rule, "steps_per_sync": s.steps_per_sync,
-                "lag": asdict(st.lag()), "groups_dropped": st.groups_dropped,
-                "groups_started": self.core.started,
-                "steps": st.steps, "cells": cells, "wall_s": t1 - self.t0, "stopped": stopped,
-                "errors": self.fleet.errors + self.errors + (self.metrics.errors if self.metrics else []),
-                "warnings": self.warnings,
-                "harness_errors": executions.get(Status.FAILED, 0) + executions.get(Status.CRASHED, 0), "events": events,
-                "groups_replaced_zero_variance": self.core.zero_variance_dropped,
-                "executions": executions, "stopped_by_limits": dict(st.limit_counts), "version": self.version,
-                "intervals": {c.id: st.intervals(c.id, t1) for c in self.cells},
-                "idle": {c.id: st.idle_spans(c.id, t1) for c in self.cells},
-                "metrics": self.metrics.describe() if self.metrics else None}
+        """report.json: the whole run's (gyre/report/history.py), this session's folded into it."""
+        return whole_run(self.run_dir, session_report(self, t1, stopped), self._first_step)
 
 
 def _reward_of(rec) -> tuple[float | None, bool]:

@@ -163,7 +163,7 @@ def test_step_rows_lag_and_cell_time_from_events_equal_what_the_head_computed(tm
                                                                              if k != "hostname"})
         parts = got["busy_rollout_s"] + got["busy_train_s"] + got["switching_s"] + got["idle_s"] + got["failed_s"]
         assert parts == pytest.approx(got["wall_s"])
-        assert sum(b - a for a, b in rep["idle"][c.id]) == pytest.approx(got["idle_s"])
+        assert sum(b - a for a, b in rep["idle"][str(c.id)]) == pytest.approx(got["idle_s"])
     assert rep["cells"][0]["busy_rollout_s"] > 0 and rep["cells"][1]["busy_train_s"] > 0
     assert rep["executions"] == {s: sum(r.status == s for r in told["records"].values())
                                  for s in {r.status for r in told["records"].values()}}
