@@ -34,7 +34,6 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
@@ -51,8 +50,7 @@ from gyre.proxy.replay import Replay, replayed_calls
 from gyre.report import config_file
 from gyre.report.health import Health, Thresholds
 from gyre.report.history import whole_run
-from gyre.report.metrics import MetricsSink
-from gyre.report.progress import Progress
+from gyre.report.outputs import Outputs
 from gyre.report.session import session_report
 from gyre.sched.cells import Cell
 from gyre.sched.core import Admission, Coordinator, GroupRecord, StepResult
@@ -91,8 +89,7 @@ class Head:
         self.run_dir = Path(cfg.run.dir)
         self.t0 = clock()
         self.stats = RunStats(self.t0, n_cells)          # every figure of the report, from the events
-        self.metrics: MetricsSink | None = None          # the metrics sink (opened by run)
-        self.progress: Progress | None = None            # the console: a line per step (opened by run)
+        self.outputs = Outputs()                         # the metrics sink and the console (opened by run)
         self.health = Health(Thresholds.from_config(cfg))
         self._signalled = False                          # stopped by SIGINT/SIGTERM (scancel, Ctrl-C)
         self.fleet = CellFleet(link, n_cells, emit=self._emit, clock=clock,
@@ -132,10 +129,7 @@ class Head:
         row = self.stats.apply(event)
         if isinstance(event, StepEnded):
             self._judge(row)
-        if self.metrics is not None:
-            self.metrics.on_event(event, self.stats, row)
-        if self.progress is not None:
-            self.progress.on_event(event, self.stats, row)
+        self.outputs.on_event(event, self.stats, row)
         return row
 
     def _judge(self, row: dict) -> None:
@@ -235,13 +229,7 @@ class Head:
         self._emit(RunStarted(now, len(self.cells)))
         for c in self.cells:  # the role each cell is in at time zero
             self._emit(CellRoleChanged(now, c.id, c.role.value))
-        self.metrics = MetricsSink(self.run_dir, cfg.run.loggers, name=cfg.run.name, config=asdict(cfg),
-                                   wandb_mode=cfg.run.wandb_mode.value, first_step=version)
-        self.progress = Progress(cfg.run.steps, cfg.run.groups_per_step * cfg.harness.group_size,
-                                 first_step=version, bar=self.progress_bar)
-        print(f"gyre: run {self.run_dir} started: {cfg.run.steps - version} steps to go ({len(self.cells)} cells, "
-              f"scheme {cfg.sched.scheme}{cfg.sched.staleness}); metrics: {', '.join(self.metrics.active)}",
-              flush=True)
+        self.outputs.open(cfg, self.run_dir, version, len(self.cells), self.progress_bar)
         roles = self.policy.initial_roles(len(self.cells))
         for cell in self.cells:
             cell.since, cell.last_seen = now, now
@@ -276,12 +264,9 @@ class Head:
                 loop.remove_signal_handler(sig)
         t1 = self.clock()
         self._emit(RunEnded(t1, stopped))
-        self.metrics.close()
         why = f"{rollout.broken}" if rollout.broken else "; ".join(self.errors) if stopped and self.errors else None
-        self.progress.end(self._committed, t1 - self.t0, cancelled=stopped and self._signalled, why=why,
-                          resume_hint=f"gyre run --resume run.dir={self.run_dir} (on Slurm: gyre submit --resume)")
-        for e in self.metrics.errors:
-            print(f"gyre: note: {e}", flush=True)
+        self.outputs.close(self._committed, t1 - self.t0, cancelled=stopped and self._signalled, why=why,
+                           run_dir=self.run_dir)
         await asyncio.gather(*(self.fleet.stop(c) for c in self.cells))
         self.ledger.close()
         return self.report(t1, stopped)

@@ -1,7 +1,7 @@
 """One session's report: what this head saw, from the events (gyre/events.py); no shard is read back.
 
 `gyre.report.history.whole_run` folds it into the run's history (a resumed run is many sessions).
-The head is read by its attributes (`stats`, `cells`, `fleet`, `ledger`, `core`, `metrics`, ...),
+The head is read by its attributes (`stats`, `cells`, `fleet`, `ledger`, `core`, `outputs`, ...),
 never imported: the report depends on no driver (docs/architecture.md).
 """
 
@@ -25,11 +25,11 @@ def session_report(head, t1: float, stopped: bool) -> dict:
             "cells": [{**st.cell_time(c.id, t1), "hostname": c.hostname, "switch_phases": c.switch_phases}
                       for c in cells],
             "t0": head.t0, "wall_s": t1 - head.t0, "stopped": stopped,
-            "errors": head.fleet.errors + head.errors + (head.metrics.errors if head.metrics else []),
+            "errors": head.fleet.errors + head.errors + head.outputs.errors,
             "warnings": head.warnings,
             "harness_errors": sum(executions.get(k, 0) for k in HARNESS_BROKE), "events": events,
             "groups_replaced_zero_variance": head.core.zero_variance_dropped,
             "executions": executions, "stopped_by_limits": dict(st.limit_counts), "version": head.version,
             "intervals": {c.id: st.intervals(c.id, t1) for c in cells},
             "idle": {c.id: st.idle_spans(c.id, t1) for c in cells},
-            "metrics": head.metrics.describe() if head.metrics else None}
+            "metrics": head.outputs.describe()}
