@@ -70,10 +70,12 @@ def stored(run_dir: str | Path) -> Path | None:
 
 # ---- --resume --config -----------------------------------------------------------------------------
 # Keys a resumed run may take from a new --config: how long it goes on, how it is watched and
-# logged. Every other key shapes what was trained or recorded (the model, the schedule, the
-# harness, the loss): changing one mid-run would make one run two experiments under one name.
-MAY_CHANGE = ("run.steps", "run.heartbeat_timeout_s", "run.loggers", "run.wandb_mode", "run.keep_checkpoints",
-              "run.warn_entropy_below", "run.warn_harness_failure_rate", "harness.concurrency", "eval.workers")
+# logged, and where the engines listen (gyre submit sets engine.host for a cluster's nodes). Every
+# other key shapes what was trained or recorded (the model, the schedule, the harness, the loss):
+# changing one mid-run would make one run two experiments under one name.
+MAY_CHANGE = ("engine.host", "run.steps", "run.heartbeat_timeout_s", "run.loggers", "run.wandb_mode",
+              "run.keep_checkpoints", "run.warn_entropy_below", "run.warn_harness_failure_rate",
+              "harness.concurrency", "eval.workers")
 
 
 def _flat(cfg: GyreConfig) -> dict[str, object]:
