@@ -45,7 +45,8 @@ def _rows(path: Path) -> list[dict]:
 
 
 def _idle(session: dict) -> bool:
-    return not session["steps"] and not sum(session["executions"].values()) and not session.get("failed")
+    return (not session["steps"] and not session.get("groups_started") and not sum(session["executions"].values())
+            and not session.get("failed"))
 
 
 def whole_run(run_dir: str | Path, session: dict, first_step: int) -> dict:
