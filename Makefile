@@ -39,7 +39,10 @@ PIP_Q     ?= -q --disable-pip-version-check
 $(STAMP): setup.cfg pyproject.toml
 	@echo "== venv $(VENV)" && $(PY) -m venv $(VENV)
 	@echo "== pip, $(TORCH_SPEC)" && $(BIN)/pip install $(PIP_Q) --upgrade pip && $(BIN)/pip install $(PIP_Q) "$(TORCH_SPEC)"
-	@echo "== gyre (editable) with its dev and mpich extras" && $(BIN)/pip install $(PIP_Q) -e '.[dev,mpich]'
+	@# (setuptools says "Editable installation ... be careful with folders named like your package" to
+	@# every flat-layout editable install, 11 lines, information only: filtered by its message)
+	@echo "== gyre (editable) with its dev and mpich extras" && \
+	  PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install $(PIP_Q) -e '.[dev,mpich]'
 	@echo "== the embedded tiny model" && $(BIN)/gyre make-model
 	@touch $(STAMP) && echo "== installed: $(VENV) (activate: . $(BIN)/activate)"
 
