@@ -34,13 +34,17 @@ sysdeps:
 	  echo "   enable them with: sudo apt-get install -y $$missing"; \
 	fi
 
+# one line per stage (pip -q: its errors still show in full); `make install PIP_Q=` shows pip's own output
+PIP_Q     ?= -q --disable-pip-version-check
 $(STAMP): setup.cfg pyproject.toml
-	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e '.[dev,mpich]'
-	$(BIN)/gyre make-model
-	touch $(STAMP)
+	@echo "== venv $(VENV)" && $(PY) -m venv $(VENV)
+	@echo "== pip, $(TORCH_SPEC)" && $(BIN)/pip install $(PIP_Q) --upgrade pip && $(BIN)/pip install $(PIP_Q) "$(TORCH_SPEC)"
+	@# (setuptools says "Editable installation ... be careful with folders named like your package" to
+	@# every flat-layout editable install, 11 lines, information only: filtered by its message)
+	@echo "== gyre (editable) with its dev and mpich extras" && \
+	  PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install $(PIP_Q) -e '.[dev,mpich]'
+	@echo "== the embedded tiny model" && $(BIN)/gyre make-model
+	@touch $(STAMP) && echo "== installed: $(VENV) (activate: . $(BIN)/activate)"
 
 install: $(STAMP)
 

@@ -172,6 +172,7 @@ class Lag:
     group_mean_syncs: float = 0.0
     token_mean_syncs: float = 0.0
     worst_syncs: int = 0
+    tokens: float = 0.0  # the trained groups' tokens (the token means' weight: sessions fold by it)
 
 
 class _CellBook:
@@ -386,12 +387,6 @@ class RunStats:
         by_task.pop("", None)
         rewards = [r for g in ev.groups for r in self._rewards.pop(g.group, [])]
         st = [self._mb.pop(m) for m in ev.micro_batches if m in self._mb]
-        losses = [x.get("loss", 0.0) for x in st]
-        ratios = [x["ratio_mean"] for x in st if x.get("ratio_mean") is not None]
-        kls = [x["kl_old"] for x in st if x.get("kl_old") is not None]
-        lag = [g.lag_steps for g in ev.groups]
-        lag_sync = [g.lag_syncs for g in ev.groups]
-        toks = [g.tokens for g in ev.groups]
         for g in ev.groups:
             self._n += 1
             self._tok += g.tokens
@@ -399,22 +394,10 @@ class RunStats:
                 self._lag_sum[i] += v
                 self._lag_tok[i] += v * g.tokens
                 self._worst[i] = max(self._worst[i], v)
-        row = {"step": ev.step, "version": ev.version, "groups": len(ev.groups),
-               "micro_batches": len(ev.micro_batches), "participants": list(ev.participants),
-               "reward_mean": statistics.fmean(rewards) if rewards else None, "reward_n": len(rewards),
-               "reward_std": statistics.pstdev(rewards) if rewards else None,
-               "reward_by_task": {t: statistics.fmean(r) for t, r in sorted(by_task.items()) if r},
-               "staleness_mean": statistics.fmean(lag) if lag else 0, "staleness_max": max(lag, default=0),
-               "staleness_token_mean": sum(a * b for a, b in zip(lag, toks)) / sum(toks) if sum(toks) else 0,
-               "lag_syncs_mean": statistics.fmean(lag_sync) if lag_sync else 0,
-               "lag_syncs_max": max(lag_sync, default=0), "pushed": ev.pushed,
-               "loss": sum(losses), "ratio_mean": statistics.fmean(ratios) if ratios else None,
-               "kl_old_max": max(kls, default=None), "grad_norm": ev.grad_norm,
-               "reduce_s": ev.reduce_s, "push_s": ev.push_s, "t_start": ev.t_start - self.t0,
-               "t_end": ev.t_end - self.t0,
-               **self._win.figures(ev.t_end - (self.t0 if self._last_end is None else self._last_end)),
-               "executions_done": sum(self.status_counts.values()), "executions_running": len(self._running),
-               "stopped_by_limits": dict(self.limit_counts), **ev.extra}
+        row = step_row(ev, self.t0, rewards, by_task, st,
+                       self._win.figures(ev.t_end - (self.t0 if self._last_end is None else self._last_end)),
+                       {"executions_done": sum(self.status_counts.values()), "executions_running": len(self._running),
+                        "stopped_by_limits": dict(self.limit_counts)})
         self._win, self._last_end = _Window(), ev.t_end
         self.steps.append(row)
         return row
@@ -429,7 +412,7 @@ class RunStats:
         n, tok = self._n, self._tok
         tmean = [(self._lag_tok[i] / tok) if tok > 0 else self._lag_sum[i] / n for i in (0, 1)]
         return Lag(n, self._lag_sum[0] / n, tmean[0], self._worst[0], self._lag_sum[1] / n, tmean[1],
-                   self._worst[1])
+                   self._worst[1], tok)
 
     def cell_ids(self) -> list[int]:
         return sorted(self._cells)
@@ -493,6 +476,59 @@ _HANDLERS = {RunStarted: RunStats._run_started, CellRoleChanged: RunStats._role,
              GroupDropped: RunStats._group_dropped, MicroBatchDone: RunStats._mb_done,
              WeightsPushed: RunStats._pushed,
              StepEnded: RunStats._step, RunEnded: RunStats._run_ended}
+
+
+# The trainer's per-micro-batch figures a step row averages; each is a mean over the micro-batch's
+# target tokens, so the step's is the mean weighted by targets (a micro-batch of 3 targets counts
+# three times one of 1), as gyre.train.step_stats.merge does across a cell's ranks.
+TARGET_MEANS = ("ratio_mean", "clip_frac", "is_weight_mean", "entropy", "moe_aux_loss")
+
+
+def target_mean(stats: list[dict], key: str) -> float | None:
+    """`key`'s mean over micro-batches weighted by their `targets` (None: no micro-batch has it;
+    an unweighted mean only where none says its targets)."""
+    have = [(x[key], x.get("targets") or 0) for x in stats if x.get(key) is not None]
+    if not have:
+        return None
+    w = sum(t for _, t in have)
+    return sum(v * t for v, t in have) / w if w else statistics.fmean(v for v, _ in have)
+
+
+def step_row(ev: StepEnded, t0: float, rewards: list[float], by_task: dict[str, list[float]], mb_stats: list[dict],
+             window: dict, counts: dict) -> dict:
+    """The step row: the one builder of what the console line, steps.jsonl, report.json,
+    metrics.jsonl, TensorBoard and W&B show of a step (a new figure is one line here, or in the
+    driver's `ev.extra`, plus its test).
+
+    Every mean over tokens is weighted by target tokens: the trainer's figures (TARGET_MEANS:
+    ratio, clip fraction, IS weight, entropy, MoE aux loss) over the step's micro-batches, and
+    `loss_per_target` is the summed loss over the summed targets; the lag's `staleness_token_mean`
+    is weighted by the groups' training tokens. Means over executions or groups (reward,
+    `staleness_mean`) weigh each alike. `ev.extra` adds what only the driver knows (the
+    train/inference mismatch summary, the token audit, replaced groups, the learning rate)."""
+    lag = [g.lag_steps for g in ev.groups]
+    lag_sync = [g.lag_syncs for g in ev.groups]
+    toks = [g.tokens for g in ev.groups]
+    loss = sum(x.get("loss", 0.0) for x in mb_stats)
+    targets = sum(x.get("targets") or 0 for x in mb_stats)
+    kls = [x["kl_old"] for x in mb_stats if x.get("kl_old") is not None]
+    trainer = {k: target_mean(mb_stats, k) for k in TARGET_MEANS}
+    if trainer["moe_aux_loss"] is None:  # MoE models only
+        del trainer["moe_aux_loss"]
+    return {"step": ev.step, "version": ev.version, "groups": len(ev.groups),
+            "micro_batches": len(ev.micro_batches), "participants": list(ev.participants),
+            "reward_mean": statistics.fmean(rewards) if rewards else None, "reward_n": len(rewards),
+            "reward_std": statistics.pstdev(rewards) if rewards else None,
+            "reward_by_task": {t: statistics.fmean(r) for t, r in sorted(by_task.items()) if r},
+            "staleness_mean": statistics.fmean(lag) if lag else 0, "staleness_max": max(lag, default=0),
+            "staleness_token_mean": sum(a * b for a, b in zip(lag, toks)) / sum(toks) if sum(toks) else 0,
+            "lag_syncs_mean": statistics.fmean(lag_sync) if lag_sync else 0,
+            "lag_syncs_max": max(lag_sync, default=0), "pushed": ev.pushed,
+            # the loss of a GRPO step is ~0 by construction; what moves is the surrogate's scale
+            "loss": loss, "loss_per_target": loss / targets if targets else None, **trainer,
+            "kl_old_max": max(kls, default=None), "grad_norm": ev.grad_norm,
+            "reduce_s": ev.reduce_s, "push_s": ev.push_s, "t_start": ev.t_start - t0, "t_end": ev.t_end - t0,
+            **window, **counts, **ev.extra}
 
 
 def bucket_seconds(cell: dict) -> dict[str, float]:

@@ -34,7 +34,6 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
@@ -51,8 +50,9 @@ from gyre.model.tiny import ensure_tiny_model
 from gyre.proxy.replay import Replay, replayed_calls
 from gyre.report import config_file
 from gyre.report.health import Health, Thresholds
-from gyre.report.metrics import MetricsSink
-from gyre.report.progress import Progress
+from gyre.report.history import whole_run
+from gyre.report.outputs import Outputs
+from gyre.report.session import session_report
 from gyre.sched.cells import Cell
 from gyre.sched.core import Admission, Coordinator, GroupRecord, StepResult
 from gyre.sched.runspec import RunSpec
@@ -64,7 +64,7 @@ from gyre.services.training import StepReduced, TrainingDispatch
 from gyre.services.validation import ValidationSpec, Validator, scalars as validation_scalars
 from gyre.train.step_stats import lag0_warning
 from gyre.traj.audit import Audit, audit_warning
-from gyre.traj.record import FINISHED, Status, limit_of
+from gyre.traj.record import FINISHED, limit_of
 from gyre.traj.select import SelectionSpec
 
 
@@ -91,8 +91,7 @@ class Head:
         self.run_dir = Path(cfg.run.dir)
         self.t0 = clock()
         self.stats = RunStats(self.t0, n_cells)          # every figure of the report, from the events
-        self.metrics: MetricsSink | None = None          # the metrics sink (opened by run)
-        self.progress: Progress | None = None            # the console: a line per step (opened by run)
+        self.outputs = Outputs()                         # the metrics sink and the console (opened by run)
         self.health = Health(Thresholds.from_config(cfg))
         self._signalled = False                          # stopped by SIGINT/SIGTERM (scancel, Ctrl-C)
         self.fleet = CellFleet(link, n_cells, emit=self._emit, clock=clock,
@@ -105,6 +104,7 @@ class Head:
         self.spec: RunSpec | None = None                # the run spec the core and the policy come from
         self.policy = None
         self._committed = 0                              # version of the last step written down
+        self._first_step = 0                             # the step this session started at (resume)
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._cells_written = 0.0
@@ -133,10 +133,7 @@ class Head:
         row = self.stats.apply(event)
         if isinstance(event, StepEnded):
             self._judge(row)
-        if self.metrics is not None:
-            self.metrics.on_event(event, self.stats, row)
-        if self.progress is not None:
-            self.progress.on_event(event, self.stats, row)
+        self.outputs.on_event(event, self.stats, row)
         return row
 
     def _judge(self, row: dict) -> None:
@@ -218,6 +215,7 @@ class Head:
         if self.resume:
             rollout.compact()  # finish one a crash cut short
         version, first_group = self.ledger.load_state() if self.resume else (0, 0)
+        self._first_step = version
         self.replays = (self.ledger.stopped_to_replay(journal_dir(cfg))
                         if self.resume and cfg.harness.resume is ResumeMode.REPLAY else {})
         self.ledger.open()
@@ -242,13 +240,7 @@ class Head:
         self._emit(RunStarted(now, len(self.cells)))
         for c in self.cells:  # the role each cell is in at time zero
             self._emit(CellRoleChanged(now, c.id, c.role.value))
-        self.metrics = MetricsSink(self.run_dir, cfg.run.loggers, name=cfg.run.name, config=asdict(cfg),
-                                   wandb_mode=cfg.run.wandb_mode.value)
-        self.progress = Progress(cfg.run.steps, cfg.run.groups_per_step * cfg.harness.group_size,
-                                 first_step=version, bar=self.progress_bar)
-        print(f"gyre: run {self.run_dir} started: {cfg.run.steps - version} steps to go ({len(self.cells)} cells, "
-              f"scheme {cfg.sched.scheme}{cfg.sched.staleness}); metrics: {', '.join(self.metrics.active)}",
-              flush=True)
+        self.outputs.open(cfg, self.run_dir, version, len(self.cells), self.progress_bar)
         roles = self.policy.initial_roles(len(self.cells))
         for cell in self.cells:
             cell.since, cell.last_seen = now, now
@@ -285,12 +277,9 @@ class Head:
                 loop.remove_signal_handler(sig)
         t1 = self.clock()
         self._emit(RunEnded(t1, stopped))
-        self.metrics.close()
         why = f"{rollout.broken}" if rollout.broken else "; ".join(self.errors) if stopped and self.errors else None
-        self.progress.end(self._committed, t1 - self.t0, cancelled=stopped and self._signalled, why=why,
-                          resume_hint=f"gyre run --resume run.dir={self.run_dir} (on Slurm: gyre submit --resume)")
-        for e in self.metrics.errors:
-            print(f"gyre: note: {e}", flush=True)
+        self.outputs.close(self._committed, t1 - self.t0, cancelled=stopped and self._signalled, why=why,
+                           run_dir=self.run_dir)
         await asyncio.gather(*(self.fleet.stop(c) for c in self.cells))
         self.ledger.close()
         return self.report(t1, stopped)
@@ -532,30 +521,8 @@ class Head:
 
     # ==== report ================================================================================
     def report(self, t1: float, stopped: bool) -> dict:
-        """report.json: every figure from the events (gyre/events.py); no shard is read back."""
-        st = self.stats
-        cells = [{**st.cell_time(c.id, t1), "hostname": c.hostname, "switch_phases": c.switch_phases}
-                 for c in self.cells]
-        s = self.cfg.sched
-        executions = dict(st.status_counts)
-        events = sorted(self.fleet.events + self.events, key=lambda e: e["t"])  # the cells' and the head's
-        return {"stopped_reason": self.failed or (self.rollout.broken if self.rollout else None),
-                "failed": self.failed,
-                "unscorable": dict(self.ledger.unscorable),
-                "scheme": s.scheme, "label": f"{s.scheme}{s.staleness}", "staleness": s.staleness,
-                "staleness_rule": s.staleness_rule, "steps_per_sync": s.steps_per_sync,
-                "lag": asdict(st.lag()), "groups_dropped": st.groups_dropped,
-                "groups_started": self.core.started,
-                "steps": st.steps, "cells": cells, "wall_s": t1 - self.t0, "stopped": stopped,
-                "errors": self.fleet.errors + self.errors + (self.metrics.errors if self.metrics else []),
-                "warnings": self.warnings,
-                "harness_errors": executions.get(Status.FAILED, 0) + executions.get(Status.CRASHED, 0), "events": events,
-                "groups_replaced_zero_variance": self.core.zero_variance_dropped,
-                "executions": executions, "stopped_by_limits": dict(st.limit_counts), "version": self.version,
-                "intervals": {c.id: st.intervals(c.id, t1) for c in self.cells},
-                "idle": {c.id: st.idle_spans(c.id, t1) for c in self.cells},
-                "metrics": self.metrics.describe() if self.metrics else None,
-                "validation": list(self.validation.log.rounds.values()) if self.validation else []}
+        """report.json: the whole run's (gyre/report/history.py), this session's folded into it."""
+        return whole_run(self.run_dir, session_report(self, t1, stopped), self._first_step)
 
 
 def _reward_of(rec) -> tuple[float | None, bool]:

@@ -70,9 +70,8 @@ def run(args: argparse.Namespace) -> int:
     if args.strict:
         args.overrides = [*args.overrides, "harness.strict_suite=true"]
     cfg = load_config(args.config, args.overrides)
-    if args.resume and config_file.stored(cfg.run.dir):  # the run's own configuration, overrides on top
-        args.config = str(config_file.stored(cfg.run.dir))
-        cfg = load_config(args.config, args.overrides)
+    if args.resume:  # the run's own configuration, overrides on top; a --config only where it may change
+        cfg, args.config = config_file.resumed(cfg.run.dir, args.config, args.overrides)
     load_tasks(cfg)  # a bad suite is a clear message here, not a traceback from the head rank
     run_dir = private_dir(Path(cfg.run.dir))
     if not args.resume and (run_dir / "state.json").exists():

@@ -244,9 +244,10 @@ def prepare(config: str | None, overrides: list[str], environ: Mapping[str, str]
     if resume and alloc.restart_count == 0 and (get("GYRE_RESUME") or "") not in ("1", "yes", "true"):
         raise SlurmEnvError(f"{run_dir} holds a run (state.json): submit with GYRE_RESUME=1 to continue it, "
                             "or choose another run.dir")
-    resolved = config_file.stored(run_dir) if resume else None
-    if resolved:  # the run's own configuration: nothing to retype on resume or requeue
-        cfg = load_config(resolved, overrides)
+    resolved = None
+    if resume and config_file.stored(run_dir):  # the run's own configuration: nothing to retype on resume or
+        # requeue; a --config only where it changes keys that may change (else refused, naming them)
+        cfg, resolved = config_file.resumed(run_dir, config, overrides)
         blocks = cell_blocks(alloc, cfg)
     extra = []
     if cfg.engine.host in LOOPBACK:  # the head must reach each cell's engine across nodes

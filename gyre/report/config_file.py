@@ -15,7 +15,7 @@ import math
 from enum import Enum
 from pathlib import Path
 
-from gyre.config import GyreConfig, load_config
+from gyre.config import ConfigError, GyreConfig, load_config
 from gyre.config_reference import reference_markdown
 from gyre.fsio import atomic_write_text
 
@@ -66,6 +66,41 @@ def stored(run_dir: str | Path) -> Path | None:
     """The run's resolved configuration file, if it wrote one."""
     path = Path(run_dir) / FILE
     return path if path.is_file() else None
+
+
+# ---- --resume --config -----------------------------------------------------------------------------
+# Keys a resumed run may take from a new --config: how long it goes on, how it is watched and
+# logged, and where the engines listen (gyre submit sets engine.host for a cluster's nodes). Every
+# other key shapes what was trained or recorded (the model, the schedule, the harness, the loss):
+# changing one mid-run would make one run two experiments under one name.
+MAY_CHANGE = ("engine.host", "run.steps", "run.heartbeat_timeout_s", "run.loggers", "run.wandb_mode",
+              "run.keep_checkpoints", "run.warn_entropy_below", "run.warn_harness_failure_rate",
+              "harness.concurrency", "eval.workers")
+
+
+def _flat(cfg: GyreConfig) -> dict[str, object]:
+    return {f"{sec}.{k}": v for sec, keys in dataclasses.asdict(cfg).items() for k, v in keys.items()}
+
+
+def resumed(run_dir: str | Path, config: str | None, overrides: list[str]) -> tuple[GyreConfig, str]:
+    """The configuration a `--resume` runs with, and the file it loads: the run's stored one
+    (overrides on top); with a `--config` that differs from it only in MAY_CHANGE keys, that file;
+    one that differs in any other key is refused, naming each such key with both values."""
+    path = stored(run_dir)
+    if path is None:  # a run from before Gyre stored its configuration: the command line's
+        return load_config(config, overrides), config
+    old = load_config(path, overrides)
+    if config is None or Path(config).resolve() == path.resolve():
+        return old, str(path)
+    new = load_config(config, overrides)
+    was, now = _flat(old), _flat(new)
+    fixed = [k for k in was if was[k] != now[k] and k not in MAY_CHANGE]
+    if fixed:
+        said = "; ".join(f"{k}: {_value(was[k])} in the run, {_value(now[k])} in {config}" for k in fixed)
+        raise ConfigError(f"--resume --config {config}: {said}. These keys cannot change within a run (only "
+                          f"{', '.join(MAY_CHANGE)} can): drop --config to resume with the run's own "
+                          f"{path}, or start a new run.dir")
+    return new, config
 
 
 # ---- gyre config show -------------------------------------------------------------------------------

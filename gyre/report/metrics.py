@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import secrets
+import string
 from dataclasses import asdict
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from gyre.events import Event, RunEnded, RunStats, StepEnded
 from gyre.report.health import KINDS
 
 LOGGERS = ("jsonl", "tensorboard", "wandb")
+WANDB_ID = "wandb_id"  # in the run directory: the W&B run every session of the run logs to
 # Every scalar of a step row (steps.jsonl) under a stable grouped name: rollout/ (what the
 # executions did), train/ (the optimizer step), offpolicy/ (lag corrections and train/inference
 # mismatch), sched/ (lag, steps, cells taking part, time spent outside training), cells/ (time by
@@ -95,11 +98,13 @@ def step_scalars(row: dict, stats: RunStats, t1: float) -> dict[str, float]:
 
 class MetricsSink:
     def __init__(self, run_dir: str | Path, loggers: list[str] | tuple[str, ...] = LOGGERS, *, name: str = "gyre",
-                 config: dict | None = None, wandb_mode: str = "offline") -> None:
+                 config: dict | None = None, wandb_mode: str = "offline", first_step: int = 0) -> None:
+        """`first_step`: the step this session starts at (a resumed run's steps keep growing)."""
         bad = [x for x in loggers if x not in LOGGERS]
         if bad:
             raise ValueError(f"run.loggers: {bad} not known; choose from {', '.join(LOGGERS)}")
         self.dir = Path(run_dir)
+        self.first_step = first_step
         self.path = self.dir / "metrics.jsonl"
         self._jsonl = open(self.path, "a", buffering=1)   # always: the one every tool can read
         self.active, self.skipped, self.errors = ["jsonl"], [], []
@@ -122,7 +127,10 @@ class MetricsSink:
         import wandb
 
         try:
+            # one W&B run for the whole run: its id is kept in the run directory and a resumed
+            # session continues it (resume="allow": a first session creates it)
             run = wandb.init(project=name, dir=str(self.dir), mode=mode, config=config, reinit="create_new",
+                             id=self._wandb_id(), resume="allow",
                              settings=wandb.Settings(console="off", silent=True, x_disable_stats=True,
                                                      disable_git=True, save_code=False))
         except Exception as e:  # a W&B account problem must not stop the run: the jsonl has it all
@@ -132,13 +140,22 @@ class MetricsSink:
         self.active.append("wandb")
         return run
 
+    def _wandb_id(self) -> str:
+        """The run's W&B id, from ``<run.dir>/wandb_id`` (written on the first session)."""
+        path = self.dir / WANDB_ID
+        if path.exists() and path.read_text().strip():
+            return path.read_text().strip()
+        run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))  # W&B's form
+        path.write_text(run_id + "\n")
+        return run_id
+
     def on_event(self, ev: Event, stats: RunStats, row: dict | None = None) -> None:
         """Log what an event completed: a step (its row, from `stats`) or the end of the run."""
         if isinstance(ev, StepEnded) and row is not None:
             self.log(row["step"], step_scalars(row, stats, ev.t_end), t=row["t_end"])
         elif isinstance(ev, RunEnded):
             lag = stats.lag()
-            step = stats.steps[-1]["step"] + 1 if stats.steps else 0  # W&B steps only grow
+            step = stats.steps[-1]["step"] + 1 if stats.steps else self.first_step  # W&B steps only grow
             self.log(step, {f"sched/run_lag_{k}": float(v) for k, v in asdict(lag).items()}, t=ev.t - stats.t0)
 
     def log(self, step: int, scalars: dict[str, float], *, t: float | None = None) -> None:

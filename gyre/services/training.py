@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import statistics
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -232,19 +231,16 @@ class TrainingDispatch:
 
     def step_figures(self, stats: list[dict], replaced: int, groups: int,
                      microbatches=(), step: int | None = None) -> tuple[dict, dict, Audit]:
-        """(the step row's extra figures, the merged mismatch summary, the token-identity audit)
-        of a step's micro-batches: off-policy weights, train/inference mismatch, MoE aux loss,
-        replaced groups, trained tokens that differ from what the engine returned."""
+        """(the step row's driver figures, the merged mismatch summary, the token-identity audit)
+        of a step's micro-batches: train/inference mismatch, replaced groups, trained tokens that
+        differ from what the engine returned; the row itself (and every trainer mean in it) is
+        built by `gyre.events.step_row`."""
         merged = merge(stats, parallel=False)
         mismatch = summarize(merged)
         audit = Audit()
         for m in microbatches:
             audit.add(self.audits.get(m, Audit()))
-        extra = {
-            # the loss of a GRPO step is ~0 by construction; what moves is the surrogate's scale
-            "loss_per_target": merged["loss"] / merged["targets"] if merged.get("targets") else None,
-            "is_weight_mean": merged.get("is_weight_mean"), "clip_frac": merged.get("clip_frac"),
-            "entropy": merged.get("entropy"),
+        extra = {  # the trainer's means (ratio, clip, entropy, loss per target) are the row builder's
             # the rate the trainers applied to step `step` (0-based; gyre.train.lr_schedule)
             "learning_rate": self.cfg.train.lr if step is None else
             LrSchedule.from_config(trainer_config(self.cfg)).lr_at(step + 1),
@@ -258,9 +254,6 @@ class TrainingDispatch:
             extra["ref_memory_bytes"] = merged.get("ref_bytes_max")  # per trainer rank
             extra["ref_time_fraction"] = merged.get("ref_time_sum", 0.0) / merged["fwd_bwd_s"] \
                 if merged.get("fwd_bwd_s") else None
-        aux = [x["moe_aux_loss"] for x in stats if x.get("moe_aux_loss") is not None]
-        if aux:  # MoE models: the load-balancing loss, mean over the step's micro-batches
-            extra["moe_aux_loss"] = statistics.fmean(aux)
         return extra, mismatch, audit
 
     def step_closed(self, microbatches) -> None:

@@ -163,7 +163,7 @@ def test_step_rows_lag_and_cell_time_from_events_equal_what_the_head_computed(tm
                                                                              if k != "hostname"})
         parts = got["busy_rollout_s"] + got["busy_train_s"] + got["switching_s"] + got["idle_s"] + got["failed_s"]
         assert parts == pytest.approx(got["wall_s"])
-        assert sum(b - a for a, b in rep["idle"][c.id]) == pytest.approx(got["idle_s"])
+        assert sum(b - a for a, b in rep["idle"][str(c.id)]) == pytest.approx(got["idle_s"])
     assert rep["cells"][0]["busy_rollout_s"] > 0 and rep["cells"][1]["busy_train_s"] > 0
     assert rep["executions"] == {s: sum(r.status == s for r in told["records"].values())
                                  for s in {r.status for r in told["records"].values()}}
@@ -271,3 +271,26 @@ def test_busy_stretches_and_weight_pushes_book_a_cells_time():
     assert s.dropped_reasons == {"stale": 2}
     with pytest.raises(ValueError, match="CellBusy"):
         s.apply(CellBusy(0.0, 1.0, 0, "to_train"))
+
+
+def test_the_step_rows_trainer_means_are_weighted_by_target_tokens():
+    """gyre.events.step_row is the one builder of the step row; a micro-batch of 3 targets counts
+    three times one of 1 in every trainer mean (issue 41: ratio_mean was an unweighted mean while
+    clip_frac was target-weighted). An unweighted mean reads 1.5 here, the weighted one 1.75."""
+    from gyre.events import TARGET_MEANS
+
+    st = RunStats()
+    st.apply(RunStarted(0.0, 1))
+    small = {"loss": 1.0, "targets": 1, "kl_old": 0.1, **{k: 1.0 for k in TARGET_MEANS}}
+    big = {"loss": 5.0, "targets": 3, "kl_old": 0.3, **{k: 2.0 for k in TARGET_MEANS}}
+    st.apply(MicroBatchDone(0.0, 1.0, 0, 0, 0, True, small))
+    st.apply(MicroBatchDone(1.0, 2.0, 0, 1, 0, True, big))
+    st.apply(MicroBatchDone(2.0, 3.0, 0, 2, 0, False, {}))  # lost: no figures
+    row = st.apply(StepEnded(0.0, 3.0, 0, 1, (GroupLag(0, 0, 0, 0, 4.0),), (0, 1, 2), (0,)))
+    for k in TARGET_MEANS:
+        assert row[k] == pytest.approx(1.75), k
+    assert row["loss"] == 6.0 and row["loss_per_target"] == pytest.approx(1.5)  # summed loss / summed targets
+    assert row["kl_old_max"] == 0.3
+    bare = RunStats()  # a driver without trainer figures (the simulator): no MoE key, the means None
+    row = bare.apply(StepEnded(0.0, 1.0, 0, 1, (GroupLag(0, 0, 0, 0, 4.0),)))
+    assert row["ratio_mean"] is None and row["loss_per_target"] is None and "moe_aux_loss" not in row

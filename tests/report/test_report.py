@@ -120,6 +120,24 @@ def test_metrics_sink_writes_an_offline_wandb_run(tmp_path):
     assert (tmp_path / "metrics.jsonl").exists()  # always written
 
 
+def test_a_resumed_session_continues_the_runs_one_wandb_run(tmp_path):
+    """Issue 45: each resume opened a new W&B run; the run's id is kept in run.dir and continued."""
+    pytest.importorskip("wandb")
+    from gyre.report.metrics import WANDB_ID, MetricsSink
+
+    ids = []
+    for first in (0, 3):  # a first session, then one resumed at step 3
+        sink = MetricsSink(tmp_path, ["wandb"], name="gyre-test", first_step=first)
+        st = RunStats()
+        for ev in events():
+            sink.on_event(ev, st, st.apply(ev))
+        ids.append(sink._wb.id)
+        sink.close()
+    assert ids[0] == ids[1] == (tmp_path / WANDB_ID).read_text().strip()
+    runs = sorted((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 2 and {r.name for r in runs} == {f"run-{ids[0]}.wandb"}  # `wandb sync` joins them
+
+
 def test_loggers_are_checked_when_configured(tmp_path):
     from gyre.config import ConfigError, load_config
     from gyre.report.metrics import MetricsSink

@@ -19,6 +19,7 @@ class LagStats:
     group_mean_syncs: float
     token_mean_syncs: float
     worst_syncs: int
+    tokens: float = 0.0  # the trained groups' tokens
 
     @staticmethod
     def of(groups: Iterable[GroupRecord]) -> "LagStats":
@@ -34,7 +35,7 @@ class LagStats:
 
         return LagStats(len(gs), sum(g.lag_steps for g in gs) / len(gs), tmean("lag_steps"),
                         max(g.lag_steps for g in gs), sum(g.lag_syncs for g in gs) / len(gs),
-                        tmean("lag_syncs"), max(g.lag_syncs for g in gs))
+                        tmean("lag_syncs"), max(g.lag_syncs for g in gs), float(tok))
 
 
 def lag_of(core: Coordinator) -> LagStats:
