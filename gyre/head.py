@@ -57,11 +57,12 @@ from gyre.sched.cells import Cell
 from gyre.sched.core import Admission, Coordinator, GroupRecord, StepResult
 from gyre.sched.runspec import RunSpec
 from gyre.sched.state import Role
+from gyre import validation_rounds
 from gyre.services.fleet import CellFleet, WeightPaths
 from gyre.services.ledger import Ledger, execution_id
 from gyre.services.rollout import RecordError, RolloutService, journal_dir
 from gyre.services.training import StepReduced, TrainingDispatch
-from gyre.services.validation import ValidationSpec, Validator, scalars as validation_scalars
+from gyre.services.validation import ValidationSpec, Validator
 from gyre.train.step_stats import lag0_warning
 from gyre.traj.audit import Audit, audit_warning
 from gyre.traj.record import FINISHED, limit_of
@@ -259,7 +260,7 @@ class Head:
                 await self.tick(self.clock())
                 await asyncio.sleep(0.1)
             if not stopped and self.validation is not None:
-                await self._final_validation()
+                await validation_rounds.final(self)
         finally:
             await rollout.stop_harnesses()
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
@@ -304,49 +305,12 @@ class Head:
                 self.fleet.set_role(cell, Role.TO_ROLLOUT, now)
                 self._spawn(self._to_rollout(cell))
         self.start_groups(decision.start_groups, now)
-        self._validate_if_due()
+        validation_rounds.if_due(self)
         self.training.dispatch()
         if self.core.step_ready() and all(c.role.settled or c.role is Role.FAILED for c in self.cells):
             # (a cell mid-switch would miss the step: wait until it lands)
             self.core.step_ending(now)
             self._spawn(self._finish_step())
-
-    # ==== validation: rounds on held-out tasks (gyre/services/validation.py) ====================
-    def _validate_if_due(self) -> None:
-        """A round at the committed version once the rollout cells serve it, one at a time."""
-        v, version = self.validation, self._committed
-        if v is None or self.core.rollout_version != version or not v.due(version, self._start_version):
-            if v is not None and v.busy_at(version, self._start_version):  # said, never silent
-                self._notice("validation_waiting", {"version": version, "why": "the previous round still runs; "
-                                                    "this one starts when it ends unless a step ends first"})
-            return
-        v.task = self._spawn(self._validation_round(version), name=f"validation v{version}")
-
-    async def _validation_round(self, version: int) -> None:
-        line = await self.validation.round(version)
-        if line is not None and self.metrics is not None:
-            self.metrics.log(version, validation_scalars(line), t=self.clock() - self.t0)
-
-    async def _final_validation(self) -> None:
-        """After the last step: its weights on a rollout cell, then the last round."""
-        v = self.validation
-        others = [t for t in self._tasks if t is not v.task and not t.get_name().startswith("execution ")]
-        await asyncio.gather(*others, return_exceptions=True)  # the last step is written down, its weights pushed
-        if v.task is not None:
-            await asyncio.gather(v.task, return_exceptions=True)
-        version = self.core.rollout_version
-        if not v.spec.at_end or v.finished(version) or self.failed:
-            return
-        if not self.fleet.in_role(Role.ROLLOUT):
-            cell = next((c for c in self.cells if c.role is Role.TRAIN), None)
-            if cell is None:
-                self.fail("validation after the last step: no cell can serve it")
-                return
-            await self._to_rollout(cell)
-        v.task = self._spawn(self._validation_round(version), name=f"validation v{version}")
-        stop = asyncio.ensure_future(self._stop.wait())  # SIGTERM: its harnesses stop, a resume finishes it
-        await asyncio.wait({v.task, stop}, return_when=asyncio.FIRST_COMPLETED)
-        stop.cancel()
 
     # ==== switches: the fleet's commands, the rollout service's endpoints =======================
     async def _to_train(self, cell: Cell) -> None:
