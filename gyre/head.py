@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
-import re
 import shutil
 import signal
 import sys
@@ -47,6 +46,7 @@ from gyre.harness.runner import private_dir
 from gyre.harness.sandbox import Environments, SandboxConfig
 from gyre.model.identity import model_identity
 from gyre.model.tiny import ensure_tiny_model
+from gyre.position import Position
 from gyre.proxy.replay import Replay, replayed_calls
 from gyre.report import config_file
 from gyre.report.health import Health, Thresholds
@@ -72,8 +72,8 @@ def prune_checkpoints(root: Path, newest: int, keep: int) -> list[Path]:
     past `newest` (a step being written) is never touched."""
     gone = []
     for d in root.glob("v*"):
-        m = re.fullmatch(r"v(\d+)(u\d+)?", d.name)
-        if d.is_dir() and m and int(m[1]) <= newest - keep:
+        at = Position.of_name(d.name)
+        if d.is_dir() and at is not None and at.step <= newest - keep:
             shutil.rmtree(d, ignore_errors=True)
             gone.append(d)
     return gone

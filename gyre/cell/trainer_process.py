@@ -29,6 +29,7 @@ from gyre.config import TrainConfig
 from gyre.cell.trainer_messages import (Applied, Apply, Close, ExportWeights, ForwardBackward, Hostnames, LoadCheckpoint,
                                  Logprobs, Offload, ReduceGrads, GradsReduced, Reply, Request, Restore, SaveCheckpoint, Start, Started,
                                  Stash, Stashed)
+from gyre.position import Position
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -97,6 +98,13 @@ class TrainerProcess:
             self._accepted.append(self._listener.accept())
         except Exception as e:  # noqa: BLE001 - a bad handshake or a closed listener: rank 0 never came
             self._accepted.append(e)
+
+    @property
+    def position(self) -> Position:
+        """Where the trainer stands (its step and the updates applied inside the next)."""
+        if self.step is None:
+            raise RuntimeError("the trainer has not said where it stands yet: wait_ready first")
+        return Position(self.step, self.update)
 
     @property
     def pid(self) -> int:
