@@ -59,6 +59,7 @@ def _choices(name: str, doc: str, *values: str) -> type[StrEnum]:
 
 
 WandbMode = _choices("WandbMode", "`run.wandb_mode`", "offline", "online", "disabled")
+BestMode = _choices("BestMode", "`run.best_metric_mode`", "max", "min")
 TemplateSource = _choices("TemplateSource", "`proxy.chat_template`", "builtin", "model")
 History = _choices("History", "`proxy.history`", "exact", "template")
 ToolParser = _choices("ToolParser", "`proxy.tool_parser`", "hermes", "qwen3_coder", "llama3", "none")
@@ -135,6 +136,15 @@ class RunConfig(_EnumFields):
                          help="W&B mode; offline runs sync later with `wandb sync`")
     keep_checkpoints: int = _f(0, min=0, help="trainer checkpoints kept in the run directory, newest first "
                                              "(the one state.json resumes from is always among them); 0 = all")
+    checkpoint_every: int = _f(1, min=1, help="keep the trainer checkpoint of every N-th step (run.keep_checkpoints "
+                                              "counts those); the others go once the next step is committed "
+                                              "(gyre/services/retention.py)")
+    keep_best: int = _f(0, min=0, help="also keep the checkpoints of the N best steps by run.best_metric")
+    best_metric: str = _f("", help="a key of the step rows (steps.jsonl), e.g. a validation reward, that "
+                                   "run.keep_best ranks checkpoints by; steps without it are not ranked")
+    best_metric_mode: BestMode = _f(BestMode.MAX, help="whether a higher (max) or lower (min) run.best_metric is better")
+    disk_budget_gb: float = _f(0.0, min=0.0, help="bound on the run's engine exports and checkpoints together (GB); a "
+                                                  "warning before the next step would cross it; 0 = none")
     warn_entropy_below: float = _f(0.05, min=0.0, help="health warning when a step's mean token entropy "
                                    "(nats) falls below this: the policy is collapsing (gyre/report/health.py)")
     warn_harness_failure_rate: float = _f(0.5, min=0.0, max=1.0,

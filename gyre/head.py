@@ -58,25 +58,13 @@ from gyre.sched.runspec import RunSpec
 from gyre.sched.state import Role
 from gyre.services.fleet import CellFleet, WeightPaths
 from gyre.services.ledger import Ledger, execution_id
+from gyre.services.retention import Retention
 from gyre.services.rollout import RecordError, RolloutService, journal_dir
 from gyre.services.training import StepReduced, TrainingDispatch
 from gyre.train.step_stats import lag0_warning
 from gyre.traj.audit import Audit, audit_warning
 from gyre.traj.record import FINISHED, Status, limit_of
 from gyre.traj.select import SelectionSpec
-
-
-def prune_checkpoints(root: Path, newest: int, keep: int) -> list[Path]:
-    """Delete checkpoint directories `v<N>` (and `v<N>u<k>`, inside step N's updates: older than
-    v<N+1>) older than the `keep` newest versions up to `newest` (run.keep_checkpoints); a version
-    past `newest` (a step being written) is never touched."""
-    gone = []
-    for d in root.glob("v*"):
-        at = Position.of_name(d.name)
-        if d.is_dir() and at is not None and at.step <= newest - keep:
-            shutil.rmtree(d, ignore_errors=True)
-            gone.append(d)
-    return gone
 
 
 class Head:
@@ -92,6 +80,7 @@ class Head:
         self.metrics: MetricsSink | None = None          # the metrics sink (opened by run)
         self.progress: Progress | None = None            # the console: a line per step (opened by run)
         self.health = Health(Thresholds.from_config(cfg))
+        self.retention: Retention | None = None  # what of the weights stays on disk (made once paths are known)
         self._signalled = False                          # stopped by SIGINT/SIGTERM (scancel, Ctrl-C)
         self.fleet = CellFleet(link, n_cells, emit=self._emit, clock=clock,
                                on_engine_restarted=lambda cell, old: self._spawn(self._replace_endpoint(cell, old)))
@@ -462,9 +451,19 @@ class Head:
         self._committed = res.version
         self.training.step_closed(res.microbatches)
         self._write_state()
-        if self.cfg.run.keep_checkpoints:  # state.json now points at this version: older ones may go
-            self._spawn(asyncio.to_thread(prune_checkpoints, self.fleet.paths.ckpt_root, res.version,
-                                          self.cfg.run.keep_checkpoints))
+        self._spawn(self._retain(row, res.version))  # state.json now points at this version: older ones may go
+
+    async def _retain(self, row: dict, committed: int) -> None:
+        """Exports and checkpoints no engine, resume or retention rule needs go (gyre/services/retention.py)."""
+        if self.retention is None:
+            self.retention = Retention.from_config(self.cfg, self.fleet.paths.weights_root, self.fleet.paths.ckpt_root)
+        self.retention.record(row)
+        served = self.core.rollout_version
+        why = await asyncio.to_thread(lambda: (self.retention.after_commit(committed, served),
+                                               self.retention.budget_warning(committed))[1])
+        if why:
+            self._notice("disk_budget", {"step": row["step"], "why": why})
+            self.warnings.append(f"disk_budget: {why}")
 
     # ==== state =================================================================================
     def _write_state(self) -> None:

@@ -253,7 +253,7 @@ class Rank:
     def load_checkpoint(self, m: LoadCheckpoint) -> None:
         self.trainer.load_checkpoint(m.path)
         self.trainer.own_storage()
-        self.held, self.held_at, self.total = None, (-1, 0), None
+        self.held, self.held_at, self.total = None, None, None
 
     def offload(self, m: Offload) -> dict:
         return self.trainer.offload()
