@@ -84,6 +84,8 @@ class Retention:
         what went. Nothing past ``committed`` is touched: it is being written."""
         gone = []
         keep_w, keep_c = self.kept_exports(committed, served), self.kept_checkpoints(committed)
+        if self.weights_root.resolve() == self.ckpt_root.resolve():  # one directory for both: keep either's
+            keep_w = keep_c = keep_w | keep_c
         for root, keep in ((self.weights_root, keep_w), (self.ckpt_root, keep_c)):
             for at, d in positions(root).items():
                 if at > Position(committed):
