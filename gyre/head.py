@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Callable
 
 from gyre import faults
-from gyre.config import GyreConfig, ResumeMode, default_tiny_dir
+from gyre.config import GyreConfig, ResumeMode, default_tiny_dir, initial_model
 from gyre.events import (CallRecorded, CellRoleChanged, ExecutionEvaluated, ExecutionStarted, GroupDropped, GroupLag,
                          RunEnded, RunStarted, RunStats, StepEnded, WeightsPushed)
 from gyre.harness.execute import check_scorable, load_tasks
@@ -191,7 +191,7 @@ class Head:
     async def run(self) -> dict:
         cfg = self.cfg
         private_dir(self.run_dir)
-        model_dir = Path(cfg.model.path or ensure_tiny_model(default_tiny_dir(cfg), cfg.model.tiny_family))
+        model_dir = Path(initial_model(cfg) or ensure_tiny_model(default_tiny_dir(cfg), cfg.model.tiny_family))
         tasks = load_tasks(cfg)  # harness.suite, strict_suite, image_template, tasks
         envs = Environments(SandboxConfig.from_config(cfg.harness))  # one placement per task, shared
         check_scorable(tasks, envs, cfg.harness.min_scorable_share)  # refused before any work

@@ -38,7 +38,7 @@ from gyre.cell import mpi_link
 from gyre.cell.command import CommandError, timed
 from gyre.cell.engine import CellEngine
 from gyre.cell.placement import Placement
-from gyre.config import GyreConfig, trainer_config
+from gyre.config import GyreConfig, InitOptimizer, trainer_config
 from gyre.engine.reaper import ProcessList
 from gyre.fsio import atomic_write_json
 from gyre.sched.protocol import (TAG_STORE, Command, Event, PrepareReduce, PushWeights, Reduce, Reply, Stop,
@@ -64,6 +64,12 @@ class CellAgent:
         self.role = Role.ROLLOUT
         self.version = 0                      # newest policy version this cell has heard of
         self.checkpoint: str | None = None    # newest trainer checkpoint this cell has heard of
+        # model.init_optimizer = "carried": the optimizer of the step model.init_from was exported from
+        self.init_state: str | None = None
+        if cfg.model.init_optimizer == InitOptimizer.CARRIED:
+            from gyre.train.export import carried_checkpoint  # torch: only when asked for
+
+            self.init_state = carried_checkpoint(cfg.model.init_from)
         self.pids = ProcessList(self.run_dir, f"cell{self.cell}")  # reaped by a --resume if this agent dies
         engine_args = (["--config", config_file] if config_file else []) + \
             [a for o in overrides or [] for a in ("--set", o)]
@@ -352,6 +358,7 @@ class CellAgent:
         where = self.placement
         trainer = TrainerProcess(trainer_config(self.cfg), self.model_dir, seed=self.cfg.run.seed,
                                  offloaded=self.role is Role.ROLLOUT, checkpoint=self.checkpoint,
+                                 init_state=self.init_state,
                                  cell=self.cell, gen=self.trainer_gen, ranks=where.trainer_ranks,
                                  store=self.store_addr, advertise=where.advertise,
                                  srun=list(where.srun) if where.in_slurm_step else None, nodes=where.nodes)

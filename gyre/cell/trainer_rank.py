@@ -94,6 +94,8 @@ class Rank:
         self.trainer = make_trainer(cfg, init.model_dir, seed=init.seed)
         if init.checkpoint:
             self.trainer.load_checkpoint(init.checkpoint)
+        elif init.init_state:
+            self.trainer.load_checkpoint(init.init_state, as_start=True)
         self.trainer.own_storage()  # so that offload can release what was loaded
         if init.offloaded:
             self.trainer.offload()

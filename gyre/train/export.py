@@ -173,22 +173,41 @@ def _complete_loader_files(tmp: Path, cfg: dict) -> None:
         shutil.copyfile(CHATML_TEMPLATE, tmp / "chat_template.jinja")
 
 
+EXPORT_FILE = "gyre_export.json"  # where an export came from: run, step, that step's checkpoint
+
+
 def write_model_dir(out_dir: str | os.PathLike, state: dict[str, Tensor], hf_config, source_dir: str | os.PathLike,
-                    weight_version: int | str) -> Path:
+                    weight_version: int | str, source: dict | None = None) -> Path:
     """A complete transformers directory, written atomically: the weights (safetensors) and
     config, the source model's tokenizer, chat template and generation config (each written from
     the config when the source had none), and the weights manifest. What `gyre export` writes;
     `AutoModelForCausalLM.from_pretrained` and `gyre engine --model` load it."""
     from safetensors.torch import save_file
 
-    source = Path(source_dir)
+    src = Path(source_dir)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     with atomic_dir(out_dir) as tmp:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "weight_version": str(weight_version)})
         _write_config(tmp, hf_config, {v.dtype for v in tensors.values()}, weight_version)
         for name in TOKENIZER_FILES:
-            if (source / name).exists():
-                shutil.copyfile(source / name, tmp / name)
+            if (src / name).exists():
+                shutil.copyfile(src / name, tmp / name)
         _complete_loader_files(tmp, json.loads((tmp / "config.json").read_text()))
+        if source is not None:
+            (tmp / EXPORT_FILE).write_text(json.dumps(source, indent=1))
         write_checksums(tmp)
     return Path(out_dir)
+
+
+def carried_checkpoint(export_dir: str | os.PathLike) -> str:
+    """The trainer checkpoint of the step ``export_dir`` was exported from (model.init_optimizer =
+    "carried"); a clear error when the export does not name one or it is gone."""
+    f = Path(export_dir) / EXPORT_FILE
+    ckpt = json.loads(f.read_text()).get("checkpoint") if f.exists() else None
+    if not ckpt:
+        raise FileNotFoundError(f"{export_dir} names no trainer checkpoint ({EXPORT_FILE}): the optimizer cannot be "
+                                f"carried; set model.init_optimizer = \"fresh\" or export a step whose checkpoint is kept")
+    if not Path(ckpt).is_dir():
+        raise FileNotFoundError(f"the checkpoint {ckpt} that {export_dir} was exported from is gone; set "
+                                f"model.init_optimizer = \"fresh\"")
+    return ckpt

@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from gyre.config import ConfigError, GyreConfig, default_tiny_dir, load_config, trainer_config
+from gyre.config import ConfigError, GyreConfig, default_tiny_dir, initial_model, load_config, trainer_config
 from gyre.position import Position
 
 CONFIG_FILE = "config.toml"   # gyre/report/config_file.py writes it at a run's start
@@ -45,7 +45,7 @@ class RunFiles:
         cfg = load_config(run_dir / CONFIG_FILE)
         state = run_dir / STATE_FILE
         committed = int(json.loads(state.read_text())["version"]) if state.exists() else 0
-        return cls(cfg, Path(cfg.model.path or default_tiny_dir(cfg)),
+        return cls(cfg, Path(initial_model(cfg) or default_tiny_dir(cfg)),
                    Path(cfg.train.export_dir or run_dir / "weights"),
                    Path(cfg.train.checkpoint_dir or run_dir / "checkpoints"), committed)
 
@@ -103,7 +103,10 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None) ->
     if out.exists() and any(out.iterdir()):
         raise ExportError(f"{out} exists and is not empty; pass a new directory")
     hf_config, state = step_weights(run, step)
-    return write_model_dir(out, state, hf_config, run.model_dir, step)
+    ckpt = run.ckpt_root / str(Position(step))
+    source = {"run": str(Path(run_dir).resolve()), "step": step,
+              "checkpoint": str(ckpt.resolve()) if ckpt.is_dir() else None}  # model.init_optimizer = "carried" reads it
+    return write_model_dir(out, state, hf_config, run.model_dir, step, source=source)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
