@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                  "pass@1/pass@k, mean reward) on the model or a run's weights"),
     "run": ("gyre.cluster.local", "run the online RL job on this machine (head + cells under mpiexec)"),
     "train": ("gyre.train.cli", "policy-gradient steps from evaluated executions in HDF5 shards"),
+    "export": ("gyre.train.export_cli", "write a run's trained model (a step) as a transformers directory"),
     "submit": ("gyre.cluster.slurm:submit_", "write and submit the heterogeneous Slurm job (launchers/gyre.sbatch)"),
     "status": ("gyre.cluster.slurm:status_", "show a run's cells, roles and progress"),
     "inspect": ("gyre.traj.inspect", "summarise an HDF5 trajectory shard, draw one execution's tree"),

@@ -59,6 +59,8 @@ def _choices(name: str, doc: str, *values: str) -> type[StrEnum]:
 
 
 WandbMode = _choices("WandbMode", "`run.wandb_mode`", "offline", "online", "disabled")
+BestMode = _choices("BestMode", "`run.best_metric_mode`", "max", "min")
+InitOptimizer = _choices("InitOptimizer", "`model.init_optimizer`", "fresh", "carried")
 TemplateSource = _choices("TemplateSource", "`proxy.chat_template`", "builtin", "model")
 History = _choices("History", "`proxy.history`", "exact", "template")
 ToolParser = _choices("ToolParser", "`proxy.tool_parser`", "hermes", "qwen3_coder", "llama3", "none")
@@ -138,6 +140,15 @@ class RunConfig(_EnumFields):
                          help="W&B mode; offline runs sync later with `wandb sync`")
     keep_checkpoints: int = _f(0, min=0, help="trainer checkpoints kept in the run directory, newest first "
                                              "(the one state.json resumes from is always among them); 0 = all")
+    checkpoint_every: int = _f(1, min=1, help="keep the trainer checkpoint of every N-th step (run.keep_checkpoints "
+                                              "counts those); the others go once the next step is committed "
+                                              "(gyre/services/retention.py)")
+    keep_best: int = _f(0, min=0, help="also keep the checkpoints of the N best steps by run.best_metric")
+    best_metric: str = _f("", help="a key of the step rows (steps.jsonl), e.g. a validation reward, that "
+                                   "run.keep_best ranks checkpoints by; steps without it are not ranked")
+    best_metric_mode: BestMode = _f(BestMode.MAX, help="whether a higher (max) or lower (min) run.best_metric is better")
+    disk_budget_gb: float = _f(0.0, min=0.0, help="bound on the run's engine exports and checkpoints together (GB); a "
+                                                  "warning before the next step would cross it; 0 = none")
     warn_entropy_below: float = _f(0.05, min=0.0, help="health warning when a step's mean token entropy "
                                    "(nats) falls below this: the policy is collapsing (gyre/report/health.py)")
     warn_harness_failure_rate: float = _f(0.5, min=0.0, max=1.0,
@@ -156,13 +167,19 @@ class RunConfig(_EnumFields):
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(_EnumFields):
+    _SECTION = "model"
     path: str = _f("", help="model directory (transformers layout); empty = the embedded tiny model")
     tiny_dir: str = _f("", help="where the embedded tiny model is built; empty = ~/.cache/gyre/tiny-qwen "
                                 "(tiny-<family> for another family)")
     tiny_family: str = _f("qwen2", choices=("qwen2", "llama", "qwen3", "qwen3_moe", "qwen2_moe", "qwen3_next",
                                             "qwen3_5", "qwen3_5_moe"),
                           help="family of the embedded tiny model (`gyre make-model --family`)")
+    init_from: str = _f("", help="start from trained weights: a `gyre export` directory (it is the run's model, "
+                                 "in place of model.path); empty = model.path")
+    init_optimizer: InitOptimizer = _f(InitOptimizer.FRESH,
+                                       help="with model.init_from: a fresh optimizer, or the Adam state carried from "
+                                            "the checkpoint of the step it was exported from (still on disk)")
 
 
 @dataclass
@@ -675,6 +692,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
 def _cross_check(cfg: GyreConfig) -> None:
     """Rules that span keys (each key alone was checked by `_apply`)."""
     _check_loop(cfg)
+    if cfg.model.init_optimizer == InitOptimizer.CARRIED and not cfg.model.init_from:
+        raise ConfigError("model.init_optimizer = \"carried\" needs model.init_from (a `gyre export` directory "
+                          "whose step's checkpoint holds the optimizer state)")
     t = cfg.train
     if t.is_mask and not t.is_mask_low < t.is_mask_high:
         raise ConfigError(f"train.is_mask_low ({t.is_mask_low}) must be below train.is_mask_high "
@@ -745,6 +765,11 @@ def to_dict(cfg: Any) -> dict:
 def env(name: str, default: str | None = None) -> str | None:
     """The one sanctioned read of the process environment (Slurm, MPI, user overrides)."""
     return os.environ.get(name, default)
+
+
+def initial_model(cfg: GyreConfig) -> str:
+    """The model a run starts from (model.init_from, else model.path); empty = the tiny model."""
+    return cfg.model.init_from or cfg.model.path
 
 
 def default_tiny_dir(cfg: GyreConfig) -> Path:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
-import re
 import shutil
 import signal
 import sys
@@ -38,7 +37,7 @@ from pathlib import Path
 from typing import Callable
 
 from gyre import faults
-from gyre.config import GyreConfig, ResumeMode, default_tiny_dir
+from gyre.config import GyreConfig, ResumeMode, default_tiny_dir, initial_model
 from gyre.events import (CallRecorded, CellRoleChanged, ExecutionEvaluated, ExecutionStarted, GroupDropped, GroupLag,
                          RunEnded, RunStarted, RunStats, StepEnded, WeightsPushed)
 from gyre.harness.datasets import TaskStream
@@ -47,6 +46,7 @@ from gyre.harness.runner import private_dir
 from gyre.harness.sandbox import Environments, SandboxConfig
 from gyre.model.identity import model_identity
 from gyre.model.tiny import ensure_tiny_model
+from gyre.position import Position
 from gyre.proxy.replay import Replay, replayed_calls
 from gyre.report import config_file
 from gyre.report.health import Health, Thresholds
@@ -60,6 +60,7 @@ from gyre.sched.state import Role
 from gyre import validation_rounds
 from gyre.services.fleet import CellFleet, WeightPaths
 from gyre.services.ledger import Ledger, execution_id
+from gyre.services.retention import Retention
 from gyre.services.rollout import RecordError, RolloutService, journal_dir
 from gyre.services.training import StepReduced, TrainingDispatch
 from gyre.services.validation import ValidationSpec, Validator
@@ -67,19 +68,6 @@ from gyre.train.step_stats import lag0_warning
 from gyre.traj.audit import Audit, audit_warning
 from gyre.traj.record import FINISHED, limit_of
 from gyre.traj.select import SelectionSpec
-
-
-def prune_checkpoints(root: Path, newest: int, keep: int) -> list[Path]:
-    """Delete checkpoint directories `v<N>` (and `v<N>u<k>`, inside step N's updates: older than
-    v<N+1>) older than the `keep` newest versions up to `newest` (run.keep_checkpoints); a version
-    past `newest` (a step being written) is never touched."""
-    gone = []
-    for d in root.glob("v*"):
-        m = re.fullmatch(r"v(\d+)(u\d+)?", d.name)
-        if d.is_dir() and m and int(m[1]) <= newest - keep:
-            shutil.rmtree(d, ignore_errors=True)
-            gone.append(d)
-    return gone
 
 
 class Head:
@@ -94,6 +82,7 @@ class Head:
         self.stats = RunStats(self.t0, n_cells)          # every figure of the report, from the events
         self.outputs = Outputs()                         # the metrics sink and the console (opened by run)
         self.health = Health(Thresholds.from_config(cfg))
+        self.retention: Retention | None = None  # what of the weights stays on disk (made once paths are known)
         self._signalled = False                          # stopped by SIGINT/SIGTERM (scancel, Ctrl-C)
         self.fleet = CellFleet(link, n_cells, emit=self._emit, clock=clock,
                                on_engine_restarted=lambda cell, old: self._spawn(self._replace_endpoint(cell, old)))
@@ -207,7 +196,7 @@ class Head:
     async def run(self) -> dict:
         cfg = self.cfg
         private_dir(self.run_dir)
-        model_dir = Path(cfg.model.path or ensure_tiny_model(default_tiny_dir(cfg), cfg.model.tiny_family))
+        model_dir = Path(initial_model(cfg) or ensure_tiny_model(default_tiny_dir(cfg), cfg.model.tiny_family))
         tasks = load_tasks(cfg)  # harness.suite, strict_suite, image_template, tasks
         envs = Environments(SandboxConfig.from_config(cfg.harness))  # one placement per task, shared
         check_scorable(tasks, envs, cfg.harness.min_scorable_share)  # refused before any work
@@ -469,9 +458,19 @@ class Head:
         self._committed = res.version
         self.training.step_closed(res.microbatches)
         self._write_state()
-        if self.cfg.run.keep_checkpoints:  # state.json now points at this version: older ones may go
-            self._spawn(asyncio.to_thread(prune_checkpoints, self.fleet.paths.ckpt_root, res.version,
-                                          self.cfg.run.keep_checkpoints))
+        self._spawn(self._retain(row, res.version))  # state.json now points at this version: older ones may go
+
+    async def _retain(self, row: dict, committed: int) -> None:
+        """Exports and checkpoints no engine, resume or retention rule needs go (gyre/services/retention.py)."""
+        if self.retention is None:
+            self.retention = Retention.from_config(self.cfg, self.fleet.paths.weights_root, self.fleet.paths.ckpt_root)
+        self.retention.record(row)
+        served = self.core.rollout_version
+        why = await asyncio.to_thread(lambda: (self.retention.after_commit(committed, served),
+                                               self.retention.budget_warning(committed))[1])
+        if why:
+            self._notice("disk_budget", {"step": row["step"], "why": why})
+            self.warnings.append(f"disk_budget: {why}")
 
     # ==== state =================================================================================
     def _write_state(self) -> None:

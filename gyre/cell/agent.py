@@ -38,13 +38,14 @@ from gyre.cell import mpi_link
 from gyre.cell.command import CommandError, timed
 from gyre.cell.engine import CellEngine
 from gyre.cell.placement import Placement
-from gyre.config import GyreConfig, trainer_config
+from gyre.config import GyreConfig, InitOptimizer, trainer_config
 from gyre.engine.reaper import ProcessList
 from gyre.fsio import atomic_write_json
 from gyre.sched.protocol import (TAG_STORE, Command, Event, PrepareReduce, PushWeights, Reduce, Reply, Stop,
                                  ToRollout, ToTrain, Train, reply_for)
 from gyre.sched.state import Role
 from gyre.cell.groups import abort_attempt, attempt_key, connect_store, serve_store
+from gyre.position import Position
 from gyre.cell.trainer_process import TrainerDied, TrainerError, TrainerProcess
 
 HEARTBEAT_S = 1.0
@@ -63,6 +64,12 @@ class CellAgent:
         self.role = Role.ROLLOUT
         self.version = 0                      # newest policy version this cell has heard of
         self.checkpoint: str | None = None    # newest trainer checkpoint this cell has heard of
+        # model.init_optimizer = "carried": the optimizer of the step model.init_from was exported from
+        self.init_state: str | None = None
+        if cfg.model.init_optimizer == InitOptimizer.CARRIED:
+            from gyre.train.export import carried_checkpoint  # torch: only when asked for
+
+            self.init_state = carried_checkpoint(cfg.model.init_from)
         self.pids = ProcessList(self.run_dir, f"cell{self.cell}")  # reaped by a --resume if this agent dies
         engine_args = (["--config", config_file] if config_file else []) + \
             [a for o in overrides or [] for a in ("--set", o)]
@@ -171,7 +178,7 @@ class CellAgent:
         if self.role is Role.TRAIN:  # catch up (it may have sat out a reduce)
             self._ensure_trainer()
             with timed(phases, "load"):
-                self._catch_up(c.version, c.update)
+                self._catch_up(Position(c.version, c.update))
             rep.already, rep.version = True, self.trainer.step
             return
         self._ensure_engine()
@@ -182,7 +189,7 @@ class CellAgent:
         with timed(phases, "restore"):
             self.trainer.restore(on_wait=self._beat)
         with timed(phases, "load"):
-            self._catch_up(c.version, c.update)
+            self._catch_up(Position(c.version, c.update))
         rep.version, rep.trainer_pid = self.trainer.step, self.trainer.pid
 
     def _to_rollout(self, c: ToRollout, rep, phases: dict) -> None:
@@ -223,14 +230,14 @@ class CellAgent:
         if self.role is not Role.TRAIN:
             raise CommandError(f"train: the cell is in {self.role.value} role; send to_train first")
         self._ensure_trainer()
-        at = (self.trainer.step, self.trainer.update)
-        if at < (c.step, c.update):  # it died applying the last update: the leader's checkpoint has it
+        at, want = self.trainer.position, Position(c.step, c.update)
+        if at < want:  # it died applying the last update: the leader's checkpoint has it
             with timed(phases, "load"):
-                self._catch_up(c.step, c.update)
-            at = (self.trainer.step, self.trainer.update)
-        if at != (c.step, c.update):
+                self._catch_up(want)
+            at = self.trainer.position
+        if at != want:
             raise CommandError(f"train: micro-batch {c.mb_id} is for step {c.step} update {c.update} but the "
-                               f"trainer is at step {at[0]} update {at[1]}")
+                               f"trainer is at step {at.step} update {at.update}")
         if c.prox:  # pi_prox of a later minibatch: no gradient, nothing held
             with timed(phases, "prox"):
                 rep.logprobs = [float(x) for x in self.trainer.logprobs(c.batch, on_wait=self._beat)]
@@ -257,14 +264,15 @@ class CellAgent:
             raise CommandError(f"reduce: cell {self.cell} is not among the participants {members}")
         key = (c.step, c.update, tuple(members))
         attempt = self._attempts[key] = self._attempts.get(key, 0) + 1
-        base = attempt_key(c.step, members, attempt, c.update)
+        here = Position(c.step, c.update)
+        base = attempt_key(here, members, attempt)
         leader = self.cell == c.leader
         rep.mb_ids, rep.version = list(self.held_mbs), c.step
-        after = (c.step + 1, 0) if c.final else (c.step, c.update + 1)  # the trainer's place once applied
+        after = here.after(c.final)  # the trainer's place once applied
 
         def fail(why: str, died: bool) -> None:
             """Nothing was applied anywhere: the others stop waiting, the head repeats the step."""
-            abort_attempt(self.store, c.step, members, attempt, f"cell {self.cell}: {why.splitlines()[0]}", c.update)
+            abort_attempt(self.store, here, members, attempt, f"cell {self.cell}: {why.splitlines()[0]}")
             if died:
                 self._trainer_died(why)
             rep.ok, rep.retry, rep.error, rep.lost = False, True, why, list(self.lost)
@@ -312,14 +320,14 @@ class CellAgent:
                         rep.grad_norm = self.trainer.apply(c.step, c.update, c.final, on_wait=self._beat).grad_norm
                 except TrainerDied as e:  # the update is committed: the new trainer loads the leader's checkpoint
                     self._trainer_died(str(e), lose=False)
-                    self._heard(after[0], c.checkpoint_dir)
+                    self._heard(after.step, c.checkpoint_dir)
                     with timed(phases, "load"):
-                        self._catch_up(*after)
+                        self._catch_up(after)
                     rep.caught_up = True
         # the update is over for this cell
         self.held_mbs, self.done = [], []
-        self._heard(after[0], c.checkpoint_dir)
-        rep.version = after[0]
+        self._heard(after.step, c.checkpoint_dir)
+        rep.version = after.step
 
     def _wait_commit(self, commit: str, abort: str, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -350,6 +358,7 @@ class CellAgent:
         where = self.placement
         trainer = TrainerProcess(trainer_config(self.cfg), self.model_dir, seed=self.cfg.run.seed,
                                  offloaded=self.role is Role.ROLLOUT, checkpoint=self.checkpoint,
+                                 init_state=self.init_state,
                                  cell=self.cell, gen=self.trainer_gen, ranks=where.trainer_ranks,
                                  store=self.store_addr, advertise=where.advertise,
                                  srun=list(where.srun) if where.in_slurm_step else None, nodes=where.nodes)
@@ -373,19 +382,18 @@ class CellAgent:
         self._event("trainer_restarted", reason=reason, lost=list(self.lost), old_pid=old,
                     trainer_pid=self.trainer.pid, checkpoint=self.checkpoint)
 
-    def _catch_up(self, version: int, update: int = 0) -> None:
-        """Bring the trainer to step ``version`` after ``update`` updates inside it (the newest
-        checkpoint heard of holds exactly that)."""
+    def _catch_up(self, want: Position) -> None:
+        """Bring the trainer to ``want`` (the newest checkpoint heard of holds exactly that)."""
         if self.trainer.step is None:
             self.trainer.wait_ready(on_wait=self._beat)
-        if (self.trainer.step, self.trainer.update) < (version, update):
+        if self.trainer.position < want:
             if not self.checkpoint:
-                raise CommandError(f"the trainer is at step {self.trainer.step} but version {version} "
+                raise CommandError(f"the trainer is at step {self.trainer.step} but version {want.step} "
                                    "was asked for without a checkpoint")
             self.trainer.load_checkpoint(self.checkpoint, on_wait=self._beat)
-            if (self.trainer.step, self.trainer.update) != (version, update):
+            if self.trainer.position != want:
                 raise CommandError(f"checkpoint {self.checkpoint} holds step {self.trainer.step} update "
-                                   f"{self.trainer.update}, not version {version} update {update}")
+                                   f"{self.trainer.update}, not version {want.step} update {want.update}")
 
     def _heard(self, version: int, checkpoint: str | None) -> None:
         self.version = max(self.version, version)

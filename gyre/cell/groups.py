@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from gyre.position import Position
+
 FORM_TIMEOUT_S = 120.0     # bound on waiting for the other members of a reduce
 POLL_S = 0.002
 
@@ -45,14 +47,14 @@ def serve_store(timeout_s: float = 300.0) -> dist.TCPStore:
                          timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def attempt_key(step: int, members: list[int], attempt: int, update: int = 0) -> str:
-    """The store prefix of one reduce attempt; ``update``: the minibatch of a step that makes
-    several optimizer updates (train.minibatches_per_step), each its own reduce."""
-    return f"reduce/{step}.{update}/{'-'.join(map(str, members))}/{attempt}"
+def attempt_key(at: Position, members: list[int], attempt: int) -> str:
+    """The store prefix of one reduce attempt of the update starting at ``at`` (a step that makes
+    several optimizer updates, train.minibatches_per_step, has one reduce per update)."""
+    return f"reduce/{at.key}/{'-'.join(map(str, members))}/{attempt}"
 
 
-def abort_attempt(store, step: int, members: list[int], attempt: int, why: str, update: int = 0) -> None:
-    store.set(attempt_key(step, members, attempt, update) + "/abort", why)
+def abort_attempt(store, at: Position, members: list[int], attempt: int, why: str) -> None:
+    store.set(attempt_key(at, members, attempt) + "/abort", why)
 
 
 def new_group(store, rank: int, size: int, prefix: str, device: torch.device, timeout_s: float):
@@ -92,15 +94,15 @@ class CrossCellReducer:
                 raise ReduceAborted(f"{what}: the other members did not arrive within {self.timeout_s:.0f} s")
             time.sleep(POLL_S)
 
-    def group(self, step: int, members: list[int], attempt: int, update: int = 0):
+    def group(self, at: Position, members: list[int], attempt: int):
         """The cached (or a new) group of local rank ``local_rank`` of every member cell, agreed
         through this attempt's rendezvous; returns (group, form_ms, cached, wait_ms)."""
-        base = attempt_key(step, members, attempt, update)
+        base = attempt_key(at, members, attempt)
         abort = base + "/abort"
         self.store.set(f"{base}/inc/{self.cell}.{self.local_rank}", self.incarnation)
         t0 = time.perf_counter()
         keys = [f"{base}/inc/{c}.{self.local_rank}" for c in members]
-        self._wait(keys, abort, f"reduce of step {step} over cells {members}")
+        self._wait(keys, abort, f"reduce of step {at.step} over cells {members}")
         incs = tuple(self.store.get(k).decode() for k in keys)
         wait_ms = 1000 * (time.perf_counter() - t0)
         key = (tuple(members), incs)
@@ -120,29 +122,28 @@ class CrossCellReducer:
         for k in [k for k in self._groups if k[0] == tuple(sorted(members))]:
             del self._groups[k]
 
-    def allreduce(self, vec: torch.Tensor, step: int, members: list[int], attempt: int,
-                  update: int = 0) -> ReduceResult:
+    def allreduce(self, vec: torch.Tensor, at: Position, members: list[int], attempt: int) -> ReduceResult:
         """Sum ``vec`` over the member cells (same local rank); ``vec`` itself is left intact,
         so a failed attempt can be retried with the same contribution."""
         members = sorted(members)
         if self.cell not in members:
             raise ValueError(f"cell {self.cell} is not among the members {members}")
-        pg, form_ms, cached, wait_ms = self.group(step, members, attempt, update)
+        pg, form_ms, cached, wait_ms = self.group(at, members, attempt)
         out = vec.detach().to(self.device, torch.float32).clone()
         if len(members) > 1:
-            abort = attempt_key(step, members, attempt, update) + "/abort"
+            abort = attempt_key(at, members, attempt) + "/abort"
             work = pg.allreduce([out])
             deadline = time.monotonic() + self.timeout_s
             while not work.is_completed():  # a peer that died fails the work; an abort ends the wait
                 if self.store.check([abort]) or time.monotonic() > deadline:
                     self.forget(members)
-                    raise ReduceAborted(f"reduce of step {step} over cells {members}: aborted during the all-reduce")
+                    raise ReduceAborted(f"reduce of step {at.step} over cells {members}: aborted during the all-reduce")
                 time.sleep(POLL_S)
             try:
                 work.wait()
             except Exception as e:  # noqa: BLE001 - a member died inside the collective
                 self.forget(members)
-                raise ReduceAborted(f"reduce of step {step} over cells {members}: {e}") from e
+                raise ReduceAborted(f"reduce of step {at.step} over cells {members}: {e}") from e
         return ReduceResult(out, form_ms, cached, wait_ms)
 
 

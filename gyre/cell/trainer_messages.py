@@ -32,6 +32,7 @@ class Start(Request):
     seed: int = 0
     offloaded: bool = False
     checkpoint: str | None = None
+    init_state: str | None = None   # model.init_optimizer = "carried": model and optimizer at step 0
 
 
 @dataclass(frozen=True)

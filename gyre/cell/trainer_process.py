@@ -29,6 +29,7 @@ from gyre.config import TrainConfig
 from gyre.cell.trainer_messages import (Applied, Apply, Close, ExportWeights, ForwardBackward, Hostnames, LoadCheckpoint,
                                  Logprobs, Offload, ReduceGrads, GradsReduced, Reply, Request, Restore, SaveCheckpoint, Start, Started,
                                  Stash, Stashed)
+from gyre.position import Position
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -54,6 +55,7 @@ class TrainerProcess:
 
     def __init__(self, cfg: TrainConfig, model_dir: str | os.PathLike, seed: int = 0, *,
                  offloaded: bool = False, checkpoint: str | os.PathLike | None = None,
+                 init_state: str | os.PathLike | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, tick_s: float = 0.5, cell: int = 0, gen: int = 0,
                  ranks: int = 1, store: tuple[str, int] | None = None, advertise: str = "127.0.0.1",
                  srun: list[str] | None = None, nodes: list[str] | tuple = ()) -> None:
@@ -85,7 +87,8 @@ class TrainerProcess:
                     f"--nodelist={','.join(nodes)}", "--kill-on-bad-exit=1", "--cpu-bind=none"]
             self.procs = [subprocess.Popen(step + base, env=env, stdin=subprocess.DEVNULL, start_new_session=True)]
         self._init = Start(cfg=dataclasses.asdict(cfg), model_dir=str(model_dir), seed=seed, offloaded=offloaded,
-                           checkpoint=str(checkpoint) if checkpoint else None)
+                           checkpoint=str(checkpoint) if checkpoint else None,
+                           init_state=str(init_state) if init_state else None)
         self._conn = None
         self.step: int | None = None  # the trainer's optimizer step = its policy version
         self.update = 0               # updates applied inside its open step (train.minibatches_per_step)
@@ -97,6 +100,13 @@ class TrainerProcess:
             self._accepted.append(self._listener.accept())
         except Exception as e:  # noqa: BLE001 - a bad handshake or a closed listener: rank 0 never came
             self._accepted.append(e)
+
+    @property
+    def position(self) -> Position:
+        """Where the trainer stands (its step and the updates applied inside the next)."""
+        if self.step is None:
+            raise RuntimeError("the trainer has not said where it stands yet: wait_ready first")
+        return Position(self.step, self.update)
 
     @property
     def pid(self) -> int:

@@ -30,6 +30,7 @@ from typing import Any, Callable
 from gyre import faults
 from gyre.config import TrainBackend, TrainConfig, env
 from gyre.train.pace import TrainPacer
+from gyre.position import Position
 from gyre.cell.trainer_messages import (Applied, Apply, Close, ExportWeights, ForwardBackward, Hostnames, LoadCheckpoint,
                                  Logprobs, Offload, ReduceGrads, GradsReduced, Reply, Request, Restore, SaveCheckpoint, Start, Started,
                                  Stash, Stashed)
@@ -93,6 +94,8 @@ class Rank:
         self.trainer = make_trainer(cfg, init.model_dir, seed=init.seed)
         if init.checkpoint:
             self.trainer.load_checkpoint(init.checkpoint)
+        elif init.init_state:
+            self.trainer.load_checkpoint(init.init_state, as_start=True)
         self.trainer.own_storage()  # so that offload can release what was loaded
         if init.offloaded:
             self.trainer.offload()
@@ -104,9 +107,9 @@ class Rank:
                                         device=self.device if self.device.type == "cuda" else torch.device("cpu"))
         # gradients are keyed by (step, update): a step with minibatches has one reduce per update
         self.held: torch.Tensor | None = None   # this cell's summed gradients of update held_at
-        self.held_at = (-1, 0)
+        self.held_at: Position | None = None
         self.total: torch.Tensor | None = None  # the cross-cell sum of the last reduce
-        self.total_at = (-1, 0)
+        self.total_at: Position | None = None
         self._dist = dist
 
     def _data_parallel(self):
@@ -131,8 +134,9 @@ class Rank:
 
     # --- requests -------------------------------------------------------------------------------
     def _new_step(self, step: int, update: int = 0) -> None:
-        if (step, update) > self.held_at:  # the held gradients of an older (committed) update are done with
-            self.held, self.held_at = None, (step, update)
+        at = Position(step, update)
+        if self.held_at is None or at > self.held_at:  # the held gradients of an older (committed) update are done with
+            self.held, self.held_at = None, at
 
     def forward_backward(self, m: ForwardBackward) -> dict | None:
         from gyre.batch import from_wire  # as above
@@ -205,7 +209,7 @@ class Rank:
         lo, hi = shard_bounds(n, self.dp_size, self.dp_rank)
         res, error = None, None
         try:
-            res = self.reducer.allreduce(local[lo:hi], step, members, attempt, m.update)
+            res = self.reducer.allreduce(local[lo:hi], Position(step, m.update), members, attempt)
         except Exception as e:  # noqa: BLE001 - the cell's other ranks must hear it before gathering
             error = e
         failed = torch.tensor([0.0 if error is None else 1.0])
@@ -220,16 +224,16 @@ class Rank:
                       for a, b in (shard_bounds(n, self.dp_size, i) for i in range(self.dp_size))]
             self._dist.all_gather(pieces, total, group=self.dp_group)
             total = torch.cat(pieces)
-        self.total, self.total_at = total.cpu(), (step, m.update)
+        self.total, self.total_at = total.cpu(), Position(step, m.update)
         return GradsReduced(form_ms=res.form_ms, cached=res.cached, wait_ms=res.wait_ms,
                        grad_norm_total=float(total.double().norm()))
 
     def apply(self, m: Apply) -> Applied:
         step, update = m.step, m.update
         faults.hit("trainer", "optimizer_step")
-        if self.total is None or self.total_at != (step, update):
+        if self.total is None or self.total_at != Position(step, update):
             raise RuntimeError(f"apply: no reduced gradients of step {step} update {update}")
-        if (self.trainer.step, self.trainer.update) != (step, update):
+        if Position(self.trainer.step, self.trainer.update) != Position(step, update):
             raise RuntimeError(f"apply: the trainer is at step {self.trainer.step} update {self.trainer.update}, "
                                f"not step {step} update {update}")
         self.trainer.set_flat_grads(self.total.to(self.device))
@@ -251,7 +255,7 @@ class Rank:
     def load_checkpoint(self, m: LoadCheckpoint) -> None:
         self.trainer.load_checkpoint(m.path)
         self.trainer.own_storage()
-        self.held, self.held_at, self.total = None, (-1, 0), None
+        self.held, self.held_at, self.total = None, None, None
 
     def offload(self, m: Offload) -> dict:
         return self.trainer.offload()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from gyre.cell.mpi_link import HeadLink, init_mpi
 from gyre.cluster.placement import cell_placement
-from gyre.config import default_tiny_dir, load_config
+from gyre.config import default_tiny_dir, initial_model, load_config
 from gyre.model.tiny import ensure_tiny_model
 
 
@@ -49,7 +49,7 @@ def run_cell(args: argparse.Namespace) -> int:
     from gyre.cell.main import main as cell_main  # on cell ranks only: it loads torch and the trainer
 
     cfg = load_config(args.config, args.overrides)
-    model = cfg.model.path or str(ensure_tiny_model(default_tiny_dir(cfg), cfg.model.tiny_family))
+    model = initial_model(cfg) or str(ensure_tiny_model(default_tiny_dir(cfg), cfg.model.tiny_family))
     argv = ["--run-dir", cfg.run.dir, "--model", model, "--engine-key-file", args.engine_key_file]
     if args.config:
         argv += ["--config", args.config]

@@ -15,6 +15,7 @@ from typing import Callable
 
 from gyre.events import CellRoleChanged
 from gyre.fsio import atomic_write_json
+from gyre.position import Position
 from gyre.sched.cells import Cell
 from gyre.sched.protocol import (Command, Event, EventKind, PrepareReduce, PushWeights, Reduce, Reply, Stop,
                                  ToRollout, ToTrain, Train, reply_for)
@@ -29,14 +30,13 @@ class WeightPaths:
     ckpt_root: Path
 
     def weights(self, version: int) -> str:
-        return str(self.model_dir) if version == 0 else str(self.weights_root / f"v{version}")
+        return str(self.model_dir) if version == 0 else str(self.weights_root / str(Position(version)))
 
     def checkpoint(self, version: int, update: int = 0) -> str:
         """``update`` > 0: the trainer inside step ``version`` after that many of its updates
         (train.minibatches_per_step), what a trainer that dies or joins mid-step loads."""
-        if update:
-            return str(self.ckpt_root / f"v{version}u{update}")
-        return "" if version == 0 else str(self.ckpt_root / f"v{version}")
+        at = Position(version, update)
+        return "" if at == Position(0) else str(self.ckpt_root / str(at))
 
 
 class CellFleet:
@@ -155,7 +155,8 @@ class CellFleet:
     def reduce(self, cell: Cell, step: int, participants: list[Cell], leader: Cell, update: int = 0,
                final: bool = True):
         """The reduce of update ``update`` of step ``step``; the final one makes version step + 1."""
-        ckpt = self.paths.checkpoint(step + 1) if final else self.paths.checkpoint(step, update + 1)
+        after = Position(step, update).after(final)
+        ckpt = self.paths.checkpoint(after.step, after.update)
         return self.call(cell, Reduce(
             step=step, update=update, final=final, participants=[c.id for c in participants], leader=leader.id,
             weights_dir=self.paths.weights(step + 1), checkpoint_dir=ckpt))

@@ -339,9 +339,15 @@ class Trainer(ABC):
         self._barrier()
         return Path(path)
 
-    def load_checkpoint(self, path: str | os.PathLike) -> None:
+    def load_checkpoint(self, path: str | os.PathLike, *, as_start: bool = False) -> None:
+        """Model, optimizer, step and RNG state of ``path``; ``as_start``: model and optimizer only,
+        at step 0 (a new run from trained weights with the optimizer carried, model.init_optimizer)."""
         payload = torch.load(Path(path) / CHECKPOINT_FILE, map_location="cpu", weights_only=False)
         self._load_state(payload["state"])
+        if as_start:
+            self.step, self.update = 0, 0
+            self._reset_step_stats()
+            return
         self.step = payload["step"]
         self.update = payload.get("update", 0)  # checkpoints written before minibatch updates: 0
         self._set_lr()  # the schedule follows the restored optimizer step

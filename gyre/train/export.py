@@ -133,3 +133,81 @@ def export_pieces(state: dict[str, Tensor], hf_config, out_dir: str | os.PathLik
         raise
     barrier()
     return final
+
+
+# --- a model directory a researcher keeps: weights plus everything a loader needs -------------------
+
+# files of a transformers model directory besides the weights, copied from the run's model
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja",
+                   "chat_template.json")
+CHATML_TEMPLATE = Path(__file__).resolve().parents[1] / "assets" / "chatml.jinja"
+
+
+def _token_text(tokenizer_json: Path, token_id) -> str | None:
+    """The text of an added/special token id in tokenizer.json (None when absent or not given)."""
+    if isinstance(token_id, list):
+        token_id = token_id[0] if token_id else None
+    if token_id is None or not tokenizer_json.exists():
+        return None
+    added = json.loads(tokenizer_json.read_text(encoding="utf-8")).get("added_tokens", [])
+    return next((t["content"] for t in added if t.get("id") == token_id), None)
+
+
+def _complete_loader_files(tmp: Path, cfg: dict) -> None:
+    """What the source lacked: ``tokenizer_config.json`` (its special tokens from config.json's
+    ids), ``generation_config.json`` (the same ids) and a chat template (Gyre's built-in ChatML,
+    what the proxy rendered with when the model had none)."""
+    text = lambda key: _token_text(tmp / "tokenizer.json", cfg.get(key))  # noqa: E731
+    if not (tmp / "tokenizer_config.json").exists() and (tmp / "tokenizer.json").exists():
+        tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.get("max_position_embeddings"),
+                   "clean_up_tokenization_spaces": False}
+        tok_cfg |= {name: text(f"{name}_id") for name in ("bos_token", "eos_token", "pad_token") if text(f"{name}_id")}
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+    if not (tmp / "generation_config.json").exists():
+        gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    tok_cfg_file = tmp / "tokenizer_config.json"
+    in_tok_cfg = tok_cfg_file.exists() and "chat_template" in json.loads(tok_cfg_file.read_text(encoding="utf-8"))
+    if not ((tmp / "chat_template.jinja").exists() or in_tok_cfg):
+        shutil.copyfile(CHATML_TEMPLATE, tmp / "chat_template.jinja")
+
+
+EXPORT_FILE = "gyre_export.json"  # where an export came from: run, step, that step's checkpoint
+
+
+def write_model_dir(out_dir: str | os.PathLike, state: dict[str, Tensor], hf_config, source_dir: str | os.PathLike,
+                    weight_version: int | str, source: dict | None = None) -> Path:
+    """A complete transformers directory, written atomically: the weights (safetensors) and
+    config, the source model's tokenizer, chat template and generation config (each written from
+    the config when the source had none), and the weights manifest. What `gyre export` writes;
+    `AutoModelForCausalLM.from_pretrained` and `gyre engine --model` load it."""
+    from safetensors.torch import save_file
+
+    src = Path(source_dir)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    with atomic_dir(out_dir) as tmp:
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "weight_version": str(weight_version)})
+        _write_config(tmp, hf_config, {v.dtype for v in tensors.values()}, weight_version)
+        for name in TOKENIZER_FILES:
+            if (src / name).exists():
+                shutil.copyfile(src / name, tmp / name)
+        _complete_loader_files(tmp, json.loads((tmp / "config.json").read_text()))
+        if source is not None:
+            (tmp / EXPORT_FILE).write_text(json.dumps(source, indent=1))
+        write_checksums(tmp)
+    return Path(out_dir)
+
+
+def carried_checkpoint(export_dir: str | os.PathLike) -> str:
+    """The trainer checkpoint of the step ``export_dir`` was exported from (model.init_optimizer =
+    "carried"); a clear error when the export does not name one or it is gone."""
+    f = Path(export_dir) / EXPORT_FILE
+    ckpt = json.loads(f.read_text()).get("checkpoint") if f.exists() else None
+    if not ckpt:
+        raise FileNotFoundError(f"{export_dir} names no trainer checkpoint ({EXPORT_FILE}): the optimizer cannot be "
+                                f"carried; set model.init_optimizer = \"fresh\" or export a step whose checkpoint is kept")
+    if not Path(ckpt).is_dir():
+        raise FileNotFoundError(f"the checkpoint {ckpt} that {export_dir} was exported from is gone; set "
+                                f"model.init_optimizer = \"fresh\"")
+    return ckpt

@@ -372,12 +372,19 @@ class MegatronTrainer(Trainer):
 
     # --- checkpoint ---------------------------------------------------------------------------
     def _state(self) -> dict:
-        from gyre.train.megatron_model import model_state  # as above
+        """Collective: every rank gives its experts; the state holds the whole model in
+        transformers names, whatever the parallel layout (gyre/train/megatron_checkpoint.py)."""
+        from gyre.train.megatron_checkpoint import save_state  # as above
 
-        return {"model": {k: v.cpu() for k, v in model_state(self.model).items()},
-                "optimizer": self.optimizer.state_dict()}
+        return save_state(self)
 
     def _load_state(self, state: dict) -> None:
+        from gyre.train.megatron_checkpoint import FORMAT, load_state  # as above
+
+        if state.get("format") == FORMAT:
+            load_state(self, state)
+            return
+        # written before layout-free checkpoints: this layout's own Megatron names
         missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:

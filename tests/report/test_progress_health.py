@@ -171,13 +171,13 @@ def test_resolved_config_round_trips_and_show_marks_what_was_set(tmp_path, capsy
 
 
 def test_checkpoint_retention_keeps_the_newest_and_never_a_step_being_written(tmp_path):
-    from gyre.head import prune_checkpoints
+    from gyre.services.retention import Retention
 
     for v in range(1, 7):
         (tmp_path / f"v{v}").mkdir()
     (tmp_path / "v2.tmp").mkdir()  # not a version directory: left alone
     for name in ("v2u1", "v3u1", "v5u1"):  # inside a step's updates (train.minibatches_per_step): before v3, v4, v6
         (tmp_path / name).mkdir()
-    gone = prune_checkpoints(tmp_path, newest=5, keep=2)
+    gone = Retention(tmp_path / "weights", tmp_path, keep_checkpoints=2).after_commit(5, served=5)
     assert sorted(p.name for p in gone) == ["v1", "v2", "v2u1", "v3", "v3u1"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v2.tmp", "v4", "v5", "v5u1", "v6"]
