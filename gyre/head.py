@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
-import shutil
 import signal
 import sys
 import time
@@ -46,7 +45,6 @@ from gyre.harness.runner import private_dir
 from gyre.harness.sandbox import Environments, SandboxConfig
 from gyre.model.identity import model_identity
 from gyre.model.tiny import ensure_tiny_model
-from gyre.position import Position
 from gyre.proxy.replay import Replay, replayed_calls
 from gyre.report import config_file
 from gyre.report.health import Health, Thresholds
