@@ -213,6 +213,11 @@ class VLLM(Backend):
         environ = dict(env) if env is not None else dict(os.environ)
         environ.update({"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(e.vllm_kv_cache_gb),
                         "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"})
+        # vLLM's CPU default binds every server's threads to the same cores ("auto": core 0 on a
+        # 2-core machine), so two cells' engines on one machine took turns on one core (a 2-cell
+        # run's start-up: 230 s). Unbound, one thread each unless the caller's environment says otherwise.
+        environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        environ.setdefault("OMP_NUM_THREADS", "1")
         environ.pop("PYTHONPATH", None)  # Gyre's path must not shadow the vLLM environment's packages
         if api_key:
             environ["VLLM_API_KEY"] = api_key
