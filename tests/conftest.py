@@ -16,7 +16,7 @@ E2E_FILES = {"test_slurm.py", "test_slurm_cells.py", "test_online.py", "test_cel
 # machine: a second worker would wait on its lock), and test_cell_agent's module-scoped job
 # (started once for its ten tests)
 XDIST_GROUPS = {"test_slurm.py": "slurm", "test_slurm_cells.py": "slurm", "test_cell_agent.py": "cell_agent",
-                "test_vllm_engine.py": "vllm"}  # one vLLM server (module-scoped) for that file's tests
+                "test_vllm_engine.py": "vllm", "test_vllm_run.py": "vllm"}  # vLLM servers one file at a time
 
 
 def pytest_collection_modifyitems(config, items):
