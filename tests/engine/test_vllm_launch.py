@@ -73,3 +73,17 @@ def test_the_key_goes_through_the_environment_and_bad_settings_are_refused(model
                        srun=["srun"], extra_args=[], env={})
     with pytest.raises(ConfigError, match="train.routing_replay"):
         load_config(None, ["engine.backend=vllm", "train.routing_replay=true"])
+
+
+def test_the_servable_tiny_variant_has_wider_heads_of_the_same_count(model, tmp_path):
+    import json
+
+    from gyre.model.tiny import head_dim_of
+
+    conf = json.loads((model / "config.json").read_text())
+    assert head_dim_of(conf) == 32 and conf["num_attention_heads"] == 4 and conf["num_key_value_heads"] == 2
+    assert json.loads((model / "gyre_identity.json").read_text())["name"].endswith("-hd32")
+    with pytest.raises(ValueError, match="head size 32, not 16"):
+        ensure_tiny_model(model)  # a complete directory of another head size is refused, not overwritten
+    q3 = json.loads((ensure_tiny_model(tmp_path / "q3", "qwen3", head_dim=SERVING_HEAD_DIM) / "config.json").read_text())
+    assert q3["head_dim"] == 32 and q3["hidden_size"] == 64  # qwen3 names its head size itself
