@@ -14,7 +14,7 @@ from gyre.config import ConfigError, load_config
 from gyre.engine import backends
 from gyre.engine.backends.vllm import vllm_python
 from gyre.engine.client import EngineError
-from gyre.engine.launch import start_cell_engine
+from gyre.engine.launch import start_cell_engine, start_engine
 from gyre.model.tiny import SERVING_HEAD_DIM, ensure_tiny_model
 
 from support.vllm_truth import mismatch, sample, trainer_for
@@ -36,12 +36,14 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vllm(model_dir):
+    """`gyre engine --backend vllm`: the seam starts vLLM's server, the command prints its URL."""
     cfg = _cfg()
     if not vllm_python(cfg).exists():
         pytest.skip(f"no vLLM environment at {vllm_python(cfg)}: run `make install-vllm`")
-    with start_cell_engine(cfg, model_dir, api_key=KEY, weight_version="0") as handle:
-        handle.admin = backends.get("vllm").admin(cfg, handle.url, KEY, 120.0)
-        yield handle
+    with start_engine(model_dir, api_key=KEY, timeout_s=900,
+                      extra_args=["--backend", "vllm", "engine.max_running_requests=16"]) as proc:
+        proc.admin = backends.get("vllm").admin(cfg, proc.url, KEY, 120.0)
+        yield proc
 
 
 def test_a_missing_vllm_names_the_install_command(model_dir, tmp_path):
