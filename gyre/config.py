@@ -41,8 +41,10 @@ class StalenessRule(StrEnum):
 
 
 class EngineBackend(StrEnum):
+    """`engine.backend`: each value is a module of gyre/engine/backends/ (the one table)."""
     EMBEDDED = "embedded"
     SGLANG = "sglang"
+    VLLM = "vllm"
 
 
 class TrainBackend(StrEnum):
@@ -185,7 +187,9 @@ class ModelConfig(_EnumFields):
 @dataclass
 class EngineConfig(_EnumFields):
     _SECTION = "engine"
-    backend: EngineBackend = _f(EngineBackend.EMBEDDED)
+    backend: EngineBackend = _f(EngineBackend.EMBEDDED, help="the inference engine of every cell: embedded (Gyre's own, "
+                                "CPU), sglang (GPU nodes) or vllm (vLLM's server; CPU build via `make install-vllm`); "
+                                "docs/models.md says which runs what, and where")
     host: str = _f("127.0.0.1")
     port: int = _f(30000, min=0, max=65535)
     endpoints: int = _f(1, min=1, help="engine endpoints started by `gyre rollout` on one machine")
@@ -200,6 +204,11 @@ class EngineConfig(_EnumFields):
                                    "gyre.engine.sglang_standin (same flags, serves with the embedded engine)")
     sglang_args: list = _f([], help="extra sglang.launch_server flags, e.g. ['--mem-fraction-static', '0.8']")
     tp_size: int = _f(0, min=0, help="SGLang --tp-size over a cell; 0 = sched.gpus_per_node x the cell's nodes")
+    vllm_python: str = _f("", help="python of the vLLM environment for engine.backend = vllm; empty = .venv-vllm/bin/"
+                                   "python beside this checkout (built by `make install-vllm`)")
+    vllm_args: list = _f([], help="extra vLLM server flags, e.g. ['--max-num-batched-tokens', '4096'] (a flag Gyre "
+                                  "passes itself, given here, wins)")
+    vllm_kv_cache_gb: int = _f(1, min=1, help="vLLM's CPU KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)")
     startup_timeout_s: float = _f(1800.0, min=1.0, help="bound on an engine's start until /health answers "
                                                           "(large models load for minutes)")
     pace: bool = _f(False, help="benchmarks only: each decode step of the embedded engine lasts the roofline "
@@ -703,6 +712,10 @@ def _cross_check(cfg: GyreConfig) -> None:
         raise ConfigError(f"train.context_parallel = {t.context_parallel} cuts rows over ranks, and a tree "
                           "row's subtrees attend to keys across the cut: set train.layout = \"expanded\" "
                           "or keep train.context_parallel = 1")
+    if t.routing_replay and cfg.engine.backend == EngineBackend.VLLM:
+        raise ConfigError("train.routing_replay needs the routed experts of every call, which Gyre's vLLM backend does "
+                          "not return (vLLM's routed-experts output is not wired here; SGLang's is): use "
+                          "engine.backend = \"sglang\" or \"embedded\", or set train.routing_replay = false")
     if t.context_parallel > 1 and t.backend != TrainBackend.MEGATRON:
         raise ConfigError(f"train.context_parallel = {t.context_parallel} needs train.backend = \"megatron\" "
                           "(the embedded trainer keeps a row on one device); or keep train.context_parallel = 1")

@@ -222,7 +222,9 @@ class Head:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal)
-        await self.fleet.wait_hello(300)
+        # a cell says hello once its engine answers, which engine.startup_timeout_s bounds (vLLM on
+        # a loaded 2-core machine, or a large model, takes minutes): wait at least that long
+        await self.fleet.wait_hello(max(300.0, cfg.engine.startup_timeout_s + 60))
         now = self.clock()
         self.t0 = self.fleet.t0 = now
         self._emit(RunStarted(now, len(self.cells)))

@@ -15,7 +15,8 @@ E2E_FILES = {"test_slurm.py", "test_slurm_cells.py", "test_online.py", "test_cel
 # e2e tests that must share one pytest-xdist worker: the dev cluster's tests (one cluster per
 # machine: a second worker would wait on its lock), and test_cell_agent's module-scoped job
 # (started once for its ten tests)
-XDIST_GROUPS = {"test_slurm.py": "slurm", "test_slurm_cells.py": "slurm", "test_cell_agent.py": "cell_agent"}
+XDIST_GROUPS = {"test_slurm.py": "slurm", "test_slurm_cells.py": "slurm", "test_cell_agent.py": "cell_agent",
+                "test_vllm_engine.py": "vllm", "test_vllm_run.py": "vllm"}  # vLLM servers one file at a time
 
 
 def pytest_collection_modifyitems(config, items):

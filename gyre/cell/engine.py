@@ -1,9 +1,10 @@
 """The cell's engine: its processes behind the one engine seam (gyre.engine.launch), what it
-serves, and the SGLang admin calls a role switch and a weight push make, each a typed method.
+serves, and the admin calls a role switch and a weight push make, each a typed method.
 
-Memory is released and resumed with SGLang's documented API only (``/release_memory_occupation``,
-``/resume_memory_occupation`` over both tags); weights load from a directory on disk
-(``/update_weights_from_disk``). Restarts load what the last engine served.
+Which engine runs is the backend table's business (gyre.engine.backends): this module asks it for
+the admin of the running engine (release/resume memory or their absence, weight load from a
+directory with a version, abort) and never names a backend. Restarts load what the last engine
+served.
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ from typing import Callable
 
 from gyre.cell.command import CommandError, timed
 from gyre.cell.placement import Placement
-from gyre.config import EngineBackend, GyreConfig
+from gyre.config import GyreConfig
+from gyre.engine import backends
+from gyre.engine.backends import EngineAdmin, EngineAdminError
 from gyre.engine.launch import EngineHandle, start_cell_engine
 from gyre.engine.reaper import ProcessList
-from gyre.engine.sglang_api import SGLangAdmin, SGLangAPIError
 
 ENGINE_CALL_S = 120.0    # bound on one engine admin call (weight loads included)
-MEMORY_TAGS = ["kv_cache", "weights"]
 
 
 class CellEngine:
@@ -33,7 +34,8 @@ class CellEngine:
         self.cfg, self.model_dir, self.api_key, self.cell = cfg, Path(model_dir), api_key, cell
         self.placement, self.pids, self.extra_args = placement, pids, list(extra_args)
         self.handle: EngineHandle | None = None
-        self.admin: SGLangAdmin | None = None
+        self.admin: EngineAdmin | None = None
+        self.backend = backends.get(cfg.engine.backend)
         self.weights = str(self.model_dir)  # what the engine serves (restarts load it)
         self.version = "0"
 
@@ -55,15 +57,15 @@ class CellEngine:
         """Start an engine serving what the last one served. It boots from the model directory
         (exported weights carry no tokenizer), then loads the current weights if they differ."""
         srun, port = None, 0
-        if self.placement.in_slurm_step and self.cfg.engine.backend == EngineBackend.SGLANG:
+        if self.placement.in_slurm_step and self.backend.capabilities.spans_nodes:
             srun, port = list(self.placement.srun), self.cfg.engine.port + self.cell
         self.handle = start_cell_engine(self.cfg, self.model_dir, api_key=self.api_key,
                                         nodes=self.placement.nodes, port=port, srun=srun,
                                         extra_args=["--weight-version", "0", *self.extra_args])
         self.pids.add("engine", self.handle.pids, self.handle.key_file)
-        self.admin = SGLangAdmin(self.handle.url, self.api_key, timeout_s=ENGINE_CALL_S)
+        self.admin = self.backend.admin(self.cfg, self.handle.url, self.api_key, ENGINE_CALL_S)
         if self.version != "0":
-            self.admin.update_weights_from_disk(self.weights, self.version)
+            self.admin.load_weights(self.weights, self.version)
 
     def stop(self, timeout: float = 10.0) -> None:
         """End the engine's processes (idempotent)."""
@@ -72,17 +74,17 @@ class CellEngine:
             handle.stop(timeout=timeout)
 
     def release(self) -> None:
-        self.admin.release_memory_occupation(MEMORY_TAGS)
+        self.admin.release_memory()
 
     def resume(self) -> None:
-        self.admin.resume_memory_occupation(MEMORY_TAGS)
+        self.admin.resume_memory()
 
     def drain_and_release(self, timeout_s: float, phases: dict, on_wait: Callable[[], None]) -> int:
         """Release the engine's memory; returns how many refusals it took. The head took the cell
         out of the router and aborted the router's requests there first (it knows the in-flight
         count; the engine's /health tells nothing); whatever still runs is aborted here, and a
         release the engine refuses while requests finish is retried within ``timeout_s``."""
-        self.admin.abort_request(abort_all=True)
+        self.admin.abort_all()
         deadline = time.monotonic() + timeout_s
         tries = 0
         while True:
@@ -91,10 +93,10 @@ class CellEngine:
                 with timed(phases, "release"):
                     self.release()
                 return tries - 1
-            except SGLangAPIError as e:
+            except EngineAdminError as e:
                 if time.monotonic() > deadline:
                     raise CommandError(f"the engine refused to release its memory for {timeout_s:.0f} s: {e}") from e
-                self.admin.abort_request(abort_all=True)  # aborted requests end at their next step
+                self.admin.abort_all()  # aborted requests end at their next step
                 on_wait()
                 time.sleep(0.01)
 
@@ -105,5 +107,5 @@ class CellEngine:
         if not weights:
             raise CommandError(f"the engine serves version {self.version}; version {version} "
                                "needs its weights directory")
-        self.admin.update_weights_from_disk(str(weights), str(version))
+        self.admin.load_weights(str(weights), str(version))
         self.weights, self.version = str(weights), str(version)

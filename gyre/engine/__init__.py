@@ -6,9 +6,12 @@ Modules (imported on use, so ``gyre --help`` stays fast):
 * ``router``: :class:`Router`, per-execution affinity over elastic endpoints, retries.
 * ``server``, ``runtime``, ``qwen``, ``sampling``, ``prefix_cache``: the embedded engine
   (``gyre engine``, entry point ``cli``).
-* ``launch``: the one engine seam (``start_cell_engine``: embedded or SGLang, whose command lines
-  ``sglang_launch`` builds); ``sglang_api``: SGLang's admin routes; ``sglang_standin``: SGLang's
-  launcher without GPUs; ``reaper``: processes a killed run left behind; ``pace``: benchmarks' pace.
+* ``launch``: the one engine seam (``start_cell_engine``), which asks ``backends`` (THE table:
+  one module per ``engine.backend``: ``embedded``, ``sglang``, ``vllm`` with its wire
+  ``vllm_wire``) for the launch line, wire and admin; ``process``: engine processes (start, health,
+  stop, the Slurm step); ``sglang_launch``/``sglang_api``: SGLang's command lines and admin routes;
+  ``sglang_standin``: SGLang's launcher without GPUs; ``reaper``: processes a killed run left
+  behind; ``pace``: benchmarks' pace.
 
 Model directories, identity and the tiny model live in gyre.model.
 """

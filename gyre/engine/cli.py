@@ -1,4 +1,5 @@
-"""``gyre engine``: serve one model over SGLang's RL HTTP subset (the embedded engine).
+"""``gyre engine``: serve one model: the embedded engine here (SGLang's RL HTTP subset), or through the
+backend table (``--backend sglang|vllm``) the servers of another engine, until stopped.
 
 Also runnable as ``python -m gyre.engine.cli`` (what :mod:`gyre.engine.launch` starts). Prints
 ``GYRE_ENGINE_LISTENING http://HOST:PORT`` on stdout once it accepts requests.
@@ -19,7 +20,8 @@ import signal
 import sys
 from pathlib import Path
 
-from gyre.config import ConfigError, EngineBackend, default_tiny_dir, load_config
+from gyre.config import ConfigError, default_tiny_dir, load_config
+from gyre.engine import backends
 from gyre.fsio import atomic_write_text
 from gyre.model.tiny import ensure_tiny_model
 
@@ -40,6 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--incremental-streaming-output", action="store_true",
                    help="streamed /generate chunks carry only the new tokens (SGLang's flag of the same name)")
     p.add_argument("--config", default=None, help="Gyre TOML config file")
+    p.add_argument("--backend", default=None, choices=backends.NAMES,
+                   help="engine.backend: embedded (serve here), sglang or vllm (start their servers and wait)")
     p.add_argument("overrides", nargs="*", help="section.key=value configuration overrides, as every gyre "
                                                 "command takes them (e.g. engine.max_body_bytes=4096)")
     p.add_argument("--set", dest="set_overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -54,7 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
 
-    cfg = load_config(args.config, [*args.set_overrides, *args.overrides])
+    backend = [f"engine.backend={args.backend}"] if getattr(args, "backend", None) else []
+    cfg = load_config(args.config, [*args.set_overrides, *args.overrides, *backend])
     api_key = args.api_key
     key_file: Path | None = None
     if args.no_api_key and (args.api_key or args.api_key_file):
@@ -88,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
 
     host = args.host if args.host is not None else cfg.engine.host
     port = args.port if args.port is not None else cfg.engine.port
-    if cfg.engine.backend != EngineBackend.EMBEDDED:  # SGLang (or its stand-in), started through the one seam
+    if not backends.get(cfg.engine.backend).serves_here:  # its own servers, started through the one seam
         from gyre.engine.launch import serve_cell_engine  # the serving stack loads only when it serves
 
         cfg.engine.host = host

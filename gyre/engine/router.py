@@ -1,4 +1,8 @@
-"""In-process router that spreads ``/generate`` over the active rollout endpoints.
+"""In-process router that spreads generation calls over the active rollout endpoints.
+
+It speaks each engine's wire through the client class of its backend (``engine.backend``, from
+the table in :mod:`gyre.engine.backends`): SGLang's ``/generate`` for the embedded engine and
+SGLang, vLLM's ``/inference/v1/generate`` for vLLM.
 
 * **Affinity.** Rendezvous hashing on an affinity key (the execution id): every call of one
   execution goes to the same endpoint while that endpoint is active, so its prefix (radix)
@@ -59,6 +63,7 @@ from typing import AsyncIterator
 
 import aiohttp
 
+from gyre.engine import backends
 from gyre.engine.client import EngineClient, EngineError, EngineUnreachable, GenerateResult
 
 
@@ -91,8 +96,11 @@ class Router:
 
     def __init__(self, endpoints: list[str], api_key: str | None = None, timeout_s: float = 600.0,
                  max_attempts: int = 5, connect_retries: int = 1, wait_for_endpoint_s: float = 0.0,
-                 session: aiohttp.ClientSession | None = None):
+                 session: aiohttp.ClientSession | None = None, backend: str | None = None):
+        """``backend``: the ``engine.backend`` the endpoints run; its module's client speaks their
+        wire (None: SGLang's ``/generate``, which the embedded engine also serves)."""
         self.api_key, self.timeout_s = api_key, timeout_s
+        self._client_class = backends.get(backend).client_class if backend else EngineClient
         self.max_attempts, self.connect_retries = max_attempts, connect_retries
         self.wait_for_endpoint_s = wait_for_endpoint_s
         self._session, self._own_session = session, session is None
@@ -317,7 +325,7 @@ class Router:
             self._clients.clear()
         client = self._clients.get(url)
         if client is None:
-            client = EngineClient(url, self.api_key, self.timeout_s, self.connect_retries, session=self._session)
+            client = self._client_class(url, self.api_key, self.timeout_s, self.connect_retries, session=self._session)
             self._clients[url] = client
         return client
 

@@ -29,20 +29,25 @@ import json
 import urllib.error
 import urllib.request
 
+from gyre.engine.backends.base import EngineAdmin, EngineAdminError
+
 MEMORY_TAGS = ("kv_cache", "weights")     # what a role switch releases (cuda_graph stays)
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
-class SGLangAPIError(RuntimeError):
+class SGLangAPIError(EngineAdminError):
     """A route answered non-2xx (``status``) or could not be reached (``status`` None)."""
 
-    def __init__(self, status: int | None, message: str, route: str):
-        super().__init__(f"{route}: {status or 'unreachable'}: {message}")
-        self.status, self.message, self.route = status, message, route
 
+class SGLangAdmin(EngineAdmin):
+    """SGLang's admin routes; also the embedded engine's, which serves the same subset.
 
-class SGLangAdmin:
-    def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 120.0):
+    ``memory_saver`` False (SGLang started without ``--enable-memory-saver``, i.e. not on CUDA):
+    a role switch cannot free memory; :meth:`release_memory` pauses generation (aborting what
+    runs) and :meth:`resume_memory` continues it."""
+
+    def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 120.0, memory_saver: bool = True):
+        self.memory_saver = memory_saver
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -109,6 +114,28 @@ class SGLangAdmin:
 
     def flush_cache(self) -> None:
         self._call("POST", "/flush_cache")
+
+    # --- the EngineAdmin contract (what the cell agent calls) ----------------------------------
+    def abort_all(self) -> None:
+        self.abort_request(abort_all=True)
+
+    def release_memory(self) -> None:
+        if self.memory_saver:
+            self.release_memory_occupation(MEMORY_TAGS)
+        else:
+            self.pause_generation("abort")
+
+    def resume_memory(self) -> None:
+        if self.memory_saver:
+            self.resume_memory_occupation(MEMORY_TAGS)
+        else:
+            self.continue_generation()
+
+    def load_weights(self, weights_dir: str, version: str) -> None:
+        """``/update_weights_from_disk`` without aborting: SGLang holds running requests while it
+        loads and continues them on the new weights; its ``flush_cache`` (default on) resets the
+        radix cache."""
+        self.update_weights_from_disk(str(weights_dir), str(version))
 
     def healthy(self, timeout_s: float = 5.0) -> bool:
         try:

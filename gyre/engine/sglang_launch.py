@@ -7,7 +7,9 @@ machines; tests run the same command lines with ``gyre.engine.sglang_standin`` a
 What a Gyre cell needs from it:
 - ``--skip-tokenizer-init``: the proxy sends ``input_ids`` and reads ``output_ids`` (token truth);
 - ``--enable-memory-saver``: ``/release_memory_occupation`` and ``/resume_memory_occupation`` for
-  role switches (released weights are freed, so the cell agent loads weights after a resume);
+  role switches (released weights are freed, so the cell agent loads weights after a resume); it
+  needs CUDA (torch_memory_saver), so it is passed only when the cell has GPUs
+  (``sched.gpus_per_node`` > 0);
 - ``--tp-size`` over the cell's GPUs (SGLang asserts it is divisible by ``--nnodes``), and
   ``--nnodes/--node-rank/--dist-init-addr`` when a cell spans several nodes: one server process per
   node, node rank 0 serves HTTP, the others join through node 0's dist-init address. (``--tp`` also
@@ -48,6 +50,7 @@ class SGLangSpec:
     weight_version: str = "0"
     launcher: str = "sglang.launch_server"  # the module run with ``python -m``
     hybrid: bool = False              # Gated DeltaNet layers: the hybrid radix cache flags
+    memory_saver: bool = True         # --enable-memory-saver (a CUDA library): only where CUDA is
     extra: list[str] = field(default_factory=list)
 
     def check(self) -> None:
@@ -68,7 +71,8 @@ class SGLangSpec:
         self.check()
         cmd = [python, "-m", self.launcher, "--model-path", self.model_path,
                "--host", self.host, "--port", str(self.port), "--tp-size", str(self.tp),
-               "--skip-tokenizer-init", "--enable-memory-saver", "--weight-version", self.weight_version,
+               "--skip-tokenizer-init", *(["--enable-memory-saver"] if self.memory_saver else []),
+               "--weight-version", self.weight_version,
                "--enable-priority-scheduling"]  # the proxy's fair share (gyre.proxy.fairness)
         if self.api_key:
             cmd += ["--api-key", self.api_key]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from gyre.config import default_tiny_dir, load_config
 from gyre.model.identity import model_identity
-from gyre.model.tiny import FAMILY_SHAPE, MAX_POSITIONS, ensure_tiny_model
+from gyre.model.tiny import FAMILY_SHAPE, HEAD_DIM, MAX_POSITIONS, SERVING_HEAD_DIM, ensure_tiny_model
 
 
 def add_arguments(parser) -> None:
@@ -24,6 +24,9 @@ def add_arguments(parser) -> None:
                         help=f"context length (max_position_embeddings, default {MAX_POSITIONS}); e.g. 262144 "
                              "for xLong contexts. Another value than the default goes to its own directory "
                              "(<default dir>-ctx<N>) unless --out is given")
+    parser.add_argument("--head-dim", type=int, default=HEAD_DIM, choices=(HEAD_DIM, SERVING_HEAD_DIM),
+                        help=f"attention head size (default {HEAD_DIM}); {SERVING_HEAD_DIM} builds the variant vLLM's CPU "
+                             "attention can serve (engine.backend = vllm), in <default dir>-hd32 unless --out is given")
 
 
 def run(args) -> int:
@@ -34,8 +37,11 @@ def run(args) -> int:
     out = args.out or default_tiny_dir(cfg)
     if args.out is None and positions != MAX_POSITIONS:
         out = out.with_name(f"{out.name}-ctx{positions}")
+    head_dim = getattr(args, "head_dim", HEAD_DIM)
+    if args.out is None and head_dim != HEAD_DIM:
+        out = out.with_name(f"{out.name}-hd{head_dim}")
     try:
-        path = ensure_tiny_model(out, cfg.model.tiny_family, positions)
+        path = ensure_tiny_model(out, cfg.model.tiny_family, positions, head_dim)
     except ValueError as e:  # a directory holding another family: nothing was overwritten
         print(f"gyre make-model: {e}", file=sys.stderr)
         return 2

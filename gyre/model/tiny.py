@@ -32,6 +32,8 @@ INIT_STD = 0.15
 # Enough to build config.json; vocab_size is added from the tokenizer.
 TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, rms_norm_eps=1e-6)
+HEAD_DIM = 16  # the default variant's attention head size
+SERVING_HEAD_DIM = 32  # the variant vLLM's CPU attention can serve (it needs head size >= 32)
 MAX_POSITIONS = 32768  # the default variant; `gyre make-model --max-positions 262144` builds a long one
 LONG_POSITIONS = 262144  # xLong contexts (issue 28): the long variant serves at least this
 ROPE_THETA = 10000.0
@@ -61,12 +63,24 @@ CONFIG_CLASS = {"qwen2": "Qwen2Config", "llama": "LlamaConfig", "qwen3": "Qwen3C
                 "qwen3_5": "Qwen3_5TextConfig", "qwen3_5_moe": "Qwen3_5MoeTextConfig"}
 
 
-def tiny_name(family: str, max_positions: int = MAX_POSITIONS) -> str:
+def tiny_name(family: str, max_positions: int = MAX_POSITIONS, head_dim: int = HEAD_DIM) -> str:
     name = NAME if family == "qwen2" else f"gyre-tiny-{family.replace('_', '-')}"
-    return name if max_positions == MAX_POSITIONS else f"{name}-ctx{max_positions}"
+    name = name if max_positions == MAX_POSITIONS else f"{name}-ctx{max_positions}"
+    return name if head_dim == HEAD_DIM else f"{name}-hd{head_dim}"
 
 
-def _build(dst: Path, family: str = "qwen2", max_positions: int = MAX_POSITIONS) -> None:
+def _head_shape(family: str, head_dim: int) -> dict:
+    """The shape keys that give attention heads of ``head_dim`` (the same head counts): families
+    without an explicit ``head_dim`` key widen the hidden size to heads x head_dim."""
+    if head_dim == HEAD_DIM:
+        return {}
+    shape = TINY_SHAPE | FAMILY_SHAPE[family]
+    if "head_dim" in shape:
+        return {"head_dim": head_dim}
+    return {"hidden_size": shape["num_attention_heads"] * head_dim}
+
+
+def _build(dst: Path, family: str = "qwen2", max_positions: int = MAX_POSITIONS, head_dim: int = HEAD_DIM) -> None:
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
@@ -86,7 +100,7 @@ def _build(dst: Path, family: str = "qwen2", max_positions: int = MAX_POSITIONS)
         vocab_size=vocab, tie_word_embeddings=False, hidden_act="silu", initializer_range=INIT_STD,
         rope_parameters=rope, bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|endoftext|>"], max_position_embeddings=max_positions,
-        **(TINY_SHAPE | FAMILY_SHAPE[family] | extra),
+        **(TINY_SHAPE | FAMILY_SHAPE[family] | _head_shape(family, head_dim) | extra),
     )
     model = AutoModelForCausalLM.from_config(config).to(torch.float32)
     # Fill every tensor ourselves, in name order, from one generator: the result depends only on
@@ -98,13 +112,23 @@ def _build(dst: Path, family: str = "qwen2", max_positions: int = MAX_POSITIONS)
             p.copy_(noise + 1.0 if name.endswith("norm.weight") else noise)
     model.save_pretrained(dst)
     shutil.copyfile(TOKENIZER_ASSET, dst / "tokenizer.json")
-    write_identity(dst, tiny_name(family, max_positions))
+    write_identity(dst, tiny_name(family, max_positions, head_dim))
 
 
-def ensure_tiny_model(out_dir: str | os.PathLike, family: str = "qwen2", max_positions: int = MAX_POSITIONS) -> Path:
+def head_dim_of(config: dict) -> int:
+    """The attention head size a model's ``config.json`` gives (explicit, or hidden / heads)."""
+    return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+
+
+def ensure_tiny_model(out_dir: str | os.PathLike, family: str = "qwen2", max_positions: int = MAX_POSITIONS,
+                      head_dim: int = HEAD_DIM) -> Path:
     """Build the tiny model of `family` in ``out_dir`` unless a complete one is there; return its
-    path (a complete directory of another family or RoPE range is refused, not overwritten).
-    ``max_positions``: its context (default RoPE needs no scaling; the weights are the same)."""
+    path (a complete directory of another family, RoPE range or head size is refused, not
+    overwritten). ``max_positions``: its context (default RoPE needs no scaling; the weights are
+    the same). ``head_dim``: 16 by default; ``SERVING_HEAD_DIM`` (32) builds the variant vLLM's CPU
+    attention serves (same families and head counts, wider heads)."""
+    if head_dim not in (HEAD_DIM, SERVING_HEAD_DIM):
+        raise ValueError(f"head_dim {head_dim}: choose {HEAD_DIM} (default) or {SERVING_HEAD_DIM} (servable by vLLM on CPU)")
     if family not in FAMILY_SHAPE:
         raise ValueError(f"family {family!r}: choose one of {', '.join(FAMILY_SHAPE)}")
     if max_positions < 1024:
@@ -120,11 +144,14 @@ def ensure_tiny_model(out_dir: str | os.PathLike, family: str = "qwen2", max_pos
         if positions != max_positions:
             raise ValueError(f"{out_dir} holds a model of {positions} positions, not {max_positions}; pass "
                              f"another --out for the {max_positions}-position model")
+        if head_dim_of(cfg) != head_dim:
+            raise ValueError(f"{out_dir} holds a model of head size {head_dim_of(cfg)}, not {head_dim}; pass "
+                             f"another --out for the head size {head_dim} model")
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        _build(tmp, family, max_positions)
+        _build(tmp, family, max_positions, head_dim)
         try:  # not fsio.atomic_dir: the first builder wins here (a cache, rebuilt if lost)
             tmp.rename(out_dir)
         except OSError:

@@ -58,7 +58,7 @@ class RolloutService:
         cfg = self.cfg
         kw = {} if wait_for_endpoint_s is None else {"wait_for_endpoint_s": wait_for_endpoint_s}
         self.router = Router(list(endpoints), api_key=engine_key, timeout_s=cfg.engine.request_timeout_s,
-                             connect_retries=cfg.engine.connect_retries, **kw)
+                             connect_retries=cfg.engine.connect_retries, backend=cfg.engine.backend, **kw)
         self.proxy = Proxy.from_config(cfg, self.router, self.model_dir, self.identity)
         self._site, port = await start_site(create_app(self.proxy, admin_key=secrets.token_urlsafe(24),
                                                        max_body_bytes=cfg.proxy.max_body_bytes),

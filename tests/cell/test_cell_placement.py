@@ -8,11 +8,11 @@ import json
 import pytest
 
 from gyre.cell.command import CommandError
-from gyre.cell.engine import MEMORY_TAGS, CellEngine
+from gyre.cell.engine import CellEngine
 from gyre.cell.placement import Placement
 from gyre.cluster.placement import cell_placement, local_placement
 from gyre.config import load_config
-from gyre.engine.sglang_api import SGLangAPIError
+from gyre.engine.backends import EngineAdmin, EngineAdminError
 
 
 def test_local_processes_outside_a_slurm_job(tmp_path, monkeypatch):
@@ -40,24 +40,27 @@ def test_a_slurm_step_over_the_cells_nodes(tmp_path, monkeypatch):
     assert not cell_placement(cfg, tmp_path, 2).in_slurm_step
 
 
-class FakeAdmin:
+class FakeAdmin(EngineAdmin):
+    """The backend-neutral admin contract the cell engine calls (each backend implements it over
+    its own routes)."""
+
     def __init__(self, refusals: int = 0):
         self.calls: list[tuple] = []
         self.refusals = refusals
 
-    def abort_request(self, rid=None, abort_all=False):
-        self.calls.append(("abort", abort_all))
+    def abort_all(self):
+        self.calls.append(("abort", True))
 
-    def release_memory_occupation(self, tags):
-        self.calls.append(("release", tuple(tags)))
+    def release_memory(self):
+        self.calls.append(("release",))
         if self.refusals:
             self.refusals -= 1
-            raise SGLangAPIError(400, "requests still running", "/release_memory_occupation")
+            raise EngineAdminError(400, "requests still running", "/release_memory_occupation")
 
-    def resume_memory_occupation(self, tags):
-        self.calls.append(("resume", tuple(tags)))
+    def resume_memory(self):
+        self.calls.append(("resume",))
 
-    def update_weights_from_disk(self, path, version):
+    def load_weights(self, path, version):
         self.calls.append(("update", path, version))
 
 
@@ -88,6 +91,6 @@ def test_release_is_retried_while_the_engine_refuses(tmp_path):
     phases: dict = {}
     assert e.drain_and_release(5.0, phases, on_wait=lambda: waited.append(1)) == 2
     assert [c[0] for c in admin.calls] == ["abort", "release", "abort", "release", "abort", "release"]
-    assert admin.calls[1] == ("release", tuple(MEMORY_TAGS)) and len(waited) == 2 and phases["release"] >= 0
+    assert admin.calls[1] == ("release",) and len(waited) == 2 and phases["release"] >= 0
     with pytest.raises(CommandError, match="refused to release"):
         _engine(tmp_path, FakeAdmin(refusals=10**6)).drain_and_release(0.0, {}, on_wait=lambda: None)

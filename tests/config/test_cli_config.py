@@ -37,7 +37,7 @@ def test_toml_file_and_overrides(tmp_path):
 
 @pytest.mark.parametrize("text,needle", [
     ('[engine]\nport = -1\n', "engine.port: -1 is below the minimum 0"),
-    ('[engine]\nbackend = "vllm"\n', "choose one of embedded, sglang"),
+    ('[engine]\nbackend = "tgi"\n', "choose one of embedded, sglang, vllm"),
     ('[engine]\nprot = 1\n', "engine.prot: unknown key"),
     ('[enigne]\nport = 1\n', "enigne: unknown key"),
     ('[engine]\nport = "x"\n', "engine.port: expected int"),

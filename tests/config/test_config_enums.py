@@ -25,7 +25,7 @@ from gyre.traj.record import FINISHED, NOT_FINISHED, STATUSES, ExecutionRecord, 
     ("sched.scheme=B", "sched.scheme: 'B' is not allowed; choose one of E, E-paper, A, C"),
     ("sched.scheme=e", "sched.scheme: 'e' is not allowed; choose one of E, E-paper, A, C"),
     ("sched.staleness_rule=fifo", "sched.staleness_rule: 'fifo' is not allowed; choose one of window, count"),
-    ("engine.backend=vllm", "engine.backend: 'vllm' is not allowed; choose one of embedded, sglang"),
+    ("engine.backend=tgi", "engine.backend: 'tgi' is not allowed; choose one of embedded, sglang, vllm"),
     ("train.backend=deepspeed", "train.backend: 'deepspeed' is not allowed; choose one of embedded, megatron"),
     ("sched.scheme=3", "sched.scheme: '3' is not allowed"),
 ])

@@ -187,7 +187,7 @@ def test_engine_matches_transformers_and_resumes_from_stored_states(family, tmp_
 
 
 def test_sglang_launch_uses_the_hybrid_cache_flags(tmp_path):
-    from gyre.engine.launch import _is_hybrid
+    from gyre.engine.backends.sglang import is_hybrid as _is_hybrid
     from gyre.engine.sglang_flags import LAUNCH_SERVER_FLAGS
     from gyre.engine.sglang_launch import SGLangSpec
 
