@@ -70,7 +70,7 @@ install-vllm: $(VLLM_STAMP)
 
 # everything CI can run; both phases run, and either failing fails the target
 # (pytest's 5, "no test selected", is fine: PYTEST_ARGS=-k may select from one phase only)
-test: install sysdeps
+test: install install-vllm sysdeps
 	@rc=0; \
 	echo "== unit tests ($(JOBS) workers)"; \
 	$(PYTEST) -n $(JOBS) -m "not e2e" --durations=10 $(PYTEST_ARGS) || { r=$$?; [ $$r = 5 ] || rc=$$r; }; \

@@ -120,7 +120,7 @@ def test_gyre_rollout_exits_non_zero_naming_the_execution_it_could_not_record(tm
     cfg = cfg_for(tmp_path / "run", "engine.endpoints=1", 'harness.tasks=["fizzbuzz"]',
                   command=["bash", "-c", "echo 'def fizzbuzz(n): pass' > fizzbuzz.py"])
     monkeypatch.setattr(offline_rollout, "load_config", lambda *a: cfg)
-    args = offline_rollout.argparse.Namespace(config=None, overrides=[], resume=False, no_progress=True,
+    args = offline_rollout.argparse.Namespace(config=None, overrides=[], resume=False, no_progress=True, validate=False,
                                               strict=False)
     assert offline_rollout.run(args) == 4
     err = capsys.readouterr().err
