@@ -140,7 +140,11 @@ class RunConfig(_EnumFields):
                                    "(nats) falls below this: the policy is collapsing (gyre/report/health.py)")
     warn_harness_failure_rate: float = _f(0.5, min=0.0, max=1.0,
                                           help="health warning when more than this share of a step's "
-                                               "executions ended failed or crashed")
+                                               "executions ended failed or crashed (their harness broke: "
+                                               "never trained, recorded in ledger.jsonl with exit status "
+                                               "and stderr)")
+    stop_harness_failure_steps: int = _f(2, min=0, help="stop the run (exit 1, with the harnesses' error) after "
+                                         "this many steps in a row above run.warn_harness_failure_rate; 0 = never")
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Validate here, not in __post_init__: load_config sets fields after construction.

@@ -19,6 +19,7 @@ import signal
 import sys
 from pathlib import Path
 
+from gyre import faults
 from gyre.config import ConfigError, EngineBackend, default_tiny_dir, load_config
 from gyre.fsio import atomic_write_text
 from gyre.model.tiny import ensure_tiny_model
@@ -147,6 +148,7 @@ def _write_private(path: Path, text: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gyre engine", description=__doc__.splitlines()[0])
     add_arguments(p)
+    faults.hit("engine", "start")
 
     try:
         return run(p.parse_args(argv))

@@ -167,6 +167,28 @@ def classify(returncode: int | None, we_signalled: str | None) -> tuple[str, str
     return Status.FAILED, None
 
 
+HARNESS_BROKE = "harness "  # the error of a harness that failed or crashed by itself: "harness exited 1; ..."
+STDERR_EXCERPT = 300  # characters of the end of its stderr kept in that error (the log holds the rest)
+
+
+def describe_failure(res: ExecutionResult, logs: Path) -> None:
+    """A harness that failed or crashed by itself (no limit, no time limit, no start failure) gets
+    an error that says how it ended and how its stderr ends, on one line, with the log's path:
+    the summary and the ledger tell a harness bug from a bad answer."""
+    if res.status not in (Status.FAILED, Status.CRASHED) or res.error or res.start_failure:
+        return
+    how = f"killed by {res.signal}" if res.signal else f"exited {res.returncode}"
+    try:
+        with open(logs / "harness.stderr", "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 4 * STDERR_EXCERPT))
+            tail = f.read().decode(errors="replace")
+    except OSError:
+        tail = ""
+    tail = " | ".join(line.strip() for line in tail.strip().splitlines() if line.strip())[-STDERR_EXCERPT:]
+    res.error = (f"{HARNESS_BROKE}{how}; stderr: {tail or '(empty)'} ({logs / 'harness.stderr'})")
+
+
 TERM_REPEAT_S = 0.2  # a sandboxed harness is sent SIGTERM again this often during its grace period
 
 
@@ -250,6 +272,7 @@ class HarnessPool:
             ws, logs = prepare_workspace(self.run_dir, execution_id, task)
             res = await self._run(task, execution_id, ws, logs, api_key, base_url, extra_env or {})
             self._count_start(res, logs)
+            describe_failure(res, logs)
             return res
 
     def _count_start(self, res: ExecutionResult, logs: Path) -> None:
