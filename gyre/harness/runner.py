@@ -151,6 +151,22 @@ def expand_argv(command: Sequence[str], values: Mapping[str, str]) -> list[str]:
     return [_PLACEHOLDER.sub(lambda m: values[m.group(1)], str(arg)) for arg in command]
 
 
+def own_files(command: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(argv, the harness's own files): an argument of harness.command naming an existing file
+    (``docs/recipes/openai_agent.py``, relative to where Gyre was started) becomes its absolute path,
+    since a harness runs in its workspace; in a sandbox each such file is bound read-only at that
+    path, so the documented recipes run as written. Folders are not bound (harness.sandbox_binds)."""
+    argv, files = [], []
+    for arg in command:
+        text = str(arg)
+        path = Path(text)
+        if "{" not in text and not text.startswith("-") and path.is_file():
+            text = str(path.resolve())
+            files.append(text)
+        argv.append(text)
+    return argv, files
+
+
 def classify(returncode: int | None, we_signalled: str | None) -> tuple[str, str | None]:
     """(status, signal name) from how the process ended and whether we killed it."""
     if returncode is None:
@@ -230,7 +246,7 @@ class HarnessPool:
                  max_start_failures: int = 3):
         self.envs = environments or Environments(SandboxConfig())
         self.run_dir = Path(run_dir).absolute()  # the harness runs elsewhere: its paths must not be relative
-        self.command = list(command)
+        self.command, self.own_files = own_files(command)
         self.limits = limits or Limits()
         self.concurrency = concurrency
         self.pass_env = list(pass_env)
@@ -363,6 +379,8 @@ class HarnessPool:
                    GYRE_TASK_DIR=TASK, GYRE_EXECUTION_ID=execution_id,
                    PYTHONPATH=os.pathsep.join(filter(None, [LIB, env.get("PYTHONPATH")])))
         mounts = [Mount(str(ws), WORKSPACE, writable=True), Mount(str(task_dir), TASK)]
+        if place.kind == "sandbox":  # an image has its own root: its files come with it
+            mounts += [Mount(f, f) for f in self.own_files]  # the harness's own script, read-only
         # the kernel refuses a fork past the cap at once (where the runtime gives the instance a
         # user namespace of its own, or caps its pids itself); the poll stops the harness
         argv = envs.launcher(place, self.limits.max_processes)

@@ -16,7 +16,7 @@ from gyre.services.rollout import harness_broke
 from gyre.traj.record import Status
 from tests.support.gyre_run import gyre_run, ledger
 
-CRASH = "import sys; sys.stderr.write('agent: ValueError: the harness bug\\n'); sys.exit(3)"
+CRASH = "import sys; print('agent: ValueError: the harness bug', file=sys.stderr); sys.exit(3)"
 
 
 def test_a_broken_harness_is_told_from_a_limit_or_a_clean_end():
