@@ -81,3 +81,26 @@ def test_a_process_that_dies_at_start_ends_the_job(tmp_path, process):
         said = [ln for ln in out.splitlines() if ln.startswith("gyre: the head (rank 0) failed: StartError")]
         assert said and "cannot start" in said[0], out[-3000:]
     assert "Traceback" not in out, out[-3000:]
+
+
+@pytest.mark.parametrize("what", ["missing", "family", "tokenizer"])
+def test_gyre_rollout_model_errors_are_one_line(tmp_path, what):
+    """`gyre rollout` with a model directory it cannot use: one line naming model.path, exit 2."""
+    from gyre.config import default_tiny_dir, load_config
+    from gyre.model.tiny import ensure_tiny_model
+
+    model = tmp_path / "m"
+    if what != "missing":
+        model.mkdir()
+        tiny = Path(ensure_tiny_model(default_tiny_dir(load_config(None, [])), "qwen2"))
+        if what == "family":
+            (model / "config.json").write_text('{"model_type": "gpt_bigcode"}')
+        else:
+            for f in [tiny / "config.json", *tiny.glob("*.safetensors")]:
+                (model / f.name).write_bytes(f.read_bytes())
+    proc = subprocess.run([sys.executable, "-m", "gyre.cli", "rollout", f"run.dir={tmp_path / 'r'}",
+                           f"model.path={model}"], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "model.path" in lines[0], proc.stderr
+    assert {"missing": "no such directory", "family": "not supported", "tokenizer": "no tokenizer.json"}[what] in lines[0]
