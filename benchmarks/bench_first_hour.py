@@ -6,7 +6,9 @@ Figures (one flat JSON, benchmarks/results/first_hour.json):
 - bad_model_path_mpi_exit_s: the same configuration as launchers/gyre.sbatch starts it (mpiexec
   of gyre.cluster.main, no `gyre run` checking first), 3 ranks;
 - crash_rewards_trained: executions of a harness that always crashes (exit 3) admitted into
-  training (goal 0), from the ledger; crash_run_exit_code (goal non-zero), crash_run_s;
+  training (goal 0), from the ledger, with sched.skip_zero_variance = false (else equal rewards
+  drop the groups whatever their cause, and a run where only some crash trains their zeros);
+  crash_run_exit_code (goal non-zero), crash_run_s;
 - undocumented_keys: configuration keys without a `help=` description (goal 0);
 - demo_s: `make demo` (gyre run --config launchers/demo.toml) wall time, only with --demo (it takes
   minutes: run it on a calm machine); load_avg_1m_before / _after: the machine's load around it.
@@ -40,9 +42,13 @@ def timed(cmd: list[str], root: Path, limit_s: float) -> tuple[float, int | None
     try:
         out, _ = proc.communicate(timeout=limit_s)
         return time.monotonic() - t0, proc.returncode, out[-2000:]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+    except subprocess.TimeoutExpired:  # `gyre run` forwards SIGTERM to mpiexec, which ends its ranks
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
         return limit_s, None, (out or "")[-2000:]
 
 
@@ -83,7 +89,7 @@ def main() -> int:
         res.update(bad_model_path_mpi_exit_s=round(s, 2), bad_model_path_mpi_exit_code=rc)
         crash_dir = t / "crash"
         s, rc, out = timed(gyre(root, "run", "--config", demo, "--no-plots", f"run.dir={crash_dir}", "run.steps=3",
-                                "sched.cells=2", "harness.group_size=2", CRASH), root, args.limit_s)
+                                "sched.cells=2", "harness.group_size=2", "sched.skip_zero_variance=false", CRASH), root, args.limit_s)
         rows = [json.loads(x) for x in (crash_dir / "ledger.jsonl").read_text().splitlines()
                 if '"execution"' in x] if (crash_dir / "ledger.jsonl").exists() else []
         res.update(crash_run_s=round(s, 1), crash_run_exit_code=rc, crash_executions_ended=len(rows),
