@@ -18,7 +18,7 @@ import pytest
 
 from gyre.cluster.preflight import check_harness_command, check_model_dir
 from gyre.config import ConfigError
-from tests.support.gyre_run import ROOT, gyre_run
+from support.gyre_run import ROOT, gyre_run
 
 
 def test_model_dir_checks_name_what_is_missing(tmp_path):
@@ -44,6 +44,7 @@ def test_harness_command_must_be_an_argv_list_of_a_program_that_exists():
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
 def test_wrong_model_path_ends_gyre_run_at_once(tmp_path):
     t0 = time.monotonic()
     rc, out = gyre_run(tmp_path / "r", f"model.path={tmp_path / 'missing'}", timeout=60)
@@ -53,6 +54,7 @@ def test_wrong_model_path_ends_gyre_run_at_once(tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
 def test_wrong_model_path_ends_the_mpi_job_at_once(tmp_path):
     """As launchers/gyre.sbatch starts it (no `gyre run` checked first): every rank refuses."""
     from gyre.cluster.local import find_mpiexec
@@ -69,6 +71,7 @@ def test_wrong_model_path_ends_the_mpi_job_at_once(tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
 @pytest.mark.parametrize("process", ["head", "agent", "engine", "trainer"])
 def test_a_process_that_dies_at_start_ends_the_job(tmp_path, process):
     faults = tmp_path / "faults"
@@ -83,6 +86,7 @@ def test_a_process_that_dies_at_start_ends_the_job(tmp_path, process):
     assert "Traceback" not in out, out[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what", ["missing", "family", "tokenizer"])
 def test_gyre_rollout_model_errors_are_one_line(tmp_path, what):
     """`gyre rollout` with a model directory it cannot use: one line naming model.path, exit 2."""

@@ -14,7 +14,7 @@ import pytest
 
 from gyre.services.rollout import harness_broke
 from gyre.traj.record import Status
-from tests.support.gyre_run import gyre_run, ledger
+from support.gyre_run import gyre_run, ledger
 
 CRASH = "import sys; print('agent: ValueError: the harness bug', file=sys.stderr); sys.exit(3)"
 
@@ -30,6 +30,7 @@ def test_a_broken_harness_is_told_from_a_limit_or_a_clean_end():
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
 def test_a_harness_that_always_crashes_stops_the_run_and_nothing_trains(tmp_path):
     run_dir = tmp_path / "c"
     rc, out = gyre_run(run_dir, f'harness.command=["{{python}}", "-c", "{CRASH}"]', "harness.group_size=2",
