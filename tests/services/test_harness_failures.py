@@ -16,7 +16,9 @@ from gyre.services.rollout import harness_broke
 from gyre.traj.record import Status
 from support.gyre_run import gyre_run, ledger
 
-CRASH = "import sys; print('agent: ValueError: the harness bug', file=sys.stderr); sys.exit(3)"
+# the demo's agent makes its calls (trajectories that could train), then the harness crashes on its own bug
+CRASH = ("import sys; from gyre.harness.answer_agent import main; main(); "
+         "print('agent: ValueError: the harness bug', file=sys.stderr); sys.exit(3)")
 
 
 def test_a_broken_harness_is_told_from_a_limit_or_a_clean_end():
@@ -34,7 +36,7 @@ def test_a_broken_harness_is_told_from_a_limit_or_a_clean_end():
 def test_a_harness_that_always_crashes_stops_the_run_and_nothing_trains(tmp_path):
     run_dir = tmp_path / "c"
     rc, out = gyre_run(run_dir, f'harness.command=["{{python}}", "-c", "{CRASH}"]', "harness.group_size=2",
-                       "run.stop_harness_failure_steps=2", steps=4, timeout=400)
+                       "run.stop_harness_failure_steps=2", "sched.skip_zero_variance=false", steps=4, timeout=400)
     assert rc != 0, out[-3000:]
     assert "run.stop_harness_failure_steps=2" in out, out[-3000:]
     told = [ln for ln in out.splitlines() if " not trained: harness failed: exited 3" in ln]
