@@ -14,6 +14,8 @@ import sys
 from gyre import __version__
 from gyre.config import ConfigError
 
+MODEL_CHECKED = ("rollout",)  # commands whose model.path is checked before they start (gyre run: its own preflight)
+
 # name -> (module[:prefix], one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("gyre.engine.cli", "serve a model over SGLang's RL HTTP subset (embedded engine)"),
@@ -80,10 +82,22 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0 if args.command is None else 2
 
+    from gyre.model.families import ModelFormatError
+
     try:
+        if args.command in MODEL_CHECKED:  # a wrong model.path is one line here, not a traceback from deep inside
+            from gyre.cluster.preflight import check_model_dir
+            from gyre.config import load_config
+
+            cfg = load_config(args.config, args.overrides)
+            if cfg.model.path:
+                check_model_dir(cfg.model.path)
         return int(args._run(args) or 0)
     except ConfigError as e:
         print(f"gyre {args.command}: configuration error: {e}", file=sys.stderr)
+        return 2
+    except ModelFormatError as e:  # a model directory Gyre cannot read (family, config, weights)
+        print(f"gyre {args.command}: model error: {e}", file=sys.stderr)
         return 2
 
 

@@ -131,7 +131,8 @@ class RunConfig(_EnumFields):
     _SECTION = "run"
     name: str = _f("gyre", help="run name, used in directory and job names")
     dir: str = _f("runs/gyre", help="run directory (private to the user, 0700)")
-    seed: int = _f(0, min=0)
+    seed: int = _f(0, min=0,
+        help="seed of the trainer's initialisation and of the shuffled burst order (sched.burst_order)")
     steps: int = _f(4, min=1, help="optimizer steps of an online run (`gyre run`)")
     groups_per_step: int = _f(2, min=1, help="queries (groups of harness.group_size executions) per step")
     heartbeat_timeout_s: float = _f(60.0, min=1.0, help="a cell silent this long is marked failed")
@@ -155,7 +156,11 @@ class RunConfig(_EnumFields):
                                    "(nats) falls below this: the policy is collapsing (gyre/report/health.py)")
     warn_harness_failure_rate: float = _f(0.5, min=0.0, max=1.0,
                                           help="health warning when more than this share of a step's "
-                                               "executions ended failed or crashed")
+                                               "executions ended failed or crashed (their harness broke: "
+                                               "never trained, recorded in ledger.jsonl with exit status "
+                                               "and stderr)")
+    stop_harness_failure_steps: int = _f(2, min=0, help="stop the run (exit 1, with the harnesses' error) after "
+                                         "this many steps in a row above run.warn_harness_failure_rate; 0 = never")
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Validate here, not in __post_init__: load_config sets fields after construction.
@@ -190,13 +195,15 @@ class EngineConfig(_EnumFields):
     backend: EngineBackend = _f(EngineBackend.EMBEDDED, help="the inference engine of every cell: embedded (Gyre's own, "
                                 "CPU), sglang (GPU nodes) or vllm (vLLM's server; CPU build via `make install-vllm`); "
                                 "docs/models.md says which runs what, and where")
-    host: str = _f("127.0.0.1")
-    port: int = _f(30000, min=0, max=65535)
+    host: str = _f("127.0.0.1", help='address the engines of `gyre engine`/`gyre rollout` listen on')
+    port: int = _f(30000, min=0, max=65535,
+        help='first port of the engines of `gyre engine`/`gyre rollout`; 0 = any free port')
     endpoints: int = _f(1, min=1, help="engine endpoints started by `gyre rollout` on one machine")
-    max_running_requests: int = _f(64, min=1)
+    max_running_requests: int = _f(64, min=1, help='requests one engine decodes at once; more wait in its queue')
     max_new_tokens_cap: int = _f(4096, min=1, help="hard cap on max_new_tokens per request")
-    max_body_bytes: int = _f(8 << 20, min=1024)
-    request_timeout_s: float = _f(600.0, min=0.001)
+    max_body_bytes: int = _f(8 << 20, min=1024, help='largest request body an engine accepts (bytes)')
+    request_timeout_s: float = _f(600.0, min=0.001,
+        help='time the router waits for one engine request before it fails')
     connect_retries: int = _f(1, min=0, help="times the router retries an engine it cannot reach (connection "
                                              "refused or reset) before the call goes to another endpoint")
     sglang_launcher: str = _f("sglang.launch_server",
@@ -219,11 +226,11 @@ class EngineConfig(_EnumFields):
 @dataclass
 class ProxyConfig(_EnumFields):
     _SECTION = "proxy"
-    host: str = _f("127.0.0.1")
+    host: str = _f("127.0.0.1", help='address the proxy listens on (harnesses are given its URL)')
     port: int = _f(0, min=0, max=65535, help="0 = any free port (harnesses are given the URL)")
     max_body_bytes: int = _f(8 << 20, min=1024, help="largest request body accepted (bytes)")
-    default_max_tokens: int = _f(512, min=1)
-    max_tokens_cap: int = _f(4096, min=1)
+    default_max_tokens: int = _f(512, min=1, help='max_tokens of a call that names none')
+    max_tokens_cap: int = _f(4096, min=1, help='largest max_tokens a call may ask for; more is cut to this')
     max_calls_in_flight: int = _f(8, min=1, help="calls of one execution running at once; beyond, 429 with "
                                   "Retry-After (a few parallel tool calls; gyre/proxy/fairness.py)")
     max_executions: int = _f(10_000, min=1, help="executions registered at once (POST /gyre/executions "
@@ -271,7 +278,7 @@ class StoreConfig(_EnumFields):
     chunk_tokens: int = _f(1 << 16, min=256, help="HDF5 chunk of the tokens/logprobs arrays (elements)")
     hdf5_locking: bool = _f(False, help="HDF5 file locking; off by default: Lustre/GPFS mounts "
                                         "without flock make HDF5 fail to open files")
-    executions_per_shard: int = _f(64, min=1)
+    executions_per_shard: int = _f(64, min=1, help='executions written to one HDF5 shard before a new one starts')
 
 
 @dataclass
@@ -311,8 +318,9 @@ class SelectionConfig:
 @dataclass
 class TrainConfig(_EnumFields):
     _SECTION = "train"
-    backend: TrainBackend = _f(TrainBackend.EMBEDDED)
-    lr: float = _f(1e-4, min=0.0, help="peak learning rate (after warmup; the constant rate with lr_schedule = constant)")
+    backend: TrainBackend = _f(TrainBackend.EMBEDDED,
+        help='trainer: embedded (torch, CPU or one GPU) or megatron (Megatron-Core)')
+    lr: float = _f(1e-4, min=0.0, help="Adam's peak learning rate (after warmup; the constant rate with lr_schedule = constant)")
     lr_schedule: LrSchedule = _f(LrSchedule.CONSTANT,
                                  help="learning rate over optimizer steps, Megatron's formulas (gyre/train/lr_schedule.py): "
                                       "constant = lr; linear / cosine = decay from lr to min_lr over lr_decay_steps; "
@@ -330,11 +338,16 @@ class TrainConfig(_EnumFields):
                                   "r = pi_theta / pi_ref")
     entropy_coef: float = _f(0.0, min=0.0, help="weight of the entropy bonus (the loss subtracts coef x the "
                                                 "targets' token entropy, computed chunked); 0 = off")
-    micro_batch_tokens: int = _f(4096, min=16)
-    layout: Layout = _f(Layout.TREE)
-    advantage: Advantage = _f(Advantage.GRPO)
-    clip_low: float = _f(0.2, min=0.0)
-    clip_high: float = _f(0.28, min=0.0)
+    micro_batch_tokens: int = _f(4096, min=16,
+        help='tokens of one micro-batch (a long execution is still one row: linear memory, never split)')
+    layout: Layout = _f(Layout.TREE,
+        help='tree: shared prefixes counted once (kv_end masks); expanded: one row per trajectory')
+    advantage: Advantage = _f(Advantage.GRPO,
+        help="grpo: reward minus the group mean, over the group std; rloo: minus the mean of the "
+             "others; reward: the raw reward (no group baseline)")
+    clip_low: float = _f(0.2, min=0.0, help='PPO ratio clip below: ratios under 1 - clip_low are clipped')
+    clip_high: float = _f(0.28, min=0.0,
+        help='PPO ratio clip above (clip-higher): ratios over 1 + clip_high are clipped')
     clip: bool = _f(True, help="PPO-style ratio clipping with clip_low/clip_high; false = plain IS ratio")
     staleness_weights: list = _f([], help="loss weight per policy lag [w0, w1, ...]; lags past the "
                                       "list are masked; empty = weight 1 for every admitted lag")
@@ -358,20 +371,21 @@ class TrainConfig(_EnumFields):
     is_cap: float = _f(2.0, min=1.0, help="tis: C in min(pi_old / pi_behaviour, C)")
     is_mask: bool = _f(False, help="tis/decoupled: drop (weight 0) tokens whose pi_old / pi_behaviour "
                                    "leaves [is_mask_low, is_mask_high]")
-    is_mask_low: float = _f(0.5, min=0.0)
-    is_mask_high: float = _f(2.0, min=0.0)
+    is_mask_low: float = _f(0.5, min=0.0, help='is_mask: lowest pi_old / pi_behaviour kept')
+    is_mask_high: float = _f(2.0, min=0.0, help='is_mask: highest pi_old / pi_behaviour kept')
     mismatch_warn_k3: float = _f(0.01, min=0.0, help="warn when the k3 KL between trainer and engine "
                                  "log-probs at lag 0 (same weights) exceeds this; 0 = never")
     grad_clip: float = _f(1.0, min=0.0, help="clip the global grad norm to this; 0 = no clipping")
-    weight_decay: float = _f(0.0, min=0.0)
-    adam_beta1: float = _f(0.9, min=0.0, max=1.0)
-    adam_beta2: float = _f(0.999, min=0.0, max=1.0)
-    adam_eps: float = _f(1e-8, min=0.0)
+    weight_decay: float = _f(0.0, min=0.0, help='AdamW decoupled weight decay')
+    adam_beta1: float = _f(0.9, min=0.0, max=1.0, help='Adam beta1 (first-moment decay)')
+    adam_beta2: float = _f(0.999, min=0.0, max=1.0, help='Adam beta2 (second-moment decay)')
+    adam_eps: float = _f(1e-8, min=0.0, help='Adam epsilon')
     dtype: Dtype = _f(Dtype.AUTO,
                     help="training dtype; auto = bfloat16 on CUDA, float32 on CPU")
     export_dir: str = _f("", help="where weights are exported for the engines; empty = <run.dir>/weights")
     checkpoint_dir: str = _f("", help="trainer checkpoints; empty = <run.dir>/checkpoints")
-    tensor_parallel: int = _f(1, min=1, help="Megatron tensor-parallel size inside a cell (divides its trainer ranks)")
+    tensor_parallel: int = _f(1, min=1,
+        help="Megatron tensor-parallel size inside a cell (divides its trainer ranks)")
     pipeline_parallel: int = _f(1, min=1, help="Megatron pipeline-parallel size inside a cell")
     expert_parallel: int = _f(1, min=1, help="Megatron expert-parallel size inside a cell (MoE models: divides the "
                                             "expert count and, times tensor x pipeline, the cell's trainer ranks)")
@@ -396,10 +410,11 @@ class TrainConfig(_EnumFields):
 @dataclass
 class SchedConfig(_EnumFields):
     _SECTION = "sched"
-    scheme: Scheme = _f(Scheme.E, help="E elastic (demand-sized), E-paper the paper's elastic rule, A async pools, C colocate")
-    cells: int = _f(2, min=1)
-    cell_nodes: int = _f(4, min=1)
-    gpus_per_node: int = _f(8, min=0)
+    scheme: Scheme = _f(Scheme.E,
+        help="E elastic (demand-sized), E-paper the paper's elastic rule, A async pools, C colocate")
+    cells: int = _f(2, min=1, help='cells of the job (rollout + train); `gyre run` starts this many cell ranks')
+    cell_nodes: int = _f(4, min=1, help='nodes of one cell (a Slurm het component each)')
+    gpus_per_node: int = _f(8, min=0, help='GPUs of a node; 0 = CPU nodes')
     staleness: int = _f(0, min=0, help="max lag k in rollout syncs (= optimizer steps when steps_per_sync = 1)")
     staleness_rule: StalenessRule = _f(StalenessRule.WINDOW, help="window: a group lagging more than k syncs is dropped (and replaced); "
                                   "count: AReaL's rule, at rollout sync r at most (r+k+1) x groups-per-round started")
@@ -408,7 +423,8 @@ class SchedConfig(_EnumFields):
     to_train_s: float = _f(8.52, min=0.0, help="expected rollout->train switch time (paper: 8.52 s)")
     to_rollout_s: float = _f(3.46, min=0.0, help="expected train->rollout switch time (paper: 3.46 s)")
     push_s: float = _f(60.0, min=0.0, help="expected optimizer step + weight push per step")
-    execs_per_cell: float = _f(16.0, min=0.001, help="schemes E and E-paper: running executions one rollout cell serves")
+    execs_per_cell: float = _f(16.0, min=0.001,
+        help="schemes E and E-paper: running executions one rollout cell serves")
     min_dwell_s: float = _f(60.0, min=0.0, help="schemes E, E-paper: least time a cell stays in a role")
     calls_per_cell: float = _f(4.0, min=0.001, help="scheme E: calls one rollout cell decodes while each keeps "
                                "~80% of its solo speed (engines per cell x their batch knee)")
@@ -429,15 +445,18 @@ class SchedConfig(_EnumFields):
 @dataclass
 class HarnessConfig(_EnumFields):
     _SECTION = "harness"
-    suite: str = _f("builtin", help="task suite: 'builtin', 'learnable' (the demo's) or a directory in NL2RepoBench layout")
+    suite: str = _f("builtin",
+        help="task suite: 'builtin', 'learnable' (the demo's) or a directory in NL2RepoBench layout")
     command: list = _f(["{python}", "-m", "gyre.harness.reference_agent"],
                        help="harness argv; placeholders {prompt} {prompt_file} {workspace} {task_dir} "
                             "{python} {execution_id} {base_url}")
     tasks: list = _f([], help="names of the suite's tasks to run; empty = all")
     group_size: int = _f(2, min=1, help="executions per task (G)")
     concurrency: int = _f(4, min=1, help="harnesses running at once (N)")
-    timeout_s: float = _f(600.0, min=0.1)
-    kill_grace_s: float = _f(5.0, min=0.0)
+    timeout_s: float = _f(600.0, min=0.1,
+        help="wall-clock limit of one execution; past it the harness is stopped and its workspace "
+             "scored (tests-after-timeout)")
+    kill_grace_s: float = _f(5.0, min=0.0, help='time between SIGTERM and SIGKILL when a harness is stopped')
     cpu_limit_s: int = _f(0, min=0, help="RLIMIT_CPU per execution; 0 = none")
     memory_limit_mb: int = _f(0, min=0, help="RLIMIT_AS of each process of an execution; 0 = none")
     # Defaults that keep one harness from hurting the others on a shared node (0 = none):
@@ -500,7 +519,8 @@ class EvalConfig(_EnumFields):
                       help="network of the test commands: auto = on for tasks scored in their image (NL2RepoBench's "
                            "commands `pip install`, as its containers allow), off otherwise")
     workers: int = _f(2, min=1, help="evaluations running at once")
-    executor: EvalExecutor = _f(EvalExecutor.POOL)
+    executor: EvalExecutor = _f(EvalExecutor.POOL,
+        help='where evaluations run: pool (processes on the head), submitit-local or submitit-slurm (a Slurm job each)')
     scratch_dir: str = _f("", help="where workspaces are copied for scoring; empty = the system temp dir")
     keep_scratch: bool = _f(False, help="keep the scored copy (for debugging a score)")
     max_output_mb: int = _f(64, min=1, help="largest file (log included) a test command may write")
@@ -512,8 +532,8 @@ class EvalConfig(_EnumFields):
     remove_conftest: bool = _f(False, help="also delete the candidate's conftest.py files (NL2RepoBench keeps them)")
     submitit_dir: str = _f("", help="submitit job folder; empty = <run.dir>/eval-jobs")
     slurm_partition: str = _f("", help="partition for submitit-slurm evaluation jobs")
-    slurm_cpus_per_task: int = _f(2, min=1)
-    slurm_mem_gb: int = _f(8, min=1)
+    slurm_cpus_per_task: int = _f(2, min=1, help='CPUs of one submitit-slurm evaluation job')
+    slurm_mem_gb: int = _f(8, min=1, help='memory of one submitit-slurm evaluation job (GB)')
 
 
 DatasetFormat = _choices("DatasetFormat", "`dataset.format`", "auto", "jsonl", "parquet", "hf")

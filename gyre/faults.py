@@ -11,6 +11,7 @@ again and the test can assert the fault really happened. Unset (the default), ``
 lookup and nothing else.
 
 Phases in use (process: phases):
+    (every process also has `start`: before it does anything, for the start-up failure tests)
     trainer: micro_batch, prepare_reduce, reduce, optimizer_step, export, checkpoint,
              later_minibatch (a micro-batch of a step's update > 0: an earlier update is applied)
     engine:  generate, release, weight_load

@@ -59,7 +59,7 @@ from gyre import validation_rounds
 from gyre.services.fleet import CellFleet, WeightPaths
 from gyre.services.ledger import Ledger, execution_id
 from gyre.services.retention import Retention
-from gyre.services.rollout import RecordError, RolloutService, journal_dir
+from gyre.services.rollout import RecordError, RolloutService, harness_broke, journal_dir
 from gyre.services.training import StepReduced, TrainingDispatch
 from gyre.services.validation import ValidationSpec, Validator
 from gyre.train.step_stats import lag0_warning
@@ -99,6 +99,7 @@ class Head:
         self.errors: list[str] = []
         self.failed: str | None = None   # why the run had to stop (a task failed, e.g. a record could not be written)
         self.warnings: list[str] = []     # health warnings (gyre/report/health.py), the first of each kind
+        self._failing_steps = 0            # steps in a row past run.warn_harness_failure_rate
         self.events: list[dict] = []      # notices of the head and its services (mismatch, reduce retries)
         self.replays: dict[tuple[str, int], list] = {}  # resume: stopped executions to replay
         self.validation: Validator | None = None  # validation rounds ([validate], gyre/services/validation.py)
@@ -135,6 +136,12 @@ class Head:
         if audit:  # trained tokens that differ from what the engine returned (goal: none)
             warnings["token_audit"] = audit
         row["warnings"] = warnings
+        self._failing_steps = self._failing_steps + 1 if "harness_failures" in warnings else 0
+        limit = self.cfg.run.stop_harness_failure_steps
+        if limit and self._failing_steps >= limit:
+            self.fail(f"{warnings['harness_failures']}; {self._failing_steps} steps in a row "
+                      f"(run.stop_harness_failure_steps={limit}): fix harness.command (its stderr is above and "
+                      f"in the ledger) and run again")
         for kind, why in warnings.items():
             self._notice("health_warning", {"step": row["step"], "kind": kind, "why": why})
             if not any(w.startswith(f"{kind}: ") for w in self.warnings):
@@ -372,7 +379,8 @@ class Head:
         """An execution ended, was scored and is on disk (its own small shard, compacted at the end):
         written down and told, before the core hears of it (the rollout service's `settle`)."""
         reward, usable = _reward_of(rec)
-        self.ledger.execution_ended(eid, reward, "" if usable else rec.reward_source or f"status {rec.status}",
+        self.ledger.execution_ended(eid, reward, "" if usable else harness_broke(rec) or rec.reward_source
+                                    or f"status {rec.status}",
                                     unscorable=rec.reward_source, error=rec.error)
         url_cell = {u: c.id for c in self.cells for u in self.fleet.urls_of(c) if u}
         for call in rec.tree.calls:
@@ -489,6 +497,7 @@ class Head:
 
 
 def _reward_of(rec) -> tuple[float | None, bool]:
-    """(reward, whether it can train): a finished execution with a finite reward."""
+    """(reward, whether it can train): a finished execution with a finite reward whose harness did
+    not break (a crash's 0 is the harness's bug: never trained, gyre.services.rollout.harness_broke)."""
     reward = rec.reward if math.isfinite(rec.reward) else None
-    return reward, rec.status in FINISHED and reward is not None
+    return reward, rec.status in FINISHED and reward is not None and not harness_broke(rec)

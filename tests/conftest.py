@@ -11,11 +11,12 @@ from __future__ import annotations
 import pytest
 
 E2E_FILES = {"test_slurm.py", "test_slurm_cells.py", "test_online.py", "test_cell_agent.py",
-             "test_cell_agent_fault_phase.py", "test_megatron_dist.py", "test_rollout.py"}
+             "test_cell_agent_fault_phase.py", "test_megatron_dist.py", "test_rollout.py", "test_slurm_startup.py"}
 # e2e tests that must share one pytest-xdist worker: the dev cluster's tests (one cluster per
 # machine: a second worker would wait on its lock), and test_cell_agent's module-scoped job
 # (started once for its ten tests)
-XDIST_GROUPS = {"test_slurm.py": "slurm", "test_slurm_cells.py": "slurm", "test_cell_agent.py": "cell_agent",
+XDIST_GROUPS = {"test_slurm.py": "slurm", "test_slurm_cells.py": "slurm", "test_slurm_startup.py": "slurm",
+                "test_cell_agent.py": "cell_agent",
                 "test_vllm_engine.py": "vllm", "test_vllm_run.py": "vllm"}  # vLLM servers one file at a time
 
 

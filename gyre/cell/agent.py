@@ -90,6 +90,7 @@ class CellAgent:
 
     # --- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
+        faults.hit("agent", "start")
         self._share_store()
         self.trainer = self._new_trainer()  # loads while the engine starts
         self.engine.start()

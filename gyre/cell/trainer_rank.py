@@ -411,7 +411,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store", required=True, help="HOST:PORT of the job's TCPStore")
     p.add_argument("--agent", required=True, help="HOST:PORT where the cell agent waits for rank 0")
     p.add_argument("--timeout-s", type=float, default=600.0, help="bound on one collective inside the cell")
-    return serve(p.parse_args(argv))
+    args = p.parse_args(argv)
+    faults.hit("trainer", "start")
+    return serve(args)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from gyre.cell.mpi_link import one_machine_env
+from gyre.cluster.preflight import preflight
 from gyre.config import load_config
 from gyre.engine.reaper import reap
 from gyre.harness.execute import load_tasks
@@ -73,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     if args.resume:  # the run's own configuration, overrides on top; a --config only where it may change
         cfg, args.config = config_file.resumed(cfg.run.dir, args.config, args.overrides)
     load_tasks(cfg)  # a bad suite is a clear message here, not a traceback from the head rank
+    preflight(cfg)  # so is a wrong model.path or harness program: nothing is launched
     run_dir = private_dir(Path(cfg.run.dir))
     if not args.resume and (run_dir / "state.json").exists():
         raise SystemExit(f"gyre run: {run_dir} holds a run; pass --resume to continue it or choose another run.dir")

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from gyre.cell.mpi_link import HeadLink, init_mpi
 from gyre.cluster.placement import cell_placement
-from gyre.config import default_tiny_dir, initial_model, load_config
+from gyre.cluster.preflight import preflight
+from gyre.config import ConfigError, default_tiny_dir, initial_model, load_config
 from gyre.model.tiny import ensure_tiny_model
 
 
@@ -40,9 +41,54 @@ def main(argv: list[str] | None = None) -> int:
     if comm.Get_size() < 2:
         print("gyre: a job needs at least 2 MPI ranks (1 head + cells); got 1", file=sys.stderr)
         return 2
+    cfg, error = None, None
+    try:
+        cfg = load_config(args.config, args.overrides)
+        preflight(cfg)  # every rank checks (its node's view of the paths): under Slurm nothing checked before
+    except ConfigError as e:
+        error = str(e)
+    errors = comm.gather(error, root=0)  # rank 0 says it once, then ends mpiexec / the srun step
+    if comm.Get_rank() == 0:
+        bad = [(rank, e) for rank, e in enumerate(errors) if e]
+        if bad:
+            rank, e = bad[0]
+            where = f" (rank {rank}{f' and {len(bad) - 1} more' if len(bad) > 1 else ''})" if rank else ""
+            print(f"gyre: configuration error{where}: {e}", file=sys.stderr, flush=True)
+            comm.Abort(2)
+    comm.bcast(None, root=0)  # cell ranks wait here for rank 0's verdict (an abort ends them)
     if comm.Get_rank() != 0:
-        return run_cell(args)
-    return run_head(comm, args)
+        return _or_abort(comm, "cell", lambda: run_cell(args), Path(cfg.run.dir))
+    return _or_abort(comm, "head", lambda: run_head(comm, args), Path(cfg.run.dir))
+
+
+def _or_abort(comm, who: str, body, run_dir: Path) -> int:
+    """Run a rank's work; if it raises, say why in one line (the traceback goes to a file) and
+    abort the whole job: the other ranks would otherwise wait for this one forever (under Slurm,
+    until the allocation's time limit)."""
+    try:
+        return body()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - any failure must end the job, not hang it
+        where = _traceback_file(run_dir, who, comm.Get_rank())
+        print(f"gyre: the {who} (rank {comm.Get_rank()}) failed: {type(e).__name__}: "
+              f"{str(e).splitlines()[0] if str(e) else ''}{f' (traceback: {where})' if where else ''}",
+              file=sys.stderr, flush=True)
+        comm.Abort(1)
+        return 1
+
+
+def _traceback_file(run_dir: Path, who: str, rank: int) -> str:
+    """The current exception's traceback, for a bug report: <run.dir>/<who><rank>.traceback."""
+    import traceback
+
+    path = run_dir / f"{who}{rank}.traceback"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(traceback.format_exc())
+        return str(path)
+    except OSError:
+        return ""
 
 
 def run_cell(args: argparse.Namespace) -> int:
@@ -57,7 +103,10 @@ def run_cell(args: argparse.Namespace) -> int:
 
 
 def run_head(comm, args: argparse.Namespace) -> int:
+    from gyre import faults
     from gyre.head import Head  # on rank 0 only: a cell has no use for the head
+
+    faults.hit("head", "start")
 
     cfg = load_config(args.config, args.overrides)
     n_cells = comm.Get_size() - 1

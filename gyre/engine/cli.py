@@ -20,6 +20,7 @@ import signal
 import sys
 from pathlib import Path
 
+from gyre import faults
 from gyre.config import ConfigError, default_tiny_dir, load_config
 from gyre.engine import backends
 from gyre.fsio import atomic_write_text
@@ -152,6 +153,7 @@ def _write_private(path: Path, text: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gyre engine", description=__doc__.splitlines()[0])
     add_arguments(p)
+    faults.hit("engine", "start")
 
     try:
         return run(p.parse_args(argv))

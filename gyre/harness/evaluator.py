@@ -116,6 +116,29 @@ def source_for(status: str) -> str:
     return SOURCES.get(status, f"tests-after-{status}")
 
 
+_COLLECTION = re.compile(r"(ERROR collecting [^\n]*|errors? during collection|ImportError while importing test module[^\n]*)")
+_told_uncollected: set[str] = set()
+
+
+def collection_error(outputs: list) -> str:
+    """pytest's own words where a test module could not be collected ("ERROR collecting tests/x.py"),
+    or ""; such tests score as failed whatever the candidate did."""
+    for out in outputs:
+        m = _COLLECTION.search(_ANSI.sub("", str(out)))
+        if m:
+            return m.group(1).strip(" _")
+    return ""
+
+
+def warn_uncollected(task: str, what: str, log_path: str) -> None:
+    """Once per task and process: the task's tests could not be collected (its score is 0 for a
+    reason the policy cannot change: a broken task or a missing dependency)."""
+    if task not in _told_uncollected:
+        _told_uncollected.add(task)
+        print(f"gyre: warning: task {task}: tests could not be collected ({what}); its executions score 0 "
+              f"for it; see {log_path} and `gyre tasks`", file=sys.stderr, flush=True)
+
+
 def parse_pytest_summary(output: str) -> dict[str, int] | None:
     """Counts from the last pytest summary line ("3 passed, 1 failed in 0.12s"), or None.
     Diagnostics only: the score follows the official rules (gyre.harness.scoring)."""
@@ -367,6 +390,10 @@ def evaluate_workspace(task: Task, workspace: str | os.PathLike, status: str = "
         if timed_out:
             notes.append(f"evaluation time limit of {cap:g}s reached; "
                          f"{len(task.test_commands) - ran} commands not run")
+        uncollected = collection_error([o for _, o in results])
+        if uncollected:  # a 0 that says nothing about the candidate: tell it, once per task on the console
+            notes.append(f"tests could not be collected: {uncollected}")
+            warn_uncollected(task.name, uncollected, str(lp))
         counts = scoring.count_outputs(results, task.test_case_count)
         reward = counts.score
         with open(lp, "a", encoding="utf-8") as f:

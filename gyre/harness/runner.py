@@ -153,6 +153,22 @@ def expand_argv(command: Sequence[str], values: Mapping[str, str]) -> list[str]:
     return [_PLACEHOLDER.sub(lambda m: values[m.group(1)], str(arg)) for arg in command]
 
 
+def own_files(command: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(argv, the harness's own files): an argument of harness.command naming an existing file
+    (``docs/recipes/openai_agent.py``, relative to where Gyre was started) becomes its absolute path,
+    since a harness runs in its workspace; in a sandbox each such file is bound read-only at that
+    path, so the documented recipes run as written. Folders are not bound (harness.sandbox_binds)."""
+    argv, files = [], []
+    for arg in command:
+        text = str(arg)
+        path = Path(text)
+        if "{" not in text and not text.startswith("-") and path.is_file():
+            text = str(path.resolve())
+            files.append(text)
+        argv.append(text)
+    return argv, files
+
+
 def classify(returncode: int | None, we_signalled: str | None) -> tuple[str, str | None]:
     """(status, signal name) from how the process ended and whether we killed it."""
     if returncode is None:
@@ -167,6 +183,28 @@ def classify(returncode: int | None, we_signalled: str | None) -> tuple[str, str
     if returncode > 128 and (returncode - 128) in {int(s) for s in _CRASH_SIGNALS}:
         return Status.CRASHED, proc.signal_name(returncode - 128)
     return Status.FAILED, None
+
+
+HARNESS_BROKE = "harness "  # the error of a harness that failed or crashed by itself: "harness exited 1; ..."
+STDERR_EXCERPT = 300  # characters of the end of its stderr kept in that error (the log holds the rest)
+
+
+def describe_failure(res: ExecutionResult, logs: Path) -> None:
+    """A harness that failed or crashed by itself (no limit, no time limit, no start failure) gets
+    an error that says how it ended and how its stderr ends, on one line, with the log's path:
+    the summary and the ledger tell a harness bug from a bad answer."""
+    if res.status not in (Status.FAILED, Status.CRASHED) or res.error or res.start_failure:
+        return
+    how = f"killed by {res.signal}" if res.signal else f"exited {res.returncode}"
+    try:
+        with open(logs / "harness.stderr", "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 4 * STDERR_EXCERPT))
+            tail = f.read().decode(errors="replace")
+    except OSError:
+        tail = ""
+    tail = " | ".join(line.strip() for line in tail.strip().splitlines() if line.strip())[-STDERR_EXCERPT:]
+    res.error = (f"{HARNESS_BROKE}{how}; stderr: {tail or '(empty)'} ({logs / 'harness.stderr'})")
 
 
 TERM_REPEAT_S = 0.2  # a sandboxed harness is sent SIGTERM again this often during its grace period
@@ -210,7 +248,7 @@ class HarnessPool:
                  max_start_failures: int = 3):
         self.envs = environments or Environments(SandboxConfig())
         self.run_dir = Path(run_dir).absolute()  # the harness runs elsewhere: its paths must not be relative
-        self.command = list(command)
+        self.command, self.own_files = own_files(command)
         self.limits = limits or Limits()
         self.concurrency = concurrency
         self.pass_env = list(pass_env)
@@ -252,6 +290,7 @@ class HarnessPool:
             ws, logs = prepare_workspace(self.run_dir, execution_id, task)
             res = await self._run(task, execution_id, ws, logs, api_key, base_url, extra_env or {})
             self._count_start(res, logs)
+            describe_failure(res, logs)
             return res
 
     def _count_start(self, res: ExecutionResult, logs: Path) -> None:
@@ -342,6 +381,8 @@ class HarnessPool:
                    GYRE_TASK_DIR=TASK, GYRE_EXECUTION_ID=execution_id,
                    PYTHONPATH=os.pathsep.join(filter(None, [LIB, env.get("PYTHONPATH")])))
         mounts = [Mount(str(ws), WORKSPACE, writable=True), Mount(str(task_dir), TASK)]
+        if place.kind == "sandbox":  # an image has its own root: its files come with it
+            mounts += [Mount(f, f) for f in self.own_files]  # the harness's own script, read-only
         # the kernel refuses a fork past the cap at once (where the runtime gives the instance a
         # user namespace of its own, or caps its pids itself); the poll stops the harness
         argv = envs.launcher(place, self.limits.max_processes)

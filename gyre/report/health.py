@@ -41,7 +41,7 @@ class Health:
         std, n = row.get("reward_std"), row.get("reward_n") or 0
         if std is not None and n > 1 and std == 0.0:
             out["reward_variance_zero"] = (
-                f"all {n} rewards of step {row['step']} equal {row['reward_mean']:.3g}: the step carries no "
+                f"all {n} rewards of step {row['step'] + 1} equal {row['reward_mean']:.3g}: the step carries no "
                 f"learning signal (grad norm ~0); look at the tasks' difficulty (`gyre tasks`), the reward "
                 f"(eval.*) and rollout/reward_by_task")
         ent = row.get("entropy")
@@ -52,7 +52,7 @@ class Health:
         repl = row.get("replaced_zero_variance") or 0
         if th.skip_zero_variance and th.max_replacements and repl >= th.max_replacements:
             out["replacements_exhausted"] = (
-                f"{repl} zero-variance groups replaced in step {row['step']}, the most allowed "
+                f"{repl} zero-variance groups replaced in step {row['step'] + 1}, the most allowed "
                 f"(sched.max_replacements_per_step={th.max_replacements}): most groups score alike; look at "
                 f"rollout/reward_by_task for tasks that are always solved or never")
         clip = row.get("clip_frac")

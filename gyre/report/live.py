@@ -54,7 +54,7 @@ def print_report(report: dict, console=None) -> None:
         s.add_column(col, justify="right", no_wrap=col != "cells", min_width=width, overflow="fold")
     for r in report["steps"]:
         rew = "-" if r["reward_mean"] is None else f"{r['reward_mean']:.3f}"
-        s.add_row(str(r["step"]), f"{r['groups']}/{r['micro_batches']}", rew,
+        s.add_row(str(r["step"] + 1), f"{r['groups']}/{r['micro_batches']}", rew,
                   f"{r['staleness_mean']:.2f}/{r['staleness_max']}", readable_loss(r), _num(r["grad_norm"]),
                   f"{r.get('replaced_share', 0.0):.0%}",
                   ",".join(map(str, r["participants"])), f"{r['t_end']:.0f}")
@@ -84,7 +84,7 @@ def token_truth_table(steps: list[dict]):
         n = r.get("audit_mismatched_tokens")
         audit = "-" if n is None else f"{n}/{r.get('audit_tokens', 0)}"
         clip = r.get("clip_frac")
-        t.add_row(str(r["step"]), audit, _num(r.get("mismatch_k3_lag0")), "-" if clip is None else f"{clip:.1%}",
+        t.add_row(str(r["step"] + 1), audit, _num(r.get("mismatch_k3_lag0")), "-" if clip is None else f"{clip:.1%}",
                   r.get("audit_first_offender") or "-")
     return t
 
@@ -139,7 +139,7 @@ def reward_curve(report: dict, path: str | Path) -> Path:
 
     steps = [r for r in report["steps"] if r["reward_mean"] is not None]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in steps], [r["reward_mean"] for r in steps], marker="o")
+    ax.plot([r["step"] + 1 for r in steps], [r["reward_mean"] for r in steps], marker="o")
     ax.set_xlabel("step")
     ax.set_ylabel("mean reward of the step's executions")
     ax.set_title(f"reward, {report['label']}")

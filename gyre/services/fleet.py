@@ -22,6 +22,11 @@ from gyre.sched.protocol import (Command, Event, EventKind, PrepareReduce, PushW
 from gyre.sched.state import Role
 
 
+class StartError(RuntimeError):
+    """A process of the job could not start (a cell's engine or trainer): the job ends at once,
+    with this one line."""
+
+
 @dataclass(frozen=True)
 class WeightPaths:
     """Where version v's weights (what engines load) and checkpoint (what trainers load) live."""
@@ -53,6 +58,7 @@ class CellFleet:
         self._futures: dict[int, asyncio.Future] = {}
         self._locks = [asyncio.Lock() for _ in range(n_cells)]
         self._hello = asyncio.Event()
+        self.start_error = ""  # a cell's reason for not starting (Event fatal, what = start)
 
     def __iter__(self):
         return iter(self.cells)
@@ -106,6 +112,9 @@ class CellFleet:
                     self.on_engine_restarted(cell, old)
             elif msg.kind is EventKind.FATAL:
                 self.fail(cell, f"cell {cell.id}: {msg.info}", now)
+                if msg.info.get("what") == "start" and not self._hello.is_set():
+                    self.start_error = f"cell {cell.id} cannot start: {msg.info.get('error', '')}"
+                    self._hello.set()  # no hello will come from it: the job ends now, saying why
 
     async def wait_hello(self, timeout_s: float) -> None:
         try:
@@ -113,6 +122,8 @@ class CellFleet:
         except asyncio.TimeoutError:
             raise RuntimeError(f"cells did not say hello within {timeout_s:.0f} s: " +
                                ", ".join(f"cell {c.id}" for c in self.cells if not c.engine_url))
+        if self.start_error:
+            raise StartError(self.start_error)
 
     def check_heartbeats(self, now: float, limit_s: float) -> list[Cell]:
         """Cells silent past ``limit_s`` are marked failed; returns them."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -19,10 +20,10 @@ from gyre.config import GyreConfig
 from gyre.fsio import storage_full
 from gyre.engine.router import Router
 from gyre.harness.evaluator import EvaluatorPool
-from gyre.harness.runner import INFRA_PREFIX, HarnessPool
+from gyre.harness.runner import HARNESS_BROKE, INFRA_PREFIX, HarnessPool
 from gyre.proxy.journal import Journal
 from gyre.proxy.server import Proxy, create_app, start_site
-from gyre.traj.record import FINISHED, ExecutionRecord, Status
+from gyre.traj.record import FINISHED, ExecutionRecord, Status, limit_of
 from gyre.traj.store import ShardWriter, compact, shard_identity
 
 log = logging.getLogger("gyre.rollout")
@@ -32,6 +33,19 @@ RECORD_TRIES = 3  # a transient write error (e.g. a parallel file system's hiccu
 def journal_dir(cfg: GyreConfig) -> Path:
     """Where running executions' calls are journaled (gyre.proxy.journal)."""
     return Path(cfg.run.dir) / "journal"
+
+
+def harness_broke(rec: ExecutionRecord) -> str:
+    """Why ``rec`` must not train although it was scored: its harness failed or crashed by itself
+    (not a [harness] limit the policy's work passed, not its time limit). Its 0 would be the
+    harness's bug, not the policy's answer (a harness bug would teach the model). "" if it may train."""
+    if rec.status not in (Status.FAILED, Status.CRASHED) or limit_of(rec.error):
+        return ""
+    detail = (rec.error or "").removeprefix(HARNESS_BROKE)
+    return f"harness {rec.status}: {detail}" if detail else f"harness {rec.status}"
+
+
+FAILURES_TOLD = 3  # harness failures printed on the console per service; the ledger has every one
 
 
 class RecordError(RuntimeError):
@@ -44,6 +58,7 @@ class RolloutService:
         """`fault_scope`: the process named in the fault phases of an execution's end (gyre.faults)."""
         self.cfg, self.envs, self.model_dir, self.identity = cfg, envs, Path(model_dir), identity
         self.fault_scope = fault_scope
+        self.failures_told = 0
         # the writer exists before anything runs: a resumed job compacts what a crash cut short first
         self.writer = ShardWriter.from_config(cfg.store, shard_dir, shard_identity(identity))
         self.router: Router | None = None
@@ -103,8 +118,20 @@ class RolloutService:
         if on_ended is not None:
             on_ended(status)
         await self._evaluate(rec, task, own, log_dir, start_failure, error)
+        self._tell_failure(rec)
         self.settle(rec, on_scored, writer)
         return rec
+
+    def _tell_failure(self, rec: ExecutionRecord) -> None:
+        """A harness that broke says so on the console (the first few), with how it ended and its
+        stderr's last lines: a summary reading 'failed 4, reward 0.000' alone hides the cause."""
+        why = harness_broke(rec)
+        if not why:
+            return
+        self.failures_told += 1
+        if self.failures_told <= FAILURES_TOLD:
+            more = "; further failures: ledger.jsonl" if self.failures_told == FAILURES_TOLD else ""
+            print(f"gyre: execution {rec.execution_id} not trained: {why}{more}", file=sys.stderr, flush=True)
 
     def settle(self, rec: ExecutionRecord, on_scored: Callable[[ExecutionRecord], None] | None = None,
                writer: ShardWriter | None = None) -> None:

@@ -67,8 +67,11 @@ def plan_table(rows: list[dict]) -> str:
 
 
 def header(args: argparse.Namespace) -> str:
-    """What the plan assumes: the preset, model, hardware and the unknowns no source states."""
+    """What the plan assumes: the preset, model (the --model-config one where given), hardware and
+    the unknowns no source states."""
     p = _preset(args)
+    if getattr(args, "model_config", None):
+        p = with_model_config(p, args.model_config)
     m, w = p.model, p.workload
     return "\n".join([
         f"gyre plan: preset {p.name}; model {m.name} ({m.params / 1e9:g}B total, {m.active / 1e9:g}B active"
@@ -387,6 +390,15 @@ def recommend(rows: list[dict]) -> list[dict]:
     return rows
 
 
+def config_line(r: dict) -> str:
+    """The `gyre run`/`gyre submit` overrides that run a recommended point (the [sched] keys)."""
+    keys = [f"sched.scheme={r['scheme']}", f"sched.staleness={r['staleness']}", f"sched.cells={r['cells']}",
+            f"sched.cell_nodes={r['cell_size']}"]
+    if r.get("async_split"):
+        keys.append(f"sched.rollout_cells_async={r['async_split']}")
+    return " ".join(keys)
+
+
 def run(args: argparse.Namespace) -> int:
     scs = scenarios(args)  # fills the flags not given (header and the summary line read them)
     print(header(args))
@@ -429,6 +441,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"recommended for {r['nodes']} nodes at staleness {r['staleness']}: {cells} of "
                   f"{r['cell_size']} nodes, {r['label']}{split}: {r['hours']:.1f} h, {r['gpu_hours']:.0f} GPU-h, "
                   f"{r['utilisation']:.0%} busy, {r['ratio_to_lower_bound']:.2f}x the lower bound{tie}")
+            print(f"  apply: {config_line(r)}")
     failed = [r for r in rows if r.get("failed")]
     if failed:
         print(f"{len(failed)} point(s) failed; their rows say why", file=sys.stderr)

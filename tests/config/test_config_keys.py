@@ -47,3 +47,13 @@ def test_the_check_finds_a_key_nothing_reads():
     source = package_source()
     without = re.sub(r"\.connect_retries\b", ".x", source)  # as if nothing read engine.connect_retries
     assert unread_keys(without) == ["engine.connect_retries"]
+
+
+def undocumented_keys() -> list[str]:
+    """Keys whose field carries no `help=` description (`gyre config reference` would show none)."""
+    return [f"{section.name}.{f.name}" for section in dataclasses.fields(GyreConfig)
+            for f in dataclasses.fields(section.default_factory()) if not (f.metadata.get("help") or "").strip()]
+
+
+def test_every_key_has_a_description():
+    assert undocumented_keys() == []

@@ -181,3 +181,11 @@ def test_checkpoint_retention_keeps_the_newest_and_never_a_step_being_written(tm
     gone = Retention(tmp_path / "weights", tmp_path, keep_checkpoints=2).after_commit(5, served=5)
     assert sorted(p.name for p in gone) == ["v1", "v2", "v2u1", "v3", "v3u1"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v2.tmp", "v4", "v5", "v5u1", "v6"]
+
+
+def test_health_tells_steps_from_1_as_the_live_lines_do():
+    _, row = fold(step_events([1.0, 1.0]))
+    assert row["step"] == 0  # the records count from 0; people read "step 1"
+    said = Health(Thresholds()).check({**row, "replaced_zero_variance": 4})
+    assert "rewards of step 1 equal" in said["reward_variance_zero"]
+    assert "replaced in step 1," in said["replacements_exhausted"]

@@ -6,6 +6,8 @@ import argparse
 import json
 import multiprocessing
 
+from pathlib import Path
+
 import pytest
 
 from gyre.cli import main
@@ -84,6 +86,20 @@ def test_header_names_what_the_plan_assumes(capsys):
     assert "groups per step 2" in head and "training cost x3" in head and "tool time" in head
     # one recommendation per staleness, never ranked across
     assert "recommended for 16 nodes at staleness 0" in text and "recommended for 16 nodes at staleness 2" in text
+    # each recommendation comes with the configuration line that runs it
+    applies = [ln.strip() for ln in text.splitlines() if ln.strip().startswith("apply: ")]
+    assert len(applies) == 2 and all("sched.cells=2 sched.cell_nodes=8" in a for a in applies), applies
+    assert {a.split()[2] for a in applies} == {"sched.staleness=0", "sched.staleness=2"}
+
+
+def test_header_names_the_model_config_planned(tmp_path, capsys):
+    from gyre.config import default_tiny_dir, load_config
+    from gyre.model.tiny import ensure_tiny_model
+
+    tiny = ensure_tiny_model(default_tiny_dir(load_config(None, [])), "qwen2")
+    args_ = args("--nodes", "8", "--cell-nodes", "4", "--model-config", str(tiny))
+    head = plan.header(args_)
+    assert f"qwen2:{Path(tiny).name}" in head and "122B" not in head.splitlines()[0], head
 
 
 def test_one_cell_elastic_is_colocate():
