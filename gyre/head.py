@@ -61,9 +61,9 @@ from gyre.services.ledger import Ledger, execution_id
 from gyre.services.retention import Retention
 from gyre.services.rollout import RecordError, RolloutService, harness_broke, journal_dir
 from gyre.services.training import StepReduced, TrainingDispatch
-from gyre.services.validation import ValidationSpec, Validator
 from gyre.train.step_stats import lag0_warning
 from gyre.traj.audit import Audit, audit_warning
+from gyre.services.validation import ValidationSpec, Validator
 from gyre.traj.record import FINISHED, limit_of
 from gyre.traj.select import SelectionSpec
 
@@ -127,15 +127,7 @@ class Head:
 
     def _judge(self, row: dict) -> None:
         """The step's health warnings, into its row (steps.jsonl, metrics, the console's line)."""
-        warnings = self.health.check(row)
-        mismatch = lag0_warning(row, self.cfg.train.mismatch_warn_k3)
-        if mismatch:
-            warnings["mismatch_lag0"] = mismatch
-        audit = audit_warning(Audit(row.get("audit_tokens") or 0, row.get("audit_mismatched_tokens") or 0,
-                                    row.get("audit_unchecked_tokens") or 0, row.get("audit_first_offender")))
-        if audit:  # trained tokens that differ from what the engine returned (goal: none)
-            warnings["token_audit"] = audit
-        row["warnings"] = warnings
+        row["warnings"] = warnings = step_warnings(self.health, row, self.cfg.train.mismatch_warn_k3)
         self._failing_steps = self._failing_steps + 1 if "harness_failures" in warnings else 0
         limit = self.cfg.run.stop_harness_failure_steps
         if limit and self._failing_steps >= limit:
@@ -187,6 +179,7 @@ class Head:
         self.task_cycle = TaskStream(tasks, shuffle=bool(d.path) and d.shuffle, seed=d.seed,
                                      start=core.next_group if d.path else 0)
         self.fleet.paths = paths
+        self.retention = Retention.from_config(self.cfg, paths.weights_root, paths.ckpt_root)
         self.training.selection = selection
         self.rollout = rollout
         self._committed = core.version
@@ -200,31 +193,7 @@ class Head:
 
     async def run(self) -> dict:
         cfg = self.cfg
-        private_dir(self.run_dir)
-        model_dir = Path(initial_model(cfg) or ensure_tiny_model(default_tiny_dir(cfg), cfg.model.tiny_family))
-        tasks = load_tasks(cfg)  # harness.suite, strict_suite, image_template, tasks
-        envs = Environments(SandboxConfig.from_config(cfg.harness))  # one placement per task, shared
-        check_scorable(tasks, envs, cfg.harness.min_scorable_share)  # refused before any work
-        rollout = RolloutService(cfg, envs, model_dir, model_identity(model_dir), private_dir(cfg.shard_dir()),
-                                 fault_scope="head")
-        if self.resume:
-            rollout.compact()  # finish one a crash cut short
-        version, first_group = self.ledger.load_state() if self.resume else (0, 0)
-        self._first_step = version
-        self.replays = (self.ledger.stopped_to_replay(journal_dir(cfg))
-                        if self.resume and cfg.harness.resume is ResumeMode.REPLAY else {})
-        self.ledger.open()
-        config_file.write(cfg, self.run_dir)  # what `--resume` and `gyre config show --run` read back
-        core = self.schedule(version, first_group)
-        paths = WeightPaths(model_dir, Path(cfg.train.export_dir or self.run_dir / "weights"),
-                            Path(cfg.train.checkpoint_dir or self.run_dir / "checkpoints"))
-        self.attach(core, tasks, paths, SelectionSpec.from_config(cfg.selection), rollout)
-        if self.resume:
-            self.ledger.resume_marker(version)
-        self._start_version = version
-        if cfg.validate.every_steps > 0:  # held-out rounds through the same rollout service, never trained
-            self.validation = Validator(ValidationSpec.from_config(cfg), rollout, self.run_dir,
-                                        identity=model_identity(model_dir), clock=self.clock)
+        core, rollout, version = _open_run(self)
         self._write_state()  # a stop before the first step close still resumes
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -470,12 +439,7 @@ class Head:
 
     async def _retain(self, row: dict, committed: int) -> None:
         """Exports and checkpoints no engine, resume or retention rule needs go (gyre/services/retention.py)."""
-        if self.retention is None:
-            self.retention = Retention.from_config(self.cfg, self.fleet.paths.weights_root, self.fleet.paths.ckpt_root)
-        self.retention.record(row)
-        served = self.core.rollout_version
-        why = await asyncio.to_thread(lambda: (self.retention.after_commit(committed, served),
-                                               self.retention.budget_warning(committed))[1])
+        why = await asyncio.to_thread(self.retention.after_step, row, committed, self.core.rollout_version)
         if why:
             self._notice("disk_budget", {"step": row["step"], "why": why})
             self.warnings.append(f"disk_budget: {why}")
@@ -494,6 +458,52 @@ class Head:
     def report(self, t1: float, stopped: bool) -> dict:
         """report.json: the whole run's (gyre/report/history.py), this session's folded into it."""
         return whole_run(self.run_dir, session_report(self, t1, stopped), self._first_step)
+
+
+def _open_run(head: Head) -> tuple[Coordinator, RolloutService, int]:
+    """Start-up of `Head.run`: the model, tasks and sandboxes checked, the rollout service, the
+    ledger (a resumed run's state and replays), the core, the weights' places, validation."""
+    cfg = head.cfg
+    private_dir(head.run_dir)
+    model_dir = Path(initial_model(cfg) or ensure_tiny_model(default_tiny_dir(cfg), cfg.model.tiny_family))
+    tasks = load_tasks(cfg)  # harness.suite, strict_suite, image_template, tasks
+    envs = Environments(SandboxConfig.from_config(cfg.harness))  # one placement per task, shared
+    check_scorable(tasks, envs, cfg.harness.min_scorable_share)  # refused before any work
+    rollout = RolloutService(cfg, envs, model_dir, model_identity(model_dir), private_dir(cfg.shard_dir()),
+                             fault_scope="head")
+    if head.resume:
+        rollout.compact()  # finish one a crash cut short
+    version, first_group = head.ledger.load_state() if head.resume else (0, 0)
+    head._first_step = version
+    head.replays = (head.ledger.stopped_to_replay(journal_dir(cfg))
+                    if head.resume and cfg.harness.resume is ResumeMode.REPLAY else {})
+    head.ledger.open()
+    config_file.write(cfg, head.run_dir)  # what `--resume` and `gyre config show --run` read back
+    core = head.schedule(version, first_group)
+    paths = WeightPaths(model_dir, Path(cfg.train.export_dir or head.run_dir / "weights"),
+                        Path(cfg.train.checkpoint_dir or head.run_dir / "checkpoints"))
+    head.attach(core, tasks, paths, SelectionSpec.from_config(cfg.selection), rollout)
+    if head.resume:
+        head.ledger.resume_marker(version)
+    head._start_version = version
+    if cfg.validate.every_steps > 0:  # held-out rounds through the same rollout service, never trained
+        head.validation = Validator(ValidationSpec.from_config(cfg), rollout, head.run_dir,
+                                    identity=model_identity(model_dir), clock=head.clock)
+    return core, rollout, version
+
+
+def step_warnings(health: Health, row: dict, mismatch_warn_k3: float) -> dict[str, str]:
+    """Every warning a step row raises: the health checks, the lag-0 train/inference mismatch and
+    the token-identity audit (trained tokens that differ from what the engine returned)."""
+    warnings = health.check(row)
+    mismatch = lag0_warning(row, mismatch_warn_k3)
+    if mismatch:
+        warnings["mismatch_lag0"] = mismatch
+    audit = audit_warning(Audit(row.get("audit_tokens") or 0, row.get("audit_mismatched_tokens") or 0,
+                                row.get("audit_unchecked_tokens") or 0, row.get("audit_first_offender")))
+    if audit:
+        warnings["token_audit"] = audit
+    return warnings
 
 
 def _reward_of(rec) -> tuple[float | None, bool]:

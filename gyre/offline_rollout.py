@@ -35,6 +35,7 @@ from gyre.harness.runner import private_dir
 from gyre.harness.sandbox import Environments, SandboxConfig
 from gyre.model.identity import model_identity
 from gyre.model.tiny import ensure_tiny_model
+from gyre.position import Position
 from gyre.proxy.journal import read_journal
 from gyre.proxy.replay import Replay, replayed_calls
 from gyre.services.rollout import RecordError, RolloutService, journal_dir
@@ -411,8 +412,8 @@ async def validate(cfg: GyreConfig, weights: str | None = None, version: int | N
     check_scorable(spec.tasks, envs, cfg.harness.min_scorable_share)
     run_dir = private_dir(Path(cfg.run.dir))
     if version is None:
-        m = re.fullmatch(r"v(\d+)", Path(weights).name) if weights else None
-        version = int(m[1]) if m else 0
+        pos = Position.of_name(Path(weights).name) if weights else None
+        version = pos.step if pos is not None and pos.boundary else 0
     model_dir = Path(cfg.model.path or ensure_tiny_model(default_tiny_dir(cfg), cfg.model.tiny_family))
     identity = model_identity(model_dir)
     service = RolloutService(cfg, envs, model_dir, identity, private_dir(run_dir / "validation"))

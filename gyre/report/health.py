@@ -72,3 +72,4 @@ class Health:
                 f"(> run.warn_harness_failure_rate={th.harness_failure_rate}); look at ledger.jsonl and the "
                 f"executions' logs in the run directory")
         return out
+

@@ -120,3 +120,11 @@ class Retention:
         return (f"weights and checkpoints use {used / 1e9:.3g} GB and the next step writes ~{nxt / 1e9:.3g} GB: "
                 f"past run.disk_budget_gb = {self.disk_budget_bytes / 1e9:.3g}; raise run.checkpoint_every, lower "
                 f"run.keep_checkpoints / run.keep_best, or raise the budget")
+
+    def after_step(self, row: dict, committed: int, served: int) -> str | None:
+        """Once a step is committed (state.json points at it): note its row, drop what no engine,
+        resume or retention rule needs, and return the disk budget's warning if any (blocking I/O:
+        the head runs it in a thread)."""
+        self.record(row)
+        self.after_commit(committed, served)
+        return self.budget_warning(committed)

@@ -47,6 +47,7 @@ from gyre.harness.datasets import dataset_from_config
 from gyre.harness.execute import select_tasks
 from gyre.harness.runner import private_dir, workspace_path
 from gyre.harness.tasks import read_suite
+from gyre.position import Position
 from gyre.proxy.sampling import SamplingPolicy
 from gyre.sched.state import ExecView
 from gyre.traj.record import FINISHED
@@ -196,7 +197,7 @@ class Validator:
 
     @staticmethod
     def label(version: int) -> str:
-        return f"v{version}"
+        return str(Position(version))  # a round is named as the weights it served
 
     def finished(self, version: int) -> bool:
         return self.label(version) in self.log.rounds
