@@ -80,19 +80,43 @@ def bad_path(res: dict, root: Path, demo: str, t: Path, limit_s: float) -> None:
     res.update(bad_model_path_mpi_exit_s=round(s, 2), bad_model_path_mpi_exit_code=rc)
 
 
+def resume_check(res: dict, root: Path, demo: str, t: Path, limit_s: float) -> None:
+    """A finished run resumed: report.json and the plots must come out as they were (issue 45)."""
+    d = t / "resume"
+    timed(gyre(root, "run", "--config", demo, f"run.dir={d}", "run.steps=2", "sched.cells=2",
+               "harness.group_size=4"), root, limit_s)
+    before, plots = (d / "report.json").read_bytes(), {p.name: p.read_bytes() for p in d.glob("*.png")}
+    s, rc, _ = timed(gyre(root, "run", "--resume", f"run.dir={d}"), root, limit_s)
+    after = (d / "report.json").read_bytes()
+    res.update(report_bytes_before_resume=len(before), report_bytes_after_resume=len(after),
+               report_equal_after_resume=json.loads(before) == json.loads(after),
+               plots_equal_after_resume=plots == {p.name: p.read_bytes() for p in d.glob("*.png")},
+               resume_exit_code=rc, resume_s=round(s, 1))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--root", default=str(HERE), help="the Gyre checkout to measure")
     p.add_argument("--limit-s", type=float, default=300.0)
     p.add_argument("--demo", action="store_true", help="also time the demo (minutes)")
     p.add_argument("--skip-bad-path", action="store_true", help="leave the wrong model.path runs out")
+    p.add_argument("--only", choices=("resume",), help="measure one figure; the file's other keys are kept")
     p.add_argument("--out", default=str(HERE / "benchmarks" / "results" / "first_hour.json"))
     args = p.parse_args()
     root = Path(args.root).resolve()
     demo = str(root / "launchers" / "demo.toml")
     res: dict = {"root": str(root), "cpus": os.cpu_count(), "load_avg_1m_start": os.getloadavg()[0]}
+    if args.only == "resume":
+        out = Path(args.out)
+        res = {**(json.loads(out.read_text()) if out.exists() else {}), "load_avg_1m_resume": os.getloadavg()[0]}
+        with tempfile.TemporaryDirectory(prefix="gyre-first-hour-") as tmp:
+            resume_check(res, root, demo, Path(tmp), args.limit_s)
+        out.write_text(json.dumps(res, indent=1) + "\n")
+        print(json.dumps(res, indent=1))
+        return 0
     with tempfile.TemporaryDirectory(prefix="gyre-first-hour-") as tmp:
         t = Path(tmp)
+        resume_check(res, root, demo, t, args.limit_s)
         if not args.skip_bad_path:
             bad_path(res, root, demo, t, args.limit_s)
         crash_dir = t / "crash"

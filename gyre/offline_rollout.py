@@ -404,7 +404,7 @@ async def validate(cfg: GyreConfig, weights: str | None = None, version: int | N
     ``<run.dir>/validation.jsonl`` like a run's, so a round already finished there is not redone
     and an unfinished one keeps its finished samples."""
     from gyre.engine.launch import start_cell_engine
-    from gyre.engine.sglang_api import SGLangAdmin
+    from gyre.engine import backends
     from gyre.services.validation import ValidationSpec, Validator
 
     spec = ValidationSpec.from_config(cfg)  # before any engine: no held-out task is the first message
@@ -426,7 +426,8 @@ async def validate(cfg: GyreConfig, weights: str | None = None, version: int | N
             engines.append(stack.enter_context(start_cell_engine(cfg, model_dir, api_key=engine_key)))
             pids.add(f"engine{i}", engines[-1].pids, engines[-1].key_file)
             if weights:  # exported weights carry no tokenizer: the engine boots from the model, then loads them
-                SGLangAdmin(engines[-1].url, engine_key).update_weights_from_disk(str(weights), str(version))
+                backends.get(cfg.engine.backend).admin(cfg, engines[-1].url, engine_key, 120.0).load_weights(
+                    str(weights), str(version))
         await service.start([e.url for e in engines], engine_key=engine_key)
         validator = Validator(spec, service, run_dir, identity=identity, say=say)
         loop = asyncio.get_running_loop()

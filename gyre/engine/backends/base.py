@@ -12,6 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from gyre.config import ConfigError
+from gyre.engine.process import free_port
+
 
 class EngineAdminError(RuntimeError):
     """An admin route answered non-2xx (``status``) or could not be reached (``status`` None)."""
@@ -91,3 +94,28 @@ class Backend:
         """A clearer message for a start that failed with ``error`` (e.g. the server is not
         installed), or None to keep it."""
         return None
+
+
+@dataclass(frozen=True)
+class Ports:
+    """Where a multi-process engine listens and rendezvouses, as every server backend resolves it."""
+    local: bool          # every node rank a process on this machine (no srun step)
+    port: int            # node rank 0's HTTP port
+    dist_host: str       # where the node ranks meet
+    dist_port: int       # 0 with one node
+
+
+def resolve_ports(e, nodes: Sequence[str], port: int, dist_init_port: int, srun, host_fix: str) -> Ports:
+    """A free port locally (0 = any), a real one under srun; an engine on the cell's nodes must be
+    reachable from the head (``host_fix`` says how, per backend)."""
+    local = srun is None
+    if local and not port:
+        port = free_port()
+    if not port:
+        raise ConfigError("engine.port: a cell engine launched through srun needs a real port (not 0)")
+    if not local and e.host in ("127.0.0.1", "localhost", "::1"):
+        raise ConfigError(f"engine.host {e.host}: an engine launched on the cell's nodes must be reachable from "
+                          f"the head; {host_fix}")
+    if len(nodes) > 1 and not dist_init_port:
+        dist_init_port = free_port() if local else port + 100
+    return Ports(local, port, "127.0.0.1" if local else nodes[0], dist_init_port)

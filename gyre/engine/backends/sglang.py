@@ -13,9 +13,9 @@ from __future__ import annotations
 import sys
 
 from gyre.config import ConfigError
-from gyre.engine.backends.base import Backend, Capabilities
+from gyre.engine.backends.base import Backend, Capabilities, resolve_ports
 from gyre.engine.client import EngineClient
-from gyre.engine.process import EngineHandle, free_port
+from gyre.engine.process import EngineHandle
 from gyre.engine.sglang_api import SGLangAdmin
 from gyre.engine.sglang_launch import SGLangSpec, srun_step
 from gyre.model.families import ModelFormatError, family_of, read_config, text_config
@@ -47,18 +47,10 @@ class SGLang(Backend):
 
     def launch(self, cfg, model_dir, *, api_key, nodes, port, dist_init_port, weight_version, srun, extra_args, env):
         e = cfg.engine
-        local = srun is None
         n = len(nodes)
-        if local and not port:
-            port = free_port()
-        if not port:
-            raise ConfigError("engine.port: a cell engine launched through srun needs a real port (not 0)")
-        if not local and e.host in ("127.0.0.1", "localhost", "::1"):
-            raise ConfigError(f"engine.host {e.host}: an engine launched on the cell's nodes must be reachable from "
-                              "the head; set engine.host = \"0.0.0.0\" (the URL then names the cell's node 0)")
-        dist_host = "127.0.0.1" if local else nodes[0]
-        if n > 1 and not dist_init_port:
-            dist_init_port = free_port() if local else port + 100
+        ports = resolve_ports(e, nodes, port, dist_init_port, srun,
+                              'set engine.host = "0.0.0.0" (the URL then names the cell\'s node 0)')
+        local, port, dist_host, dist_init_port = ports.local, ports.port, ports.dist_host, ports.dist_port
         tp = e.tp_size or max(1, cfg.sched.gpus_per_node) * n
         routing = [ROUTING_FLAG] if cfg.train.routing_replay and ROUTING_FLAG not in map(str, e.sglang_args) else []
         spec = SGLangSpec(str(model_dir), host=e.host, port=port, api_key=api_key, tp=tp, nnodes=n,

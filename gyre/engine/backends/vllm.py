@@ -46,9 +46,9 @@ import urllib.request
 from pathlib import Path
 
 from gyre.config import ConfigError
-from gyre.engine.backends.base import Backend, Capabilities, EngineAdmin, EngineAdminError
+from gyre.engine.backends.base import Backend, Capabilities, EngineAdmin, EngineAdminError, resolve_ports
 from gyre.engine.backends.vllm_wire import VLLMClient
-from gyre.engine.process import EngineHandle, free_port, srun_step
+from gyre.engine.process import EngineHandle, srun_step
 
 MODULE = "vllm.entrypoints.openai.api_server"
 MIN_HEAD_DIM = 32  # vLLM's CPU attention (measured: head size 16 fails)
@@ -193,19 +193,11 @@ class VLLM(Backend):
 
     def launch(self, cfg, model_dir, *, api_key, nodes, port, dist_init_port, weight_version, srun, extra_args, env):
         e = cfg.engine
-        local = srun is None
         n = len(nodes)
-        if local and not port:
-            port = free_port()
-        if not port:
-            raise ConfigError("engine.port: a cell engine launched through srun needs a real port (not 0)")
-        if not local and e.host in ("127.0.0.1", "localhost", "::1"):
-            raise ConfigError(f"engine.host {e.host}: an engine launched on the cell's nodes must be reachable from "
-                              "the head; set engine.host to the nodes' private address or \"0.0.0.0\" on a private "
-                              "network (vLLM's admin routes are not behind the API key)")
-        master = "127.0.0.1" if local else nodes[0]
-        if n > 1 and not dist_init_port:
-            dist_init_port = free_port() if local else port + 100
+        ports = resolve_ports(e, nodes, port, dist_init_port, srun,
+                              'set engine.host to the nodes\' private address or "0.0.0.0" on a private network '
+                              "(vLLM's admin routes are not behind the API key)")
+        local, port, master, dist_init_port = ports.local, ports.port, ports.dist_host, ports.dist_port
         commands = [self.command(cfg, model_dir, port=port, nnodes=n, node_rank=r, master=master,
                                  master_port=dist_init_port) for r in range(n)]
         if not local:
