@@ -34,8 +34,10 @@ def changed(tmp_path: Path, old: str, new: str) -> Path:
 
 def test_a_config_that_only_changes_what_may_change_is_applied(tmp_path):
     run_dir = stored_run(tmp_path)
-    cfg, used = config_file.resumed(run_dir, str(changed(tmp_path, "steps = 14", "steps = 20")), [f"run.dir={run_dir}"])
-    assert cfg.run.steps == 20 and used == str(tmp_path / "changed.toml")
+    steps = load_config(DEMO).run.steps  # the demo's own, whatever it is
+    cfg, used = config_file.resumed(run_dir, str(changed(tmp_path, f"steps = {steps}", f"steps = {steps + 6}")),
+                                    [f"run.dir={run_dir}"])
+    assert cfg.run.steps == steps + 6 and used == str(tmp_path / "changed.toml")
     cfg, used = config_file.resumed(run_dir, None, [f"run.dir={run_dir}", "run.steps=30"])
     assert cfg.run.steps == 30 and used == str(run_dir / "config.toml")  # no --config: the run's own
 
