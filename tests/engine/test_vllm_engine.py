@@ -103,6 +103,10 @@ def test_a_push_during_running_calls_holds_them_and_changes_the_outputs(vllm, mo
     pushed = trainer.export_weights(tmp_path / "w1", weight_version="1")
     client_class = backends.get("vllm").client_class
 
+    # long enough that the push lands while every call still decodes, even on loaded cores: at 200
+    # tokens, under a make test with a busy loop beside it, all four had finished before the pause
+    n_new = 1500
+
     async def run():
         async with client_class(vllm.url, api_key=KEY) as c:
             started = asyncio.Event()
@@ -111,7 +115,7 @@ def test_a_push_during_running_calls_holds_them_and_changes_the_outputs(vllm, mo
             async def one(i):
                 nonlocal n_started
                 last = None
-                async for snap in c.generate_stream([1, 882, 198, 40 + i], {"max_new_tokens": 200, "temperature": 1.0,
+                async for snap in c.generate_stream([1, 882, 198, 40 + i], {"max_new_tokens": n_new, "temperature": 1.0,
                                                                            "sampling_seed": i, "ignore_eos": True}):
                     if last is None:
                         n_started += 1
@@ -127,9 +131,9 @@ def test_a_push_during_running_calls_holds_them_and_changes_the_outputs(vllm, mo
 
     results = asyncio.run(run())
     assert [r.finish_reason for r in results] == ["length"] * 4  # none aborted
-    assert all(len(r.output_ids) == 200 for r in results)
+    assert all(len(r.output_ids) == n_new for r in results)
     spans = [r.meta_info["weight_versions"] for r in results]
-    assert all(s[0]["version"] == "0" and s[0]["start"] == 0 and s[-1]["end"] == 200 for s in spans), spans
+    assert all(s[0]["version"] == "0" and s[0]["start"] == 0 and s[-1]["end"] == n_new for s in spans), spans
     assert any(s[-1]["version"] == "1" for s in spans), spans  # held by the pause, resumed on the new weights
     assert admin.weight_version() == "1" and not admin.is_paused()
     after, results = sample("vllm", vllm.url, KEY, 0.0, seed=1)
