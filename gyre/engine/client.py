@@ -149,6 +149,23 @@ class EngineClient:
         res.wire_s = timing[-1] if timing else 0.0
         return res
 
+    async def _open_stream(self, path: str, data: bytes) -> aiohttp.ClientResponse:
+        """POST a streamed request; connection failures before the first byte are retried with
+        backoff (the one retry loop of every backend's stream)."""
+        last: Exception | None = None
+        for attempt in range(self.connect_retries + 1):
+            if attempt:
+                await asyncio.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
+            try:
+                return await self._get_session().post(self.base_url + path, data=data, timeout=self.timeout,
+                                                      headers={**self._headers, "Content-Type": "application/json"})
+            except asyncio.TimeoutError:
+                raise EngineError(None, f"POST {path} timed out after {self.timeout.total} s", self.base_url) from None
+            except _CONNECTION_ERRORS as e:
+                last = e
+        raise EngineUnreachable(f"POST {path} (stream) failed after {self.connect_retries + 1} attempt(s): "
+                                f"{type(last).__name__}: {last}", self.base_url)
+
     async def generate_stream(self, input_ids: list[int], sampling_params: dict, rid: str | None = None,
                               top_logprobs_num: int = 0, priority: int | None = None,
                               return_routed_experts: bool = False) -> AsyncIterator[GenerateResult]:
@@ -157,22 +174,7 @@ class EngineClient:
         that breaks later raises :class:`EngineUnreachable` (the caller decides how to go on)."""
         body = self._generate_body(input_ids, sampling_params, rid, top_logprobs_num, True, priority,
                                    return_routed_experts)
-        url = self.base_url + "/generate"
-        last: Exception | None = None
-        for attempt in range(self.connect_retries + 1):
-            if attempt:
-                await asyncio.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
-            try:
-                resp = await self._get_session().post(url, data=encode_body(body), timeout=self.timeout,
-                                                      headers={**self._headers, "Content-Type": "application/json"})
-                break
-            except asyncio.TimeoutError:
-                raise EngineError(None, f"POST /generate timed out after {self.timeout.total} s", self.base_url) from None
-            except _CONNECTION_ERRORS as e:
-                last = e
-        else:
-            raise EngineUnreachable(f"POST /generate (stream) failed after {self.connect_retries + 1} attempt(s): "
-                                    f"{type(last).__name__}: {last}", self.base_url)
+        resp = await self._open_stream("/generate", encode_body(body))
         async with resp:
             if resp.status >= 400:
                 raw = await resp.read()

@@ -24,7 +24,6 @@ f"generate-tokens-{...}"``); aborts name that id at ``POST /inference/v1/abort_r
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import AsyncIterator
 
@@ -126,22 +125,7 @@ class VLLMClient(EngineClient):
                               return_routed_experts: bool = False) -> AsyncIterator[GenerateResult]:
         """Cumulative snapshots (vLLM streams deltas); the last has ``finish_reason`` set."""
         body = self._body(input_ids, sampling_params, rid, top_logprobs_num, True, return_routed_experts)
-        headers = {**self._headers, "Content-Type": "application/json"}
-        last: Exception | None = None
-        for attempt in range(self.connect_retries + 1):
-            if attempt:
-                await asyncio.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
-            try:
-                resp = await self._get_session().post(self.base_url + GENERATE, data=json.dumps(body).encode(),
-                                                      timeout=self.timeout, headers=headers)
-                break
-            except asyncio.TimeoutError:
-                raise EngineError(None, f"POST {GENERATE} timed out after {self.timeout.total} s", self.base_url) from None
-            except _CONNECTION_ERRORS as e:
-                last = e
-        else:
-            raise EngineUnreachable(f"POST {GENERATE} (stream) failed after {self.connect_retries + 1} attempt(s): "
-                                    f"{type(last).__name__}: {last}", self.base_url)
+        resp = await self._open_stream(GENERATE, json.dumps(body).encode())
         ids: list[int] = []
         lps: list[float] = []
         async with resp:
