@@ -27,6 +27,11 @@ def test_one_server_has_the_token_truth_and_rl_flags(model):
     assert "--dtype float32" in text and "--port 31000" in text and "--enforce-eager" in text
     assert cmd[-2:] == ["--max-num-seqs", "9"]  # the user's flag comes last: argparse keeps the last
     assert "--nnodes" not in cmd and "--headless" not in cmd
+    # the CPU build prefills whole prompts up to the model's context (a seeded call's chunked
+    # prefill kills its EngineCore), and honours a --max-model-len the user gives
+    assert cpu_build(cfg) and "--no-enable-chunked-prefill --max-num-batched-tokens 32768" in text
+    short = load_config(None, ["engine.backend=vllm", "engine.vllm_args=['--max-model-len=4096']"])
+    assert "--max-num-batched-tokens 4096" in " ".join(BACKEND.command(short, model, port=31000))
 
 
 def test_a_cell_over_three_nodes_is_one_server_per_node_in_one_slurm_step(model):
@@ -39,6 +44,7 @@ def test_a_cell_over_three_nodes_is_one_server_per_node_in_one_slurm_step(model)
         text = " ".join(cmd)
         assert f"--nnodes 3 --node-rank {r} --master-addr n1 --master-port 31100" in text
         assert "--tensor-parallel-size 12" in text
+        assert "--no-enable-chunked-prefill" not in text  # a CUDA generator rewinds: chunks are fine
         assert ("--headless" in cmd) == (r > 0)  # rank 0 serves HTTP
     step = srun_step(cmds, ["n1", "n2", "n3"], ["srun", "--jobid=5", "--overlap"])
     assert step[:3] == ["srun", "--jobid=5", "--overlap"] and "--nodelist=n1,n2,n3" in step

