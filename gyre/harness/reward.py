@@ -48,6 +48,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gyre.config import ConfigError
 from gyre.harness import proc
 from gyre.harness.runtimes import Mount
 from gyre.harness.sandbox import WORKSPACE, Environments, SandboxConfig, host_python, run_steps
@@ -138,6 +139,10 @@ class RewardFn:
         r = cfg.reward
         if not (r.function or r.url):
             return None
+        for folder in r.pythonpath if r.function else ():  # said at start, not once per execution
+            if not Path(folder).is_dir():
+                raise ConfigError(f"reward.pythonpath: {folder} is not a folder here ({os.uname().nodename}, "
+                                  f"relative paths are from {os.getcwd()}); name the folder holding the module")
         return cls(r.function, r.url, r.pythonpath, r.timeout_s, r.memory_mb,
                    log_path=Path(cfg.run.dir) / REWARD_LOG, pass_env=tuple(cfg.harness.pass_env),
                    sandbox=SandboxConfig.from_config(cfg.harness), environments=environments,

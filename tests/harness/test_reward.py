@@ -252,3 +252,5 @@ def test_config_refuses_bad_reward_keys():
     cfg = load_config(None, ["reward.function=reward_fn:score", f"reward.pythonpath=[\"{RECIPES}\"]"])
     assert RewardFn.from_config(cfg).label == "reward_fn:score"
     assert RewardFn.from_config(load_config(None, [])) is None  # the tests' score stays the default
+    with pytest.raises(ConfigError, match="reward.pythonpath: no/such/folder is not a folder here"):
+        RewardFn.from_config(load_config(None, ["reward.function=a:b", 'reward.pythonpath=["no/such/folder"]']))
