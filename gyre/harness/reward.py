@@ -29,8 +29,8 @@ killed. A write outside, a read of what it may not see, is an exception in the f
 ``reward-error`` like any other. Under ``harness.sandbox = none`` it runs bare (warned once at
 start). The server alternative is one aiohttp POST of the same JSON with the same time limit.
 
-Each call is appended to ``<run.dir>/rewards.jsonl`` (execution, reward, parts, error, seconds):
-the parts of every execution are on disk, and `calls`/`errors` count them for reports.
+Each call is appended to ``<run.dir>/rewards.jsonl`` (execution, reward, parts, error, seconds, and
+``sandbox``: where it ran, bwrap, none or server): the parts of every execution are on disk, and `calls`/`errors` count them for reports.
 """
 
 from __future__ import annotations
@@ -177,7 +177,8 @@ class RewardFn:
             self.errors += res.error is not None
             if self.log_path is not None:
                 line = {"execution": execution_id, "reward": res.reward, "parts": res.parts, "error": res.error,
-                        "seconds": round(res.seconds, 4), "t": time.time()}
+                        "seconds": round(res.seconds, 4), "t": time.time(),
+                        "sandbox": "server" if self.url else self.environments.host_backend if self.environments else None}
                 self.log_path.parent.mkdir(parents=True, exist_ok=True)
                 with open(self.log_path, "a", encoding="utf-8") as f:
                     f.write(json.dumps(line) + "\n")

@@ -109,7 +109,7 @@ def _validated_and_rewarded(run: Path, text: str) -> None:
     rewards = _lines(run / "rewards.jsonl")
     trained = list(iter_executions(run / "shards"))
     assert trained and len(rewards) == len(trained) + 3 * 2, (len(rewards), len(trained))
-    assert [r for r in rewards if r["error"]] == []
+    assert [r for r in rewards if r["error"]] == [] and {r["sandbox"] for r in rewards} == {"bwrap"}
     assert {r.reward_source for r in trained} <= {"reward", "reward-after-timeout"}
 
 

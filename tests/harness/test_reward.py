@@ -152,6 +152,7 @@ def test_a_reward_that_leaves_its_sandbox_is_a_recorded_reward_error(tmp_path, c
     assert (ws / "answer.txt").read_text() == "mine"
     line = json.loads((run / "rewards.jsonl").read_text())
     assert line["error"] == ev.error and line["reward"] is None and (rf.calls, rf.errors) == (1, 1)
+    assert line["sandbox"] == "bwrap"
 
 
 @needs_bwrap
