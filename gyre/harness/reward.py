@@ -30,7 +30,8 @@ killed. A write outside, a read of what it may not see, is an exception in the f
 start). The server alternative is one aiohttp POST of the same JSON with the same time limit.
 
 Each call is appended to ``<run.dir>/rewards.jsonl`` (execution, reward, parts, error, seconds, and
-``sandbox``: where it ran, bwrap, none or server): the parts of every execution are on disk, and `calls`/`errors` count them for reports.
+``sandbox``: where it ran, bwrap, none or server): the parts of every execution are on disk, and
+`calls`/`errors` count them for reports.
 """
 
 from __future__ import annotations
@@ -176,9 +177,9 @@ class RewardFn:
             self.calls += 1
             self.errors += res.error is not None
             if self.log_path is not None:
+                where = "server" if self.url else self.environments.host_backend if self.environments else None
                 line = {"execution": execution_id, "reward": res.reward, "parts": res.parts, "error": res.error,
-                        "seconds": round(res.seconds, 4), "t": time.time(),
-                        "sandbox": "server" if self.url else self.environments.host_backend if self.environments else None}
+                        "seconds": round(res.seconds, 4), "t": time.time(), "sandbox": where}
                 self.log_path.parent.mkdir(parents=True, exist_ok=True)
                 with open(self.log_path, "a", encoding="utf-8") as f:
                     f.write(json.dumps(line) + "\n")
@@ -198,7 +199,7 @@ class RewardFn:
         else:
             argv, env, payload, teardown = self._sandboxed(envs, place, env, payload)
         with tempfile.TemporaryDirectory(prefix="gyre-reward-") as tmp:
-            inp, out, log = Path(tmp) / "in.json", Path(tmp) / "out.json", Path(tmp) / "stderr"
+            inp, out, log = Path(tmp) / "in.json", Path(tmp) / "stdout", Path(tmp) / "stderr"
             inp.write_text(json.dumps({"function": self.function, "payload": payload}), encoding="utf-8")
             argv = proc.with_limits(argv, cpu_s=self.cpu_s, memory_mb=self.memory_mb, fsize_mb=OUTPUT_MB)
             try:
@@ -210,7 +211,8 @@ class RewardFn:
                     except subprocess.TimeoutExpired:
                         proc.kill_group(child.pid, signal.SIGKILL)
                         child.wait()
-                        raise RewardError(f"took longer than reward.timeout_s = {self.timeout_s:g} s (killed)") from None
+                        raise RewardError(f"took longer than reward.timeout_s = {self.timeout_s:g} s "
+                                          "(killed)") from None
                     finally:
                         proc.kill_group(child.pid, signal.SIGKILL)
             finally:
