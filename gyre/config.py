@@ -474,7 +474,8 @@ class RewardConfig:
     _SECTION = "reward"
     function: str = _f("", help="`module:function` called as f(workspace, task, tests, calls) -> float or "
                                 "{name: float} (parts summed, or the part named `reward`); run in a "
-                                "subprocess; empty = the tests' score (the workspace evaluator)")
+                                "subprocess in the harness's sandbox (workspace read-only at /workspace; "
+                                "docs/recipes/reward.md); empty = the tests' score (the workspace evaluator)")
     url: str = _f("", help="a reward server: the same arguments POSTed as JSON, the answer's float or "
                            "object read the same way; used when `function` is empty")
     pythonpath: list = _f([], help="directories put before the reward function's import path")

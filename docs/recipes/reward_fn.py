@@ -1,9 +1,9 @@
 """A reward function for Gyre (``[reward] function = "reward_fn:score"``, ``pythonpath = ["docs/recipes"]``).
 
-Gyre calls it once per finished execution, in a subprocess with a time limit
-(``reward.timeout_s``), with keyword arguments:
+Gyre calls it once per finished execution, in a subprocess in the harness's sandbox with a time
+limit (``reward.timeout_s``), with keyword arguments:
 
-- ``workspace``: the execution's retained workspace (a path; read it, do not change it);
+- ``workspace``: the execution's retained workspace (a path, ``/workspace`` in the sandbox; read-only);
 - ``task``: {name, prompt, test_commands, test_case_count, metadata} (metadata: the dataset row's);
 - ``tests``: the tests' results {reward, passed, total, source, error, log_path}, or None where the
   task has no tests (a dataset row scored by the reward alone);

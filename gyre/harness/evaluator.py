@@ -528,7 +528,7 @@ class EvaluatorPool:
                  "mem_gb": e.slurm_mem_gb}
         folder = e.submitit_dir or str(Path(cfg.run.dir) / "eval-jobs")
         return cls(EvalOptions.from_config(cfg, environments), e.workers, e.executor, folder, slurm,
-                   workspaces_root=Path(cfg.run.dir) / "workspaces", reward=RewardFn.from_config(cfg))
+                   workspaces_root=Path(cfg.run.dir) / "workspaces", reward=RewardFn.from_config(cfg, environments))
 
     def _make_submitit(self, kind: str, folder, slurm: dict):
         import submitit  # only where asked for: a pool needs no submitit

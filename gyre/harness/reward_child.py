@@ -1,15 +1,24 @@
 """The reward subprocess (gyre.harness.reward): imports the user's ``module:function``, calls it
-with the execution's payload, writes ``{"value": ...}``. Run by path and standard library only, so
-it starts fast and the user's module is the only thing it imports."""
+with the execution's payload, answers ``{"value": ...}``. Run by path and standard library only, so
+it starts fast, runs in a sandbox where the gyre package is hidden, and the user's module is the
+only thing it imports.
+
+    reward_child.py < {"function": "module:function", "payload": {...}}  > {"value": ...}
+
+The request comes on stdin and the answer goes to stdout, so the sandbox needs no writable
+mount of the host's: the function's own prints are sent to stderr (fd 1 is pointed at fd 2 before
+its module is imported), and stdout carries the answer alone."""
 
 import importlib
 import json
+import os
 import sys
-from pathlib import Path
 
 
-def main(inp: str, out: str) -> int:
-    spec = json.loads(Path(inp).read_text(encoding="utf-8"))
+def main() -> int:
+    answer = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)  # print() of the user's code lands in stderr, never in the answer
+    spec = json.load(sys.stdin)
     module, _, name = spec["function"].partition(":")
     try:
         fn = importlib.import_module(module)
@@ -26,9 +35,10 @@ def main(inp: str, out: str) -> int:
     except (TypeError, ValueError) as e:
         print(f"the reward's value cannot be sent back: {e}", file=sys.stderr)
         return 3
-    Path(out).write_text(text, encoding="utf-8")
+    answer.write(text)
+    answer.close()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2]))
+    sys.exit(main())

@@ -186,6 +186,11 @@ class Environments:
         return None, None, (f"{where} (e.g. `apptainer build {d}/{t}.sif docker://{task.image}`; "
                             f"see docs/tasks-and-sandboxes.md)")
 
+    def host_place(self) -> Placement:
+        """Where Gyre's own interpreter runs user code that belongs to no task image (a reward
+        function, gyre.harness.reward): on the host root in bubblewrap, or bare under ``none``."""
+        return Placement("sandbox" if self._host else "host", self._host, None, True, None)
+
     def place(self, task) -> Placement:
         p = self._places.get(task.name)
         if p is None:

@@ -22,6 +22,13 @@ DEMO = REPO / "launchers" / "demo.toml"
 # the demo on 1 head + 2 cells x 2 nodes (a trainer rank on every node), small enough for ~1 min per job
 FAST = ["run.steps=2", "harness.group_size=4", "sched.cells=2", "sched.cell_nodes=2", "sched.gpus_per_node=8"]
 CELL_NODES = [["node01", "node02"], ["node03", "node04"]]
+# issue 43 on Slurm, in the same job: a validation round before the first step, after each step and
+# after the last (v0, v1, v2), 2 samples of one held-out task each, and every execution (training
+# and validation) scored by the recipe's reward function, named by a path relative to the submit
+# directory and run on the head node in the harness's sandbox
+VALIDATE_AND_REWARD = ["validate.every_steps=1", "validate.suite=learnable", 'validate.tasks=["short_answer"]',
+                       "validate.samples=2", "validate.k=2", "reward.function=reward_fn:score",
+                       'reward.pythonpath=["docs/recipes"]']
 
 
 def sbatch_script(tmp_path: Path, nodes: int = 4) -> Path:
@@ -57,10 +64,11 @@ def _lines(p: Path) -> list[dict]:
 
 def test_sbatch_demo_two_cells_of_two_nodes_use_every_node(cluster, tmp_path):
     """1 head + 2 cells x 2 nodes: >= 2 steps; each cell's agent on its first node, its trainer
-    ranks on both of its nodes (hostnames the ranks report), one engine per cell."""
+    ranks on both of its nodes (hostnames the ranks report), one engine per cell. The same job
+    validates and scores with a reward function (VALIDATE_AND_REWARD, checked at the end)."""
     run, out = tmp_path / "run", tmp_path / "job.out"
     t0 = time.time()
-    job = sbatch(cluster, ["-o", out, sbatch_script(tmp_path), DEMO, f"run.dir={run}", *FAST])
+    job = sbatch(cluster, ["-o", out, sbatch_script(tmp_path), DEMO, f"run.dir={run}", *FAST, *VALIDATE_AND_REWARD])
     wait_for(lambda: bool(_lines(run / "steps.jsonl")), 240, "first step", cluster, job, out)
     first = time.time() - t0
     wait_gone(cluster, job, 240, out)
@@ -83,6 +91,26 @@ def test_sbatch_demo_two_cells_of_two_nodes_use_every_node(cluster, tmp_path):
 
     st = collect_status(run)
     assert st["steps_done"] >= 2 and st["finished"] and [c["hostname"] for c in st["cells"]] == ["node01", "node03"]
+    assert "run ended cleanly" in _tail(out), _tail(out)  # the step exited 0
+    _validated_and_rewarded(run, _tail(out, 1_000_000))
+
+
+def _validated_and_rewarded(run: Path, text: str) -> None:
+    """VALIDATE_AND_REWARD held on Slurm: three rounds with pass@1 and the reward's parts, every
+    reward call recorded without an error, the trained executions scored by the function."""
+    from gyre.traj.store import iter_executions
+
+    rounds = {r["round"]: r for r in _lines(run / "validation.jsonl") if r["kind"] == "round"}
+    assert set(rounds) == {"v0", "v1", "v2"}, rounds.keys()
+    for r in rounds.values():
+        assert r["executions"] == 2 and r["unscored"] == 0 and 0.0 <= r["pass@1"] <= 1.0, r
+        assert set(r["parts"]) == {"tests", "brevity", "truncation"}, r
+        assert f"gyre: validation {r['round']}: pass@1 " in text
+    rewards = _lines(run / "rewards.jsonl")
+    trained = list(iter_executions(run / "shards"))
+    assert trained and len(rewards) == len(trained) + 3 * 2, (len(rewards), len(trained))
+    assert [r for r in rewards if r["error"]] == [] and {r["sandbox"] for r in rewards} == {"bwrap"}
+    assert {r.reward_source for r in trained} <= {"reward", "reward-after-timeout"}
 
 
 def test_mismatched_allocation_fails_at_once(cluster, tmp_path):
