@@ -4,7 +4,9 @@ the same error on either side."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
@@ -13,6 +15,7 @@ from gyre.cell import trainer_messages as tm
 from gyre.cell.agent import CellAgent
 from gyre.cell.command import CommandError
 from gyre.cell.trainer_rank import Rank, dispatch
+import gyre.messages
 from gyre.messages import Message, dispatch_table, handler_for
 from gyre.sched import protocol as hp
 from gyre.sched.state import Role
@@ -67,3 +70,11 @@ def test_an_unknown_message_gets_the_same_error_on_both_sides():
         handler_for({hp.Stop: print}, "x", "command", CommandError)
     with pytest.raises(TypeError, match=r"^unknown trainer request tuple \('stash', \(2,\)\); known: Stop$"):
         handler_for({hp.Stop: print}, ("stash", (2,)), "trainer request")
+
+
+def test_the_family_is_on_the_ground_floor():
+    """Both `sched` and `cell` build on it, so it imports nothing of Gyre (docs/architecture.md)."""
+    tree = ast.parse(Path(gyre.messages.__file__).read_text())
+    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert names and not [x for x in names if x.split(".")[0] == "gyre"], names
