@@ -60,7 +60,8 @@ from tokenizers import Tokenizer  # noqa: E402
 from gyre.engine.router import Router  # noqa: E402
 from gyre.model.chat_template import ChatTemplate  # noqa: E402
 from gyre.proxy.capture import Renderer  # noqa: E402
-from gyre.proxy.server import Proxy, create_app, start_site  # noqa: E402
+from gyre.proxy.routes import create_app, start_site  # noqa: E402
+from gyre.proxy.server import Proxy  # noqa: E402
 from gyre.traj.store import ShardWriter, read_shard  # noqa: E402
 from gyre.traj.synthetic import CASE_STUDY, Lengths, case_study, generate  # noqa: E402
 from support.loop_thread import LoopThread  # noqa: E402

@@ -41,6 +41,7 @@ from gyre.cell.placement import Placement
 from gyre.config import GyreConfig, InitOptimizer, trainer_config
 from gyre.engine.reaper import ProcessList
 from gyre.fsio import atomic_write_json
+from gyre.messages import dispatch_table, handler_for
 from gyre.sched.protocol import (TAG_STORE, Command, Event, PrepareReduce, PushWeights, Reduce, Reply, Stop,
                                  ToRollout, ToTrain, Train, reply_for)
 from gyre.sched.state import Role
@@ -144,20 +145,15 @@ class CellAgent:
         self.engine.stop()
         self.pids.close()
 
-    # --- dispatch ---------------------------------------------------------------------------
-    def handlers(self) -> dict:
-        return {ToTrain: self._to_train, ToRollout: self._to_rollout, PushWeights: self._push_weights,
-                Train: self._train, PrepareReduce: self._prepare_reduce, Reduce: self._reduce, Stop: self._stop}
-
+    # --- dispatch (the table, HANDLERS, follows the handlers) ---------------------------------
     def handle(self, cmd: Command) -> Reply:
+        """This cell's reply to one command; an unknown type is refused as the trainer ranks refuse
+        an unknown request (gyre.messages.handler_for)."""
         phases: dict[str, float] = {}
         reply = reply_for(cmd, self.cell, phases=phases)
         t0 = time.perf_counter()
         try:
-            handler = self.handlers().get(type(cmd))
-            if handler is None:
-                raise CommandError(f"unknown command {type(cmd).__name__}")
-            handler(cmd, reply, phases)
+            handler_for(self.HANDLERS, cmd, "command", CommandError)(self, cmd, reply, phases)
         except CommandError as e:
             reply.ok, reply.error = False, str(e)
         except TrainerDied as e:
@@ -165,7 +161,7 @@ class CellAgent:
             reply.ok, reply.error = False, f"{e}; restarted it"
         except Exception as e:  # noqa: BLE001 - an unexpected failure costs this command only
             reply.ok = False
-            reply.error = f"{cmd.kind} failed: {type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"
+            reply.error = f"{cmd.name} failed: {type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"
         if hasattr(reply, "lost"):  # told once: the head hands them out again
             reply.lost = sorted(set(reply.lost) | set(self.lost))
             self.lost = []
@@ -342,6 +338,10 @@ class CellAgent:
     def _stop(self, c: Stop, rep, phases: dict) -> None:
         with timed(phases, "close"):
             self.close()
+
+    # command type -> handler (gyre.messages: the trainer ranks' table of requests is built alike)
+    HANDLERS = dispatch_table({ToTrain: _to_train, ToRollout: _to_rollout, PushWeights: _push_weights, Train: _train,
+                               PrepareReduce: _prepare_reduce, Reduce: _reduce, Stop: _stop})
 
     # --- gradients --------------------------------------------------------------------------
     def _stash(self, step: int, update: int = 0) -> None:

@@ -3,9 +3,10 @@
 One small dataclass per request, carrying its arguments as fields, and one per reply that a
 caller reads fields of. They travel pickled over the ``multiprocessing.connection`` pipe between
 the agent and rank 0 and over the cell's ``broadcast_object_list`` to the other ranks, so every
-field is a plain picklable value (a micro-batch in its :func:`gyre.batch.to_wire` form). The rank
-side dispatches on the request's type (``Rank.HANDLERS``); ``name`` is what errors and timeouts
-call the request.
+field is a plain picklable value (a micro-batch in its :func:`gyre.batch.to_wire` form). Every
+message is a `gyre.messages.Message` (``name``: what errors and timeouts call it), the family
+the head<->agent protocol (gyre.sched.protocol) is of too; the rank side dispatches on the
+request's type (``Rank.HANDLERS``, built and read with gyre.messages as the agent's is).
 
 Free-form statistics (a micro-batch's merged stats, offload/restore timings) stay dicts: their
 keys are the trainer's and go on unread into replies and logs.
@@ -16,10 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from gyre.messages import Message
+
 
 # --- requests (agent -> ranks) -----------------------------------------------------------------
 @dataclass(frozen=True)
-class Request:
+class Request(Message):
     name: ClassVar[str] = "request"
 
 
@@ -121,18 +124,21 @@ class Close(Request):
 
 # --- replies (ranks -> agent) ------------------------------------------------------------------
 @dataclass(frozen=True)
-class Started:
+class Started(Message):
+    name: ClassVar[str] = "started"
     num_grad_elements: int
     ranks: int
 
 
 @dataclass(frozen=True)
-class Stashed:
+class Stashed(Message):
+    name: ClassVar[str] = "stashed"
     held: bool                   # the ranks hold gradients of the step
 
 
 @dataclass(frozen=True)
-class GradsReduced:
+class GradsReduced(Message):
+    name: ClassVar[str] = "grads_reduced"
     form_ms: float               # forming the cross-cell group (0 when cached); the cell's slowest rank
     cached: bool                 # every rank found the membership's group formed already
     wait_ms: float
@@ -140,15 +146,17 @@ class GradsReduced:
 
 
 @dataclass(frozen=True)
-class Applied:
+class Applied(Message):
+    name: ClassVar[str] = "applied"
     step: int                    # the trainer's step (= policy version) after the update
     grad_norm: float
     stats: dict = field(default_factory=dict)  # the whole step's statistics (gyre.train.base)
 
 
 @dataclass(frozen=True)
-class Reply:
+class Reply(Message):
     """One answer on the pipe: a value or an error's text, and the trainer's step after it."""
+    name: ClassVar[str] = "reply"
     value: Any = None
     error: str | None = None
     step: int | None = None

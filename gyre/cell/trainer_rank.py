@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 from gyre import faults
 from gyre.config import TrainBackend, TrainConfig, env
+from gyre.messages import dispatch_table, handler_for
 from gyre.train.pace import TrainPacer
 from gyre.position import Position
 from gyre.cell.trainer_messages import (Applied, Apply, Close, ExportWeights, ForwardBackward, Hostnames, LoadCheckpoint,
@@ -280,10 +281,11 @@ class Rank:
         self._dist.broadcast_object_list(box, src=0, group=self.ctrl)
         return box[0]
 
-    HANDLERS: dict[type[Request], Callable[[Rank, Any], Any]] = {
+    # request type -> handler (gyre.messages: the agent's table of the head's commands is built alike)
+    HANDLERS: dict[type[Request], Callable[[Rank, Any], Any]] = dispatch_table({
         ForwardBackward: forward_backward, Logprobs: logprobs, Stash: stash, ReduceGrads: reduce, Apply: apply,
         ExportWeights: export_weights, SaveCheckpoint: save_checkpoint, LoadCheckpoint: load_checkpoint,
-        Offload: offload, Restore: restore, Hostnames: hostname}
+        Offload: offload, Restore: restore, Hostnames: hostname})
 
     def handle(self, req: Any) -> Reply:
         """This rank's answer to one request: the handler's value, or the error's text."""
@@ -291,13 +293,10 @@ class Rank:
 
 
 def dispatch(handlers: dict, target: Any, req: Any) -> Reply:
-    """Run the handler of ``req``'s type on ``target``; an unknown type is an error reply."""
+    """Run the handler of ``req``'s type on ``target``; an unknown type is an error reply
+    (gyre.messages.handler_for's, as the agent's for an unknown command)."""
     try:
-        handler = handlers.get(type(req))
-        if handler is None:
-            raise TypeError(f"unknown trainer request {req!r}; known: "
-                            f"{', '.join(sorted(t.__name__ for t in handlers))}")
-        return Reply(value=handler(target, req))
+        return Reply(value=handler_for(handlers, req, "trainer request")(target, req))
     except Exception as e:  # noqa: BLE001 - the agent hears why
         return Reply(error=f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}")
 

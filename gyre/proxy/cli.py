@@ -13,7 +13,8 @@ from gyre.config import default_tiny_dir, env, load_config
 from gyre.engine.router import Router
 from gyre.model.identity import model_identity
 from gyre.model.tiny import ensure_tiny_model
-from gyre.proxy.server import Proxy, create_app, start_site
+from gyre.proxy.routes import create_app, start_site
+from gyre.proxy.server import Proxy
 from gyre.traj.record import ExecutionRecord
 from gyre.traj.store import ShardWriter, shard_identity
 

@@ -45,8 +45,6 @@ from gyre.proxy.offload import BIG_BODY_BYTES, INLINE_CHARS, PrepareWorkers, max
 from gyre.proxy.params import MAX_DEPTH, RequestError, check_depth, forced_prefix, parse_params
 from gyre.proxy.sampling import SamplingPolicy, budget_left
 from gyre.proxy.replay import Replay
-# the HTTP face, served by every driver as gyre.proxy.server's (gyre.proxy.routes)
-from gyre.proxy.routes import create_app, start_site  # noqa: F401
 from gyre.proxy.template_capture import check_template, prepare_call_template
 from gyre.proxy.token_safety import check_names, template_tokens
 from gyre.traj.record import ExecutionRecord
@@ -94,7 +92,7 @@ def routing_options(train_cfg, model_dir) -> dict:
 
 
 class Proxy:
-    """Sessions, rendering and capture; `create_app` exposes it over HTTP."""
+    """Sessions, rendering and capture; `gyre.proxy.routes.create_app` exposes it over HTTP."""
 
     @classmethod
     def from_config(cls, cfg, router, model_dir, identity: dict) -> "Proxy":

@@ -1,7 +1,9 @@
 """Control messages between the head (MPI rank 0) and the cell agents (ranks 1..N).
 
-One dataclass per head->agent command and one per reply; the agent picks its handler from a
-dispatch table keyed by the command's class. Small and pickled (mpi4py's lowercase send/recv):
+One dataclass per head->agent command and one per reply, all `gyre.messages.Message`s (``name``
+is what errors and logs call them); the agent picks its handler from a table keyed by the
+command's class (``CellAgent.HANDLERS``, built and read with gyre.messages as the trainer ranks'
+is). Small and pickled (mpi4py's lowercase send/recv):
 the head sends one command at a time to a cell and gets exactly one reply with the same ``seq``;
 agents also send unsolicited `Event`s (hello, heartbeat, a child process restarted). Bulk data
 travels only in `Train` (one micro-batch as numpy arrays); gradients never cross this link (they
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, ClassVar
 
+from gyre.messages import Message
 from gyre.sched.state import Role  # the one role type, head and agents
 
 TAG_COMMAND = 11
@@ -51,15 +54,15 @@ def _next_seq() -> int:
 # --- commands (head -> agent) ------------------------------------------------------------------------
 
 @dataclass(kw_only=True)
-class Command:
-    kind: ClassVar[str] = ""
+class Command(Message):
+    name: ClassVar[str] = "command"
     seq: int = field(default_factory=_next_seq)
 
 
 @dataclass(kw_only=True)
 class ToTrain(Command):
     """Drain and release the engine's memory, restore the trainer, load ``checkpoint`` if behind."""
-    kind: ClassVar[str] = "to_train"
+    name: ClassVar[str] = "to_train"
     version: int
     checkpoint: str | None = None
     update: int = 0                   # updates the open step has applied (train.minibatches_per_step)
@@ -70,7 +73,7 @@ class ToTrain(Command):
 class ToRollout(Command):
     """Stash this step's gradients (they stay in the trainer ranks), offload the trainer, resume
     the engine's memory and load ``weights`` if it serves an older version."""
-    kind: ClassVar[str] = "to_rollout"
+    name: ClassVar[str] = "to_rollout"
     version: int | None = None
     weights: str | None = None
 
@@ -78,7 +81,7 @@ class ToRollout(Command):
 @dataclass(kw_only=True)
 class PushWeights(Command):
     """The engine loads ``weights`` (``/update_weights_from_disk``)."""
-    kind: ClassVar[str] = "push_weights"
+    name: ClassVar[str] = "push_weights"
     version: int
     weights: str
 
@@ -88,7 +91,7 @@ class Train(Command):
     """Forward+backward of one micro-batch over the cell's trainer ranks (gradients accumulate)
     for update ``update`` of the step; ``prox``: only pi_prox, its targets' log-probs at the
     step's start (no gradient), answered in ``logprobs``."""
-    kind: ClassVar[str] = "train"
+    name: ClassVar[str] = "train"
     step: int
     mb_id: int
     batch: dict
@@ -99,7 +102,7 @@ class Train(Command):
 @dataclass(kw_only=True)
 class PrepareReduce(Command):
     """Sum this step's gradients over the cell's ranks (held in the trainer ranks)."""
-    kind: ClassVar[str] = "prepare_reduce"
+    name: ClassVar[str] = "prepare_reduce"
     step: int
     update: int = 0
 
@@ -111,7 +114,7 @@ class Reduce(Command):
     ``final`` updates only) and writes ``checkpoint_dir``, then commits; the other train cells
     apply after the commit. ``update``/``final``: which optimizer update of the step this is
     (train.minibatches_per_step); only the final one counts the step."""
-    kind: ClassVar[str] = "reduce"
+    name: ClassVar[str] = "reduce"
     step: int
     update: int = 0
     final: bool = True
@@ -125,18 +128,18 @@ class Reduce(Command):
 @dataclass(kw_only=True)
 class Stop(Command):
     """End the engine and the trainer ranks, then the agent."""
-    kind: ClassVar[str] = "stop"
+    name: ClassVar[str] = "stop"
 
 
-COMMANDS: dict[str, type[Command]] = {c.kind: c for c in (ToTrain, ToRollout, PushWeights, Train, PrepareReduce,
+COMMANDS: dict[str, type[Command]] = {c.name: c for c in (ToTrain, ToRollout, PushWeights, Train, PrepareReduce,
                                                           Reduce, Stop)}
 
 
 # --- replies (agent -> head) -------------------------------------------------------------------------
 
 @dataclass(kw_only=True)
-class Reply:
-    kind: ClassVar[str] = ""
+class Reply(Message):
+    name: ClassVar[str] = "reply"
     seq: int
     cell: int
     ok: bool = True
@@ -155,7 +158,7 @@ class Reply:
 
 @dataclass(kw_only=True)
 class ToTrainReply(Reply):
-    kind: ClassVar[str] = "to_train"
+    name: ClassVar[str] = "to_train"
     version: int | None = None
     aborted: int = 0
     trainer_pid: int | None = None
@@ -164,7 +167,7 @@ class ToTrainReply(Reply):
 
 @dataclass(kw_only=True)
 class ToRolloutReply(Reply):
-    kind: ClassVar[str] = "to_rollout"
+    name: ClassVar[str] = "to_rollout"
     weight_version: str = ""
     held_mbs: list[int] = field(default_factory=list)
     already: bool = False
@@ -172,13 +175,13 @@ class ToRolloutReply(Reply):
 
 @dataclass(kw_only=True)
 class PushWeightsReply(Reply):
-    kind: ClassVar[str] = "push_weights"
+    name: ClassVar[str] = "push_weights"
     weight_version: str = ""
 
 
 @dataclass(kw_only=True)
 class TrainReply(Reply):
-    kind: ClassVar[str] = "train"
+    name: ClassVar[str] = "train"
     mb_id: int | None = None
     stats: dict[str, float] = field(default_factory=dict)
     logprobs: list[float] | None = None  # prox: the targets' log-probs at the step's start
@@ -187,14 +190,14 @@ class TrainReply(Reply):
 
 @dataclass(kw_only=True)
 class PrepareReduceReply(Reply):
-    kind: ClassVar[str] = "prepare_reduce"
+    name: ClassVar[str] = "prepare_reduce"
     mb_ids: list[int] = field(default_factory=list)
     lost: list[int] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)
 class ReduceReply(Reply):
-    kind: ClassVar[str] = "reduce"
+    name: ClassVar[str] = "reduce"
     version: int | None = None
     mb_ids: list[int] = field(default_factory=list)
     lost: list[int] = field(default_factory=list)
@@ -209,7 +212,7 @@ class ReduceReply(Reply):
 
 @dataclass(kw_only=True)
 class StopReply(Reply):
-    kind: ClassVar[str] = "stop"
+    name: ClassVar[str] = "stop"
 
 
 REPLIES: dict[type[Command], type[Reply]] = {ToTrain: ToTrainReply, ToRollout: ToRolloutReply,
@@ -223,7 +226,8 @@ def reply_for(cmd: Command, cell: int, **fields) -> Reply:
 
 
 @dataclass
-class Event:
+class Event(Message):
+    name: ClassVar[str] = "event"
     cell: int
     kind: EventKind
     info: dict[str, Any] = field(default_factory=dict)

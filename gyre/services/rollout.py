@@ -22,7 +22,8 @@ from gyre.engine.router import Router
 from gyre.harness.evaluator import EvaluatorPool
 from gyre.harness.runner import HARNESS_BROKE, INFRA_PREFIX, HarnessPool
 from gyre.proxy.journal import Journal
-from gyre.proxy.server import Proxy, create_app, start_site
+from gyre.proxy.routes import create_app, start_site
+from gyre.proxy.server import Proxy
 from gyre.traj.record import FINISHED, ExecutionRecord, Status, limit_of
 from gyre.traj.store import ShardWriter, compact, shard_identity
 

@@ -11,7 +11,8 @@ from gyre.config import Scheme
 from gyre.sched import CoreSpec, Hints, RunSpec
 from gyre.sim.calibration import KEEP_SOLO_SPEED, P122B, Preset, execs_per_cell, preset
 from gyre.sim.cost_model import ClusterModel
-from gyre.sim.simulator import GaveUp, SimSpec, simulate
+from gyre.sim.run_loop import GaveUp
+from gyre.sim.simulator import SimSpec, simulate
 from gyre.sim.result import SimResult
 from gyre.sim.workload import LognormalPreset, Workload
 

@@ -50,9 +50,9 @@ from gyre.sim.diagnostics import BusyStretches, Diagnostics, sim_result
 from gyre.sim.decode_pool import DecodePool
 from gyre.sim.prefix_cache import PrefixCache
 from gyre.sim.result import SimResult
-# the run loop, its kinds of event and its failures (GaveUp, SimError: raised to the simulator's callers)
+# the run loop, its kinds of event and its failure (SimError)
 from gyre.sim.run_loop import (ENV as _ENV, EPS as _EPS, EVAL as _EVAL, OPT as _OPT, PREFILL as _PREFILL,
-                               PUSH as _PUSH, SWITCH as _SWITCH, TICK as _TICK, GaveUp, SimError, run_events)
+                               PUSH as _PUSH, SWITCH as _SWITCH, TICK as _TICK, SimError, run_events)
 from gyre.sim.workload import Workload
 
 

@@ -16,7 +16,8 @@ from gyre.engine.launch import start_engine
 from gyre.engine.router import Router
 from gyre.model.tiny import ensure_tiny_model
 from gyre.model.tokenizer import load_tokenizer
-from gyre.proxy.server import Proxy, create_app, start_site
+from gyre.proxy.routes import create_app, start_site
+from gyre.proxy.server import Proxy
 from support.loop_thread import LoopThread
 
 pytestmark = pytest.mark.slow

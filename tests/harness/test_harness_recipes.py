@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from gyre.proxy.server import start_site
+from gyre.proxy.routes import start_site
 from gyre.traj.store import read_shard
 from support.loop_thread import LoopThread
 from support.scripted_engine import ScriptedEngine

@@ -155,7 +155,8 @@ open(W + "/report.json", "w").write(json.dumps(report))
 def test_hostile_harness_fails_every_attempt_and_keeps_its_own_calls(tmp_path):
     from gyre.engine.router import Router
     from gyre.proxy.capture import Renderer
-    from gyre.proxy.server import Proxy, create_app, start_site
+    from gyre.proxy.routes import create_app, start_site
+    from gyre.proxy.server import Proxy
 
     engine_key = "ENGINE-" + secrets.token_hex(16)
     fd, key_file = tempfile.mkstemp(prefix="gyre-engine-key-")  # as start_engine keeps it

@@ -47,7 +47,7 @@ def image_dir():
 async def _serve_ping():
     from aiohttp import web
 
-    from gyre.proxy.server import start_site
+    from gyre.proxy.routes import start_site
 
     async def ping(request):
         return web.Response(text="pong")

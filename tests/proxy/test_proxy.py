@@ -10,7 +10,8 @@ import pytest
 from openai import OpenAI
 
 from gyre.engine.router import Router
-from gyre.proxy.server import Proxy, create_app, start_site
+from gyre.proxy.routes import create_app, start_site
+from gyre.proxy.server import Proxy
 from support.loop_thread import LoopThread
 from support.proxy_stack import post, R, Stack, TOKENIZER, TOOLS
 

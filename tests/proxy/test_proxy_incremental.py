@@ -18,7 +18,8 @@ from gyre.proxy import template_capture
 from gyre.proxy.body_cache import BodyCache
 from gyre.proxy.capture import ExecutionSession, message_keys, prepare_call, record_call, remember
 from gyre.proxy.chat import Message, parse_messages
-from gyre.proxy.server import Proxy, create_app, start_site
+from gyre.proxy.routes import create_app, start_site
+from gyre.proxy.server import Proxy
 from gyre.traj.record import ExecutionRecord
 from support.loop_thread import LoopThread
 from support.scripted_engine import ScriptedEngine

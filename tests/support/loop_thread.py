@@ -33,7 +33,7 @@ class ServedApp:
     def __enter__(self):
         from aiohttp import web
 
-        from gyre.proxy.server import start_site
+        from gyre.proxy.routes import start_site
 
         self._lt = LoopThread()
         app = web.Application()

@@ -12,7 +12,8 @@ from tokenizers import Tokenizer
 
 from gyre.engine.router import Router
 from gyre.proxy.capture import Renderer
-from gyre.proxy.server import Proxy, create_app, start_site
+from gyre.proxy.routes import create_app, start_site
+from gyre.proxy.server import Proxy
 from support.loop_thread import LoopThread
 from support.scripted_engine import ScriptedEngine
 

@@ -176,7 +176,8 @@ def serve(directory: Path, overrides: list[str]):
     from gyre.config import load_config
     from gyre.engine.router import Router
     from gyre.model.tokenizer import load_tokenizer
-    from gyre.proxy.server import Proxy, create_app, start_site, template_options
+    from gyre.proxy.routes import create_app, start_site
+    from gyre.proxy.server import Proxy, template_options
     from support.loop_thread import LoopThread
     from support.scripted_engine import ScriptedEngine
 

@@ -180,7 +180,8 @@ def test_proxy_asks_for_routing_and_stores_it_per_node(tmp_path):
     from gyre.engine.router import Router
     from gyre.model.tiny import ensure_tiny_model
     from gyre.model.tokenizer import load_tokenizer
-    from gyre.proxy.server import Proxy, create_app, routing_options, start_site
+    from gyre.proxy.routes import create_app, start_site
+    from gyre.proxy.server import Proxy, routing_options
     from gyre.traj.routing import path_lengths
     from gyre.train.qwen2 import Qwen2LM
     from support.loop_thread import LoopThread
