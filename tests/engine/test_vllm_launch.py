@@ -54,6 +54,15 @@ def test_a_cell_over_three_nodes_is_one_server_per_node_in_one_slurm_step(model)
         srun_step(cmds, ["n1", "n2"], ["srun"])
 
 
+def test_the_cpu_build_serves_a_cell_of_several_nodes_from_its_node_0(model):
+    """vLLM's CPU build has no tensor parallelism across nodes: ``--nnodes 3`` over its world of one
+    rank is refused at start, so a CPU cell of three nodes runs one server, on node rank 0."""
+    cpu = load_config(None, ["engine.backend=vllm"])
+    assert cpu_build(cpu) and BACKEND.serving_nodes(cpu, ["n1", "n2", "n3"]) == ["n1"]
+    gpu = load_config(None, ["engine.backend=vllm", "sched.gpus_per_node=4", "engine.vllm_python=/opt/vllm/bin/python"])
+    assert BACKEND.serving_nodes(gpu, ["n1", "n2", "n3"]) == ["n1", "n2", "n3"]
+
+
 def test_the_key_goes_through_the_environment_and_bad_settings_are_refused(model, tmp_path, monkeypatch):
     fake = tmp_path / "venv" / "bin" / "python"
     fake.parent.mkdir(parents=True)

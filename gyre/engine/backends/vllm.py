@@ -172,7 +172,8 @@ class VLLM(Backend):
     capabilities = Capabilities(
         spans_nodes=True, releases_memory=False, pause_keeps_requests=True, routed_experts=False,
         streaming=True, priority=False,
-        where="any x86_64 machine with the CPU build (`make install-vllm`); GPU nodes with a CUDA vLLM",
+        where="any x86_64 machine with the CPU build (`make install-vllm`; one server on the cell's node 0); "
+              "GPU nodes with a CUDA vLLM (one server over the cell's nodes)",
         notes=("role switches do not free memory (sleep/wake are no-ops on CPU): the engine is paused instead",
                "top_p < 1, top_k, min_p are refused: vLLM's processed log-probs are renormalised over the kept set",
                "no routed experts (train.routing_replay is refused at config time)",
@@ -213,8 +214,16 @@ class VLLM(Backend):
                     "--master-port", str(master_port)] + (["--headless"] if node_rank else [])
         return cmd + [str(a) for a in e.vllm_args]
 
+    def serving_nodes(self, cfg, nodes) -> list:
+        """The nodes that run a server: all of the cell's on GPUs (one tensor-parallel server over
+        them); on the CPU build only node rank 0, as the embedded engine: vLLM's CPU build runs no
+        tensor parallelism across nodes here, and ``--nnodes 2`` over a world of one rank is refused
+        ("must evenly divide the total world size")."""
+        return list(nodes[:1]) if cpu_build(cfg) else list(nodes)
+
     def launch(self, cfg, model_dir, *, api_key, nodes, port, dist_init_port, weight_version, srun, extra_args, env):
         e = cfg.engine
+        nodes = self.serving_nodes(cfg, nodes)
         n = len(nodes)
         ports = resolve_ports(e, nodes, port, dist_init_port, srun,
                               'set engine.host to the nodes\' private address or "0.0.0.0" on a private network '
