@@ -111,7 +111,7 @@ class EngineClient:
                     except ValueError:
                         data = {"error": {"message": raw[:500].decode("utf-8", "replace")}}
                     if resp.status >= 400:
-                        raise EngineError(resp.status, _message(data, resp.reason), self.base_url)
+                        raise EngineError(resp.status, error_message(data, resp.reason), self.base_url)
                     return data if isinstance(data, dict) else {"value": data}
             except asyncio.TimeoutError:  # before connection errors: aiohttp's timeouts are both
                 raise EngineError(None, f"{method} {path} timed out after {self.timeout.total} s",
@@ -182,7 +182,7 @@ class EngineClient:
                     data = json.loads(raw) if raw else {}
                 except ValueError:
                     data = {"error": {"message": raw[:500].decode("utf-8", "replace")}}
-                raise EngineError(resp.status, _message(data, resp.reason), self.base_url)
+                raise EngineError(resp.status, error_message(data, resp.reason), self.base_url)
             ids: list[int] = []
             lps: list[float] = []
             tops: list = []
@@ -207,7 +207,7 @@ class EngineClient:
                     for payload in payloads:
                         data = json.loads(payload)
                         if "error" in data:  # SGLang reports a failure inside the stream
-                            raise EngineError(400, _message(data, "error in stream"), self.base_url)
+                            raise EngineError(400, error_message(data, "error in stream"), self.base_url)
                         snap = _result(data, self.base_url, rid)
                         total = snap.meta_info.get("completion_tokens", len(snap.output_ids))
                         if len(snap.output_ids) < total and len(ids) + len(snap.output_ids) == total:
@@ -285,12 +285,17 @@ def encode_body(body: dict) -> bytes:
     return text.replace('"input_ids": 0', '"input_ids": [' + pre + "]", 1).encode()
 
 
-def _message(data: dict, default: str) -> str:
-    err = data.get("error") if isinstance(data, dict) else None
+def error_message(data, default: str) -> str:
+    """The reason in an engine's error body, whoever wrote it: OpenAI's ``{"error": {"message"}}``,
+    SGLang's ``{"error": "..."}`` or ``{"message"}``, FastAPI's ``{"detail"}`` (vLLM); else ``default``."""
+    if not isinstance(data, dict):
+        return default
+    err = data.get("error")
     if isinstance(err, dict) and err.get("message"):
         return str(err["message"])
     if isinstance(err, str):
         return err
-    if isinstance(data, dict) and data.get("message"):
-        return str(data["message"])
+    for key in ("detail", "message"):
+        if data.get(key):
+            return str(data[key])
     return default

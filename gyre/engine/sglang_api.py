@@ -30,6 +30,7 @@ import urllib.error
 import urllib.request
 
 from gyre.engine.backends.base import EngineAdmin, EngineAdminError
+from gyre.engine.client import error_message
 
 MEMORY_TAGS = ("kv_cache", "weights")     # what a role switch releases (cuda_graph stays)
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -150,12 +151,4 @@ def _message(raw: bytes, default: str) -> str:
         data = json.loads(raw)
     except ValueError:
         return raw[:500].decode("utf-8", "replace") or str(default)
-    if isinstance(data, dict):
-        err = data.get("error")
-        if isinstance(err, dict) and err.get("message"):
-            return str(err["message"])
-        if isinstance(err, str):
-            return err
-        if data.get("message"):
-            return str(data["message"])
-    return str(default)
+    return error_message(data, str(default))

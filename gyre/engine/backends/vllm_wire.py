@@ -29,7 +29,8 @@ from typing import AsyncIterator
 
 import aiohttp
 
-from gyre.engine.client import _CONNECTION_ERRORS, EngineClient, EngineError, EngineUnreachable, GenerateResult
+from gyre.engine.client import (_CONNECTION_ERRORS, EngineClient, EngineError, EngineUnreachable, GenerateResult,
+                               error_message)
 
 GENERATE = "/inference/v1/generate"
 ABORT = "/inference/v1/abort_requests"
@@ -56,20 +57,6 @@ def sampling_params(params: dict) -> dict:
     out.setdefault("max_tokens", 128)  # SGLang's default max_new_tokens
     out["logprobs"] = 0  # the sampled token's log-prob
     return out
-
-
-def _message(data, default: str) -> str:
-    if isinstance(data, dict):
-        err = data.get("error")
-        if isinstance(err, dict) and err.get("message"):
-            return str(err["message"])
-        if isinstance(err, str):
-            return err
-        if data.get("detail"):
-            return str(data["detail"])
-        if data.get("message"):
-            return str(data["message"])
-    return default
 
 
 def _tokens(choice: dict) -> tuple[list[int], list[float]]:
@@ -135,7 +122,7 @@ class VLLMClient(EngineClient):
                     data = json.loads(raw) if raw else {}
                 except ValueError:
                     data = {"error": raw[:500].decode("utf-8", "replace")}
-                raise EngineError(resp.status, _message(data, resp.reason), self.base_url)
+                raise EngineError(resp.status, error_message(data, resp.reason), self.base_url)
             buf = b""
             try:
                 async for piece in resp.content.iter_any():
@@ -149,7 +136,7 @@ class VLLMClient(EngineClient):
                             return
                         data = json.loads(payload)
                         if "error" in data:
-                            raise EngineError(400, _message(data, "error in stream"), self.base_url)
+                            raise EngineError(400, error_message(data, "error in stream"), self.base_url)
                         choice = (data.get("choices") or [{}])[0]
                         new_ids, new_lps = _tokens(choice)
                         ids, lps = ids + new_ids, lps + new_lps
