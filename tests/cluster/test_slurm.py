@@ -15,6 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
+from gyre.config import load_config
+from gyre.engine.backends.vllm import vllm_python
+from gyre.model.tiny import SERVING_HEAD_DIM, ensure_tiny_model
 from support.devcluster import _tail, cluster, job_states, REPO, sbatch, wait_gone, wait_gone_quiet  # noqa: F401  (cluster: a fixture)
 
 SBATCH = REPO / "launchers" / "gyre.sbatch"
@@ -29,6 +32,15 @@ CELL_NODES = [["node01", "node02"], ["node03", "node04"]]
 VALIDATE_AND_REWARD = ["validate.every_steps=1", "validate.suite=learnable", 'validate.tasks=["short_answer"]',
                        "validate.samples=2", "validate.k=2", "reward.function=reward_fn:score",
                        'reward.pythonpath=["docs/recipes"]']
+
+
+def vllm_engine(model: Path) -> list[str]:
+    """The cells' engines as real vLLM servers (the CPU build of `make install-vllm`), reachable from
+    the head's node; skipped without it, as tests/engine/test_vllm_engine.py is."""
+    cfg = load_config(None, ["engine.backend=vllm"])
+    if not vllm_python(cfg).exists():
+        pytest.skip(f"no vLLM environment at {vllm_python(cfg)}: run `make install-vllm`")
+    return ["engine.backend=vllm", f"model.path={model}", "engine.host=0.0.0.0", "engine.max_running_requests=16"]
 
 
 def sbatch_script(tmp_path: Path, nodes: int = 4) -> Path:
@@ -64,12 +76,16 @@ def _lines(p: Path) -> list[dict]:
 
 def test_sbatch_demo_two_cells_of_two_nodes_use_every_node(cluster, tmp_path):
     """1 head + 2 cells x 2 nodes: >= 2 steps; each cell's agent on its first node, its trainer
-    ranks on both of its nodes (hostnames the ranks report), one engine per cell. The same job
+    ranks on both of its nodes (hostnames the ranks report), one engine per cell: a real vLLM
+    server (the CPU build serves from the cell's node 0), with token truth held. The same job
     validates and scores with a reward function (VALIDATE_AND_REWARD, checked at the end)."""
     run, out = tmp_path / "run", tmp_path / "job.out"
+    model = ensure_tiny_model(tmp_path / "tiny-qwen-hd32", head_dim=SERVING_HEAD_DIM)
     t0 = time.time()
-    job = sbatch(cluster, ["-o", out, sbatch_script(tmp_path), DEMO, f"run.dir={run}", *FAST, *VALIDATE_AND_REWARD])
-    wait_for(lambda: bool(_lines(run / "steps.jsonl")), 240, "first step", cluster, job, out)
+    job = sbatch(cluster, ["-o", out, sbatch_script(tmp_path), DEMO, f"run.dir={run}", *FAST, *VALIDATE_AND_REWARD,
+                           *vllm_engine(model)])
+    # two vLLM servers start on a loaded 2-core machine: ~90 s beside a busy loop
+    wait_for(lambda: bool(_lines(run / "steps.jsonl")), 480, "first step", cluster, job, out)
     first = time.time() - t0
     wait_gone(cluster, job, 240, out)
     print(f"sbatch -> first step {first:.1f} s, -> job gone {time.time() - t0:.1f} s")
@@ -84,7 +100,9 @@ def test_sbatch_demo_two_cells_of_two_nodes_use_every_node(cluster, tmp_path):
     for i, nodes in enumerate(CELL_NODES):
         cell = json.loads((run / "cells" / f"cell{i}.json").read_text())
         assert sorted(cell["trainer_hosts"]) == nodes, cell  # one rank per node (CPU), from the ranks
-        assert cell["engine_nodes"] and cell["engine_nodes"][0] == nodes[0], cell
+        assert cell["engine_backend"] == "vllm" and cell["engine_nodes"] == nodes[:1], cell
+    for step in report["steps"]:  # the trainer took exactly the tokens vLLM sampled, at its log-probs
+        assert step["audit_mismatched_tokens"] == 0 and step["mismatch_k3_lag0"] < 1e-6, step
     for c in report["cells"]:  # per-cell stats as with `gyre run`
         assert {"rollout_s", "train_s", "switching_s", "utilisation"} <= set(c)
     from gyre.cluster.slurm import collect_status
