@@ -73,6 +73,7 @@ def run_as_documented(tmp_path: Path, monkeypatch, recipe: str, outputs: list[st
     return stored, Path(rec.workspace)
 
 
+@pytest.mark.slow  # a sandbox, a harness process and the task's tests: ~3-5 s on a loaded machine
 def test_openai_sdk_recipe_runs_as_documented_in_the_default_sandbox(tmp_path, monkeypatch):
     rec, ws = run_as_documented(tmp_path, monkeypatch, "openai_agent.py", ["draft", "looks fine", "final answer"])
     assert [c.agent_role for c in rec.tree.calls] == ["main", "subagent:reviewer", "main"]
