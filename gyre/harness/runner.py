@@ -455,11 +455,20 @@ class HarnessPool:
             await asyncio.sleep(lim.poll_s)
 
     async def end_as_timeout(self, execution_id: str, why: str) -> bool:
-        """End one running execution as its time limit would (SIGTERM, SIGKILL after
-        `kill_grace_s`; status ``timeout``, error `why`), e.g. when its token budget is spent
-        (proxy.execution_token_budget). False when it is not running or already being ended."""
+        """End one running execution as its time limit would, e.g. once its token budget is spent
+        (proxy.execution_token_budget). It was told why (its call was refused), so it first has
+        `kill_grace_s` to end by itself, as an agent does on such an error; then SIGTERM, SIGKILL
+        after `kill_grace_s` more, status ``timeout`` with error `why`. False when it is not
+        running, ended by itself, or is being ended already."""
         run = next((r for r in self._running if r.execution_id == execution_id), None)
-        if run is None or run.reason is not None or run.process.returncode is not None:
+        if run is None:
+            return False
+        try:
+            await asyncio.wait_for(asyncio.shield(run.process.wait()), self.limits.kill_grace_s)
+            return False
+        except asyncio.TimeoutError:
+            pass
+        if run.reason is not None or run.process.returncode is not None:
             return False
         run.limit_error = why
         await run.terminate(Status.TIMEOUT, self.limits.kill_grace_s)

@@ -82,9 +82,10 @@ class SamplingPolicy:
 def budget_left(sess, budget: int) -> int | None:
     """Sampled tokens `sess` (an ExecutionSession) may still use, None without a budget; a 400
     (`token_budget_exhausted`) once none are left. The first refused call also tells
-    `sess.on_budget_spent` (once): the rollout service then stops the harness as its time limit
-    would, so one that keeps calling (or retries) does not run on until `harness.timeout_s`. Not
-    at the call that reaches the budget: the harness has that answer and may still act on it."""
+    `sess.on_budget_spent` (once): the rollout service then ends the harness as its time limit
+    would unless it ends by itself first (HarnessPool.end_as_timeout), so one that keeps calling
+    (or retries) does not run on until `harness.timeout_s`. Not at the call that reaches the
+    budget: the harness has that answer and may still act on it."""
     if not budget:
         return None
     left = budget - sess.tokens_out

@@ -132,8 +132,9 @@ class RolloutService:
 
     def _ender(self, execution_id: str, why: str) -> Callable[[], None]:
         """What the proxy calls at the execution's first call refused for its token budget (from
-        its own thread, if it has one): the harness try running now is ended as a timeout
-        (HarnessPool.end_as_timeout), so one that keeps calling does not run on to its time limit."""
+        its own thread, if it has one): the harness try running now is ended as a timeout unless
+        it ends by itself first (HarnessPool.end_as_timeout), so one that keeps calling does not
+        run on to its time limit."""
         loop = asyncio.get_running_loop()
 
         def end() -> None:

@@ -2,8 +2,9 @@
 
 A harness whose calls are refused for the budget and that keeps calling anyway (retrying, as
 agent frameworks do on errors) used to run on until `harness.timeout_s`: minutes to hours of a
-harness slot for nothing. Now its first refused call ends it as its time limit would (SIGTERM,
-then SIGKILL), and its workspace is scored as a timeout's, with the progress it made. A real
+harness slot for nothing. Now from its first refused call it has `harness.kill_grace_s` to end by
+itself, then it is ended as its time limit would end it (SIGTERM, then SIGKILL), and its workspace
+is scored as a timeout's, with the progress it made. A real
 harness process, the real proxy (in front of the scripted engine), pool and evaluator."""
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def stack():
     s.close()
 
 
+@pytest.mark.slow  # a harness, its grace periods and the task's tests: 2.5-10 s on a loaded machine
 def test_a_harness_that_keeps_calling_past_its_budget_is_ended_and_scored_as_a_timeout(stack, tmp_path):
     (tmp_path / "agent.py").write_text(AGENT)
     with warnings.catch_warnings():
@@ -67,7 +69,7 @@ def test_a_harness_that_keeps_calling_past_its_budget_is_ended_and_scored_as_a_t
                              tmp_path / "shards")
     service.proxy, service.base_url = stack.proxy, stack.base + "/v1"
     service.pool = HarnessPool(tmp_path / "run", [sys.executable, str(tmp_path / "agent.py")], environments=envs,
-                               limits=Limits(timeout_s=TIMEOUT_S, kill_grace_s=2.0))
+                               limits=Limits(timeout_s=TIMEOUT_S, kill_grace_s=1.0))
     service.evaluators = EvaluatorPool(EvalOptions(timeout_s=60, scratch_dir=str(tmp_path / "scratch")), workers=1,
                                        workspaces_root=tmp_path / "run" / "workspaces")
     t0 = time.monotonic()
@@ -82,7 +84,7 @@ def test_a_harness_that_keeps_calling_past_its_budget_is_ended_and_scored_as_a_t
     assert rec.status == "timeout", (rec.status, rec.error)
     assert rec.error == f"token budget of {stack.proxy.token_budget} sampled tokens reached (proxy.execution_token_budget)"
     assert service.pool.running == 0 and not service._ending
-    assert stderr.count("answered") == 3  # (it is stopped as its 4th call is refused: it may not hear why)
+    assert stderr.count("answered") == 3 and "refused token_budget_exhausted - retrying" in stderr  # told why
     assert [c.n_output for c in rec.tree.calls] == [len(out), len(out), 1]  # refused calls are not recorded
     # scored as a timeout is, with the progress it made: fizzbuzz's tests pass, fizzbuzz_range's do not
     assert rec.reward_source == "tests-after-timeout" and 0 < rec.passed < rec.total, (rec.reward_source, rec.passed)
