@@ -4,7 +4,7 @@ Both act on a call after its OpenAI parameters are parsed (gyre.proxy.params) an
 engine is asked: the policy changes or refuses temperature/top_p, the budget cuts max_new_tokens
 to what the execution has left and refuses calls once it is spent (docs/openai.md, 'Sampling
 policy and token budget'). The execution then ends as timed out and is scored as a timeout is
-(gyre.services.rollout), its harness stopped at its first refused call.
+(gyre.services.rollout), its harness ended soon after its first refused call.
 """
 
 from __future__ import annotations

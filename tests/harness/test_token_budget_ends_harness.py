@@ -82,7 +82,8 @@ def test_a_harness_that_keeps_calling_past_its_budget_is_ended_and_scored_as_a_t
     # ended by its budget, at once: not by its wall-clock limit, and nothing of it left running
     assert took < TIMEOUT_S / 4, (took, stderr[-2000:])
     assert rec.status == "timeout", (rec.status, rec.error)
-    assert rec.error == f"token budget of {stack.proxy.token_budget} sampled tokens reached (proxy.execution_token_budget)"
+    budget = stack.proxy.token_budget
+    assert rec.error == f"token budget of {budget} sampled tokens reached (proxy.execution_token_budget)"
     assert service.pool.running == 0 and not service._ending
     assert stderr.count("answered") == 3 and "refused token_budget_exhausted - retrying" in stderr  # told why
     assert [c.n_output for c in rec.tree.calls] == [len(out), len(out), 1]  # refused calls are not recorded
