@@ -7,6 +7,7 @@ chosen: mini-swe-agent's shell commands are real ones that solve the task.
 
 Each test asserts what a run depends on: the execution ended `done` (not failed), every call is
 recorded with the agent role the recipe labels, and the workspace was scored by the task's tests.
+The last one types the `gyre rollout` command itself (e2e: the embedded engine on the tiny model).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import math
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -110,3 +113,23 @@ def test_mini_swe_agent_recipe_solves_the_task_in_the_default_sandbox(tmp_path, 
     assert len(rec.tree.calls) == 2 and {c.agent_role for c in rec.tree.calls} == {"main"}
     assert (ws / "fizzbuzz.py").is_file()  # the agent's own shell command ran, in the workspace
     assert rec.reward == 1.0 and rec.passed == rec.total  # and the task's tests say it is solved
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_gyre_rollout_runs_the_openai_recipe_as_written(tmp_path):
+    """The command a user types, from the repository, with the page's `harness.command`: the
+    embedded engine on the tiny model answers (its text means nothing; the roles are the recipe's)."""
+    run_dir = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "gyre.cli", "rollout", "--no-progress", f"run.dir={run_dir}",
+                        'harness.command=["{python}", "docs/recipes/openai_agent.py"]', 'harness.tasks=["fizzbuzz"]',
+                        "harness.group_size=2", "engine.endpoints=1"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "bwrap" in r.stdout  # the summary's sandbox: the default one
+    recs = list(iter_executions(run_dir / "shards"))
+    assert len(recs) == 2 and {x.status for x in recs} == {Status.DONE}, [(x.status, x.error) for x in recs]
+    for rec in recs:
+        assert [c.agent_role for c in rec.tree.calls] == ["main", "subagent:reviewer", "main"]
+        assert rec.reward_source == "tests" and math.isfinite(rec.reward) and rec.total > 0
+        assert (Path(rec.workspace) / "answer.md").is_file()
