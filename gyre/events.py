@@ -244,6 +244,12 @@ def _split(windows: list[tuple[float, float]], cuts: list[list[float]]) -> tuple
     return out, cut
 
 
+def broke(ev: ExecutionEvaluated) -> bool:
+    """The harness failed or crashed by itself (not stopped by a [harness] limit the policy's work
+    passed): a failure of the harness, never a reward sample (gyre.services.rollout.harness_broke)."""
+    return ev.status in HARNESS_BROKE and not ev.limit
+
+
 class _Window:
     """The executions that ended since the last step row: what a dashboard shows per step."""
 
@@ -253,7 +259,7 @@ class _Window:
 
     def add(self, ev: ExecutionEvaluated, run: list | None) -> None:
         self.n += 1
-        self.failed += ev.status in HARNESS_BROKE
+        self.failed += broke(ev)
         self.tokens += ev.tokens
         if run is not None:
             self.seconds += ev.t - run[0]
@@ -263,7 +269,7 @@ class _Window:
 
     def figures(self, window_s: float) -> dict:
         n, calls = self.n, self.calls
-        return {"executions_ended": n,
+        return {"executions_ended": n, "harness_failures": self.failed,
                 "harness_failure_rate": self.failed / n if n else 0.0,
                 "execution_s_mean": self.seconds / n if n else None,
                 "execution_tokens_mean": self.tokens / n if n else None,
@@ -359,7 +365,7 @@ class RunStats:
             self.limit_counts[ev.limit] = self.limit_counts.get(ev.limit, 0) + 1
         self._win.add(ev, self._running.pop(ev.execution, None))
         rewards = self._rewards.setdefault(ev.group, [])
-        if ev.reward is not None and math.isfinite(ev.reward):
+        if ev.usable and ev.reward is not None and math.isfinite(ev.reward):  # a crash's 0 is no sample
             rewards.append(ev.reward)
 
     def _exec_dropped(self, ev: ExecutionDropped) -> None:

@@ -213,13 +213,13 @@ TERM_REPEAT_S = 0.2  # a sandboxed harness is sent SIGTERM again this often duri
 class _Running:
     """One live execution, so that the pool can stop it."""
 
-    def __init__(self, process: asyncio.subprocess.Process, sandboxed: bool = False):
-        self.process = process
+    def __init__(self, process: asyncio.subprocess.Process, sandboxed: bool = False, execution_id: str = ""):
+        self.process, self.execution_id = process, execution_id
         # A sandbox ignores SIGTERM until its launcher is ready to pass it on (gyre.harness.sandbox):
         # a TERM that lands while it starts is lost, so it is repeated (the launcher passes on one).
         self.sandboxed = sandboxed
         self.reason: str | None = None  # "timeout", "stopped" or "failed" (a limit) once we signal it
-        self.limit_error: str | None = None  # the [harness] limit it passed
+        self.limit_error: str | None = None  # the [harness] limit it passed (or why it was ended early)
         self.done = asyncio.Event()
 
     async def terminate(self, reason: str, grace_s: float) -> None:
@@ -359,7 +359,7 @@ class HarnessPool:
             res.start_failure = True
             return res
         try:
-            return await self._wait(process, result, ws, sandboxed=place.kind != "host")
+            return await self._wait(process, result, ws, sandboxed=place.kind != "host", execution_id=execution_id)
         finally:
             await asyncio.to_thread(lambda: [sink.finish() for sink, _ in sinks])
             await self._cleanup(bridge, teardown, launch_env)
@@ -408,9 +408,10 @@ class HarnessPool:
         if bridge is not None:
             await bridge.close()
 
-    async def _wait(self, process, result, ws: Path | None = None, sandboxed: bool = False) -> ExecutionResult:
+    async def _wait(self, process, result, ws: Path | None = None, sandboxed: bool = False,
+                    execution_id: str = "") -> ExecutionResult:
         lim = self.limits
-        run = _Running(process, sandboxed)
+        run = _Running(process, sandboxed, execution_id)
         self._running.add(run)
         self.max_running_seen = max(self.max_running_seen, len(self._running))
         watcher = asyncio.create_task(self._watch(run, ws)) if lim.tree().any() else None
@@ -427,7 +428,8 @@ class HarnessPool:
                 watcher.cancel()
             proc.kill_group(process.pid, signal.SIGKILL)  # what it left running in its group
             status, sig = classify(rc, run.reason)
-            error = f"wall-clock limit of {lim.timeout_s:g}s reached" if status == Status.TIMEOUT else run.limit_error
+            error = run.limit_error or (f"wall-clock limit of {lim.timeout_s:g}s reached"
+                                        if status == Status.TIMEOUT else None)
             return result(status, rc, sig, error)
         finally:
             if watcher is not None:
@@ -451,6 +453,26 @@ class HarnessPool:
                 proc.kill_group(run.process.pid, signal.SIGKILL)
                 return
             await asyncio.sleep(lim.poll_s)
+
+    async def end_as_timeout(self, execution_id: str, why: str) -> bool:
+        """End one running execution as its time limit would, e.g. once its token budget is spent
+        (proxy.execution_token_budget). It was told why (its call was refused), so it first has
+        `kill_grace_s` to end by itself, as an agent does on such an error; then SIGTERM, SIGKILL
+        after `kill_grace_s` more, status ``timeout`` with error `why`. False when it is not
+        running, ended by itself, or is being ended already."""
+        run = next((r for r in self._running if r.execution_id == execution_id), None)
+        if run is None:
+            return False
+        try:
+            await asyncio.wait_for(asyncio.shield(run.process.wait()), self.limits.kill_grace_s)
+            return False
+        except asyncio.TimeoutError:
+            pass
+        if run.reason is not None or run.process.returncode is not None:
+            return False
+        run.limit_error = why
+        await run.terminate(Status.TIMEOUT, self.limits.kill_grace_s)
+        return True
 
     async def stop_all(self, grace_s: float | None = None) -> None:
         """Refuse new executions and end the running ones (SIGTERM, then SIGKILL after the grace

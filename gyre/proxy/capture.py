@@ -252,6 +252,7 @@ class ExecutionSession:
     sampling: object | None = None  # gyre.proxy.params.SamplingPolicy of this execution (None: the proxy's)
     tokens_out: int = 0  # sampled tokens of its recorded calls (proxy.execution_token_budget)
     budget_spent: bool = False  # its token budget is used up: further calls are refused
+    on_budget_spent: object | None = None  # called (no arguments) at its first refused call: ends the harness
     sampling_changed: int = 0  # calls whose temperature/top_p the sampling policy changed
 
     @property

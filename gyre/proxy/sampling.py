@@ -4,7 +4,7 @@ Both act on a call after its OpenAI parameters are parsed (gyre.proxy.params) an
 engine is asked: the policy changes or refuses temperature/top_p, the budget cuts max_new_tokens
 to what the execution has left and refuses calls once it is spent (docs/openai.md, 'Sampling
 policy and token budget'). The execution then ends as timed out and is scored as a timeout is
-(gyre.services.rollout).
+(gyre.services.rollout), its harness ended soon after its first refused call.
 """
 
 from __future__ import annotations
@@ -81,12 +81,19 @@ class SamplingPolicy:
 
 def budget_left(sess, budget: int) -> int | None:
     """Sampled tokens `sess` (an ExecutionSession) may still use, None without a budget; a 400
-    (`token_budget_exhausted`) once none are left."""
+    (`token_budget_exhausted`) once none are left. The first refused call also tells
+    `sess.on_budget_spent` (once): the rollout service then ends the harness as its time limit
+    would unless it ends by itself first (HarnessPool.end_as_timeout), so one that keeps calling
+    (or retries) does not run on until `harness.timeout_s`. Not at the call that reaches the
+    budget: the harness has that answer and may still act on it."""
     if not budget:
         return None
     left = budget - sess.tokens_out
     if left <= 0 or sess.budget_spent:
         sess.budget_spent = True
+        told, sess.on_budget_spent = sess.on_budget_spent, None
+        if told is not None:
+            told()
         raise RequestError(400, f"this execution has used its token budget of {budget} sampled tokens "
                                 "(proxy.execution_token_budget): it ends here and is scored as a timeout",
                            code="token_budget_exhausted")

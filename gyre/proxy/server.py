@@ -163,11 +163,13 @@ class Proxy:
 
     # -- execution registry (head side) ---------------------------------------------------
     def register(self, execution_id: str, task: str = "", group: int = 0, api_key: str | None = None,
-                 replay: TrajectoryTree | Replay | None = None, sampling: SamplingPolicy | None = None) -> str:
+                 replay: TrajectoryTree | Replay | None = None, sampling: SamplingPolicy | None = None,
+                 on_budget_spent=None) -> str:
         """A key for a new execution; ``replay``: the tree a stopped run of it recorded (or the
         Replay of a killed run's journal), whose calls are answered again where the resumed
         harness asks the same (gyre.proxy.replay). ``sampling``: its own sampling policy (e.g. a
-        validation execution's); None: the proxy's."""
+        validation execution's); None: the proxy's. ``on_budget_spent``: called once, with no
+        arguments, when a call is refused for proxy.execution_token_budget (gyre.proxy.sampling)."""
         if execution_id in self.by_id:
             raise ValueError(f"execution {execution_id!r} is already registered")
         if len(self.by_id) >= self.max_executions:
@@ -177,7 +179,7 @@ class Proxy:
         sess = ExecutionSession(ExecutionRecord(execution_id, task, group, t_start=time.time()), key,
                                 replay=replay if isinstance(replay, Replay) and replay.recorded else
                                 Replay(replay) if isinstance(replay, TrajectoryTree) and replay.calls else None)
-        sess.sampling = sampling
+        sess.sampling, sess.on_budget_spent = sampling, on_budget_spent
         self.sessions[key] = sess
         self.by_id[execution_id] = sess
         return key

@@ -30,9 +30,9 @@ WANDB_ID = "wandb_id"  # in the run directory: the W&B run every session of the 
 # forbids that for the rows a run writes), never dropped.
 _GROUP = {
     "rollout": ("reward_mean", "reward_n", "reward_std", "executions_ended", "executions_done", "executions_running",
-                "harness_failure_rate", "execution_s_mean", "execution_tokens_mean", "calls_per_execution",
-                "call_input_tokens_mean", "call_output_tokens_mean", "tokens_per_s", "executions_per_h",
-                "replaced_zero_variance", "replaced_share", "stopped_by_limits"),
+                "harness_failures", "harness_failure_rate", "execution_s_mean", "execution_tokens_mean",
+                "calls_per_execution", "call_input_tokens_mean", "call_output_tokens_mean", "tokens_per_s",
+                "executions_per_h", "replaced_zero_variance", "replaced_share", "stopped_by_limits"),
     "train": ("loss", "loss_per_target", "grad_norm", "entropy", "learning_rate", "micro_batches", "groups",
               "moe_aux_loss", "ratio_mean", "kl_old_max", "clip_frac", "version", "minibatches", "minibatch_grad_norms",
               "kl_ref_mean", "ref_time_fraction", "ref_memory_bytes",

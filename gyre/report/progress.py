@@ -73,17 +73,23 @@ class Progress:
                 self._bar.set_description(f"step {min(row['step'] + 2, self.total)}/{self.total} executions")
 
     def step_line(self, row: dict) -> str:
-        """step 3/14  reward 0.41±0.20 (n 8)  exec 24 done 8 running  1.2k tok/s  lag 0.50/1  2m31s  ETA 4m10s"""
+        """step 3/14  reward 0.41±0.20 (n 8)  exec 24 done 8 running  1.2k tok/s  lag 0.50/1  2m31s  ETA 4m10s
+
+        (with `2 harness failures` after the reward when executions ended so since the last step:
+        their harnesses failed or crashed by themselves, and their scores are not in the reward)."""
         step = row["step"] + 1
         rew = "-" if row.get("reward_mean") is None else (
             f"{row['reward_mean']:.3g}±{row.get('reward_std') or 0.0:.2g} (n {row.get('reward_n', 0)})")
         done_here = step - self.first
         eta = row["t_end"] / done_here * (self.total - step) if done_here > 0 else None
-        parts = [f"{self.name}: step {step}/{self.total}", f"reward {rew}",
-                 f"exec {row.get('executions_done', 0)} done {row.get('executions_running', 0)} running",
-                 f"{_rate(row.get('tokens_per_s'))} tok/s",
-                 f"lag {row.get('staleness_mean', 0):.2f}/{row.get('staleness_max', 0)}",
-                 duration(row["t_end"]), "ETA " + ("-" if eta is None else duration(eta))]
+        parts = [f"{self.name}: step {step}/{self.total}", f"reward {rew}"]
+        if row.get("harness_failures"):  # told apart from the rewards: never one of their samples
+            n = row["harness_failures"]
+            parts.append(f"{n} harness failure{'s' if n != 1 else ''}")
+        parts += [f"exec {row.get('executions_done', 0)} done {row.get('executions_running', 0)} running",
+                  f"{_rate(row.get('tokens_per_s'))} tok/s",
+                  f"lag {row.get('staleness_mean', 0):.2f}/{row.get('staleness_max', 0)}",
+                  duration(row["t_end"]), "ETA " + ("-" if eta is None else duration(eta))]
         if row.get("stopped_by_limits"):
             parts.append(limits_line(row["stopped_by_limits"]))
         kinds = list(row.get("warnings") or {})

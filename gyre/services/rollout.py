@@ -9,6 +9,7 @@ execution's whole life (a key at the proxy, its harness, its evaluation, its dur
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import sys
@@ -68,6 +69,8 @@ class RolloutService:
         self.evaluators: EvaluatorPool | None = None
         self.base_url = ""
         self._site = None
+        self._trying: dict[str, str] = {}  # execution id -> the id of its harness try running now
+        self._ending: set[asyncio.Task] = set()  # harnesses being ended for their token budget
 
     async def start(self, endpoints, *, engine_key: str, wait_for_endpoint_s: float | None = None) -> None:
         """Router over ``endpoints``, the proxy serving on ``proxy.host:proxy.port``, the pools."""
@@ -107,13 +110,18 @@ class RolloutService:
         its own gyre.proxy.sampling.SamplingPolicy at the proxy (None: the run's); ``writer``:
         where its record goes instead of the run's shards (validation executions, never trained: gyre.services.validation).
         """
-        key = self.proxy.register(execution_id, task=task.name, group=group, replay=replay, sampling=sampling)
-        status, workspace, error, own, log_dir, start_failure = await self._run_harness(task, execution_id, key)
+        budget = (f"token budget of {self.proxy.token_budget} sampled tokens reached "
+                  f"(proxy.execution_token_budget)")
+        key = self.proxy.register(execution_id, task=task.name, group=group, replay=replay, sampling=sampling,
+                                  on_budget_spent=self._ender(execution_id, budget))
+        try:
+            status, workspace, error, own, log_dir, start_failure = await self._run_harness(task, execution_id, key)
+        finally:
+            self._trying.pop(execution_id, None)
         if self.proxy.budget_spent(execution_id) and status in (Status.DONE, Status.FAILED, Status.CRASHED):
-            # proxy.execution_token_budget: its calls were refused from there on; scored as a timeout is
+            # proxy.execution_token_budget: it ended by itself once its calls were refused; scored as a timeout is
             status = Status.TIMEOUT
-            error = (f"token budget of {self.proxy.token_budget} sampled tokens reached "
-                     f"(proxy.execution_token_budget)" + (f"; then: {error}" if error else ""))
+            error = budget + (f"; then: {error}" if error else "")
         rec = self.proxy.end(execution_id, status)
         rec.workspace, rec.error = workspace, error
         if on_ended is not None:
@@ -122,6 +130,20 @@ class RolloutService:
         self._tell_failure(rec)
         self.settle(rec, on_scored, writer)
         return rec
+
+    def _ender(self, execution_id: str, why: str) -> Callable[[], None]:
+        """What the proxy calls at the execution's first call refused for its token budget (from
+        its own thread, if it has one): the harness try running now is ended as a timeout unless
+        it ends by itself first (HarnessPool.end_as_timeout), so one that keeps calling does not
+        run on to its time limit."""
+        loop = asyncio.get_running_loop()
+
+        def end() -> None:
+            task = loop.create_task(self.pool.end_as_timeout(self._trying.get(execution_id, execution_id), why))
+            self._ending.add(task)
+            task.add_done_callback(self._ending.discard)
+
+        return lambda: loop.call_soon_threadsafe(end)
 
     def _tell_failure(self, rec: ExecutionRecord) -> None:
         """A harness that broke says so on the console (the first few), with how it ended and its
@@ -155,6 +177,7 @@ class RolloutService:
         own, tries = execution_id, []
         while True:
             start_failure, log_dir = False, ""
+            self._trying[execution_id] = own  # the try a spent token budget ends (see _ender)
             try:
                 result = await self.pool.run_execution(task, own, api_key=key, base_url=self.base_url)
                 status, workspace, error = result.status, result.workspace, result.error

@@ -5,7 +5,9 @@ the openai SDK, litellm, mini-swe-agent), the execution ended over the new admin
 shard read back with the roles the harness labelled.
 
 The engine is the scripted stand-in (tests/support/scripted_engine.py: the outputs are chosen, so that
-mini-swe-agent's shell commands are real ones); everything else is what a user runs."""
+mini-swe-agent's shell commands are real ones); everything else is what a user runs. The same recipes
+as a run starts them (`harness.command` as written, under the default sandbox, scored):
+tests/harness/test_recipes_sandboxed.py."""
 
 from __future__ import annotations
 

@@ -123,8 +123,12 @@ def play(head, steps: int, rng: random.Random, monkeypatch, t0: float = 1000.0):
 
 
 def old_step_row(res, records, losses, t0) -> dict:
-    """The row the head built itself before gyre/events.py (kept here as the oracle)."""
-    rewards = [r.reward for g in res.groups for eid in g.executions if math.isfinite((r := records[eid]).reward)]
+    """The row the head built itself before gyre/events.py (kept here as the oracle), less the
+    scores of harnesses that failed by themselves: never trained, so no reward sample (issue 45)."""
+    from gyre.services.rollout import harness_broke
+
+    rewards = [r.reward for g in res.groups for eid in g.executions
+               if math.isfinite((r := records[eid]).reward) and not harness_broke(r)]
     ls = [losses[m] for m in res.microbatches]
     lag = [g.lag_steps for g in res.groups]
     toks = [g.train_tokens for g in res.groups]

@@ -39,6 +39,9 @@ def test_a_harness_that_always_crashes_stops_the_run_and_nothing_trains(tmp_path
                        "run.stop_harness_failure_steps=2", "sched.skip_zero_variance=false", steps=4, timeout=400)
     assert rc != 0, out[-3000:]
     assert "run.stop_harness_failure_steps=2" in out, out[-3000:]
+    steps = [ln for ln in out.splitlines() if ln.startswith("gyre: step ")]
+    # the console's step line tells the crashes as failures, never as reward samples (a 0 of n 2)
+    assert steps and all("reward -  " in ln and " harness failure" in ln for ln in steps), steps
     told = [ln for ln in out.splitlines() if " not trained: harness failed: exited 3" in ln]
     assert told and "the harness bug" in told[0], out[-3000:]
     rows = ledger(run_dir)
