@@ -55,11 +55,37 @@ def saved(path: Path) -> dict:
     return torch.load(Path(path) / CHECKPOINT_FILE, map_location="cpu", weights_only=False)["state"]
 
 
+@torch.no_grad()
+def logits(t, mb) -> torch.Tensor | None:
+    """The batch's [B, S, V] logits with the whole vocabulary, on the last pipeline stage (None on
+    the others). A hand-run two-stage forward under pipeline parallelism (the first stage's decoder
+    output sent to the next, Megatron's `set_input_tensor`), since the trainer refuses to run one;
+    vocabulary slices gathered over the tensor-parallel group."""
+    from megatron.core import parallel_state as ps
+
+    mask, model = mb.dense_mask(), t.model
+    model.eval()
+    if not ps.is_pipeline_first_stage():
+        B, S = mb.input_ids.shape
+        hidden = torch.empty(S, B, model.config.hidden_size)
+        torch.distributed.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
+        model.set_input_tensor(hidden)
+    out = model(mb.input_ids, mb.position_ids, mask)
+    if not ps.is_pipeline_last_stage():
+        torch.distributed.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+        return None
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        parts = [torch.empty_like(out) for _ in range(ps.get_tensor_model_parallel_world_size())]
+        torch.distributed.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
+        out = torch.cat(parts, dim=-1)
+    return out
+
+
 def layout_rank(layout: dict, load: Path | None, save: Path | None, step: bool,
                 rank, port, hf_config, hf_state, out):
     """One of two gloo ranks at ``layout`` (e.g. ``{"tensor_parallel": 2}``): load ``load``, take
     a step on the whole batch when ``step``, save ``save``; rank 0 replies (step, the whole model
-    in HF names, this rank's log-probs of the batch or None on a stage without the output layer)."""
+    in HF names, the batch's logits, the step's stats or None, rank 0's own parameter shapes)."""
     from gyre.train.dist import init_distributed
 
     torch.set_num_threads(1)
@@ -67,14 +93,23 @@ def layout_rank(layout: dict, load: Path | None, save: Path | None, step: bool,
     t = trainer(hf_config, hf_state, **layout)
     if load is not None:
         t.load_checkpoint(load)
+    if layout.get("pipeline_parallel", 1) > 1:
+        try:
+            t.forward_backward(batch())
+            raise AssertionError("a forward at a pipeline stage ran")
+        except NotImplementedError:
+            pass  # the trainer refuses: it has no pipeline schedule
     if step:
         stats = t.forward_backward(batch())
         stats |= t.optimizer_step()
     if save is not None:
         t.save_checkpoint(save)  # every rank takes part
     whole = t.hf_state_dict()  # collective
-    logp = t.logprobs(batch()).numpy().copy() if layout.get("pipeline_parallel", 1) == 1 else None
+    lg = logits(t, batch())
+    every: list = [None] * 2
+    torch.distributed.all_gather_object(every, None if lg is None else lg.numpy().copy())
     if rank == 0:
-        out.put((t.step, numpy_state(whole), logp, stats if step else None))
+        own = {n: tuple(p.shape) for n, p in t.model.named_parameters()}  # what a rank-0 save of its model held
+        out.put((t.step, numpy_state(whole), next(x for x in every if x is not None), stats if step else None, own))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
