@@ -4,7 +4,8 @@
 `build_gpt_model` turns a config into a GPTModel (local layer spec: no Transformer Engine; MoE
 layers with SequentialMLP experts, expert parallelism from Megatron's parallel state), and
 `hf_to_megatron` / `megatron_to_hf` convert state dicts between the two layouts exactly (the name
-maps themselves are `gyre.model.megatron_names`).
+maps themselves are `gyre.model.megatron_names`; the tensor/pipeline-parallel cuts
+gyre/train/megatron_layout.py).
 RoPE is computed at the *given* position_ids: tree-packed rows carry tree depth, not 0..S-1,
 and stock GPTModel silently ignores position_ids under `position_embedding_type="rope"`.
 """
@@ -49,7 +50,7 @@ class TreeCoreAttention(DotProductAttention):
     Given a `TreeMask` as attention_mask (passed through GPTModel -> TransformerBlock ->
     SelfAttention unchanged), attention follows the tree: FlexAttention block masks on CUDA,
     the exact block-sparse path on the CPU. Given a dense [B,1,S,S] bool mask it is Megatron's
-    own DotProductAttention. Tensor parallel 1 (heads are not split here).
+    own DotProductAttention. Under tensor parallelism each rank attends its own heads.
     """
 
     tree_mask: TreeMask | None = None  # set by QwenGPTModel.forward; its kv_end travels as the mask

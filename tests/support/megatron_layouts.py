@@ -81,15 +81,21 @@ def logits(t, mb) -> torch.Tensor | None:
     return out
 
 
+def world(layout: dict) -> int:
+    """Ranks for a layout: tensor x pipeline x expert (the dense layers' data parallelism is the
+    expert-parallel size; each rank takes the whole batch, so only checkpoints are compared there)."""
+    return layout.get("tensor_parallel", 1) * layout.get("pipeline_parallel", 1) * layout.get("expert_parallel", 1)
+
+
 def layout_rank(layout: dict, load: Path | None, save: Path | None, step: bool,
                 rank, port, hf_config, hf_state, out):
-    """One of two gloo ranks at ``layout`` (e.g. ``{"tensor_parallel": 2}``): load ``load``, take
+    """One of the gloo ranks (`world`) at ``layout`` (e.g. ``{"tensor_parallel": 2}``): load ``load``, take
     a step on the whole batch when ``step``, save ``save``; rank 0 replies (step, the whole model
     in HF names, the batch's logits, the step's stats or None, rank 0's own parameter shapes)."""
     from gyre.train.dist import init_distributed
 
     torch.set_num_threads(1)
-    init_distributed(rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
+    init_distributed(rank=rank, world_size=world(layout), init_method=f"tcp://127.0.0.1:{port}")
     t = trainer(hf_config, hf_state, **layout)
     if load is not None:
         t.load_checkpoint(load)
@@ -106,7 +112,7 @@ def layout_rank(layout: dict, load: Path | None, save: Path | None, step: bool,
         t.save_checkpoint(save)  # every rank takes part
     whole = t.hf_state_dict()  # collective
     lg = logits(t, batch())
-    every: list = [None] * 2
+    every: list = [None] * world(layout)
     torch.distributed.all_gather_object(every, None if lg is None else lg.numpy().copy())
     if rank == 0:
         own = {n: tuple(p.shape) for n, p in t.model.named_parameters()}  # what a rank-0 save of its model held

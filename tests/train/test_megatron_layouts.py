@@ -109,3 +109,32 @@ def test_pipeline_parallel_2_round_trips_a_checkpoint(model, tmp_path):
         t.optimizer_step()
     assert back.step == one.step == 2
     assert_same(one.hf_state_dict(), back.hf_state_dict(), atol=0)
+
+
+def test_moe_checkpoint_round_trips_through_tensor_parallel_2(tmp_path):
+    """The routed experts are split over the expert-tensor group (Megatron's default: the TP
+    size). One process -> TP 2 -> one process, Megatron's MoE layer in eval (it refuses to train at
+    TP > 1 without sequence parallelism). The three together, TP 2 x PP 2 x EP 2 (eight ranks,
+    ~85 s here, too slow for a test), run in benchmarks/bench_checkpoints.py."""
+    from gyre.model.spec import split_fused_experts
+    from support.megatron_moe import _model
+
+    hf = _model()
+    hf_state = {k: v.numpy().copy() for k, v in split_fused_experts(hf.state_dict()).items()}
+    one = L.trainer(hf.config, hf_state)
+    one.forward_backward(L.batch())
+    one.optimizer_step()
+    one.save_checkpoint(tmp_path / "one")
+    step, whole, logits, _, own = _ranks({"tensor_parallel": 2}, hf, hf_state, load=tmp_path / "one",
+                                         save=tmp_path / "tp2", step=False)
+    assert step == 1
+    assert_same(one.hf_state_dict(), whole, atol=0)
+    assert torch.allclose(L.logits(one, L.batch()), torch.from_numpy(logits), atol=1e-5)
+    fc1 = "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"  # rank 0: half of each expert's rows
+    assert own[fc1][0] * 2 == 2 * hf_state["model.layers.0.mlp.experts.0.up_proj.weight"].shape[0]
+    assert_whole(L.saved(tmp_path / "tp2"), hf_state)
+    for key in ("model", "exp_avg", "exp_avg_sq"):
+        assert_same(L.saved(tmp_path / "one")[key], L.saved(tmp_path / "tp2")[key], atol=0)
+    back = L.trainer(hf.config, hf_state)
+    back.load_checkpoint(tmp_path / "tp2")
+    assert_same(one.hf_state_dict(), back.hf_state_dict(), atol=0)
