@@ -300,7 +300,8 @@ class TrainConfig(_EnumFields):
     checkpoint_dir: str = _f("", help="trainer checkpoints; empty = <run.dir>/checkpoints")
     tensor_parallel: int = _f(1, min=1,
         help="Megatron tensor-parallel size inside a cell (divides its trainer ranks)")
-    pipeline_parallel: int = _f(1, min=1, help="Megatron pipeline-parallel size inside a cell")
+    pipeline_parallel: int = _f(1, min=1, help="Megatron pipeline-parallel size inside a cell; training "
+                                 "refuses > 1 (no pipeline schedule), checkpoints convert between stages")
     expert_parallel: int = _f(1, min=1, help="Megatron expert-parallel size inside a cell (MoE models: divides the "
                                             "expert count and, times tensor x pipeline, the cell's trainer ranks)")
     moe_aux_loss_coef: float = _f(0.0, min=0.0, help="MoE load-balancing (aux) loss weight, added per micro-batch; "
@@ -656,6 +657,10 @@ def _cross_check(cfg: GyreConfig) -> None:
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr ({t.min_lr:g}) must not exceed train.lr ({t.lr:g}): decay goes from lr "
                           "down to min_lr")
+    if t.pipeline_parallel > 1:
+        raise ConfigError(f"train.pipeline_parallel = {t.pipeline_parallel}: Gyre's Megatron trainer does not run "
+                          "Megatron's pipeline schedule, so it cannot train at pipeline stages; set "
+                          "train.pipeline_parallel = 1 (use tensor_parallel / expert_parallel to split a model)")
     if t.entropy_coef > 0 and t.tensor_parallel > 1:
         raise ConfigError(f"train.entropy_coef > 0 needs each target's whole-vocabulary distribution, which a "
                           f"tensor-parallel rank does not hold (train.tensor_parallel = {t.tensor_parallel}): "

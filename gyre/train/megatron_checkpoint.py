@@ -1,12 +1,20 @@
 """Megatron checkpoints that do not depend on the parallel layout they were saved at.
 
-A rank's GPTModel holds only its own experts under expert parallelism, so its state dict alone
-is a shard. Here every rank takes part in a save: the weights (the optimizer's fp32 masters) and
-Adam's two moments are turned into checkpoint (transformers) names, each expert under its global
-id, and gathered over the expert-parallel group (`megatron_model.megatron_to_hf`); the result is the
-whole model, whatever the layout. A load does the reverse on every rank: it keeps the experts its
-expert-parallel rank owns (`megatron_model.hf_to_megatron`). So a checkpoint saved at
-expert parallel 2 loads at 1, and the other way round. Data-parallel replicas hold the same state.
+A rank's GPTModel holds a shard: its slice of each split weight under tensor parallelism, its
+stage's layers under pipeline parallelism, its own experts under expert parallelism. Here every
+rank takes part in a save: the weights (the optimizer's fp32 masters) and Adam's two moments are
+gathered over the tensor, pipeline and expert groups and turned into checkpoint (transformers)
+names (`megatron_model.megatron_to_hf`, gyre/train/megatron_layout.py); the result is the whole
+model, every parameter at its full shape, on every rank. A load does the reverse on every rank: it
+cuts out its own slice, stage and experts (`megatron_model.hf_to_megatron`). So a checkpoint saved
+at TP 2, PP 2 or EP 2 loads at 1, and the other way round.
+
+Which rank writes: after the gather every rank holds the same whole state (data-parallel replicas
+held it already), so global rank 0 alone writes the file (`Trainer.save_checkpoint`): one file, no
+shard to reassemble. Before the gather, rank 0's state was one shard, which is what a rank-0 save
+of the model's own state dict wrote. The cost is the whole model in each rank's host memory for
+the write; at 100B+ scale Megatron-Core's `dist_checkpointing` (every rank writing its shards)
+is the way (docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -85,3 +93,8 @@ def _check(weights: dict, named: dict) -> None:
     missing = sorted(set(named) - set(weights))
     if missing:
         raise KeyError(f"checkpoint mismatch: the model has {missing[:5]} ({len(missing)}) that the checkpoint lacks")
+    for n, (main, _) in named.items():  # copy_ would broadcast some wrong shapes silently
+        if tuple(weights[n].shape) != tuple(main.shape):
+            raise ValueError(f"checkpoint mismatch: {n} is {tuple(weights[n].shape)} after cutting it for this "
+                             f"rank's layout, the model's is {tuple(main.shape)}; was the checkpoint saved for "
+                             f"another model config?")

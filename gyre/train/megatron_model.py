@@ -4,7 +4,8 @@
 `build_gpt_model` turns a config into a GPTModel (local layer spec: no Transformer Engine; MoE
 layers with SequentialMLP experts, expert parallelism from Megatron's parallel state), and
 `hf_to_megatron` / `megatron_to_hf` convert state dicts between the two layouts exactly (the name
-maps themselves are `gyre.model.megatron_names`).
+maps themselves are `gyre.model.megatron_names`; the tensor/pipeline-parallel cuts
+gyre/train/megatron_layout.py).
 RoPE is computed at the *given* position_ids: tree-packed rows carry tree depth, not 0..S-1,
 and stock GPTModel silently ignores position_ids under `position_embedding_type="rope"`.
 """
@@ -49,7 +50,7 @@ class TreeCoreAttention(DotProductAttention):
     Given a `TreeMask` as attention_mask (passed through GPTModel -> TransformerBlock ->
     SelfAttention unchanged), attention follows the tree: FlexAttention block masks on CUDA,
     the exact block-sparse path on the CPU. Given a dense [B,1,S,S] bool mask it is Megatron's
-    own DotProductAttention. Tensor parallel 1 (heads are not split here).
+    own DotProductAttention. Under tensor parallelism each rank attends its own heads.
     """
 
     tree_mask: TreeMask | None = None  # set by QwenGPTModel.forward; its kv_end travels as the mask
@@ -171,6 +172,7 @@ def transformer_config(hf_config, *, dtype: torch.dtype = torch.float32, use_cpu
         recompute_keys = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     else:
         recompute_keys = {}
+    tensor_parallel, pipeline_parallel = _model_parallel_sizes()
     moe = {}
     if spec.experts:
         if len(spec.moe_layers) != spec.layers:
@@ -225,9 +227,21 @@ def transformer_config(hf_config, *, dtype: torch.dtype = torch.float32, use_cpu
         # not averaged: this makes Megatron DDP use a scaling factor of 1
         calculate_per_token_loss=True,
         context_parallel_size=context_parallel,
+        # Megatron reads the layer split of a pipeline stage from the config, not its parallel state
+        tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel,
+        pipeline_dtype=dtype if pipeline_parallel > 1 else None,
         **moe,
         **recompute_keys,
     )
+
+
+def _model_parallel_sizes() -> tuple[int, int]:
+    """(tensor, pipeline) parallel sizes from Megatron's parallel state ((1, 1) without one)."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 1, 1
+    return parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size()
 
 
 def _gpt_spec(hf_config):
@@ -276,10 +290,20 @@ def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32, use_cpu_in
         position_embedding_type="rope",
         rotary_base=spec.theta,
         share_embeddings_and_output_weights=spec.tied,
+        # pipeline stages: the embedding on the first, final norm and output layer on the last
+        pre_process=_pipeline_end(first=True), post_process=_pipeline_end(first=False),
     )
     rot = model.rotary_pos_emb
     rot.__class__ = PositionalRotaryEmbedding  # same state, forward that honours positions
     return model
+
+
+def _pipeline_end(*, first: bool) -> bool:
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return True
+    return parallel_state.is_pipeline_first_stage() if first else parallel_state.is_pipeline_last_stage()
 
 
 def context_parallel_attention() -> type:
@@ -317,17 +341,29 @@ def _grouped(model) -> bool:
 
 
 def hf_to_megatron(hf_sd: dict[str, Tensor], hf_config, *, grouped: bool = False) -> dict[str, Tensor]:
-    """Checkpoint state dict -> this rank's GPTModel state dict (its experts only under EP)."""
+    """Checkpoint state dict -> this rank's GPTModel state dict: its experts only under EP, its
+    stage's layers (numbered from 0) under PP, its slice of each split weight under TP
+    (gyre/train/megatron_layout.py)."""
+    from gyre.train.megatron_layout import shard
+
     rank, size = expert_parallel_rank()
-    out = names.hf_to_megatron(split_fused_experts(hf_sd), hf_config, ep_rank=rank, ep_size=size)
+    spec = as_spec(hf_config)
+    out = names.hf_to_megatron(split_fused_experts(hf_sd), spec, ep_rank=rank, ep_size=size)
+    out = shard(out, spec.layers, tied=spec.tied)
     return names.to_grouped_gemm(out) if grouped else out
 
 
 def megatron_to_hf(mg_sd: dict[str, Tensor], hf_config) -> dict[str, Tensor]:
-    """This rank's GPTModel state dict -> checkpoint names; under expert parallelism the other
-    ranks' experts are gathered over the expert-parallel group, so every rank returns all."""
+    """This rank's GPTModel state dict -> the whole model in checkpoint names, on every rank.
+    Collective: tensor-parallel slices are gathered over the tensor (and expert-tensor) group,
+    pipeline stages over the pipeline group (gyre/train/megatron_layout.py), then the other
+    ranks' experts over the expert-parallel group."""
+    from gyre.train.megatron_layout import unshard
+
     rank, size = expert_parallel_rank()
-    out = names.megatron_to_hf(names.from_grouped_gemm(mg_sd), hf_config, ep_rank=rank, ep_size=size)
+    spec = as_spec(hf_config)
+    whole = unshard(names.from_grouped_gemm(mg_sd), tied=spec.tied, num_layers=spec.layers)
+    out = names.megatron_to_hf(whole, spec, ep_rank=rank, ep_size=size)
     if size > 1:
         from megatron.core import parallel_state
 

@@ -1,6 +1,11 @@
 """Megatron-Core backend: GPTModel + Megatron DDP + `get_megatron_optimizer` + `finalize_model_grads`.
 
-Data parallel over the default process group (gloo on CPU, nccl on GPU), tensor parallel 1.
+Data parallel over the default process group (gloo on CPU, nccl on GPU). Tensor parallelism
+(`train.tensor_parallel`): Megatron's own layers, weights cut by gyre/train/megatron_layout.py;
+a TP 2 step equals the one-process step (tests/train/test_megatron_layouts.py). Pipeline
+parallelism: a trainer can be built at `train.pipeline_parallel` > 1 (each stage its layers) to
+save and load checkpoints, but it does not run Megatron's pipeline schedule, so its forward
+refuses (and the configuration refuses training at pipeline_parallel > 1).
 Gradients are *summed* across ranks (see `calculate_per_token_loss` in megatron_model): the loss
 weights of a step already divide by the step's executions, wherever they were computed.
 
@@ -209,6 +214,7 @@ class MegatronTrainer(Trainer):
         from megatron.core.parallel_state import get_tensor_model_parallel_world_size
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
+        self._one_stage()
         self.model.return_hidden = True
         try:
             if self.cp_size > 1:  # [n, 1, H] of this rank's THD tokens; the targets' rows among them
@@ -232,7 +238,15 @@ class MegatronTrainer(Trainer):
                                entropy=entropy if get_tensor_model_parallel_world_size() == 1 else None,
                                token_entropy=token_entropy)
 
+    def _one_stage(self) -> None:
+        if self.cfg.pipeline_parallel > 1:
+            raise NotImplementedError(f"train.pipeline_parallel = {self.cfg.pipeline_parallel}: Gyre's Megatron trainer "
+                                      "does not run Megatron's pipeline schedule, so it cannot compute forward or "
+                                      "backward at a pipeline stage (it can save and load checkpoints); train at "
+                                      "pipeline_parallel = 1 and load the checkpoint there")
+
     def _logits(self, mb: MicroBatch) -> Tensor:
+        self._one_stage()
         if self.cp_size > 1:  # [B, S, V] of whole rows is what context parallelism exists to avoid
             raise NotImplementedError("full logits are not computed under train.context_parallel > 1; "
                                       "use logprobs() (target log-probs, gathered over the CP group)")
