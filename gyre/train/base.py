@@ -334,7 +334,7 @@ class Trainer(ABC):
         """Model, optimizer, step and RNG state; replaces `path` atomically."""
         payload = {"step": self.step, "update": self.update, "state": self._state(), "rng": torch.get_rng_state(),
                    "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-        if self.rank == 0:  # data-parallel replicas hold the same state (tensor parallel = 1)
+        if self.rank == 0:  # every rank holds the whole state after the collective _state() (any layout): one file
             save_torch_atomic(path, payload, filename=CHECKPOINT_FILE)
         self._barrier()
         return Path(path)
