@@ -297,6 +297,7 @@ class RunStats:
         self._pushes: list[list[float]] = []              # merged weight-push pauses (rollout cells)
         self.status_counts: dict[str, int] = {}
         self.limit_counts: dict[str, int] = {}  # executions stopped by a [harness] limit, by its key
+        self.harness_broke = 0  # executions whose harness failed or crashed by itself (`broke`)
         self.started = 0
         self.dropped_executions = 0
         self.dropped_reasons: dict[str, int] = {}
@@ -363,6 +364,7 @@ class RunStats:
         self.status_counts[ev.status] = self.status_counts.get(ev.status, 0) + 1
         if ev.limit:
             self.limit_counts[ev.limit] = self.limit_counts.get(ev.limit, 0) + 1
+        self.harness_broke += broke(ev)
         self._win.add(ev, self._running.pop(ev.execution, None))
         rewards = self._rewards.setdefault(ev.group, [])
         if ev.usable and ev.reward is not None and math.isfinite(ev.reward):  # a crash's 0 is no sample

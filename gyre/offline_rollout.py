@@ -38,7 +38,7 @@ from gyre.model.tiny import ensure_tiny_model
 from gyre.position import Position
 from gyre.proxy.journal import read_journal
 from gyre.proxy.replay import Replay, replayed_calls
-from gyre.services.rollout import RecordError, RolloutService, journal_dir
+from gyre.services.rollout import RecordError, RolloutService, harness_broke, journal_dir
 from gyre.report.progress import limits_line
 from gyre.traj.record import FINISHED, Status, limit_of
 from gyre.traj.store import iter_executions, shard_paths
@@ -68,6 +68,7 @@ class RolloutSummary:
     calls: int = 0
     tokens: int = 0
     rewards: list[float] = field(default_factory=list)
+    harness_failures: int = 0  # executions whose harness failed or crashed by itself (not in rewards)
     unscorable: int = 0
     shards: list[str] = field(default_factory=list)
     skipped_resume: int = 0
@@ -293,7 +294,9 @@ class Rollout:
             # the official score counts what could not be scored (no image, evaluator failure) as 0
             self.summary.official.append(rec.reward if math.isfinite(rec.reward) else 0.0)
             self.summary.official_passed.append(int(rec.passed or 0) if math.isfinite(rec.reward) else 0)
-            if math.isfinite(rec.reward):
+            if harness_broke(rec):  # the harness's own failure: told apart, never a reward sample
+                self.summary.harness_failures += 1
+            elif math.isfinite(rec.reward):
                 self.summary.rewards.append(rec.reward)
                 self.summary.per_task.setdefault(p.task.name, []).append(rec.reward)
                 self.summary.by_source.setdefault(rec.reward_source, []).append(rec.reward)
@@ -340,6 +343,7 @@ def print_summary(s: RolloutSummary, cfg: GyreConfig) -> None:
             ("official success_rate (NL2RepoBench)", f"{_mean(s.official):.3f}  (unscorable and failed count 0)"),
             ("official score: passed tests", f"{_mean(s.official_passed):.1f} per execution"),
             ("reward mean / std", f"{_mean(s.rewards):.3f} / {spread:.3f}  (scored executions only)"),
+            ("harness failures", f"{s.harness_failures}  (failed or crashed by itself: not in the reward)"),
             ("reward by source", ", ".join(f"{k} {_mean(v):.3f} (n={len(v)})" for k, v in sorted(s.by_source.items())) or "-"),
             ("timeouts", s.executions.get(Status.TIMEOUT, 0)),
             ("stopped by limits", limits_line(s.limits) or "0"),

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from gyre.events import HARNESS_BROKE
 
 
 def session_report(head, t1: float, stopped: bool) -> dict:
@@ -27,7 +26,9 @@ def session_report(head, t1: float, stopped: bool) -> dict:
             "t0": head.t0, "wall_s": t1 - head.t0, "stopped": stopped,
             "errors": head.fleet.errors + head.errors + head.outputs.errors,
             "warnings": head.warnings,
-            "harness_errors": sum(executions.get(k, 0) for k in HARNESS_BROKE), "events": events,
+            # harnesses that broke by themselves (a [harness] limit the policy passed is not one)
+            "harness_errors": st.harness_broke,
+            "events": events,
             "groups_replaced_zero_variance": head.core.zero_variance_dropped,
             "executions": executions, "stopped_by_limits": dict(st.limit_counts), "version": head.version,
             "intervals": {c.id: st.intervals(c.id, t1) for c in cells},

@@ -24,7 +24,7 @@ import pytest
 from gyre.config import load_config
 from gyre.harness.sandbox import Environments, SandboxConfig
 from gyre.harness.tasks import BUILTIN_DIR, load_suite
-from gyre.proxy.server import start_site
+from gyre.proxy.routes import start_site
 from gyre.services.rollout import RolloutService
 from gyre.traj.record import Status
 from gyre.traj.store import iter_executions

@@ -24,8 +24,8 @@ def evaluated(t: float, eid: str, status: str, reward: float, error: str | None 
     return ExecutionEvaluated(t, eid, 0, status, r, 0, 40.0, usable, limit_of(rec.error))
 
 
-def step(evals: list[ExecutionEvaluated]) -> dict:
-    st = RunStats()
+def step(evals: list[ExecutionEvaluated], st: RunStats | None = None) -> dict:
+    st = st if st is not None else RunStats()
     row = None
     for ev in [RunStarted(0.0, 1), *(ExecutionStarted(0.0, e.execution, 0, "sum") for e in evals), *evals,
                StepEnded(0.0, 20.0, 0, 1, (GroupLag(0, 0, 0, 0, 160.0),), (), (0,), True)]:
@@ -56,10 +56,14 @@ def test_a_step_of_crashes_shows_no_reward_and_the_failures():
 
 def test_a_limit_or_time_limit_is_the_policys_outcome_a_sample_not_a_harness_failure():
     limit = "harness.max_processes = 50 passed: 51 processes"
+    st = RunStats()
     row = step([evaluated(1, "q0-sum-g0", Status.FAILED, 0.0, limit),
                 evaluated(2, "q0-sum-g1", Status.TIMEOUT, 0.5, "wall-clock limit of 5s reached"),
-                evaluated(3, "q0-sum-g2", Status.DONE, 1.0)])
+                evaluated(3, "q0-sum-g2", Status.DONE, 1.0),
+                evaluated(4, "q0-sum-g3", Status.CRASHED, 0.0, CRASH)], st)
+    # the report's harness_errors (gyre.report.session) counts the crash, not the limit's failure
+    assert st.status_counts["failed"] == 1 and st.harness_broke == 1
     assert row["reward_n"] == 3 and math.isclose(row["reward_mean"], 0.5)
-    assert row["harness_failures"] == 0 and row["harness_failure_rate"] == 0.0
+    assert row["harness_failures"] == 1 and row["harness_failure_rate"] == 0.25
     assert row["stopped_by_limits"] == {"max_processes": 1}  # told as what it is
-    assert "harness failure" not in Progress(1, 3, out=io.StringIO()).step_line(row)
+    assert "1 harness failure" in Progress(1, 4, out=io.StringIO()).step_line(row)

@@ -52,10 +52,12 @@ def test_hanging_and_crashing_harnesses_are_recorded_and_scored(tmp_path):
     assert {r.reward_source for r in recs} == {"tests-after-timeout"}
     assert all(math.isfinite(r.reward) for r in recs)
     crasher = cfg_for(tmp_path / "b", command=["bash", "-c", "touch partial.py; kill -SEGV $$"])
-    asyncio.run(Rollout(crasher, progress=False).run())
+    summary = asyncio.run(Rollout(crasher, progress=False).run())
     recs = records(tmp_path / "b")
     assert {r.status for r in recs} == {"crashed"}
     assert {r.reward_source for r in recs} == {"tests-after-crash"}
+    # the summary tells them as harness failures, not as rewards of 0 (the official score counts them 0)
+    assert summary.harness_failures == len(recs) and summary.rewards == [] and summary.official == [0.0] * len(recs)
 
 
 @pytest.mark.slow
