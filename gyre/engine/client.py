@@ -166,6 +166,18 @@ class EngineClient:
         raise EngineUnreachable(f"POST {path} (stream) failed after {self.connect_retries + 1} attempt(s): "
                                 f"{type(last).__name__}: {last}", self.base_url)
 
+    async def _raise_for_stream_status(self, resp) -> None:
+        """A streamed request the engine refused before streaming: its reason as an EngineError
+        (a JSON error body in any engine's shape, else the body's first 500 bytes)."""
+        if resp.status < 400:
+            return
+        raw = await resp.read()
+        try:
+            data = json.loads(raw) if raw else {}
+        except ValueError:
+            data = {"error": {"message": raw[:500].decode("utf-8", "replace")}}
+        raise EngineError(resp.status, error_message(data, resp.reason), self.base_url)
+
     async def generate_stream(self, input_ids: list[int], sampling_params: dict, rid: str | None = None,
                               top_logprobs_num: int = 0, priority: int | None = None,
                               return_routed_experts: bool = False) -> AsyncIterator[GenerateResult]:
@@ -176,13 +188,7 @@ class EngineClient:
                                    return_routed_experts)
         resp = await self._open_stream("/generate", encode_body(body))
         async with resp:
-            if resp.status >= 400:
-                raw = await resp.read()
-                try:
-                    data = json.loads(raw) if raw else {}
-                except ValueError:
-                    data = {"error": {"message": raw[:500].decode("utf-8", "replace")}}
-                raise EngineError(resp.status, error_message(data, resp.reason), self.base_url)
+            await self._raise_for_stream_status(resp)
             ids: list[int] = []
             lps: list[float] = []
             tops: list = []

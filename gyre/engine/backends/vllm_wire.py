@@ -116,31 +116,35 @@ class VLLMClient(EngineClient):
         ids: list[int] = []
         lps: list[float] = []
         async with resp:
-            if resp.status >= 400:
-                raw = await resp.read()
-                try:
-                    data = json.loads(raw) if raw else {}
-                except ValueError:
-                    data = {"error": raw[:500].decode("utf-8", "replace")}
-                raise EngineError(resp.status, error_message(data, resp.reason), self.base_url)
+            await self._raise_for_stream_status(resp)
             buf = b""
             try:
                 async for piece in resp.content.iter_any():
                     buf += piece
                     *events, buf = buf.split(b"\n\n")
+                    last, done = None, False
                     for event in events:
                         if not event.startswith(b"data: "):
                             continue
                         payload = event[6:].strip()
                         if payload == b"[DONE]":
-                            return
+                            done = True
+                            break
                         data = json.loads(payload)
                         if "error" in data:
                             raise EngineError(400, error_message(data, "error in stream"), self.base_url)
                         choice = (data.get("choices") or [{}])[0]
                         new_ids, new_lps = _tokens(choice)
-                        ids, lps = ids + new_ids, lps + new_lps
-                        yield _result(choice, ids, lps, self.base_url, rid or "", len(input_ids), data.get("usage"))
+                        ids += new_ids
+                        lps += new_lps
+                        last = (choice, data.get("usage"))
+                    if last is not None:
+                        # one snapshot per read: deltas that arrived together (a reader behind the
+                        # server, by hundreds of tokens under load) make one snapshot, not one each,
+                        # since each snapshot copies every token so far (quadratic in the length)
+                        yield _result(last[0], ids, lps, self.base_url, rid or "", len(input_ids), last[1])
+                    if done:
+                        return
             except _CONNECTION_ERRORS + (aiohttp.ClientPayloadError,) as e:
                 raise EngineUnreachable(f"stream from POST {GENERATE} broke after {len(ids)} tokens: "
                                         f"{type(e).__name__}: {e}", self.base_url) from None
