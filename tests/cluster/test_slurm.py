@@ -36,11 +36,15 @@ VALIDATE_AND_REWARD = ["validate.every_steps=1", "validate.suite=learnable", 'va
 
 def vllm_engine(model: Path) -> list[str]:
     """The cells' engines as real vLLM servers (the CPU build of `make install-vllm`), reachable from
-    the head's node; skipped without it, as tests/engine/test_vllm_engine.py is."""
+    the head's node; skipped without it, as tests/engine/test_vllm_engine.py is. The paper's elastic
+    rule with 4 executions a cell makes each cell switch rollout -> train -> rollout, so vLLM is
+    paused, loads pushed weights and resumes in the same job (a vLLM start is ~40 s of CPU a cell:
+    this one job carries every whole-loop check on vLLM)."""
     cfg = load_config(None, ["engine.backend=vllm"])
     if not vllm_python(cfg).exists():
         pytest.skip(f"no vLLM environment at {vllm_python(cfg)}: run `make install-vllm`")
-    return ["engine.backend=vllm", f"model.path={model}", "engine.host=0.0.0.0", "engine.max_running_requests=16"]
+    return ["engine.backend=vllm", f"model.path={model}", "engine.host=0.0.0.0", "engine.max_running_requests=16",
+            "sched.scheme=E-paper", "sched.execs_per_cell=4"]
 
 
 def sbatch_script(tmp_path: Path, nodes: int = 4) -> Path:
@@ -77,8 +81,9 @@ def _lines(p: Path) -> list[dict]:
 def test_sbatch_demo_two_cells_of_two_nodes_use_every_node(cluster, tmp_path):
     """1 head + 2 cells x 2 nodes: >= 2 steps; each cell's agent on its first node, its trainer
     ranks on both of its nodes (hostnames the ranks report), one engine per cell: a real vLLM
-    server (the CPU build serves from the cell's node 0), with token truth held. The same job
-    validates and scores with a reward function (VALIDATE_AND_REWARD, checked at the end)."""
+    server (the CPU build serves from the cell's node 0), switched both ways, with token truth
+    held and every call's weight version the one vLLM reported. The same job validates and scores
+    with a reward function (VALIDATE_AND_REWARD, checked at the end)."""
     run, out = tmp_path / "run", tmp_path / "job.out"
     model = ensure_tiny_model(tmp_path / "tiny-qwen-hd32", head_dim=SERVING_HEAD_DIM)
     t0 = time.time()
@@ -102,7 +107,11 @@ def test_sbatch_demo_two_cells_of_two_nodes_use_every_node(cluster, tmp_path):
         assert sorted(cell["trainer_hosts"]) == nodes, cell  # one rank per node (CPU), from the ranks
         assert cell["engine_backend"] == "vllm" and cell["engine_nodes"] == nodes[:1], cell
     for step in report["steps"]:  # the trainer took exactly the tokens vLLM sampled, at its log-probs
-        assert step["audit_mismatched_tokens"] == 0 and step["mismatch_k3_lag0"] < 1e-6, step
+        assert step["grad_norm"] is not None and step["grad_norm"] > 0, step
+        assert step["audit_tokens"] > 0 and step["audit_mismatched_tokens"] == 0, step
+        assert step["mismatch_tokens_lag0"] > 0 and step["mismatch_k3_lag0"] < 1e-6, step
+    assert report["harness_errors"] == 0 and set(report["executions"]) == {"done"}, report["executions"]
+    _vllm_switched_both_ways_and_served_each_version(run, report)
     for c in report["cells"]:  # per-cell stats as with `gyre run`
         assert {"rollout_s", "train_s", "switching_s", "utilisation"} <= set(c)
     from gyre.cluster.slurm import collect_status
@@ -111,6 +120,20 @@ def test_sbatch_demo_two_cells_of_two_nodes_use_every_node(cluster, tmp_path):
     assert st["steps_done"] >= 2 and st["finished"] and [c["hostname"] for c in st["cells"]] == ["node01", "node03"]
     assert "run ended cleanly" in _tail(out), _tail(out)  # the step exited 0
     _validated_and_rewarded(run, _tail(out, 1_000_000))
+
+
+def _vllm_switched_both_ways_and_served_each_version(run: Path, report: dict) -> None:
+    """A cell went rollout -> train -> rollout on vLLM (pause, weight reload, resume), and every
+    call records the weight version vLLM reported for it: step 1 on "0", step 2 on the trainer's
+    version 1, pushed to vLLM from its export."""
+    from gyre.traj.store import iter_executions
+
+    roles = [[r for r, a, b in report["intervals"][str(c)] if b > a] for c in range(2)]
+    assert [i for i, rs in enumerate(roles) if "train" in rs and "rollout" in rs[rs.index("train"):]], roles
+    calls = [c for r in iter_executions(run / "shards") for c in r.tree.calls]
+    assert {c.weight_version for c in calls} == {"0", "1"}
+    assert all(c.weight_version == str(c.policy_version) for c in calls)
+    assert list((run / "weights" / f"v{report['version']}").glob("model*.safetensors")), report["version"]
 
 
 def _validated_and_rewarded(run: Path, text: str) -> None:
