@@ -1,11 +1,12 @@
-"""Markers by file, in one place.
+"""Markers by file, and the order `make test` hands tests to its workers, in one place.
 
 `e2e`: whole jobs (a Slurm dev cluster, mpiexec runs of head + cells, whole rollouts). Each is
-many processes; `make test` runs them after the rest, two at a time (a job spends much of its time
-waiting on process start-up, timers and Slurm: one at a time left the cores half idle). `slow`: left out of `make test-fast` (every e2e test, and
-unit tests that start a process stack for more than ~3 s).
+many processes. `make test` runs every test in one pytest run of two workers (`--dist loadgroup`):
+the groups below first (pytest-xdist sends the largest scopes first), then the other whole jobs,
+then the unit tests, which fill both workers to the end, so neither waits idle on the other's
+last long job. `slow`: left out of `make test-fast` (every e2e test, and unit tests that start a
+process stack for more than ~3 s).
 """
-
 from __future__ import annotations
 
 import pytest
@@ -17,7 +18,7 @@ E2E_FILES = {"test_slurm.py", "test_slurm_cells.py", "test_online.py", "test_cel
 # (started once for its ten tests)
 XDIST_GROUPS = {"test_slurm.py": "slurm", "test_slurm_cells.py": "slurm", "test_slurm_startup.py": "slurm",
                 "test_cell_agent.py": "cell_agent",
-                "test_vllm_engine.py": "vllm", "test_vllm_run.py": "vllm"}  # vLLM servers one file at a time
+                "test_vllm_engine.py": "vllm"}  # its vLLM server once for the module
 
 
 def pytest_collection_modifyitems(config, items):
@@ -25,6 +26,8 @@ def pytest_collection_modifyitems(config, items):
         if item.path.name in E2E_FILES:
             item.add_marker(pytest.mark.e2e)
             item.add_marker(pytest.mark.slow)
+    if config.getvalue("dist") == "loadgroup":  # whole jobs first, each file's order kept (a stable sort)
+        items.sort(key=lambda item: item.get_closest_marker("e2e") is None)
 
 
 def pytest_xdist_make_scheduler(config, log):
