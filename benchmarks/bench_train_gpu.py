@@ -7,14 +7,19 @@ Model: a random Qwen2 of ~0.2B parameters built in code (no hub). Measures
     weights (fp32: should be exact up to kernel rounding; bf16: within bf16 noise), and vs the
     embedded engine sampling path (prefill + KV-cached decode) on the exported weights;
   * offload/restore: seconds and bytes per phase, GPU memory before/after, bit-identity after restore.
-Writes benchmarks/results/ablation_gpu.json (flat keys). Run it on a device with
-`benchmarks/gpu_check.sh` (carries Megatron-Core as a wheel). `--dry-run` runs the same code on the CPU with a
-tiny model and writes nothing (to check the script itself where no GPU is lent).
+Writes benchmarks/results/ablation_gpu.json (flat keys; $GYRE_GPU_RESULTS overrides the folder),
+rewritten after each part so a run stopped by its timeout keeps the parts it finished (`done` lists
+them). `--part steps` measures all but the tree-attention timing, `--part tree` only that timing,
+into tree_gpu.json (gpu_check.sh runs them as two stages, each under its own timeout); no --part:
+both, into ablation_gpu.json. Run it on a device with `benchmarks/gpu_check.sh` (carries Megatron-Core as a wheel).
+`--dry-run` runs the same code on the CPU with a tiny model and writes only where
+$GYRE_GPU_RESULTS is set (to check the script itself where no GPU is lent).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 import time
@@ -28,8 +33,11 @@ import torch  # noqa: E402
 
 from gyre.train.offload import sync  # noqa: E402
 
-OUT = ROOT / "benchmarks" / "results" / "ablation_gpu.json"
 DRY = "--dry-run" in sys.argv
+_DIR = os.environ.get("GYRE_GPU_RESULTS")
+PART = sys.argv[sys.argv.index("--part") + 1] if "--part" in sys.argv else "all"
+_NAME = "tree_gpu.json" if PART == "tree" else "ablation_gpu.json"
+OUT = Path(_DIR) / _NAME if _DIR else None if DRY else ROOT / "benchmarks" / "results" / _NAME
 DEV = "cpu" if DRY else "cuda"
 STEPS, ROWS, SEQ = (2, 2, 64) if DRY else (5, 8, 1024)
 
@@ -234,7 +242,19 @@ def tree_attention_timing(hf_config, hf_state) -> dict:
     return out
 
 
+def save(result: dict, part: str) -> None:
+    """Write what is measured so far (after each part: a timeout later loses nothing before it)."""
+    result["done"] = f"{result['done']},{part}" if result.get("done") else part
+    print(f"bench_train_gpu: {part} done", flush=True)
+    if OUT is not None:
+        OUT.parent.mkdir(parents=True, exist_ok=True)
+        OUT.write_text(json.dumps(flat(result), indent=2))
+
+
 def main() -> int:
+    if PART not in ("all", "steps", "tree"):
+        print(f"bench_train_gpu: --part {PART!r}: choose steps or tree (or leave it out for both)", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available() and not DRY:
         print("bench_train_gpu: no CUDA device here; nothing measured (the CPU path is covered by "
               "the test suite)")
@@ -249,29 +269,40 @@ def main() -> int:
     n_params = sum(v.numel() for v in hf_state.values())
     mb = toy_batch(hf.config.vocab_size)
     result = {"device": "cpu (dry run)" if DRY else torch.cuda.get_device_name(), "torch": torch.__version__,
-              "params": n_params, "batch": {"rows": ROWS, "seq": SEQ, "targets": mb.num_targets}}
+              "params": n_params, "batch": {"rows": ROWS, "seq": SEQ, "targets": mb.num_targets}, "done": ""}
+
+    if PART == "tree":
+        result["tree_attention"] = tree_attention_timing(hf.config, hf_state)
+        save(result, "tree_attention")
+        print(json.dumps(result, indent=2))
+        return 0
+    # the bf16 steps first: the figures the GPU run is for
+    t = trainer("float32" if DRY else "bfloat16", hf.config, hf_state)
+    result["agreement_bf16_initial"] = agreement(t, mb, torch.bfloat16)
+    result["steps_bf16"] = run_steps(t, mb)
+    save(result, "steps_bf16")
+    result["agreement_bf16_trained"] = agreement(t, mb, torch.bfloat16)
+    result["engine_agreement_bf16_trained"] = engine_agreement(t, hf.config.vocab_size)
+    save(result, "agreement_bf16")
+    result["offload_restore_bf16"] = offload_cycle(t)
+    result["step_after_restore"] = run_steps(t, mb)["loss"][:1]
+    save(result, "offload_restore_bf16")
+    del t
+    if not DRY:
+        torch.cuda.empty_cache()
 
     t32 = trainer("float32", hf.config, hf_state)
     result["agreement_fp32"] = agreement(t32, mb, torch.float32)
     result["engine_agreement_fp32"] = engine_agreement(t32, hf.config.vocab_size)
+    save(result, "agreement_fp32")
     del t32
     if not DRY:
         torch.cuda.empty_cache()
 
-    t = trainer("float32" if DRY else "bfloat16", hf.config, hf_state)
-    result["agreement_bf16_initial"] = agreement(t, mb, torch.bfloat16)
-    result["steps_bf16"] = run_steps(t, mb)
-    result["agreement_bf16_trained"] = agreement(t, mb, torch.bfloat16)
-    result["engine_agreement_bf16_trained"] = engine_agreement(t, hf.config.vocab_size)
-    result["offload_restore_bf16"] = offload_cycle(t)
-    result["step_after_restore"] = run_steps(t, mb)["loss"][:1]
-    del t
-    result["tree_attention"] = tree_attention_timing(hf.config, hf_state)
-
+    if PART == "all":
+        result["tree_attention"] = tree_attention_timing(hf.config, hf_state)
+        save(result, "tree_attention")
     print(json.dumps(result, indent=2))
-    if not DRY:
-        OUT.parent.mkdir(parents=True, exist_ok=True)
-        OUT.write_text(json.dumps(flat(result), indent=2))
     return 0
 
 

@@ -1,17 +1,36 @@
 #!/usr/bin/env bash
-# The trainer's GPU check (issue 11 item 8): Megatron-Core bf16 steps, offload/restore timing and
-# log-prob agreement (trainer vs transformers vs the engine's sampling path) on one GPU, written
-# to benchmarks/results/ablation_gpu.json (and copied to $OUT when the device tool sets it).
+# The trainer's GPU checks, one stage at a time, each under its own timeout (sum 400 s), so the
+# whole run ends inside the device tool's limit even if a stage hangs. Stages, most valuable first:
 #
-# The device machine has torch but no Megatron-Core and no network, so Megatron-Core travels as a
-# wheel (pure dependencies torch, numpy, packaging are already there):
+#   stage      limit  what                                                     figures
+#   smoke       45 s  versions, device name, ONE Megatron-Core bf16 step      gpu_stages.json (smoke.*)
+#   train       75 s  issue 11 item 8: bf16 Megatron steps (0.2B, 8 x 1024),
+#                     offload/restore, log-prob agreement fp32 and bf16        ablation_gpu.json
+#   tree        80 s  issue 11: tree vs expanded fwd+bwd timing, FlexAttention tree_gpu.json
+#   moe         45 s  issue 20: Megatron bf16 MoE (alltoall), export, replay   moe_gpu.json
+#   offpolicy   25 s  issue 21: pi_prox drift and mismatch in bf16, both backends gpu_stages.json (offpolicy.*)
+#   routing     25 s  issue 29 item 5: train.routing_replay bf16, both backends  gpu_stages.json (routing.*)
+#   hybrid      40 s  issue 30: Gated DeltaNet tree vs expanded, Megatron's GDN hybrid_gpu.json
+#   xlong       55 s  issue 28: FlexAttention + recompute + chunked log-probs,
+#                     one ~150K-token case-study tree row                      xlong_gpu.json
+#   cp          10 s  issue 28 item 3: context parallelism; needs >= 2 GPUs and Transformer Engine,
+#                     SKIPPED on one GPU (~2 s; elsewhere set GPU_CHECK_CP_TIMEOUT) gpu_stages.json (cp.*)
+# The limits sum to 400 s; the install, nvidia-smi and bookkeeping add ~10 s. Small stages' figures
+# travel inside gpu_stages.json so that $OUT holds at most 8 files (the device tool's limit).
 #
-#   here, once, from the repo root:   benchmarks/gpu_check.sh fetch
-#       downloads megatron-core for the device's Python 3.12 into .whl/ and git-ignores .whl/
-#   on the device (the `run` tool):   command="benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=570
+# Usage (repo root):
+#   benchmarks/gpu_check.sh fetch            here, once: megatron-core for the device's Python 3.12 into .whl/
+#   benchmarks/gpu_check.sh [STAGE ...]      on the device (run tool: carry [".whl"]); default: every stage
+#   benchmarks/gpu_check.sh --dry-run [STAGE ...]   here, on the CPU: the same stages with --dry-run
+#                                                   (tiny float32 models; set PYTHON to the venv's python)
 #
-# The benchmarks are bounded to 9 minutes (timeouts 420 + 120 below). GYRE_WHEELS overrides .whl.
-set -euo pipefail
+# After EACH stage its JSON and the log so far are in $OUT (the device tool's folder; a temp folder
+# when unset): gpu_check.log, gpu_stages.json (per stage: ok, rc, s, timeout_s, timed_out; plus the
+# merged stages' figures) and the stage files above; benchmarks/results/ holds the same JSON. A stage killed by
+# its timeout keeps the figures it had written (rc 124). With stages named, gpu_stages.json keeps
+# the other stages' entries from an earlier run on the same machine. Exit status: 0 when every
+# stage run passed, else 1.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 
 WHEELS="${GYRE_WHEELS:-.whl}"
@@ -19,164 +38,114 @@ MEGATRON="megatron-core==0.16.1"   # the version gyre/train/megatron_cpu.py and 
 
 if [ "${1:-}" = "fetch" ]; then
     exclude="$(git rev-parse --git-path info/exclude)"
+    mkdir -p "$(dirname "$exclude")"
     grep -qxF "/.whl/" "$exclude" 2>/dev/null || echo "/.whl/" >> "$exclude"
-    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    ${PYTHON:-python3} -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$WHEELS" "$MEGATRON"
     ls -la "$WHEELS"
     exit 0
 fi
 
-if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-    echo "gpu_check: no CUDA device visible to python3's torch; run this on the device machine" >&2
-    exit 2
+ALL=(smoke train tree moe offpolicy routing hybrid xlong cp)
+declare -A LIMIT=([smoke]=45 [train]=75 [tree]=80 [moe]=45 [offpolicy]=25 [routing]=25 [hybrid]=40 [xlong]=55
+                  [cp]=${GPU_CHECK_CP_TIMEOUT:-10})
+declare -A FILE=([smoke]=smoke_gpu.json [train]=ablation_gpu.json [tree]=tree_gpu.json [moe]=moe_gpu.json
+                 [offpolicy]=offpolicy_gpu.json [routing]=routing_replay_gpu.json [hybrid]=hybrid_gpu.json
+                 [xlong]=xlong_gpu.json [cp]=cp_gpu.json)
+MERGED=" smoke offpolicy routing cp "  # small figures: inside gpu_stages.json, not copied on their own
+DRY=()
+if [ "${1:-}" = "--dry-run" ]; then
+    DRY=(--dry-run)
+    shift
+    for s in "${!LIMIT[@]}"; do LIMIT[$s]=$((LIMIT[$s] * 5)); done  # the CPU here is slow and shared
 fi
-shopt -s nullglob
-wheels=("$WHEELS"/megatron_core-*.whl)
-if [ ${#wheels[@]} -eq 0 ]; then
-    echo "gpu_check: no megatron_core wheel in $WHEELS; run '$0 fetch' here first and carry $WHEELS" >&2
-    exit 2
-fi
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gyre-site \
-    "${wheels[@]}"
-export PYTHONPATH="/tmp/gyre-site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-python3 -c "import megatron.core, torch; print('megatron-core', megatron.core.__version__, 'torch', torch.__version__, torch.cuda.get_device_name())"
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true
-
-status=0
-rm -f benchmarks/results/ablation_gpu.json benchmarks/results/moe_gpu.json benchmarks/results/hybrid_gpu.json \
-    benchmarks/results/cp_gpu.json  # only this run's figures go back
-timeout -k 10 420 python3 benchmarks/bench_train_gpu.py || status=$?
-# issue 21: pi_prox from the extra no-grad forward on CUDA in bf16, both backends. The no-grad
-# forward runs in eval mode and the training one in train mode; at the same weights they must agree
-# (prox_drift_max: bf16 kernels may differ in the last bits, not more), and the step must carry
-# the mismatch figures. Prints one line per backend; fails on a drift above 0.05 nats.
-timeout -k 10 120 python3 - <<'PY' || status=$?
-import torch
-from gyre.batch import expanded_batch
-from gyre.config import TrainConfig
-from gyre.train.megatron_trainer import MegatronTrainer
-from gyre.train.toy import random_qwen2
-from gyre.train.trainer import EmbeddedTrainer
-
-hf = random_qwen2(seed=0, std=0.1)
-seqs = [[1, 2, 3] + list(range(10, 40)), [4, 5] + list(range(50, 70))]
-for name in ("embedded", "megatron"):
-    cfg = TrainConfig(backend=name, dtype="bfloat16", off_policy="tis", lr=1e-4)
-    t = EmbeddedTrainer(cfg, hf) if name == "embedded" else MegatronTrainer(cfg, hf.config, hf.state_dict())
-    mb = expanded_batch(seqs, [3, 2], old_logprobs=[[0.0] * 30, [0.0] * 20], advantages=[1.0, -1.0],
-                        execution_index=[0, 1])
-    mb.old_logprobs = t.logprobs(mb)
-    st = t.forward_backward(mb)
-    out = t.optimizer_step()
-    print(f"offpolicy_gpu {name}: prox_drift_max {st['prox_drift_max']:.3g} mismatch_k3_lag0 "
-          f"{out['mismatch_k3_lag0']:.3g} grad_norm {out['grad_norm']:.3g}", flush=True)
-    assert st["prox_drift_max"] < 0.05 and out["mismatch_k3_lag0"] < 0.01, (name, st, out)
-PY
-# routing replay as a training option (issue 29 item 5): train.routing_replay on CUDA in bf16, both
-# backends (Megatron: RouterReplay on the grouped-GEMM experts when Transformer Engine is there),
-# micro-batch routing with forced rows and -1 rows (routed freely: Megatron's RECORD pass). The two
-# backends must agree within bf16 noise and replay must change the log-probs. One line per setting.
-timeout -k 10 120 python3 - <<'PY' || status=$?
-import torch
-from gyre.batch import expanded_batch
-from gyre.config import TrainConfig
-from gyre.train.megatron_trainer import MegatronTrainer
-from gyre.train.toy import random_model, tiny_config
-from gyre.train.trainer import EmbeddedTrainer
-
-hf = random_model(tiny_config("qwen3_moe", experts=8, top_k=2), seed=4, std=0.3)
-g = torch.Generator().manual_seed(5)
-seqs = [torch.randint(0, 96, (64,), generator=g).tolist() for _ in range(2)]
-mb = expanded_batch(seqs, [8, 8], old_logprobs=[[-4.0] * 56] * 2, advantages=[1.0, -1.0], execution_index=[0, 1])
-forced = torch.randint(0, 8, (2, 64, 2, 1), generator=g)
-routing = torch.cat([forced, (forced + 1 + torch.randint(0, 6, forced.shape, generator=g)) % 8], dim=-1)
-routing[:, ::3] = -1
-mb.routed_experts = routing.to(torch.int16)
-lp = {}
-for on in (True, False):
-    cfg = TrainConfig(dtype="bfloat16", routing_replay=on, lr=1e-4)
-    lp["megatron", on] = MegatronTrainer(cfg, hf.config, hf.state_dict()).logprobs(mb)
-    lp["embedded", on] = EmbeddedTrainer(cfg, hf).logprobs(mb)
-    diff = float((lp["megatron", on] - lp["embedded", on]).abs().max())
-    print(f"routing_replay_gpu replay={on}: megatron vs embedded max |dlogp| {diff:.3g}", flush=True)
-    assert diff < 0.1, (on, diff)
-changed = float((lp["embedded", True] - lp["embedded", False]).abs().max())
-print(f"routing_replay_gpu: replay vs free max |dlogp| {changed:.3g}", flush=True)
-assert changed > 0.05, changed
-PY
-# MoE (issue 20): Megatron bf16 MoE steps (alltoall dispatcher; grouped GEMM if Transformer Engine
-# is there), engine/trainer log-probs after export, routing replay under bf16 -> moe_gpu.json
-timeout -k 10 120 python3 benchmarks/moe_gpu_check.py || status=$?
-# hybrid Gated DeltaNet families (issue 30): tree vs expanded on CUDA (FlexAttention + forked state,
-# fp32 and bf16) and Megatron's GDN layer with the state in and out vs Gyre's -> hybrid_gpu.json
-timeout -k 10 120 python3 benchmarks/hybrid_gpu_check.py || status=$?
-# issue 28 (xLong training): the FlexAttention tree path (block masks from kv_end), train.recompute
-# and chunked target log-probs on CUDA. (1) small rows: tree path + chunks == dense [B,S,V] logits
-# for both backends (Megatron: recompute through its CheckpointFunction, target rows through the
-# output layer and vocab-parallel cross entropy); (2) one step of a case-study-shaped tree row of
-# ~150K tokens (tree layout, K = 5), printing its time and peak CUDA memory.
-timeout -k 10 150 python3 - <<'PY' || status=$?
-import time
-import numpy as np
-import torch
-from gyre.batch import expanded_batch
-from gyre.config import TrainConfig
-from gyre.train.loss import token_logprobs
-from gyre.train.megatron_trainer import MegatronTrainer
-from gyre.train.toy import random_qwen2
-from gyre.train.trainer import EmbeddedTrainer
-from gyre.traj.materialize import materialize, prepare_step
-from gyre.traj.select import SelectionSpec
-from gyre.traj.synthetic import CASE_STUDY, generate, scaled
-
-hf = random_qwen2(seed=0, std=0.1)
-seqs = [[1, 2, 3] + list(range(10, 90)), [4, 5] + list(range(20, 60))]
-for name in ("embedded", "megatron"):
-    cfg = TrainConfig(backend=name, dtype="bfloat16", recompute=True, logprob_chunk=16, off_policy="none")
-    t = EmbeddedTrainer(cfg, hf) if name == "embedded" else MegatronTrainer(cfg, hf.config, hf.state_dict())
-    mb = expanded_batch(seqs, [3, 2], old_logprobs=[[0.0] * 80, [0.0] * 40], advantages=[1.0, -1.0],
-                        execution_index=[0, 1])
-    with torch.no_grad():
-        full = token_logprobs(t._logits(mb.to(t.device)), mb.to(t.device)).cpu()
-    got = t.logprobs(mb)
-    st = t.forward_backward(mb)
-    out = t.optimizer_step()
-    d = float((got - full).abs().max())
-    print(f"xlong_gpu {name}: chunked vs full logprobs max diff {d:.3g}, grad_norm {out['grad_norm']:.3g}", flush=True)
-    assert d < 0.05 and np.isfinite(out["grad_norm"]), (name, d, out)
-
-rec = generate(scaled(CASE_STUDY, 1.0))
-vocab = hf.config.vocab_size
-for n in rec.tree.nodes:
-    n.tokens = (n.tokens % (vocab - 1) + 1).astype(np.int32)
-step = prepare_step([rec], SelectionSpec(k=5), step_version=1, estimator="reward")
-e = step.executions[0]
-mat = materialize(step.executions, layout="tree", micro_batch_tokens=e.n_tokens)
-t = EmbeddedTrainer(TrainConfig(dtype="bfloat16", recompute=True, logprob_chunk=4096, off_policy="none"), hf)
-torch.cuda.reset_peak_memory_stats()
-t0 = time.perf_counter()
-for mb in mat:
-    t.forward_backward(mb)
-out = t.optimizer_step()
-torch.cuda.synchronize()
-print(f"xlong_gpu case study tree K=5: {e.n_tokens} tokens, {out['targets']} targets, "
-      f"step {time.perf_counter() - t0:.1f} s, peak {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB", flush=True)
-PY
-# ---- issue 28 item 3: CONTEXT PARALLELISM (needs >= 2 GPUs and Transformer Engine) ------------
-# train.context_parallel = N over N GPUs on expanded rows (THD, PackedSeqParams, TE's ring
-# attention): log-probs vs the embedded trainer, the ranks' stats summing to the micro-batch's, the
-# grad norm, a tree row refused -> cp_gpu.json. SKIPPED on the device lent to this project: it has
-# ONE GPU (an H200), so this step has never run there; it runs as is on a node with two or more.
-gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
-if [ "$gpus" -ge 2 ] && python3 -c "import transformer_engine" 2>/dev/null; then
-    timeout -k 10 180 torchrun --standalone --nproc_per_node=2 benchmarks/cp_gpu_check.py || status=$?
-else
-    echo "context parallelism: SKIPPED ($gpus GPU(s) visible; needs >= 2 and Transformer Engine)"
-fi
-for f in ablation_gpu.json moe_gpu.json hybrid_gpu.json cp_gpu.json; do
-    if [ -n "${OUT:-}" ] && [ -f "benchmarks/results/$f" ]; then
-        cp "benchmarks/results/$f" "$OUT/"
+STAGES=("$@")
+[ ${#STAGES[@]} -eq 0 ] && STAGES=("${ALL[@]}")
+for s in "${STAGES[@]}"; do
+    if [ -z "${LIMIT[$s]:-}" ]; then
+        echo "gpu_check: unknown stage '$s'; choose from: ${ALL[*]} (or 'fetch', '--dry-run')" >&2
+        exit 2
     fi
 done
+
+PY="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1
+if [ ${#DRY[@]} -eq 0 ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || { echo "gpu_check: the wheel install failed (carry .whl with megatron_core in it)"; export PYTHONPATH=$PWD; }
+    RESULTS="$PWD/benchmarks/results"
+else
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    RESULTS="$(mktemp -d)"   # the dry run leaves benchmarks/results alone
+fi
+OUT="${OUT:-$(mktemp -d)}"
+mkdir -p "$OUT" "$RESULTS"
+export GYRE_GPU_RESULTS="$RESULTS"
+LOG="$OUT/gpu_check.log"
+exec > >(tee -a "$LOG") 2>&1
+TEE=$!
+
+echo "gpu_check: stages ${STAGES[*]} ${DRY[*]} (limits: $(for s in "${STAGES[@]}"; do printf '%s=%ss ' "$s" "${LIMIT[$s]}"; done)); OUT=$OUT; $(date -u +%FT%TZ)"
+[ ${#DRY[@]} -eq 0 ] && { nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader || true; }
+
+# gpu_stages.json: a fresh one for a full run; a named-stages rerun updates the earlier one
+STAGES_JSON="$RESULTS/gpu_stages.json"
+[ ${#STAGES[@]} -eq ${#ALL[@]} ] && rm -f "$STAGES_JSON"
+record() {  # stage rc seconds [note]: update gpu_stages.json (flat) and copy it and the stage's figures to $OUT
+    "$PY" - "$STAGES_JSON" "$1" "$2" "$3" "${LIMIT[$1]}" "$RESULTS/${FILE[$1]}" "${4:-}" "$MERGED" <<'PY'
+import json, sys
+from pathlib import Path
+
+path, stage, rc, secs, limit, figures, note, merged = sys.argv[1:]
+p = Path(path)
+d = json.loads(p.read_text()) if p.exists() else {}
+d = {k: v for k, v in d.items() if not k.startswith(stage + ".")}
+d.update({f"{stage}.ok": rc == "0", f"{stage}.rc": int(rc), f"{stage}.s": round(float(secs), 1),
+          f"{stage}.timeout_s": int(limit), f"{stage}.timed_out": rc in ("124", "137")})
+if note:
+    d[f"{stage}.note"] = note
+f = Path(figures)
+if stage in merged.split() and f.exists():  # small: their figures travel inside gpu_stages.json
+    d.update({f"{stage}.{k}": v for k, v in json.loads(f.read_text()).items()})
+d["stages_run"] = sorted(k[:-3] for k in d if k.endswith(".ok"))
+d["all_ok"] = all(d[k] for k in d if k.endswith(".ok"))
+p.write_text(json.dumps(d, indent=1, sort_keys=True) + "\n")
+PY
+    cp "$STAGES_JSON" "$OUT/" 2>/dev/null
+    case "$MERGED" in *" $1 "*) ;; *) [ -f "$RESULTS/${FILE[$1]}" ] && cp "$RESULTS/${FILE[$1]}" "$OUT/" ;; esac
+}
+
+status=0
+for s in "${STAGES[@]}"; do
+    rm -f "$RESULTS/${FILE[$s]}"  # only this run's figures go back
+    t=${LIMIT[$s]}
+    echo "=== stage $s (timeout ${t} s) $(date -u +%T)"
+    start=$(date +%s%N)
+    note=""
+    case "$s" in
+        smoke|offpolicy|routing|xlong) timeout -k 5 "$t" "$PY" benchmarks/train_gpu_check.py "$s" "${DRY[@]}" ;;
+        train) timeout -k 5 "$t" "$PY" benchmarks/bench_train_gpu.py --part steps "${DRY[@]}" ;;
+        tree) timeout -k 5 "$t" "$PY" benchmarks/bench_train_gpu.py --part tree "${DRY[@]}" ;;
+        moe) timeout -k 5 "$t" "$PY" benchmarks/moe_gpu_check.py "${DRY[@]}" ;;
+        hybrid) timeout -k 5 "$t" "$PY" benchmarks/hybrid_gpu_check.py "${DRY[@]}" ;;
+        cp)
+            gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+            if [ ${#DRY[@]} -eq 0 ] && [ "$gpus" -ge 2 ] && "$PY" -c "import transformer_engine" 2>/dev/null; then
+                timeout -k 5 "$t" "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/cp_gpu_check.py
+            else
+                note="SKIPPED: $gpus GPU(s) visible; needs >= 2 and Transformer Engine (never on the CPU)"
+                echo "context parallelism: $note"
+                true
+            fi ;;
+    esac
+    rc=$?
+    ms=$(( ($(date +%s%N) - start) / 1000000 ))
+    secs="$((ms / 1000)).$(printf %03d $((ms % 1000)))"
+    [ "$rc" -eq 0 ] || status=1
+    echo "=== stage $s: rc $rc, ${secs} s$([ "$rc" -eq 124 ] && echo ' (TIMED OUT)')"
+    record "$s" "$rc" "$secs" "$note"
+done
+echo "gpu_check: done, status $status; $(date -u +%FT%TZ)"
+exec >&- 2>&-
+wait "$TEE" 2>/dev/null
 exit $status

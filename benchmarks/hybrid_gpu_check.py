@@ -5,12 +5,16 @@
   float32 and under bf16 autocast;
 * Megatron-Core's GatedDeltaNet through `gyre.train.megatron_gdn.tree_forward` on CUDA (the
   flash-linear-attention kernel when installed, else Megatron's torch fallback) vs Gyre's layer.
-Writes benchmarks/results/hybrid_gpu.json (flat). About a minute.
+Writes benchmarks/results/hybrid_gpu.json (flat; rewritten after each part, so a run stopped by its
+timeout keeps what it had; $GYRE_GPU_RESULTS overrides the folder). About a minute. `--dry-run`
+runs the same code on the CPU, the bf16 pass in float32 (the CPU tree attention takes no bf16),
+and writes only where $GYRE_GPU_RESULTS is set.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -31,9 +35,13 @@ from gyre.traj.select import SelectionSpec  # noqa: E402
 from gyre.traj.synthetic import Lengths, Shape, generate  # noqa: E402
 
 VOCAB = 96
+DRY = "--dry-run" in sys.argv
+DEV = "cpu" if DRY else "cuda"
 
 
 def tree_vs_expanded(dtype: str) -> float:
+    if DRY:
+        dtype = "float32"
     recs = []
     for i in range(2):
         shape = Shape(calls=16, subagents=1, subagent_calls=3, compactions=1, retries=1, parallel_every=2,
@@ -47,7 +55,7 @@ def tree_vs_expanded(dtype: str) -> float:
     hf = random_model(tiny_config("qwen3_5_moe", vocab_size=VOCAB), seed=1, std=0.2)
     grads = {}
     for layout in ("tree", "expanded"):
-        t = EmbeddedTrainer(TrainConfig(dtype=dtype, clip=False, moe_aux_loss_coef=0.0), hf, device="cuda",
+        t = EmbeddedTrainer(TrainConfig(dtype=dtype, clip=False, moe_aux_loss_coef=0.0), hf, device=DEV,
                             attention="tree")
         for mb in materialize(step.executions, layout=layout, micro_batch_tokens=1 << 14):
             t.forward_backward(mb)
@@ -65,14 +73,14 @@ def megatron_layer() -> dict:
     from gyre.train.megatron_gdn import build_layer, load_from_gyre, tree_forward
 
     hf = random_model(tiny_config("qwen3_5"), seed=2, std=0.2)
-    ours = HybridLM.from_transformers(hf).model.layers[0].linear_attn.cuda()
-    layer = build_layer(ours.spec).cuda()
+    ours = HybridLM.from_transformers(hf).model.layers[0].linear_attn.to(DEV)
+    layer = build_layer(ours.spec).to(DEV)
     load_from_gyre(layer, ours)
     kv = torch.zeros(31, dtype=torch.long)
     for a, b, end in ((0, 10, 28), (10, 16, 23), (16, 20, 20), (20, 23, 23), (23, 28, 28)):
         kv[a:b] = end
-    tree = TreeScan.build(kv[None].cuda())
-    x = torch.randn(1, 31, 64, device="cuda")
+    tree = TreeScan.build(kv[None].to(DEV))
+    x = torch.randn(1, 31, 64, device=DEV)
     with torch.no_grad():
         want = ours(x, tree)
         got = tree_forward(layer, x.transpose(0, 1), tree)[0].transpose(0, 1)
@@ -81,14 +89,24 @@ def megatron_layer() -> dict:
 
 
 def main() -> dict:
-    out = {"tree_vs_expanded_grad_max_abs_diff_fp32": tree_vs_expanded("float32"),
-           "tree_vs_expanded_grad_max_abs_diff_bf16": tree_vs_expanded("bfloat16")}
-    out |= megatron_layer()
-    dest = ROOT / "benchmarks" / "results" / "hybrid_gpu.json"
-    dest.write_text(json.dumps(out, indent=2) + "\n")
+    if not DRY and not torch.cuda.is_available():
+        raise SystemExit("hybrid_gpu_check: no CUDA device; use --dry-run to check the script on the CPU")
+    env = os.environ.get("GYRE_GPU_RESULTS")
+    dest = Path(env) / "hybrid_gpu.json" if env else None if DRY else ROOT / "benchmarks" / "results" / "hybrid_gpu.json"
+    out: dict = {"device": "cpu (dry run)" if DRY else torch.cuda.get_device_name()}
+
+    def put(**kv) -> None:
+        out.update(kv)
+        if dest is not None:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_text(json.dumps(out, indent=2) + "\n")
+
+    put(tree_vs_expanded_grad_max_abs_diff_fp32=tree_vs_expanded("float32"))
+    put(tree_vs_expanded_grad_max_abs_diff_bf16=tree_vs_expanded("bfloat16"))
+    put(**megatron_layer())
+    put(ok=out["tree_vs_expanded_grad_max_abs_diff_fp32"] < 1e-3 and out["megatron_gdn_tree_max_abs_diff"] < 1e-3)
     print(json.dumps(out))
-    assert out["tree_vs_expanded_grad_max_abs_diff_fp32"] < 1e-3, out
-    assert out["megatron_gdn_tree_max_abs_diff"] < 1e-3, out
+    assert out["ok"], out
     return out
 
 

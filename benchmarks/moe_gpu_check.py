@@ -2,14 +2,15 @@
 dispatcher; grouped GEMM when Transformer Engine is installed), engine/trainer log-prob agreement
 after export, and routing replay under bf16 (where numerics flip routes).
 
-Writes benchmarks/results/moe_gpu.json (flat keys); run by benchmarks/gpu_check.sh. `--dry-run`
-runs the same code on the CPU with a tiny model and writes nothing. Never run on a GPU by the
-session that wrote it (none was lent).
+Writes benchmarks/results/moe_gpu.json (flat keys; $GYRE_GPU_RESULTS overrides the folder), first
+after the steps and again at the end; run by benchmarks/gpu_check.sh. `--dry-run` runs the same
+code on the CPU with a tiny model in float32 and writes only where $GYRE_GPU_RESULTS is set.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 import time
@@ -19,6 +20,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+
+
+def _save(out: dict, dry_run: bool) -> None:
+    env = os.environ.get("GYRE_GPU_RESULTS")
+    if env or not dry_run:
+        path = Path(env) if env else ROOT / "benchmarks" / "results"
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "moe_gpu.json").write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
 
 
 def main(dry_run: bool) -> dict:
@@ -57,6 +66,7 @@ def main(dry_run: bool) -> dict:
         times.append(time.perf_counter() - t0)
     out.update(step_s=min(times), tokens_per_s=4 * S / min(times), moe_aux_loss=stats.get("moe_aux_loss"),
                grad_norm=stats["grad_norm"])
+    _save(out, dry_run)
     with tempfile.TemporaryDirectory() as d:
         trainer.export_weights(Path(d) / "w", weight_version=1)
         engine = CausalLM.from_dir(Path(d) / "w")
@@ -82,9 +92,7 @@ def main(dry_run: bool) -> dict:
                 logits = module(ids, routed_experts=replay)
             lp = token_logprobs(logits.float(), mb.to(trainer.device)).cpu()
             out[f"routing_replay_bf16_logprob_diff_{tag}"] = float((lp - old).abs().max())
-    if not dry_run:
-        path = ROOT / "benchmarks" / "results" / "moe_gpu.json"
-        path.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
+    _save(out, dry_run)
     print(json.dumps(out, indent=1, sort_keys=True))
     return out
 
