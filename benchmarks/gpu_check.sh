@@ -48,7 +48,7 @@ if [ "${1:-}" = "fetch" ]; then
 fi
 
 ALL=(smoke train tree moe offpolicy routing hybrid xlong cp)
-declare -A LIMIT=([smoke]=45 [train]=75 [tree]=80 [moe]=45 [offpolicy]=25 [routing]=25 [hybrid]=40 [xlong]=55
+declare -A LIMIT=([smoke]=45 [train]=75 [tree]=60 [moe]=45 [offpolicy]=40 [routing]=30 [hybrid]=55 [xlong]=50
                   [cp]=${GPU_CHECK_CP_TIMEOUT:-10})
 declare -A FILE=([smoke]=smoke_gpu.json [train]=ablation_gpu.json [tree]=tree_gpu.json [moe]=moe_gpu.json
                  [offpolicy]=offpolicy_gpu.json [routing]=routing_replay_gpu.json [hybrid]=hybrid_gpu.json

@@ -95,8 +95,10 @@ def check_version() -> None:
 
 
 def install() -> bool:
-    """Redirect Megatron's CUDA calls to the CPU when CUDA is absent; returns whether it patched."""
+    """Redirect Megatron's CUDA calls to the CPU when CUDA is absent; returns whether it patched.
+    Megatron's missing Transformer Engine names are bound on every device."""
     global _installed
+    bind_missing_te_names()
     if torch.cuda.is_available() or _installed:
         return _installed
     check_version()
@@ -111,10 +113,14 @@ def install() -> bool:
         mod = importlib.import_module(name)
         if hasattr(mod, "clip_grad_by_total_norm_fp32"):
             mod.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
-    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
-    if not hasattr(moe_utils, "te_general_gemm"):
-        # 0.16.1 reads this name in the router's gating linear but binds it only when Transformer
-        # Engine imports; None selects its plain-torch path
-        moe_utils.te_general_gemm = None
     _installed = True
     return True
+
+
+def bind_missing_te_names() -> None:
+    """Megatron-Core 0.16.1 reads `te_general_gemm` in the MoE router's gating linear but binds it
+    only when Transformer Engine imports: without TE every MoE forward is a NameError, on CUDA as on
+    the CPU (seen on an H200 without TE). None selects its plain-torch path."""
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None

@@ -38,7 +38,11 @@ class PositionalRotaryEmbedding(RotaryEmbedding):
                 cp_group=None) -> Tensor:
         if self.positions is None:
             return super().forward(max_seq_len, offset, packed_seq, cp_group)
-        pos = self.positions.to(device=self.inv_freq.device, dtype=self.inv_freq.dtype)
+        if self.inv_freq.device != self.positions.device:
+            # not a buffer, so `model.to("cuda")` leaves it where it was built (the CPU under
+            # use_cpu_initialization): follow the positions (found on an H200, issue 41's GPU run)
+            self.inv_freq = self.inv_freq.to(self.positions.device)
+        pos = self.positions.to(dtype=self.inv_freq.dtype)
         freqs = pos[..., None] * self.inv_freq  # [B, S, dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # non-interleaved, as in Qwen2
         return emb.transpose(0, 1)[:, :, None, :].contiguous()  # [S, B, 1, dim]

@@ -137,8 +137,11 @@ class TreeMask:
         """query [B,H,S,D], key/value [B,Hkv,S,D] -> [B,H,S,D]; H a multiple of Hkv."""
         if self.flex is not None:
             q, k, v = (x.contiguous() for x in (query, key, value))  # Megatron hands permuted views
+            # a training row is never decoding: under 128 queries FlexAttention would pick its
+            # flex_decoding kernel, which had no kernel choice for these shapes on an H200 (torch 2.11)
             return _flex_attention()(q, k, v, block_mask=self.flex, scale=scale,
-                                     enable_gqa=q.shape[1] != k.shape[1])
+                                     enable_gqa=q.shape[1] != k.shape[1],
+                                     kernel_options={"FORCE_USE_FLEX_ATTENTION": True})
         B, H, S, D = query.shape
         if (B, S) != tuple(self.kv_end.shape):
             raise ValueError(f"tree mask is for {tuple(self.kv_end.shape)}, attention got {(B, S)}")
@@ -270,12 +273,19 @@ def tree_mask_mod(kv_end: Tensor):
     return mask_mod
 
 
-def _flex_block_mask(kv_end: Tensor, block: int):
-    from torch.nn.attention.flex_attention import create_block_mask
+_CREATE_BLOCK_MASK = None
 
+
+def _flex_block_mask(kv_end: Tensor, block: int):
+    """Compiled, as torch's docs advise for long rows: eager, create_block_mask materializes the
+    whole S x S mask first (92 GiB for the 314,654-token case-study row on an H200: out of memory)."""
+    global _CREATE_BLOCK_MASK
+    if _CREATE_BLOCK_MASK is None:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        _CREATE_BLOCK_MASK = torch.compile(create_block_mask) if kv_end.is_cuda else create_block_mask
     B, S = kv_end.shape
-    return create_block_mask(tree_mask_mod(kv_end), B, None, S, S, device=kv_end.device,
-                             BLOCK_SIZE=block)
+    return _CREATE_BLOCK_MASK(tree_mask_mod(kv_end), B, None, S, S, device=kv_end.device, BLOCK_SIZE=block)
 
 
 _FLEX = None
