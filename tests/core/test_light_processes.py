@@ -5,6 +5,7 @@ imported does not hide a regression."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -14,10 +15,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def heavy_modules(script: str) -> list[str]:
     """Run ``script`` in a fresh Python; the heavy packages it left in sys.modules."""
-    probe = script + "\nimport sys\nprint(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'megatron'}))"
+    heavy = "{'torch', 'transformers', 'megatron'}"
+    probe = f"{script}\nimport sys\nprint(sorted({{m.split('.')[0] for m in sys.modules}} & {heavy}))"
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
-    return eval(r.stdout.strip().splitlines()[-1])  # a list literal of module names
+    return ast.literal_eval(r.stdout.strip().splitlines()[-1])
 
 
 def test_the_head_and_the_rank_entry_import_no_torch():
