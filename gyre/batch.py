@@ -241,8 +241,14 @@ def from_wire(d: dict) -> MicroBatch:
     missing = [n for n in names if n not in d and n not in optional]
     if missing:
         raise ValueError(f"micro-batch on the wire lacks {missing}")
-    values = {n: torch.from_numpy(np.ascontiguousarray(d[n])) for n in names if n in d}
-    values.setdefault("attention_mask", None)
-    mb = MicroBatch(**values)
+    mb = micro_batch_of({n: d[n] for n in names if n in d})
     mb.validate()
     return mb
+
+
+def micro_batch_of(arrays: dict) -> MicroBatch:
+    """A MicroBatch over numpy arrays in wire form (no copy, no validation): how
+    `gyre.traj.materialize` turns the arrays it builds (the head sends them as they are) into tensors."""
+    values = {n: torch.from_numpy(np.ascontiguousarray(v)) for n, v in arrays.items()}
+    values.setdefault("attention_mask", None)
+    return MicroBatch(**values)

@@ -96,6 +96,35 @@ def step_scalars(row: dict, stats: RunStats, t1: float) -> dict[str, float]:
     return out
 
 
+class ScalarWriter:
+    """TensorBoard scalars through tensorboard's own event-file writer: the events
+    `torch.utils.tensorboard.SummaryWriter.add_scalar` writes (same file, same records: a
+    ``simple_value`` per tag, wall time, step), without importing torch, which the head has no
+    other use for (~1 s of CPU per job)."""
+
+    def __init__(self, log_dir: Path) -> None:
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        # SummaryWriter's defaults: a queue of 10 events, flushed every 120 s (and on flush())
+        self._writer = EventFileWriter(str(log_dir), 10, 120, "")
+
+    def add_scalar(self, tag: str, value: float, global_step: int) -> None:
+        import time
+
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        summary = Summary(value=[Summary.Value(tag=tag, simple_value=float(value))])
+        self._writer.add_event(Event(summary=summary, wall_time=time.time(), step=int(global_step)))
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.flush()
+        self._writer.close()
+
+
 class MetricsSink:
     def __init__(self, run_dir: str | Path, loggers: list[str] | tuple[str, ...] = LOGGERS, *, name: str = "gyre",
                  config: dict | None = None, wandb_mode: str = "offline", first_step: int = 0) -> None:
@@ -111,9 +140,7 @@ class MetricsSink:
         self._tb = self._wb = None
         if "tensorboard" in loggers:
             if available("tensorboard"):
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"))
+                self._tb = ScalarWriter(self.dir / "tensorboard")
                 self.active.append("tensorboard")
             else:
                 self.skipped.append("tensorboard (not installed: pip install tensorboard)")

@@ -20,7 +20,6 @@ from typing import Callable
 
 import numpy as np
 
-from gyre.batch import to_wire
 from gyre.events import MicroBatchDone
 from gyre.sched.cells import Cell
 from gyre.minibatch import minibatch_scales
@@ -103,11 +102,11 @@ class TrainingDispatch:
                               micro_batch_tokens=self.cfg.train.micro_batch_tokens,
                               routing=self.cfg.train.routing_replay)
             for i in range(len(mat)):
-                mb, keys = mat.with_keys(i)
+                wire, keys = mat.wire_with_keys(i)  # numpy, as sent: the head never imports torch
                 mid = next(self.mb_ids)
-                self.audits[mid] = audit_micro_batch(mb, keys, batch.executions)
-                self.batches[mid] = to_wire(mb)
-                work[mid] = float(mb.input_ids.numel())
+                self.audits[mid] = audit_micro_batch(wire, keys, batch.executions)
+                self.batches[mid] = wire
+                work[mid] = float(wire["input_ids"].size)
             self.core.microbatches_added(g.id, work)
 
     # ---- micro-batches to train cells ----------------------------------------------------------

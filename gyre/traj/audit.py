@@ -16,12 +16,14 @@ The goal is 0 mismatched tokens on every step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from gyre.batch import MicroBatch
 from gyre.traj.tree import output_digest
+
+if TYPE_CHECKING:
+    from gyre.batch import MicroBatch
 
 
 @dataclass
@@ -38,15 +40,17 @@ class Audit:
         self.first = self.first or other.first
 
 
-def audit_micro_batch(mb: MicroBatch, keys: np.ndarray, executions: Sequence) -> Audit:
-    """Audit one micro-batch; ``keys`` are its targets' (execution_index, node, offset) and
-    ``executions`` the step's `SelectedExecution`s, indexed by ``execution_index``."""
+def audit_micro_batch(mb: MicroBatch | dict, keys: np.ndarray, executions: Sequence) -> Audit:
+    """Audit one micro-batch (a MicroBatch, or its wire form as the head holds it: numpy arrays by
+    field name); ``keys`` are its targets' (execution_index, node, offset) and ``executions`` the
+    step's `SelectedExecution`s, indexed by ``execution_index``."""
     out = Audit()
     if not len(keys):
         return out
     by_index = {e.index: e for e in executions}
-    ids = mb.target_ids.numpy()
-    old = mb.old_logprobs.numpy()
+    wire = mb if isinstance(mb, dict) else {"target_ids": mb.target_ids, "old_logprobs": mb.old_logprobs}
+    ids = np.asarray(wire["target_ids"])
+    old = np.asarray(wire["old_logprobs"])
     _, start = np.unique(keys[:, :2], axis=0, return_index=True)
     bounds = np.append(np.sort(start), len(keys))
     # targets of one node are contiguous in a micro-batch (one piece carries a node's targets)

@@ -24,18 +24,19 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_left, insort
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
-import torch
 
 from gyre.config import Layout
-from gyre.advantage import ESTIMATORS, advantages as group_advantages
-from gyre.batch import MicroBatch
+from gyre.advantage import ESTIMATORS, group_advantages
 from gyre.traj.record import ExecutionRecord
 from gyre.traj.routing import row_routing
 from gyre.traj.select import SelectionSpec, select_leaves
 from gyre.traj.tree import ROOT, TrajectoryTree
+
+if TYPE_CHECKING:
+    from gyre.batch import MicroBatch
 
 LAYOUTS = ("tree", "expanded")
 
@@ -158,8 +159,7 @@ def prepare_step(records: Sequence[ExecutionRecord], spec: SelectionSpec, *, ste
         raise ValueError(f"executions without a finite reward cannot train: {bad[:5]}")
     keys: dict[tuple[str, int], int] = {}
     groups = [keys.setdefault((r.task, r.group), len(keys)) for r in records]
-    adv = group_advantages(torch.from_numpy(rewards), torch.tensor(groups, dtype=torch.long),
-                           estimator, eps).numpy() if records else np.zeros(0)
+    adv = group_advantages(rewards, np.array(groups, np.int64), estimator, eps) if records else np.zeros(0)
 
     kept, skipped = [], []
     for rec, a in zip(records, adv):
@@ -418,8 +418,10 @@ def _add_piece(row: _RowParts, p: Piece) -> None:
     row.length += int(lens.sum())
 
 
-def build_micro_batch(plan: MicroBatchPlan, routing: bool = False) -> tuple[MicroBatch, np.ndarray]:
-    """Tensors for one plan, plus each target's key (execution_index, node id, token offset).
+def build_wire(plan: MicroBatchPlan, routing: bool = False) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """One plan's micro-batch in its wire form (`gyre.batch.to_wire`: numpy arrays, fields that
+    are None left out), plus each target's key (execution_index, node id, token offset).
+    Numpy only: the head builds and sends micro-batches without importing torch.
     ``routing``: carry the recorded routed experts (routing replay) when the rows have them."""
     rows = []
     for pieces in plan.rows:
@@ -441,27 +443,36 @@ def build_micro_batch(plan: MicroBatchPlan, routing: bool = False) -> tuple[Micr
             cols.append({**t, "pred": t["pred"] + b * S})
     cat = {k: np.concatenate([c[k] for c in cols]) if cols else np.zeros(0) for k in
            ("pred", "target", "old", "adv", "weight", "stale", "temp", "exe", "node", "offset")}
-    mb = MicroBatch(
-        input_ids=torch.from_numpy(ids),
-        position_ids=torch.from_numpy(pos),
-        attention_mask=None,  # kv_end is the structure: no S x S mask is built or sent
-        pred_pos=torch.from_numpy(cat["pred"].astype(np.int64)),
-        target_ids=torch.from_numpy(cat["target"].astype(np.int64)),
-        old_logprobs=torch.from_numpy(cat["old"].astype(np.float32)),
-        advantages=torch.from_numpy(cat["adv"].astype(np.float32)),
-        weights=torch.from_numpy(cat["weight"].astype(np.float32)),
-        staleness=torch.from_numpy(cat["stale"].astype(np.int64)),
-        execution_index=torch.from_numpy(cat["exe"].astype(np.int64)),
-        temperature=torch.from_numpy(cat["temp"].astype(np.float32)),
+    wire = {  # MicroBatch's field order; attention_mask None: kv_end is the structure, no S x S mask
+        "input_ids": ids,
+        "position_ids": pos,
+        "pred_pos": cat["pred"].astype(np.int64),
+        "target_ids": cat["target"].astype(np.int64),
+        "old_logprobs": cat["old"].astype(np.float32),
+        "advantages": cat["adv"].astype(np.float32),
+        "weights": cat["weight"].astype(np.float32),
+        "staleness": cat["stale"].astype(np.int64),
+        "execution_index": cat["exe"].astype(np.int64),
+        "temperature": cat["temp"].astype(np.float32),
         # query i sees key j iff j <= i and i lies in the subtree span of j's node
-        kv_end=torch.from_numpy(end),
-        routed_experts=_routed_experts(plan, S) if routing else None,
-    )
+        "kv_end": end,
+    }
+    routed = _routed_experts(plan, S) if routing else None
+    if routed is not None:
+        wire["routed_experts"] = routed
     keys = np.stack([cat["exe"], cat["node"], cat["offset"]], axis=1).astype(np.int64)
-    return mb, keys
+    return wire, keys
 
 
-def _routed_experts(plan: MicroBatchPlan, S: int) -> torch.Tensor | None:
+def build_micro_batch(plan: MicroBatchPlan, routing: bool = False) -> tuple[MicroBatch, np.ndarray]:
+    """`build_wire` as tensors (a MicroBatch over the same arrays), plus the targets' keys."""
+    from gyre.batch import micro_batch_of  # torch: the trainer side and tests, never the head
+
+    wire, keys = build_wire(plan, routing)
+    return micro_batch_of(wire), keys
+
+
+def _routed_experts(plan: MicroBatchPlan, S: int) -> np.ndarray | None:
     """[B, S, L, k] int16 routing of the plan's rows (-1: not recorded, padding), or None."""
     per_row = [row_routing(pieces) for pieces in plan.rows]
     ref = next((r for r in per_row if r is not None), None)
@@ -471,7 +482,7 @@ def _routed_experts(plan: MicroBatchPlan, S: int) -> torch.Tensor | None:
     for b, r in enumerate(per_row):
         if r is not None:
             out[b, :len(r)] = r
-    return torch.from_numpy(out)
+    return out
 
 
 # -- the step ----------------------------------------------------------------------------------
@@ -516,6 +527,10 @@ class Materialized:
 
     def with_keys(self, i: int) -> tuple[MicroBatch, np.ndarray]:
         return build_micro_batch(self.plans[i], self.routing)
+
+    def wire_with_keys(self, i: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """Micro-batch ``i`` as the head sends it (numpy, no torch), with its targets' keys."""
+        return build_wire(self.plans[i], self.routing)
 
 
 def materialize(executions: Sequence[SelectedExecution], *, layout: str = "tree",
