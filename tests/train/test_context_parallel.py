@@ -249,7 +249,7 @@ def _cp_rank(rank, port, hf_config, hf_state, out):
     from gyre.train import megatron_model
     from gyre.train.dist import init_distributed
     from gyre.train.megatron_trainer import MegatronTrainer
-    from tests.support.cp_attention import AllGatherCPAttention
+    from support.cp_attention import AllGatherCPAttention
 
     torch.set_num_threads(1)
     init_distributed(rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
@@ -275,7 +275,7 @@ def _cp_rank(rank, port, hf_config, hf_state, out):
 
 @pytest.fixture(scope="module")
 def two_cp_ranks():
-    """One run of two CP ranks (~30 s) shared by the tests below: (the HF model, its state, each
+    """One run of two CP ranks shared by the tests below: (the HF model, its state, each
     rank's reply in rank order)."""
     from gyre.train.toy import random_qwen2
 
