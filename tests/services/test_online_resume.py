@@ -21,7 +21,7 @@ from support.gyre_run import ROOT, SMALL, check_ledger, report
 from gyre.services.validation import ValidationLog
 from gyre.traj.store import iter_executions
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1500)]  # the first test waits on three gyre runs
 
 VALIDATE = ["validate.every_steps=1", "validate.suite=learnable", "validate.samples=2", "validate.k=2",
             "validate.pass_threshold=0.3", "reward.function=reward_fn:score",
