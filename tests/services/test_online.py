@@ -33,13 +33,14 @@ def cells(run_dir: Path) -> dict | None:
 
 
 def test_elastic_run_switches_both_ways_and_trains(tmp_path):
-    # The paper's elastic rule (E-paper): 8 executions at 4 per rollout cell need both cells at
+    # The paper's elastic rule (E-paper): 4 executions at 2 per rollout cell need both cells at
     # each step's start, so every step moves a cell rollout -> train as its executions end and
     # train -> rollout for the next step. (The shipped E keeps a trainer while the calls in flight
     # leave rollout cells idle, which on this toy's millisecond calls is most of the time: its
     # switching rules are tested on states in tests/sched/test_sched_policies.py, and it runs live in
     # the stale-drop and fault tests here.)
-    rc, out = gyre_run(tmp_path / "e", "sched.scheme=E-paper", "sched.execs_per_cell=4", "run.keep_checkpoints=1")
+    rc, out = gyre_run(tmp_path / "e", "sched.scheme=E-paper", "harness.group_size=2", "sched.execs_per_cell=2",
+                       "run.keep_checkpoints=1")
     assert rc == 0, out[-3000:]
     rep = report(tmp_path / "e")
     assert len(rep["steps"]) >= 2 and rep["version"] == 2
@@ -60,7 +61,7 @@ def test_elastic_run_switches_both_ways_and_trains(tmp_path):
         total = c["rollout_s"] + c["train_s"] + c["switching_s"] + c["failed_s"]
         assert abs(total - c["wall_s"]) < 0.05 * c["wall_s"], c
     rows = check_ledger(tmp_path / "e")
-    assert sum(r["admitted"] for r in rows) == 2 * 2 * 4  # steps x groups x G
+    assert sum(r["admitted"] for r in rows) == 2 * 2 * 2  # steps x groups x G
     assert (tmp_path / "e" / "weights" / "v2" / "model.safetensors").exists()
     check_watchable(tmp_path / "e", out, steps=2)
     assert sorted(p.name for p in (tmp_path / "e" / "checkpoints").iterdir()) == ["v2"]  # run.keep_checkpoints=1
