@@ -1,7 +1,7 @@
 """Deaths at named phases of a cell (gyre.faults): the run still trains every step once.
 
-Each test is one `gyre run` (1 head + 2 cells, scheme C so that both cells train and reduce
-together) with ``GYRE_FAULT=<process>:<phase>[,...]``: the first process that reaches a phase
+The test is one run in two `gyre run` jobs (1 head + 2 cells, scheme C so that both cells train
+and reduce together; the second job resumes the first) with ``GYRE_FAULT=<process>:<phase>[,...]``: the first process that reaches a phase
 SIGKILLs itself there, once (a marker file in ``GYRE_FAULT_DIR`` proves it fired and stops a restarted
 process from dying again). Nothing waits on a sleep: the kill happens exactly at the phase.
 
