@@ -18,6 +18,8 @@ E2E_FILES = {"test_slurm.py", "test_slurm_cells.py", "test_online.py", "test_cel
 # (started once for its ten tests)
 XDIST_GROUPS = {"test_slurm.py": "slurm", "test_slurm_cells.py": "slurm", "test_slurm_startup.py": "slurm",
                 "test_cell_agent.py": "cell_agent",
+                "test_online_resume.py": "online_resume",  # one run in three sessions, shared by its tests
+                "test_online_head_faults.py": "head_faults",  # one run in four jobs, shared by its tests
                 "test_vllm_engine.py": "vllm"}  # its vLLM server once for the module
 
 

@@ -1,7 +1,7 @@
 """Deaths at named phases of a cell (gyre.faults): the run still trains every step once.
 
-Each test is one `gyre run` (1 head + 2 cells, scheme C so that both cells train and reduce
-together) with ``GYRE_FAULT=<process>:<phase>[,...]``: the first process that reaches a phase
+The test is one run in two `gyre run` jobs (1 head + 2 cells, scheme C so that both cells train
+and reduce together; the second job resumes the first) with ``GYRE_FAULT=<process>:<phase>[,...]``: the first process that reaches a phase
 SIGKILLs itself there, once (a marker file in ``GYRE_FAULT_DIR`` proves it fired and stops a restarted
 process from dying again). Nothing waits on a sleep: the kill happens exactly at the phase.
 
@@ -73,14 +73,33 @@ BEFORE_THE_SUM = ["micro_batch", "prepare_reduce"]  # recovery: the lost micro-b
 BEFORE_THE_COMMIT = ["reduce", "optimizer_step", "export", "checkpoint"]  # recovery: the reduce repeated
 
 
-def test_trainer_fault_phases_before_the_sum_before_the_commit_and_between_a_steps_two_updates(tmp_path):
-    # train.minibatches_per_step = 2, so each step is two reduces: a trainer dies at each phase
-    # before an update's sum (its micro-batches are handed out again) and before its commit (the
-    # reduce is repeated), then one dies on its first micro-batch of a second update (the first is
-    # applied: its replacement loads the checkpoint inside the step)
+def test_agent_fault_phase_command_resumes_then_trainer_fault_phases_before_the_sum_the_commit_and_a_later_update(
+        tmp_path):
+    """One run in two jobs carries both checks (a job start is most of a test's CPU).
+
+    First job: an agent dies at its 3rd command; an agent is an MPI rank, so the job ends, and
+    `gyre run --resume` resumes from the last checkpoint.
+
+    Second job (the resume): train.minibatches_per_step = 2, so each step is two reduces: a
+    trainer dies at each phase before an update's sum (its micro-batches are handed out again)
+    and before its commit (the reduce is repeated), then one dies on its first micro-batch of a
+    second update (the first is applied: its replacement loads the checkpoint inside the step)."""
     phases = BEFORE_THE_SUM + BEFORE_THE_COMMIT + ["later_minibatch"]
-    run_dir, rc, out = faulted_run(tmp_path, ",".join(f"trainer:{p}" for p in phases),
-                                   "train.minibatches_per_step=2", "train.off_policy=decoupled")
+    over = ("train.minibatches_per_step=2", "train.off_policy=decoupled")
+    run_dir, rc, out = faulted_run(tmp_path, "agent:command:3", *over)
+    assert (tmp_path / "fired-agent-command-3").exists(), out[-3000:]
+    assert rc != 0  # an agent is an MPI rank: its death ends the job
+    assert not any((tmp_path / f"fired-trainer-{p}-1").exists() for p in phases)  # (none asked for yet)
+    cells = json.loads((run_dir / "cells.json").read_text())["cells"] if (run_dir / "cells.json").exists() else []
+    for c in cells:  # the dead agent's engine ran in its own session: end it
+        if c.get("engine_pid"):
+            try:
+                os.kill(c["engine_pid"], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    # the resume: each step once across the two jobs, every trainer phase fired and recovered
+    spec = ",".join(["agent:command:3", *(f"trainer:{p}" for p in phases)])
+    run_dir, rc, out = faulted_run(tmp_path, spec, *over, resume=True)
     rep = assert_recovered(tmp_path, run_dir, rc, out, [("trainer", p) for p in phases])
     restarts = [e for e in rep["events"] if e["kind"] == "trainer_restarted"]
     assert len(restarts) >= len(phases), restarts
@@ -93,22 +112,3 @@ def test_trainer_fault_phases_before_the_sum_before_the_commit_and_between_a_ste
     # the weights of the last version are complete (a death in export left no half directory), and
     # an update inside a step exports nothing
     assert (run_dir / "weights" / "v2" / "config.json").exists() and not (run_dir / "weights" / "v0u1").exists()
-
-
-def test_agent_fault_phase_command_resumes_from_the_last_checkpoint(tmp_path):
-    run_dir, rc, out = faulted_run(tmp_path, "agent:command:3")
-    assert (tmp_path / "fired-agent-command-3").exists(), out[-3000:]
-    assert rc != 0  # an agent is an MPI rank: its death ends the job
-    cells = json.loads((run_dir / "cells.json").read_text())["cells"] if (run_dir / "cells.json").exists() else []
-    for c in cells:  # the dead agent's engine ran in its own session: end it
-        if c.get("engine_pid"):
-            try:
-                os.kill(c["engine_pid"], signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    run_dir, rc, out = faulted_run(tmp_path, "agent:command:3", resume=True)
-    assert rc == 0, out[-4000:]
-    rep = report(run_dir)
-    assert rep["version"] == 2
-    assert sorted(steps_closed(run_dir)) == [0, 1]  # each step once, across the two jobs
-    check_ledger(run_dir)

@@ -15,7 +15,6 @@ from gyre.config import ConfigError, load_config
 from gyre.offline_rollout import validate
 from gyre.services.validation import ValidationLog, pass_at_k, summarize, validation_tasks
 from gyre.traj.store import iter_executions
-from support.gyre_run import check_ledger, gyre_run, report
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -114,32 +113,6 @@ def test_a_round_runs_through_the_rollout_service_never_into_training_and_is_not
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_gyre_run_validates_at_start_every_step_and_at_the_end_with_a_reward_function(tmp_path):
-    run = tmp_path / "run"
-    rc, out = gyre_run(run, "validate.every_steps=1", "validate.suite=learnable", "validate.samples=2",
-                       "validate.k=2", "validate.pass_threshold=0.3", "reward.function=reward_fn:score",
-                       f'reward.pythonpath=["{ROOT / "docs" / "recipes"}"]', steps=2)
-    assert rc == 0, out[-3000:]
-    rep = report(run)
-    rounds = {r["round"]: r for r in rep["validation"]}
-    assert set(rounds) == {"v0", "v1", "v2"}, rounds.keys()
-    for r in rounds.values():
-        assert r["executions"] == 4 and r["unscored"] == 0 and set(r["parts"]) == {"tests", "brevity", "truncation"}
-        assert f"gyre: validation {r['round']}: pass@1 " in out
-    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    val = [m for m in metrics if "val/pass@1" in m]
-    assert sorted(m["step"] for m in val) == [0, 1, 2] and all("val/reward/brevity" in m for m in val)
-    # training executions were scored by the reward function, validation ones never trained
-    rows = check_ledger(run)
-    assert rows and all(not r["execution"].startswith("val") for r in rows)
-    rewards = [json.loads(x) for x in (run / "rewards.jsonl").read_text().splitlines()]
-    recs = list(iter_executions(run / "shards"))
-    assert len(rewards) == len(recs) + 3 * 4 and not any(r["error"] for r in rewards)  # trained + validation
-    assert recs and {r.reward_source for r in recs} <= {"reward", "reward-after-timeout"}
-
-
-@pytest.mark.e2e
-@pytest.mark.slow
 def test_gyre_rollout_validates_on_its_own_engines(tmp_path):
     from gyre.offline_rollout import Rollout
 
@@ -152,18 +125,5 @@ def test_gyre_rollout_validates_on_its_own_engines(tmp_path):
     assert {r.task for r in iter_executions(tmp_path / "run" / "validation" / "shards")} == {"no_letters"}
 
 
-@pytest.mark.e2e
-@pytest.mark.slow
-def test_a_resumed_run_does_not_redo_finished_rounds(tmp_path):
-    run = tmp_path / "run"
-    val = ["validate.every_steps=1", "validate.suite=learnable", "validate.samples=2", "validate.k=2"]
-    rc, out = gyre_run(run, *val, steps=1)
-    assert rc == 0, out[-3000:]
-    assert set(ValidationLog(run).rounds) == {"v0", "v1"}
-    before = {p.name for p in (run / "workspaces").iterdir() if p.name.startswith("val")}
-    rc, out = gyre_run(run, *val, steps=2, resume=True)
-    assert rc == 0, out[-3000:]
-    assert "gyre: validation v1:" not in out and "gyre: validation v2:" in out
-    after = {p.name for p in (run / "workspaces").iterdir() if p.name.startswith("val")}
-    assert before < after and {n.split("-")[0] for n in after - before} == {"val2"}
-    assert {r["round"] for r in report(run)["validation"]} == {"v0", "v1", "v2"}
+# `gyre run`'s rounds (at the start, every step, the end, with a reward function) and a resumed run
+# not redoing them: tests/services/test_online_resume.py, on the one run in three sessions there.
