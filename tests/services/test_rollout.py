@@ -96,20 +96,30 @@ def test_endpoint_removed_mid_rollout_fails_no_execution(tmp_path):
     assert all(c.finish_reason != "abort" for c in calls)
 
 
+GATE_AGENT = Path(__file__).resolve().parents[1] / "harness_scripts" / "gate_agent.py"
+
+
 def test_sigterm_then_resume_runs_only_the_rest_and_replays_the_stopped(tmp_path):
-    run_dir = tmp_path / "run"
-    slow_agent = list(AGENT)
-    slow_agent[AGENT.index("--max-turns") + 1] = "6"  # long enough to be stopped mid-execution
-    cmd = "[" + ", ".join(f'"{c}"' for c in slow_agent) + "]"
+    """The roman executions wait mid-run behind a gate (tests/harness_scripts/gate_agent.py: their
+    calls made and recorded) while the fizzbuzz ones finish and are recorded; then SIGTERM. The
+    resume runs only the roman ones, each replaying its recorded calls in a fresh workspace."""
+    run_dir, gate = tmp_path / "run", tmp_path / "gate"
+    agent = ["{python}", str(GATE_AGENT), "{execution_id}", *AGENT[3:]]  # the reference agent's own arguments
+    cmd = "[" + ", ".join(f'"{c}"' for c in agent) + "]"
+    # the gate agent coordinates through a folder outside its execution: what a sandbox hides
     args = [sys.executable, "-m", "gyre.cli", "rollout", "--no-progress", f"run.dir={run_dir}", "engine.endpoints=1",
-            "harness.group_size=2", "harness.concurrency=2", 'harness.tasks=["fizzbuzz", "roman"]',
-            f"harness.command={cmd}", "store.executions_per_shard=1"]
+            "harness.group_size=2", "harness.concurrency=4", 'harness.tasks=["fizzbuzz", "roman"]',
+            f"harness.command={cmd}", "store.executions_per_shard=1", "harness.sandbox=none",
+            f'harness.env=["GYRE_GATE_PREFIX=roman-", "GYRE_GATE_DIR={gate}"]']
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        if run_dir.joinpath("shards").exists() and any(run_dir.joinpath("shards").glob("*.h5")):
-            break
+
+    def both_fizzbuzz_recorded_and_both_roman_waiting() -> bool:
+        return len(list(run_dir.glob("shards/*.h5"))) >= 2 and len(list(gate.glob("roman-*"))) == 2
+
+    deadline = time.monotonic() + 240  # a state that lasts until the SIGTERM, looked for every 0.2 s
+    while time.monotonic() < deadline and proc.poll() is None and not both_fizzbuzz_recorded_and_both_roman_waiting():
         time.sleep(0.2)
+    assert proc.poll() is None and both_fizzbuzz_recorded_and_both_roman_waiting(), proc.poll()
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out
@@ -118,6 +128,8 @@ def test_sigterm_then_resume_runs_only_the_rest_and_replays_the_stopped(tmp_path
     stopped = [r for r in first if r.status == "stopped"]
     assert done_first and stopped, [(r.execution_id, r.status) for r in first]
     assert all(r.reward_source.startswith("not-evaluated") for r in stopped)
+    assert sorted(r.execution_id.split("-")[0] for r in stopped) == ["roman", "roman"]
+    (gate / "open").touch()
     again = subprocess.run(args + ["--resume"], capture_output=True, text=True, timeout=400)
     assert again.returncode == 0, again.stdout + again.stderr
     final = records(run_dir)
