@@ -12,7 +12,10 @@ from pathlib import Path
 
 
 ROOT = Path(__file__).resolve().parents[2]
-SMALL = ["sched.cells=2", "harness.group_size=4", "harness.concurrency=8", "sched.min_dwell_s=0.5", "eval.workers=2"]
+# W&B off: no test of a gyre_run job reads it, and its start is ~0.9 s of the head's CPU per job
+# (tests/report/test_report.py checks the offline W&B run; the Slurm jobs keep the default loggers)
+SMALL = ["sched.cells=2", "harness.group_size=4", "harness.concurrency=8", "sched.min_dwell_s=0.5", "eval.workers=2",
+         'run.loggers=["jsonl", "tensorboard"]']
 
 
 def gyre_run(run_dir: Path, *over: str, steps: int = 2, resume: bool = False, wait: bool = True, timeout: float = 400,
