@@ -47,15 +47,19 @@ def main(argv: list[str] | None = None) -> int:
         preflight(cfg)  # every rank checks (its node's view of the paths): under Slurm nothing checked before
     except ConfigError as e:
         error = str(e)
-    errors = comm.gather(error, root=0)  # rank 0 says it once, then ends mpiexec / the srun step
+    errors = comm.gather(error, root=0)  # rank 0 says it once, then every rank ends
+    refused = False
     if comm.Get_rank() == 0:
         bad = [(rank, e) for rank, e in enumerate(errors) if e]
         if bad:
             rank, e = bad[0]
             where = f" (rank {rank}{f' and {len(bad) - 1} more' if len(bad) > 1 else ''})" if rank else ""
             print(f"gyre: configuration error{where}: {e}", file=sys.stderr, flush=True)
-            comm.Abort(2)
-    comm.bcast(None, root=0)  # cell ranks wait here for rank 0's verdict (an abort ends them)
+            refused = True
+    # every rank waits here for rank 0's verdict and, refused, exits 2 with MPI finalized: MPI_Abort
+    # could end mpiexec before it had forwarded rank 0's line (seen once: exit 2, stderr empty)
+    if comm.bcast(refused, root=0):
+        return 2
     if comm.Get_rank() != 0:
         return _or_abort(comm, "cell", lambda: run_cell(args), Path(cfg.run.dir))
     return _or_abort(comm, "head", lambda: run_head(comm, args), Path(cfg.run.dir))
