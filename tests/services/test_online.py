@@ -6,23 +6,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
-from support.gyre_run import check_ledger, gyre_run, report, ROOT
+from support.gyre_run import check_ledger, gyre_run, report, ROOT, wait_for
 
 # two cells (a job start is one engine, one trainer and one agent per cell: most of a test's CPU)
-
-
-def wait_for(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def cells(run_dir: Path) -> dict | None:

@@ -20,27 +20,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from support.gyre_run import check_ledger, gyre_run, report
+from support.gyre_run import check_ledger, gyre_run, report, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(2000)]  # the first test waits on four jobs
 
 STEPS, Q, G = 3, 2, 2
 SPECS = "head:execution_recorded:3,head:step_end:1"
-
-
-def wait_for(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def executions_in_shards(run_dir: Path) -> set[str]:

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -56,3 +57,14 @@ def check_ledger(run_dir: Path) -> list[dict]:
     ended = {rec.execution_id for rec in iter_executions(run_dir / "shards")}
     assert ended <= {r["execution"] for r in rows}
     return rows
+
+
+def wait_for(pred, timeout: float, what: str):
+    """pred()'s first truthy value, looked for every 0.05 s (a run's state, not a moment in time)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
