@@ -35,6 +35,7 @@ library because no maintained CPU block-sparse attention with autograd exists fo
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -273,19 +274,21 @@ def tree_mask_mod(kv_end: Tensor):
     return mask_mod
 
 
-_CREATE_BLOCK_MASK = None
+@functools.lru_cache(maxsize=None)
+def _compiled_create_block_mask():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask)
 
 
 def _flex_block_mask(kv_end: Tensor, block: int):
-    """Compiled, as torch's docs advise for long rows: eager, create_block_mask materializes the
-    whole S x S mask first (92 GiB for the 314,654-token case-study row on an H200: out of memory)."""
-    global _CREATE_BLOCK_MASK
-    if _CREATE_BLOCK_MASK is None:
-        from torch.nn.attention.flex_attention import create_block_mask
+    """Compiled on CUDA, as torch's docs advise for long rows: eager, create_block_mask materializes
+    the whole S x S mask first (92 GiB for the 314,654-token case-study row on an H200: out of memory)."""
+    from torch.nn.attention.flex_attention import create_block_mask
 
-        _CREATE_BLOCK_MASK = torch.compile(create_block_mask) if kv_end.is_cuda else create_block_mask
+    make = _compiled_create_block_mask() if kv_end.is_cuda else create_block_mask
     B, S = kv_end.shape
-    return _CREATE_BLOCK_MASK(tree_mask_mod(kv_end), B, None, S, S, device=kv_end.device, BLOCK_SIZE=block)
+    return make(tree_mask_mod(kv_end), B, None, S, S, device=kv_end.device, BLOCK_SIZE=block)
 
 
 _FLEX = None
