@@ -36,7 +36,7 @@ def test_a_broken_harness_is_told_from_a_limit_or_a_clean_end():
 def test_a_harness_that_always_crashes_stops_the_run_and_nothing_trains(tmp_path):
     run_dir = tmp_path / "c"
     rc, out = gyre_run(run_dir, f'harness.command=["{{python}}", "-c", "{CRASH}"]', "harness.group_size=2",
-                       "run.stop_harness_failure_steps=2", "sched.skip_zero_variance=false", steps=4, timeout=400)
+                       "run.stop_harness_failure_steps=2", "sched.skip_zero_variance=false", "sched.cells=1", steps=4, timeout=400)
     assert rc != 0, out[-3000:]
     assert "run.stop_harness_failure_steps=2" in out, out[-3000:]
     steps = [ln for ln in out.splitlines() if ln.startswith("gyre: step ")]

@@ -48,7 +48,7 @@ def listed_pids(run_dir: Path) -> list[int]:
 
 
 def job(run_dir: Path, env: dict, resume: bool):
-    return gyre_run(run_dir, f"harness.group_size={G}", steps=STEPS, wait=False, env=env, resume=resume)
+    return gyre_run(run_dir, "sched.cells=1", f"harness.group_size={G}", steps=STEPS, wait=False, env=env, resume=resume)
 
 
 def ended(proc, timeout: float = 550) -> str:

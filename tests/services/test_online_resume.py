@@ -32,7 +32,7 @@ def run(run_dir: Path, steps: int, resume: bool) -> str:
     """`gyre run` as a user types it, plots included."""
     cmd = [sys.executable, "-m", "gyre.cli", "run", "--config", str(ROOT / "launchers" / "demo.toml"),
            *(["--resume"] if resume else []), f"run.dir={run_dir}", f"run.steps={steps}", *SMALL,
-           "harness.group_size=2", "run.loggers=[\"jsonl\"]", *VALIDATE]
+           "sched.cells=1", "harness.group_size=2", "run.loggers=[\"jsonl\"]", *VALIDATE]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:]
     return proc.stdout
