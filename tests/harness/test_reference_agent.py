@@ -195,7 +195,7 @@ def test_through_the_runner_and_the_evaluator(tmp_path):
 
 
 def test_tool_limits(ws, tmp_path):
-    main = [assistant(call("bash", 1, command="head -c 5000000 /dev/zero | tr '\\0' x; echo END"),
+    main = [assistant(call("bash", 1, command="head -c 500000 /dev/zero | tr '\\0' x; echo END"),
                       call("bash", 2, command="sleep 100 & sleep 100"),
                       call("write_file", 3, path=str(tmp_path / "abs_outside.txt"), content="x"),
                       call("write_file", 4, path="link/inside.txt", content="x"),
@@ -204,14 +204,15 @@ def test_tool_limits(ws, tmp_path):
             assistant(call("finish", 7, summary="done"))]
     (ws / "link").symlink_to(tmp_path)
     with ScriptedServer({"main": main}) as srv:
-        # 5 s: the 5 MB pipe of call 1 must finish inside the limit on a loaded machine (at 1 s it
-        # was killed once beside three CPU-heavy neighbours); call 2 still meets it
-        proc = run_agent(srv, ws, "--tool-timeout", "5", "--no-subagent", timeout=60)
+        # call 2 waits the whole limit, call 1 must finish inside it on a loaded machine: its 500 kB
+        # (still 60 times the output cap) take milliseconds, so 2 s (at 1 s a 5 MB pipe was killed
+        # once beside three CPU-heavy neighbours; 5 s was then waited by every run)
+        proc = run_agent(srv, ws, "--tool-timeout", "2", "--no-subagent", timeout=60)
     assert proc.returncode == 0, proc.stderr
     results = {m["tool_call_id"]: m["content"] for m in srv.requests[1]["messages"] if m["role"] == "tool"}
     big = results["call_bash_1"]
     assert len(big) < 9000 and big.startswith("exit status 0") and big.rstrip().endswith("END")
-    assert results["call_bash_2"].startswith("killed after 5s")
+    assert results["call_bash_2"].startswith("killed after 2s")
     assert "outside" in results["call_write_file_3"] and not (tmp_path / "abs_outside.txt").exists()
     assert "outside" in results["call_write_file_4"] and not (tmp_path / "inside.txt").exists()
     assert "not a valid JSON object" in results["call_bad_5"]

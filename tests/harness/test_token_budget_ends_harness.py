@@ -69,7 +69,7 @@ def test_a_harness_that_keeps_calling_past_its_budget_is_ended_and_scored_as_a_t
                              tmp_path / "shards")
     service.proxy, service.base_url = stack.proxy, stack.base + "/v1"
     service.pool = HarnessPool(tmp_path / "run", [sys.executable, str(tmp_path / "agent.py")], environments=envs,
-                               limits=Limits(timeout_s=TIMEOUT_S, kill_grace_s=1.0))
+                               limits=Limits(timeout_s=TIMEOUT_S, kill_grace_s=0.5))  # its retries spin until then
     service.evaluators = EvaluatorPool(EvalOptions(timeout_s=60, scratch_dir=str(tmp_path / "scratch")), workers=1,
                                        workspaces_root=tmp_path / "run" / "workspaces")
     t0 = time.monotonic()

@@ -132,7 +132,8 @@ def test_streamed_stop_string_never_leaks(stack):
 def test_disconnect_aborts_the_engine_request_and_records_nothing(stack):
     stack.engine.script = [R.encode("slow answer " * 20) + [R.im_end]]
     stack.engine.token_delay_s = 0.2  # ~12 s: longer than the client waits
-    client, _ = stack.client(timeout=httpx.Timeout(1.0))
+    # 0.5 s: each attempt reaches the in-process engine within milliseconds (engine.started == 3)
+    client, _ = stack.client(timeout=httpx.Timeout(0.5))
     client = client.with_options(max_retries=2)  # the SDK retries after each timeout
     with pytest.raises(openai.APITimeoutError):
         client.chat.completions.create(model="main", messages=[{"role": "user", "content": "hi"}])
