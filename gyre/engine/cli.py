@@ -100,6 +100,13 @@ def run(args: argparse.Namespace) -> int:
         cfg.engine.host = host
         return serve_cell_engine(cfg, model, api_key=api_key, port=port, weight_version=args.weight_version)
 
+    from gyre.model.families import ModelFormatError, family_of, read_config, text_config
+
+    try:  # a missing or foreign model is told before torch loads (~2 s of CPU a start)
+        family_of(text_config(read_config(model)))
+    except ModelFormatError as e:
+        print(f"gyre engine: cannot serve {model}: {e}", file=sys.stderr)
+        return 2
     import torch
 
     from gyre.engine.runtime import Engine  # numpy model and aiohttp server: only when serving
@@ -107,7 +114,6 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    from gyre.model.families import ModelFormatError  # as above
 
     try:
         engine = Engine(model, weight_version=args.weight_version, max_running=cfg.engine.max_running_requests,
