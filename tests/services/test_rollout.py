@@ -189,12 +189,13 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("phase", ["execution_ended", "execution_recorded"])
-def test_sigkill_of_rollout_at_a_named_phase_then_resume_runs_every_execution_once(tmp_path, phase):
-    """`gyre rollout` SIGKILLed at its 2nd execution's end (before / after that execution is on
-    disk), then `--resume`: what was recorded is kept, the rest reruns in fresh workspaces,
-    every (task, member) finishes exactly once, nothing is `failed` or `lost` without cause, and
-    the engines and key files the killed run left behind are reaped."""
+def test_sigkill_of_rollout_at_each_named_phase_then_resume_runs_every_execution_once(tmp_path):
+    """`gyre rollout` SIGKILLed at its 2nd execution's end before that execution is on disk
+    (execution_ended), then `--resume` SIGKILLed at its own 2nd execution's end after it is on disk
+    (execution_recorded), then `--resume` again (one chain: a rollout's start is most of its CPU):
+    what was recorded is kept, the rest reruns in fresh workspaces, every (task, member) finishes
+    exactly once, nothing is `failed` or `lost` without cause, and the engines and key files each
+    killed run left behind are reaped by the next."""
     import json
 
     run_dir = tmp_path / "run"
@@ -202,22 +203,36 @@ def test_sigkill_of_rollout_at_a_named_phase_then_resume_runs_every_execution_on
     args = [sys.executable, "-m", "gyre.cli", "rollout", "--no-progress", f"run.dir={run_dir}", "engine.endpoints=1",
             "harness.group_size=2", "harness.concurrency=2", 'harness.tasks=["fizzbuzz", "roman"]',
             f"harness.command={cmd}"]
-    env = {**os.environ, "GYRE_FAULT": f"rollout:{phase}:2", "GYRE_FAULT_DIR": str(tmp_path / "faults")}
-    first = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
-    assert first.returncode == -signal.SIGKILL, first.stdout + first.stderr
-    left = json.loads((run_dir / "pids" / "rollout.json").read_text())
-    orphans = [pid for e in left.values() for pid, _ in e["pids"]]
-    keys = [e["key_file"] for e in left.values() if e["key_file"]]
-    assert orphans and all(_alive(p) for p in orphans)  # what SIGKILL leaves behind
-    assert keys and all(Path(k).exists() for k in keys)
-    kept = {r.execution_id for r in records(run_dir)}
-    assert len(kept) == (2 if phase == "execution_recorded" else 1)  # durable before acknowledged
+    # a fault fires once (its marker): the first run dies at the first spec (an execution ends
+    # before it is recorded), the first resume at the second, the second resume runs to the end
+    env = {**os.environ, "GYRE_FAULT": "rollout:execution_ended:2,rollout:execution_recorded:2",
+           "GYRE_FAULT_DIR": str(tmp_path / "faults")}
+
+    def killed_run(resume: bool, kept_before: set[str]) -> tuple[list[int], list[str], set[str]]:
+        run = subprocess.run(args + ["--resume"] * resume, capture_output=True, text=True, timeout=400, env=env)
+        assert run.returncode == -signal.SIGKILL, run.stdout + run.stderr
+        left = json.loads((run_dir / "pids" / "rollout.json").read_text())
+        orphans = [pid for e in left.values() for pid, _ in e["pids"]]
+        keys = [e["key_file"] for e in left.values() if e["key_file"]]
+        assert orphans and all(_alive(p) for p in orphans)  # what SIGKILL leaves behind
+        assert keys and all(Path(k).exists() for k in keys)
+        kept = {r.execution_id for r in records(run_dir)}
+        assert kept_before <= kept
+        return orphans, keys, kept
+
+    orphans, keys, kept = killed_run(False, set())
+    assert (tmp_path / "faults" / "fired-rollout-execution_ended-2").exists()
+    assert len(kept) == 1  # the 2nd execution ended but was not on disk: not kept
+    orphans2, keys2, kept2 = killed_run(True, kept)
+    assert (tmp_path / "faults" / "fired-rollout-execution_recorded-2").exists()
+    assert len(kept2) == len(kept) + 2  # durable before acknowledged: the 2nd one of this run is on disk
+    assert not any(_alive(p) for p in orphans) and not any(Path(k).exists() for k in keys)  # reaped by the resume
     again = subprocess.run(args + ["--resume"], capture_output=True, text=True, timeout=400, env=env)
     assert again.returncode == 0, again.stdout + again.stderr
-    assert not any(_alive(p) for p in orphans) and not any(Path(k).exists() for k in keys)
+    assert not any(_alive(p) for p in orphans2) and not any(Path(k).exists() for k in keys2)
     assert not list((run_dir / "pids").glob("*.json"))  # the lists go with what they listed
     final = records(run_dir)
-    assert kept <= {r.execution_id for r in final}
+    assert kept2 <= {r.execution_id for r in final}
     assert sorted(r.execution_id.rsplit("-a", 1)[0] for r in final) == \
         sorted(f"{t}-g{g}" for t in ("fizzbuzz", "roman") for g in range(2))  # every execution once
     for r in final:
@@ -225,7 +240,7 @@ def test_sigkill_of_rollout_at_a_named_phase_then_resume_runs_every_execution_on
         assert Path(r.workspace) == (run_dir / "workspaces" / r.execution_id).absolute()
         assert math.isfinite(r.reward) and r.reward_source == "tests"
     killed = {p.name for p in (run_dir / "workspaces").iterdir()} - {r.execution_id for r in final}
-    assert killed  # the executions the kill interrupted kept their workspaces; reruns got new ones
+    assert killed  # the executions the kills interrupted kept their workspaces; reruns got new ones
 
 
 @pytest.mark.slow
