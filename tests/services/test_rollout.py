@@ -25,24 +25,6 @@ def records(run_dir: Path):
     return list(iter_executions(run_dir / "shards"))
 
 
-def test_rollout_writes_evaluated_branching_trees(tmp_path):
-    summary = asyncio.run(Rollout(cfg_for(tmp_path / "run"), progress=False).run())
-    recs = records(tmp_path / "run")
-    assert len(recs) == 4 and summary.executions == {"done": 4}
-    for rec in recs:
-        roles = {c.agent_role for c in rec.tree.calls}
-        assert {"main", "subagent:explorer", "compactor"} <= roles, roles
-        st = rec.tree.stats()
-        assert st.leaves >= 3 and st.expanded_nodes > st.unique_nodes  # sub-agent + compaction branches
-        assert math.isfinite(rec.reward) and rec.reward_source == "tests" and rec.total > 0
-        for call in rec.tree.calls:  # every call's recorded input really is a prefix path of the tree
-            assert len(rec.tree.call_input_ids(call)) == call.n_input
-    assert os.stat(tmp_path / "run").st_mode & 0o077 == 0
-    assert {p.name for p in (tmp_path / "run" / "workspaces").iterdir()} == {r.execution_id for r in recs}
-    for rec in recs:  # the evaluator's log lies under run.dir, beside the harness's (issue 24)
-        assert "passed" in (tmp_path / "run" / "logs" / rec.execution_id / "evaluation.log").read_text()
-
-
 # one rollout, three harnesses told apart by task (the execution id starts with it): a rollout's
 # start (engine, proxy, evaluators) is most of its CPU, and none of these harnesses calls the model
 MISBEHAVING = ("case $0 in "
@@ -83,7 +65,11 @@ def test_hanging_crashing_and_limit_passing_harnesses_are_recorded_scored_and_co
     assert summary.limits == {"max_workspace_files": 2}
 
 
-def test_endpoint_removed_mid_rollout_fails_no_execution(tmp_path):
+def test_endpoint_removed_mid_rollout_fails_no_execution_and_trees_are_branching_and_evaluated(tmp_path):
+    """One rollout carries two checks (its start is most of its CPU): an endpoint removed while it
+    serves executions fails none of them (its calls go elsewhere), and each execution is recorded
+    as an evaluated branching tree (sub-agent and compaction branches), its workspace and logs
+    under run.dir."""
     ro = Rollout(cfg_for(tmp_path / "run", "harness.group_size=3", "harness.concurrency=6"), progress=False)
 
     async def main():
@@ -105,6 +91,19 @@ def test_endpoint_removed_mid_rollout_fails_no_execution(tmp_path):
     late = [c for c in calls if c.t_end > t_removed + 0.5]
     assert late and all(c.endpoint != victim for c in late)
     assert all(c.finish_reason != "abort" for c in calls)
+    # evaluated branching trees
+    for rec in recs:
+        roles = {c.agent_role for c in rec.tree.calls}
+        assert {"main", "subagent:explorer", "compactor"} <= roles, roles
+        st = rec.tree.stats()
+        assert st.leaves >= 3 and st.expanded_nodes > st.unique_nodes  # sub-agent + compaction branches
+        assert math.isfinite(rec.reward) and rec.reward_source == "tests" and rec.total > 0
+        for call in rec.tree.calls:  # every call's recorded input really is a prefix path of the tree
+            assert len(rec.tree.call_input_ids(call)) == call.n_input
+    assert os.stat(tmp_path / "run").st_mode & 0o077 == 0
+    assert {p.name for p in (tmp_path / "run" / "workspaces").iterdir()} == {r.execution_id for r in recs}
+    for rec in recs:  # the evaluator's log lies under run.dir, beside the harness's (issue 24)
+        assert "passed" in (tmp_path / "run" / "logs" / rec.execution_id / "evaluation.log").read_text()
 
 
 GATE_AGENT = Path(__file__).resolve().parents[1] / "harness_scripts" / "gate_agent.py"
