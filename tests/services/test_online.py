@@ -82,19 +82,6 @@ def check_watchable(run_dir: Path, out: str, steps: int) -> None:
     assert load_config(run_dir / "config.toml").run.steps == steps
 
 
-def test_async_finishes_with_cell_stats(tmp_path):
-    """A: fixed pools. (C's cell stats, the whole pool moving together, are checked by every run of
-    test_cell_agent_fault_phase.py, which uses C.)"""
-    rc, out = gyre_run(tmp_path / "A", "sched.scheme=A", "sched.rollout_cells_async=1", "harness.group_size=2")
-    assert rc == 0, out[-3000:]
-    rep = report(tmp_path / "A")
-    assert rep["version"] == 2 and rep["label"].startswith("A")
-    assert {"rollout_s", "train_s", "switching_s", "idle_s", "utilisation"} <= set(rep["cells"][0])
-    # fixed pools: cell 0 rolls out, the other trains, nobody switches after start
-    assert rep["cells"][0]["train_s"] == 0 and all(c["switches"] <= 1 for c in rep["cells"])
-    check_ledger(tmp_path / "A")
-
-
 def test_engine_fault_phase_generate_mid_rollout_is_survived(tmp_path):
     """An engine dies in the middle of the rollout (SIGKILL at its 3rd generate, not after a
     sleep): the router serves its calls elsewhere, its agent restarts it, every execution ends."""
@@ -190,17 +177,28 @@ def test_burst_feeds_two_steps_from_one_round_and_pushes_once_and_trainer_kill_m
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_run_zero_variance_groups_replaced_live(tmp_path):
-    """The answer agent writes its answer where the tests do not look, so every execution scores
-    0: every group has zero variance. With a cap of 1 each step drops (ledger reason
-    zero_variance) and replaces one group, then trains the replacement as it is."""
-    run_dir, steps = tmp_path / "zv", 2
-    rc, out = gyre_run(run_dir, "run.groups_per_step=1", "harness.group_size=2", "sched.max_replacements_per_step=1",
+def test_async_fixed_pools_with_cell_stats_and_zero_variance_groups_replaced_live(tmp_path):
+    """One scheme-A job carries two checks (a job start is most of a test's CPU):
+
+    A: fixed pools, cell 0 rolls out while the other trains (C's cell stats, the whole pool moving
+    together, are checked by every run of test_cell_agent_fault_phase.py, which uses C).
+
+    Zero variance: the answer agent writes its answer where the tests do not look, so every
+    execution scores 0: every group has zero variance. With a cap of 1 each step drops (ledger
+    reason zero_variance) and replaces one group, then trains the replacement as it is."""
+    run_dir, steps = tmp_path / "A", 2
+    rc, out = gyre_run(run_dir, "sched.scheme=A", "sched.rollout_cells_async=1", "run.groups_per_step=1",
+                       "harness.group_size=2", "sched.max_replacements_per_step=1",
                        'harness.command=["{python}", "-m", "gyre.harness.answer_agent", "--out", "elsewhere.txt"]',
                        steps=steps)
     assert rc == 0, out[-3000:]
     rep = report(run_dir)
     assert rep["version"] == steps and not rep["errors"], rep["errors"]
+    # A: cell stats; fixed pools: cell 0 rolls out, the other trains, nobody switches after start
+    assert rep["label"].startswith("A")
+    assert {"rollout_s", "train_s", "switching_s", "idle_s", "utilisation"} <= set(rep["cells"][0])
+    assert rep["cells"][0]["train_s"] == 0 and all(c["switches"] <= 1 for c in rep["cells"])
+    # zero variance: each step replaced one group, then trained what it had
     assert rep["groups_replaced_zero_variance"] == steps and rep["groups_started"] == 2 * steps
     assert [s["replaced_zero_variance"] for s in rep["steps"]] == [1] * steps
     assert all(s["replaced_share"] == 0.5 for s in rep["steps"])

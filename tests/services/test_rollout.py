@@ -25,54 +25,51 @@ def records(run_dir: Path):
     return list(iter_executions(run_dir / "shards"))
 
 
-def test_rollout_writes_evaluated_branching_trees(tmp_path):
-    summary = asyncio.run(Rollout(cfg_for(tmp_path / "run"), progress=False).run())
+# one rollout, three harnesses told apart by task (the execution id starts with it): a rollout's
+# start (engine, proxy, evaluators) is most of its CPU, and none of these harnesses calls the model
+MISBEHAVING = ("case $0 in "
+               "fizzbuzz-*) echo 'def fizzbuzz(n): pass' > fizzbuzz.py; sleep 1000;; "  # hangs
+               "roman-*) touch partial.py; kill -SEGV $$;; "                              # crashes
+               "*) mkdir d; touch d/f{1..200}; sleep 1000;; esac")                     # passes a limit
+
+
+def test_hanging_crashing_and_limit_passing_harnesses_are_recorded_scored_and_counted(tmp_path):
+    cfg = cfg_for(tmp_path / "run", "harness.timeout_s=1.5", "harness.kill_grace_s=0.5",
+                  "harness.max_workspace_files=50", "harness.limits_poll_s=0.1", "engine.endpoints=1",
+                  "harness.concurrency=6", 'harness.tasks=["fizzbuzz", "roman", "calc"]',
+                  command=["bash", "-c", MISBEHAVING, "{execution_id}"])
+    summary = asyncio.run(Rollout(cfg, progress=False).run())
     recs = records(tmp_path / "run")
-    assert len(recs) == 4 and summary.executions == {"done": 4}
-    for rec in recs:
-        roles = {c.agent_role for c in rec.tree.calls}
-        assert {"main", "subagent:explorer", "compactor"} <= roles, roles
-        st = rec.tree.stats()
-        assert st.leaves >= 3 and st.expanded_nodes > st.unique_nodes  # sub-agent + compaction branches
-        assert math.isfinite(rec.reward) and rec.reward_source == "tests" and rec.total > 0
-        for call in rec.tree.calls:  # every call's recorded input really is a prefix path of the tree
-            assert len(rec.tree.call_input_ids(call)) == call.n_input
-    assert os.stat(tmp_path / "run").st_mode & 0o077 == 0
-    assert {p.name for p in (tmp_path / "run" / "workspaces").iterdir()} == {r.execution_id for r in recs}
-    for rec in recs:  # the evaluator's log lies under run.dir, beside the harness's (issue 24)
-        assert "passed" in (tmp_path / "run" / "logs" / rec.execution_id / "evaluation.log").read_text()
-
-
-def test_hanging_and_crashing_harnesses_are_recorded_and_scored(tmp_path):
-    sleeper = cfg_for(tmp_path / "a", "harness.timeout_s=1.5", "harness.kill_grace_s=0.5",
-                      command=["bash", "-c", "echo 'def fizzbuzz(n): pass' > fizzbuzz.py; sleep 1000"])
-    asyncio.run(Rollout(sleeper, progress=False).run())
-    recs = records(tmp_path / "a")
-    assert {r.status for r in recs} == {"timeout"}
-    assert {r.reward_source for r in recs} == {"tests-after-timeout"}
-    assert all(math.isfinite(r.reward) for r in recs)
-    crasher = cfg_for(tmp_path / "b", command=["bash", "-c", "touch partial.py; kill -SEGV $$"])
-    summary = asyncio.run(Rollout(crasher, progress=False).run())
-    recs = records(tmp_path / "b")
-    assert {r.status for r in recs} == {"crashed"}
-    assert {r.reward_source for r in recs} == {"tests-after-crash"}
-    # the summary tells them as harness failures, not as rewards of 0 (the official score counts them 0)
-    assert summary.harness_failures == len(recs) and summary.rewards == [] and summary.official == [0.0] * len(recs)
-
-
-@pytest.mark.slow
-def test_a_limit_s_error_is_recorded_in_the_shard_and_counted_in_the_summary(tmp_path):
-    hoarder = cfg_for(tmp_path / "run", "harness.max_workspace_files=50", "harness.limits_poll_s=0.1",
-                      "engine.endpoints=1", 'harness.tasks=["fizzbuzz"]', command=["bash", "-c", "mkdir d; touch d/f{1..200}; sleep 1000"])
-    summary = asyncio.run(Rollout(hoarder, progress=False).run())
-    recs = records(tmp_path / "run")
-    assert len(recs) == 2 and {r.status for r in recs} == {"failed"}
+    by_task = {t: [r for r in recs if r.execution_id.startswith(f"{t}-")] for t in ("fizzbuzz", "roman", "calc")}
+    assert [len(v) for v in by_task.values()] == [2, 2, 2], [(r.execution_id, r.status) for r in recs]
+    # the hanging one: stopped at harness.timeout_s, its workspace still scored
+    hung = by_task["fizzbuzz"]
+    assert {r.status for r in hung} == {"timeout"}
+    assert {r.reward_source for r in hung} == {"tests-after-timeout"}
+    assert all(math.isfinite(r.reward) for r in hung)
+    # the crashing one: scored, and the summary tells it as a harness failure, not as a reward of 0
+    # (the official score counts it 0)
+    crashed = by_task["roman"]
+    assert {r.status for r in crashed} == {"crashed"}
+    assert {r.reward_source for r in crashed} == {"tests-after-crash"}
+    assert summary.harness_failures == len(crashed) and "tests-after-crash" not in summary.by_source
+    # the crashed ones are not rewards; the hung ones and those past a limit (the policy's work) are
+    assert sorted(summary.rewards) == sorted(r.reward for r in hung + by_task["calc"])
+    assert all(r.reward == 0.0 for r in crashed)
+    assert sorted(summary.official) == sorted(r.reward for r in recs)
+    # the one past a limit: failed with the limit's error in the shard, counted by its key
+    hoarders = by_task["calc"]
+    assert {r.status for r in hoarders} == {"failed"}
     assert all(r.error.startswith("harness.max_workspace_files = 50 passed: the workspace holds more than 50")
-               for r in recs), [r.error for r in recs]
+               for r in hoarders), [r.error for r in hoarders]
     assert summary.limits == {"max_workspace_files": 2}
 
 
-def test_endpoint_removed_mid_rollout_fails_no_execution(tmp_path):
+def test_endpoint_removed_mid_rollout_fails_no_execution_and_trees_are_branching_and_evaluated(tmp_path):
+    """One rollout carries two checks (its start is most of its CPU): an endpoint removed while it
+    serves executions fails none of them (its calls go elsewhere), and each execution is recorded
+    as an evaluated branching tree (sub-agent and compaction branches), its workspace and logs
+    under run.dir."""
     ro = Rollout(cfg_for(tmp_path / "run", "harness.group_size=3", "harness.concurrency=6"), progress=False)
 
     async def main():
@@ -94,6 +91,19 @@ def test_endpoint_removed_mid_rollout_fails_no_execution(tmp_path):
     late = [c for c in calls if c.t_end > t_removed + 0.5]
     assert late and all(c.endpoint != victim for c in late)
     assert all(c.finish_reason != "abort" for c in calls)
+    # evaluated branching trees
+    for rec in recs:
+        roles = {c.agent_role for c in rec.tree.calls}
+        assert {"main", "subagent:explorer", "compactor"} <= roles, roles
+        st = rec.tree.stats()
+        assert st.leaves >= 3 and st.expanded_nodes > st.unique_nodes  # sub-agent + compaction branches
+        assert math.isfinite(rec.reward) and rec.reward_source == "tests" and rec.total > 0
+        for call in rec.tree.calls:  # every call's recorded input really is a prefix path of the tree
+            assert len(rec.tree.call_input_ids(call)) == call.n_input
+    assert os.stat(tmp_path / "run").st_mode & 0o077 == 0
+    assert {p.name for p in (tmp_path / "run" / "workspaces").iterdir()} == {r.execution_id for r in recs}
+    for rec in recs:  # the evaluator's log lies under run.dir, beside the harness's (issue 24)
+        assert "passed" in (tmp_path / "run" / "logs" / rec.execution_id / "evaluation.log").read_text()
 
 
 GATE_AGENT = Path(__file__).resolve().parents[1] / "harness_scripts" / "gate_agent.py"
@@ -178,12 +188,13 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("phase", ["execution_ended", "execution_recorded"])
-def test_sigkill_of_rollout_at_a_named_phase_then_resume_runs_every_execution_once(tmp_path, phase):
-    """`gyre rollout` SIGKILLed at its 2nd execution's end (before / after that execution is on
-    disk), then `--resume`: what was recorded is kept, the rest reruns in fresh workspaces,
-    every (task, member) finishes exactly once, nothing is `failed` or `lost` without cause, and
-    the engines and key files the killed run left behind are reaped."""
+def test_sigkill_of_rollout_at_each_named_phase_then_resume_runs_every_execution_once(tmp_path):
+    """`gyre rollout` SIGKILLed at its 2nd execution's end before that execution is on disk
+    (execution_ended), then `--resume` SIGKILLed at its own 2nd execution's end after it is on disk
+    (execution_recorded), then `--resume` again (one chain: a rollout's start is most of its CPU):
+    what was recorded is kept, the rest reruns in fresh workspaces, every (task, member) finishes
+    exactly once, nothing is `failed` or `lost` without cause, and the engines and key files each
+    killed run left behind are reaped by the next."""
     import json
 
     run_dir = tmp_path / "run"
@@ -191,22 +202,36 @@ def test_sigkill_of_rollout_at_a_named_phase_then_resume_runs_every_execution_on
     args = [sys.executable, "-m", "gyre.cli", "rollout", "--no-progress", f"run.dir={run_dir}", "engine.endpoints=1",
             "harness.group_size=2", "harness.concurrency=2", 'harness.tasks=["fizzbuzz", "roman"]',
             f"harness.command={cmd}"]
-    env = {**os.environ, "GYRE_FAULT": f"rollout:{phase}:2", "GYRE_FAULT_DIR": str(tmp_path / "faults")}
-    first = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
-    assert first.returncode == -signal.SIGKILL, first.stdout + first.stderr
-    left = json.loads((run_dir / "pids" / "rollout.json").read_text())
-    orphans = [pid for e in left.values() for pid, _ in e["pids"]]
-    keys = [e["key_file"] for e in left.values() if e["key_file"]]
-    assert orphans and all(_alive(p) for p in orphans)  # what SIGKILL leaves behind
-    assert keys and all(Path(k).exists() for k in keys)
-    kept = {r.execution_id for r in records(run_dir)}
-    assert len(kept) == (2 if phase == "execution_recorded" else 1)  # durable before acknowledged
+    # a fault fires once (its marker): the first run dies at the first spec (an execution ends
+    # before it is recorded), the first resume at the second, the second resume runs to the end
+    env = {**os.environ, "GYRE_FAULT": "rollout:execution_ended:2,rollout:execution_recorded:2",
+           "GYRE_FAULT_DIR": str(tmp_path / "faults")}
+
+    def killed_run(resume: bool, kept_before: set[str]) -> tuple[list[int], list[str], set[str]]:
+        run = subprocess.run(args + ["--resume"] * resume, capture_output=True, text=True, timeout=400, env=env)
+        assert run.returncode == -signal.SIGKILL, run.stdout + run.stderr
+        left = json.loads((run_dir / "pids" / "rollout.json").read_text())
+        orphans = [pid for e in left.values() for pid, _ in e["pids"]]
+        keys = [e["key_file"] for e in left.values() if e["key_file"]]
+        assert orphans and all(_alive(p) for p in orphans)  # what SIGKILL leaves behind
+        assert keys and all(Path(k).exists() for k in keys)
+        kept = {r.execution_id for r in records(run_dir)}
+        assert kept_before <= kept
+        return orphans, keys, kept
+
+    orphans, keys, kept = killed_run(False, set())
+    assert (tmp_path / "faults" / "fired-rollout-execution_ended-2").exists()
+    assert len(kept) == 1  # the 2nd execution ended but was not on disk: not kept
+    orphans2, keys2, kept2 = killed_run(True, kept)
+    assert (tmp_path / "faults" / "fired-rollout-execution_recorded-2").exists()
+    assert len(kept2) == len(kept) + 2  # durable before acknowledged: the 2nd one of this run is on disk
+    assert not any(_alive(p) for p in orphans) and not any(Path(k).exists() for k in keys)  # reaped by the resume
     again = subprocess.run(args + ["--resume"], capture_output=True, text=True, timeout=400, env=env)
     assert again.returncode == 0, again.stdout + again.stderr
-    assert not any(_alive(p) for p in orphans) and not any(Path(k).exists() for k in keys)
+    assert not any(_alive(p) for p in orphans2) and not any(Path(k).exists() for k in keys2)
     assert not list((run_dir / "pids").glob("*.json"))  # the lists go with what they listed
     final = records(run_dir)
-    assert kept <= {r.execution_id for r in final}
+    assert kept2 <= {r.execution_id for r in final}
     assert sorted(r.execution_id.rsplit("-a", 1)[0] for r in final) == \
         sorted(f"{t}-g{g}" for t in ("fizzbuzz", "roman") for g in range(2))  # every execution once
     for r in final:
@@ -214,7 +239,7 @@ def test_sigkill_of_rollout_at_a_named_phase_then_resume_runs_every_execution_on
         assert Path(r.workspace) == (run_dir / "workspaces" / r.execution_id).absolute()
         assert math.isfinite(r.reward) and r.reward_source == "tests"
     killed = {p.name for p in (run_dir / "workspaces").iterdir()} - {r.execution_id for r in final}
-    assert killed  # the executions the kill interrupted kept their workspaces; reruns got new ones
+    assert killed  # the executions the kills interrupted kept their workspaces; reruns got new ones
 
 
 @pytest.mark.slow
