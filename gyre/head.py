@@ -200,7 +200,9 @@ class Head:
             loop.add_signal_handler(sig, self._on_signal)
         # a cell says hello once its engine answers, which engine.startup_timeout_s bounds (vLLM on
         # a loaded 2-core machine, or a large model, takes minutes): wait at least that long
-        await self.fleet.wait_hello(max(300.0, cfg.engine.startup_timeout_s + 60))
+        await self.fleet.wait_hello(max(300.0, cfg.engine.startup_timeout_s + 60), stop=self._stop,
+                                    why_stopped=lambda: "stopped by a signal" if self._signalled else
+                                    f"failed: {self.failed}")
         now = self.clock()
         self.t0 = self.fleet.t0 = now
         self._emit(RunStarted(now, len(self.cells)))

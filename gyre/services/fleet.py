@@ -116,14 +116,27 @@ class CellFleet:
                     self.start_error = f"cell {cell.id} cannot start: {msg.info.get('error', '')}"
                     self._hello.set()  # no hello will come from it: the job ends now, saying why
 
-    async def wait_hello(self, timeout_s: float) -> None:
+    async def wait_hello(self, timeout_s: float, stop: asyncio.Event | None = None,
+                         why_stopped: Callable[[], str] = lambda: "stopped") -> None:
+        """Until every cell said hello; StartError at once when ``stop`` is set first (a SIGTERM
+        from scancel or Slurm's kill of a failed step, a Ctrl-C): the job must not sit out the
+        whole start-up wait, under Slurm until its KillWait's SIGKILL."""
+        hello = asyncio.ensure_future(self._hello.wait())
+        stopped = asyncio.ensure_future(stop.wait()) if stop is not None else None
         try:
-            await asyncio.wait_for(self._hello.wait(), timeout_s)
-        except asyncio.TimeoutError:
-            raise RuntimeError(f"cells did not say hello within {timeout_s:.0f} s: " +
-                               ", ".join(f"cell {c.id}" for c in self.cells if not c.engine_url))
+            await asyncio.wait([t for t in (hello, stopped) if t is not None], timeout=timeout_s,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (hello, stopped):
+                if t is not None:
+                    t.cancel()
         if self.start_error:
             raise StartError(self.start_error)
+        if not self._hello.is_set():
+            if stop is not None and stop.is_set():
+                raise StartError(f"{why_stopped()} while waiting for the cells to start: nothing ran")
+            raise RuntimeError(f"cells did not say hello within {timeout_s:.0f} s: " +
+                               ", ".join(f"cell {c.id}" for c in self.cells if not c.engine_url))
 
     def check_heartbeats(self, now: float, limit_s: float) -> list[Cell]:
         """Cells silent past ``limit_s`` are marked failed; returns them."""

@@ -20,7 +20,7 @@ from gyre.sched.core import Coordinator, CoreSpec
 from gyre.sched.protocol import (Event, PrepareReduce, PrepareReduceReply, PushWeights, Reduce, ReduceReply, ToTrain,
                                  Train, TrainReply, reply_for)
 from gyre.sched.state import Role
-from gyre.services.fleet import CellFleet, WeightPaths
+from gyre.services.fleet import CellFleet, StartError, WeightPaths
 from gyre.services.ledger import Ledger
 from gyre.services.rollout import RolloutService
 from gyre.services.training import StepReduced, TrainingDispatch
@@ -101,6 +101,25 @@ def test_fleet_waits_for_hello_with_a_message_naming_the_silent_cells():
     fleet.on_message(Event(0, "hello", {"engine_url": "http://a"}))
     with pytest.raises(RuntimeError, match="cell 1"):
         asyncio.run(fleet.wait_hello(0.05))
+
+
+def test_a_stop_while_waiting_for_hello_ends_the_wait_at_once_saying_why():
+    """A SIGTERM (scancel, Slurm ending a job whose step failed) or Ctrl-C while the cells start:
+    the head stops waiting then, not after the start-up wait's 300 s (before: under Slurm the job
+    sat until KillWait's SIGKILL). Nothing here waits on time: the 300 s bound would fail the test."""
+    fleet, _, _ = fleet_with(ok)
+    fleet.on_message(Event(0, "hello", {"engine_url": "http://a"}))  # cell 1 never says hello
+
+    async def go():
+        stop = asyncio.Event()
+        asyncio.get_running_loop().call_soon(stop.set)
+        await asyncio.wait_for(fleet.wait_hello(300.0, stop=stop, why_stopped=lambda: "stopped by a signal"), 60)
+
+    with pytest.raises(StartError, match="stopped by a signal while waiting for the cells to start"):
+        asyncio.run(go())
+    # the cells' hellos still end the wait as before, with or without a stop event
+    fleet.on_message(Event(1, "hello", {"engine_url": "http://b"}))
+    asyncio.run(fleet.wait_hello(0.05, stop=asyncio.Event()))
 
 
 def step_core(mbs=3, **spec):
