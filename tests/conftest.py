@@ -2,8 +2,7 @@
 
 `e2e`: whole jobs (a Slurm dev cluster, mpiexec runs of head + cells, whole rollouts). Each is
 many processes. `make test` runs every test in one pytest run of two workers (`--dist loadgroup`):
-the groups below first (pytest-xdist sends the largest scopes first: the few unit modules
-grouped for their engine fixture go among them), then the other whole jobs,
+the groups below first (pytest-xdist sends the largest scopes first), then the other whole jobs,
 then the unit tests, which fill both workers to the end, so neither waits idle on the other's
 last long job. `slow`: left out of `make test-fast` (every e2e test, and unit tests that start a
 process stack for more than ~3 s).
@@ -21,13 +20,7 @@ XDIST_GROUPS = {"test_slurm.py": "slurm", "test_slurm_cells.py": "slurm", "test_
                 "test_cell_agent.py": "cell_agent",
                 "test_online_resume.py": "online_resume",  # one run in three sessions, shared by its tests
                 "test_online_head_faults.py": "head_faults",  # one run in four jobs, shared by its tests
-                "test_vllm_engine.py": "vllm",  # its vLLM server once for the module
-                # unit tests whose module-scoped fixture starts engine (or proxy) processes: on one
-                # worker they start once, not once per worker that draws one of their tests
-                "test_engine.py": "engine", "test_router.py": "router",
-                "test_engine_weights_hostile.py": "weights_hostile",
-                "test_engine_sglang_behaviour.py": "sglang_behaviour", "test_engine_seam.py": "engine_seam",
-                "test_harness_recipes.py": "harness_recipes"}
+                "test_vllm_engine.py": "vllm"}  # its vLLM server once for the module
 
 
 def pytest_collection_modifyitems(config, items):
