@@ -25,43 +25,32 @@ def records(run_dir: Path):
     return list(iter_executions(run_dir / "shards"))
 
 
-# one rollout, three harnesses told apart by task (the execution id starts with it): a rollout's
-# start (engine, proxy, evaluators) is most of its CPU, and none of these harnesses calls the model
-MISBEHAVING = ("case $0 in "
-               "fizzbuzz-*) echo 'def fizzbuzz(n): pass' > fizzbuzz.py; sleep 1000;; "  # hangs
-               "roman-*) touch partial.py; kill -SEGV $$;; "                              # crashes
-               "*) mkdir d; touch d/f{1..200}; sleep 1000;; esac")                     # passes a limit
+def test_hanging_and_crashing_harnesses_are_recorded_and_scored(tmp_path):
+    sleeper = cfg_for(tmp_path / "a", "harness.timeout_s=1.5", "harness.kill_grace_s=0.5",
+                      command=["bash", "-c", "echo 'def fizzbuzz(n): pass' > fizzbuzz.py; sleep 1000"])
+    asyncio.run(Rollout(sleeper, progress=False).run())
+    recs = records(tmp_path / "a")
+    assert {r.status for r in recs} == {"timeout"}
+    assert {r.reward_source for r in recs} == {"tests-after-timeout"}
+    assert all(math.isfinite(r.reward) for r in recs)
+    crasher = cfg_for(tmp_path / "b", command=["bash", "-c", "touch partial.py; kill -SEGV $$"])
+    summary = asyncio.run(Rollout(crasher, progress=False).run())
+    recs = records(tmp_path / "b")
+    assert {r.status for r in recs} == {"crashed"}
+    assert {r.reward_source for r in recs} == {"tests-after-crash"}
+    # the summary tells them as harness failures, not as rewards of 0 (the official score counts them 0)
+    assert summary.harness_failures == len(recs) and summary.rewards == [] and summary.official == [0.0] * len(recs)
 
 
-def test_hanging_crashing_and_limit_passing_harnesses_are_recorded_scored_and_counted(tmp_path):
-    cfg = cfg_for(tmp_path / "run", "harness.timeout_s=1.5", "harness.kill_grace_s=0.5",
-                  "harness.max_workspace_files=50", "harness.limits_poll_s=0.1", "engine.endpoints=1",
-                  "harness.concurrency=6", 'harness.tasks=["fizzbuzz", "roman", "calc"]',
-                  command=["bash", "-c", MISBEHAVING, "{execution_id}"])
-    summary = asyncio.run(Rollout(cfg, progress=False).run())
+@pytest.mark.slow
+def test_a_limit_s_error_is_recorded_in_the_shard_and_counted_in_the_summary(tmp_path):
+    hoarder = cfg_for(tmp_path / "run", "harness.max_workspace_files=50", "harness.limits_poll_s=0.1",
+                      "engine.endpoints=1", 'harness.tasks=["fizzbuzz"]', command=["bash", "-c", "mkdir d; touch d/f{1..200}; sleep 1000"])
+    summary = asyncio.run(Rollout(hoarder, progress=False).run())
     recs = records(tmp_path / "run")
-    by_task = {t: [r for r in recs if r.execution_id.startswith(f"{t}-")] for t in ("fizzbuzz", "roman", "calc")}
-    assert [len(v) for v in by_task.values()] == [2, 2, 2], [(r.execution_id, r.status) for r in recs]
-    # the hanging one: stopped at harness.timeout_s, its workspace still scored
-    hung = by_task["fizzbuzz"]
-    assert {r.status for r in hung} == {"timeout"}
-    assert {r.reward_source for r in hung} == {"tests-after-timeout"}
-    assert all(math.isfinite(r.reward) for r in hung)
-    # the crashing one: scored, and the summary tells it as a harness failure, not as a reward of 0
-    # (the official score counts it 0)
-    crashed = by_task["roman"]
-    assert {r.status for r in crashed} == {"crashed"}
-    assert {r.reward_source for r in crashed} == {"tests-after-crash"}
-    assert summary.harness_failures == len(crashed) and "tests-after-crash" not in summary.by_source
-    # the crashed ones are not rewards; the hung ones and those past a limit (the policy's work) are
-    assert sorted(summary.rewards) == sorted(r.reward for r in hung + by_task["calc"])
-    assert all(r.reward == 0.0 for r in crashed)
-    assert sorted(summary.official) == sorted(r.reward for r in recs)
-    # the one past a limit: failed with the limit's error in the shard, counted by its key
-    hoarders = by_task["calc"]
-    assert {r.status for r in hoarders} == {"failed"}
+    assert len(recs) == 2 and {r.status for r in recs} == {"failed"}
     assert all(r.error.startswith("harness.max_workspace_files = 50 passed: the workspace holds more than 50")
-               for r in hoarders), [r.error for r in hoarders]
+               for r in recs), [r.error for r in recs]
     assert summary.limits == {"max_workspace_files": 2}
 
 
