@@ -100,10 +100,10 @@ def run(args: argparse.Namespace) -> int:
         cfg.engine.host = host
         return serve_cell_engine(cfg, model, api_key=api_key, port=port, weight_version=args.weight_version)
 
-    from gyre.model.families import ModelFormatError, family_of, read_config, text_config
+    from gyre.model.families import ModelFormatError, family_of, read_config
 
-    try:  # a missing or foreign model is told before torch loads (~2 s of CPU a start)
-        family_of(text_config(read_config(model)))
+    try:  # a missing or foreign model is told before torch loads (~2 s of CPU a start), as preflight does
+        family_of(read_config(model))
     except ModelFormatError as e:
         print(f"gyre engine: cannot serve {model}: {e}", file=sys.stderr)
         return 2
