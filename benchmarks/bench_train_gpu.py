@@ -171,7 +171,7 @@ def offload_cycle(t) -> dict:
             "gpu_bytes_restored": mem2, "bit_identical": identical}
 
 
-def tree_attention_timing(hf_config, hf_state) -> dict:
+def tree_attention_timing(hf_config, hf_state, saved=lambda out, part: None) -> dict:
     """bench_ablation.py's tree-vs-expanded figures on the GPU, for both trainers.
 
     Case-study-shaped batch (bench_ablation's scaled shape and seeds, K=all), 4k-token rows,
@@ -180,6 +180,8 @@ def tree_attention_timing(hf_config, hf_state) -> dict:
     masks) for both layouts, and through the dense [S,S] mask for reference; fastest of 3
     interleaved repetitions after a warm-up that compiles every shape. Goal:
     tree_time_over_expanded <= 1.1 x tree_tokens_over_expanded.
+    `saved(out, part)` is called after each backend, so a timeout keeps the first one's figures
+    (runs 2-3 on an H200 timed out with nothing written, compiling every row shape).
     """
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_ablation import MICRO_BATCH_TOKENS, SHORT_ROWS, executions, scaled_shape, set_on_policy
@@ -223,6 +225,9 @@ def tree_attention_timing(hf_config, hf_state) -> dict:
                 sync()
                 if rep:
                     times[lay, att].append(time.perf_counter() - t0)
+                else:
+                    print(f"tree_attention {backend}: {lay} rows, {att} attention: first pass (compiles) "
+                          f"{time.perf_counter() - t0:.1f} s", flush=True)
                 norms[f"{lay}_{att}"] = float(t.flat_grads().norm())
                 t.clear_gradients()
         best = {f"{lay}_{att}_fwd_bwd_s": min(v) for (lay, att), v in times.items()}
@@ -236,14 +241,16 @@ def tree_attention_timing(hf_config, hf_state) -> dict:
         }
         out[backend]["goal_met"] = (out[backend]["tree_time_over_expanded"]
                                     <= 1.1 * out["tree_tokens_over_expanded"])
+        saved(out, f"tree_attention_{backend}")
         del t
         if not DRY:
             torch.cuda.empty_cache()
     return out
 
 
-def save(result: dict, part: str) -> None:
+def save(result: dict, part: str, **figures) -> None:
     """Write what is measured so far (after each part: a timeout later loses nothing before it)."""
+    result.update(figures)
     result["done"] = f"{result['done']},{part}" if result.get("done") else part
     print(f"bench_train_gpu: {part} done", flush=True)
     if OUT is not None:
@@ -272,8 +279,7 @@ def main() -> int:
               "params": n_params, "batch": {"rows": ROWS, "seq": SEQ, "targets": mb.num_targets}, "done": ""}
 
     if PART == "tree":
-        result["tree_attention"] = tree_attention_timing(hf.config, hf_state)
-        save(result, "tree_attention")
+        tree_attention_timing(hf.config, hf_state, lambda out, part: save(result, part, tree_attention=out))
         print(json.dumps(result, indent=2))
         return 0
     # the bf16 steps first: the figures the GPU run is for
@@ -300,8 +306,7 @@ def main() -> int:
         torch.cuda.empty_cache()
 
     if PART == "all":
-        result["tree_attention"] = tree_attention_timing(hf.config, hf_state)
-        save(result, "tree_attention")
+        tree_attention_timing(hf.config, hf_state, lambda out, part: save(result, part, tree_attention=out))
     print(json.dumps(result, indent=2))
     return 0
 

@@ -150,7 +150,15 @@ def routing() -> bool:
     in one row, Megatron fills them from an all-free forward while the embedded trainer routes
     them freely inside the replayed forward, and the two differ on the CPU in float32 too (S = 64,
     every 3rd token -1: 2.56 nats; Gyre's own test uses S = 10, where they happen to agree). That
-    mixed figure is reported (`mixed_*`), not checked."""
+    mixed figure is reported (`mixed_*`), not checked.
+
+    The backends must agree in float32 on the device (< 0.01 nats: the same arithmetic). In bf16
+    each is compared with that float32 reference: Megatron's bf16 error may be at most twice the
+    embedded trainer's plus 0.05 nats. A fixed bf16 bound does not hold for this model: its
+    log-probs reach -12 and its weights are large (std 0.3), so rounding alone moves them by tenths
+    of a nat (transformers' own model, bf16 vs float32 on the CPU: 0.22 nats on the free row, 0.76
+    where a near-tie flips an expert; run 3 on an H200: Megatron vs embedded 0.18-0.19 nats, above
+    the fixed 0.1 this stage used to check)."""
     from gyre.batch import expanded_batch
     from gyre.config import TrainConfig
     from gyre.train.toy import random_model, tiny_config
@@ -173,21 +181,39 @@ def routing() -> bool:
         batches[tag].routed_experts = r.to(torch.int16)
     lp = {}
     ok = True
+
+    def gap(a, b, tag="rows") -> float:
+        return float((lp[a + (tag,)] - lp[b + (tag,)]).abs().max())
+
+    dtypes = ("float32",) if DRY else ("float32", BF16)
     for on in (True, False):
-        cfg = TrainConfig(dtype=BF16, routing_replay=on, lr=1e-4)
-        mt, et = _trainers("megatron", cfg, hf), _trainers("embedded", cfg, hf)
-        for tag, mb in batches.items():
-            lp["megatron", on, tag] = mt.logprobs(mb)
-            lp["embedded", on, tag] = et.logprobs(mb)
-        diff = float((lp["megatron", on, "rows"] - lp["embedded", on, "rows"]).abs().max())
-        mixed = float((lp["megatron", on, "mixed"] - lp["embedded", on, "mixed"]).abs().max())
-        ok &= diff < 0.1
         sw = "on" if on else "off"
-        fig.put(**{f"megatron_vs_embedded_max_abs_dlogp_replay_{sw}": diff,
-                   f"mixed_megatron_vs_embedded_max_abs_dlogp_replay_{sw}": mixed})
-        print(f"routing_replay_gpu replay={on}: megatron vs embedded max |dlogp| {diff:.3g} "
-              f"(mixed -1 tokens, not checked: {mixed:.3g})", flush=True)
-    changed = float((lp["embedded", True, "rows"] - lp["embedded", False, "rows"]).abs().max())
+        for dt in dtypes:
+            cfg = TrainConfig(dtype=dt, routing_replay=on, lr=1e-4)
+            mt, et = _trainers("megatron", cfg, hf), _trainers("embedded", cfg, hf)
+            for tag, mb in batches.items():
+                lp["megatron", dt, on, tag] = mt.logprobs(mb).float()
+                lp["embedded", dt, on, tag] = et.logprobs(mb).float()
+            del mt, et
+        exact = gap(("megatron", "float32", on), ("embedded", "float32", on))
+        fig.put(**{f"float32_megatron_vs_embedded_max_abs_dlogp_replay_{sw}": exact})
+        good = exact < 0.01
+        line = f"float32 megatron vs embedded {exact:.3g}"
+        if not DRY:
+            diff = gap(("megatron", BF16, on), ("embedded", BF16, on))
+            mixed = gap(("megatron", BF16, on), ("embedded", BF16, on), "mixed")
+            err_m = gap(("megatron", BF16, on), ("megatron", "float32", on))
+            err_e = gap(("embedded", BF16, on), ("embedded", "float32", on))
+            good &= err_m <= 2 * err_e + 0.05
+            fig.put(**{f"megatron_vs_embedded_max_abs_dlogp_replay_{sw}": diff,
+                       f"mixed_megatron_vs_embedded_max_abs_dlogp_replay_{sw}": mixed,
+                       f"megatron_bf16_vs_float32_max_abs_dlogp_replay_{sw}": err_m,
+                       f"embedded_bf16_vs_float32_max_abs_dlogp_replay_{sw}": err_e})
+            line += (f"; bf16 megatron vs embedded {diff:.3g} (mixed -1 tokens, not checked: {mixed:.3g}); "
+                     f"bf16 vs float32: megatron {err_m:.3g}, embedded {err_e:.3g}")
+        ok &= good
+        print(f"routing_replay_gpu replay={on}: {line} {'OK' if good else 'FAILED'}", flush=True)
+    changed = gap(("embedded", BF16, True), ("embedded", BF16, False))
     ok &= changed > 0.05
     fig.put(replay_vs_free_max_abs_dlogp=changed, ok=ok)
     print(f"routing_replay_gpu: replay vs free max |dlogp| {changed:.3g} {'OK' if ok else 'FAILED'}", flush=True)
@@ -238,6 +264,7 @@ def xlong() -> bool:
     if CUDA:
         torch.cuda.reset_peak_memory_stats()
     fig.put(case_tokens=e.n_tokens, case_micro_batches=len(mat))
+    print(f"xlong_gpu case study tree K=5: {e.n_tokens} tokens in {len(mat)} row(s), one step starts", flush=True)
     t0 = time.perf_counter()
     for mb in mat:
         t.forward_backward(mb)
