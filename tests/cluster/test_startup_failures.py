@@ -76,7 +76,9 @@ def test_wrong_model_path_ends_the_mpi_job_at_once(tmp_path):
 def test_a_process_that_dies_at_start_ends_the_job(tmp_path, process):
     faults = tmp_path / "faults"
     faults.mkdir()
-    rc, out = gyre_run(tmp_path / "r", steps=1, timeout=240,
+    # one cell: a start-up death ends the job whatever the layout, and a second cell's processes
+    # would only start to be killed
+    rc, out = gyre_run(tmp_path / "r", "sched.cells=1", steps=1, timeout=240,
                        env={"GYRE_FAULT": f"{process}:start", "GYRE_FAULT_DIR": str(faults)})
     assert (faults / f"fired-{process}-start-1").exists(), out[-3000:]
     assert rc != 0, out[-3000:]
