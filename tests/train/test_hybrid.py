@@ -173,6 +173,11 @@ def test_engine_matches_transformers_and_resumes_from_stored_states(family, tmp_
     prefix.insert(ids[0, :78].tolist(), cache)
     full, n = prefix.lookup(ids[0, :80].tolist())
     assert n == 78 and full.length == 78
+    # (for the last check: a copy holding the state at 78, taken before `full` moves on to 80; a
+    # copy taken later resumes from the snapshot at 70, and lengthening that one by hand would read
+    # KV positions 70-74 it never wrote: uninitialised memory, NaN on some runs)
+    wrong = full.copy(78)
+    assert wrong.length == 78
     lp = torch.log_softmax(engine.forward(ids[0, 78:80].tolist(), full), -1)
     assert float((lp - ref[79]).abs().max()) < 2e-4
     partial, n = prefix.lookup(ids[0, :75].tolist() + [1, 2])
@@ -180,7 +185,6 @@ def test_engine_matches_transformers_and_resumes_from_stored_states(family, tmp_
     lp = torch.log_softmax(engine.forward(ids[0, 70:75].tolist(), partial), -1)
     assert float((lp - ref[74]).abs().max()) < 2e-4
     # the comparison can fail: resuming at 75 from the state at 78 is wrong
-    wrong = full.copy(78)
     wrong.length = 75
     bad = torch.log_softmax(engine.forward([int(ids[0, 75])], wrong), -1)
     assert float((bad - ref[75]).abs().max()) > 1e-3
