@@ -1,9 +1,9 @@
 """Markers by file, and the order `make test` hands tests to its workers, in one place.
 
 `e2e`: whole jobs (a Slurm dev cluster, mpiexec runs of head + cells, whole rollouts). Each is
-many processes. `make test` runs every test in one pytest run of two workers (`--dist loadgroup`):
-the groups below first (pytest-xdist sends the largest scopes first), then the other whole jobs,
-then the unit tests, which fill both workers to the end, so neither waits idle on the other's
+many processes. `make test` runs every test in one pytest run of cores + 1 workers (`--dist
+loadgroup`): the groups below first (pytest-xdist sends the largest scopes first), then the other
+whole jobs, then the unit tests, which fill the workers to the end, so none waits idle on another's
 last long job. `slow`: left out of `make test-fast` (every e2e test, and unit tests that start a
 process stack for more than ~3 s).
 """

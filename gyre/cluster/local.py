@@ -14,9 +14,11 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from gyre.cell.mpi_link import one_machine_env
+from gyre.cluster import failed_rank
 from gyre.cluster.preflight import preflight
 from gyre.config import load_config
 from gyre.engine.reaper import reap
@@ -85,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
                   f"of the killed run", file=sys.stderr)
     report_path = run_dir / "report.json"
     report_path.unlink(missing_ok=True)
+    started = time.time()
     proc = subprocess.Popen(launch_command(args, cfg.sched.cells, engine_key_file(run_dir), report_path),
                             env=one_machine_env())
 
@@ -101,7 +104,9 @@ def run(args: argparse.Namespace) -> int:
         for s, h in old.items():
             signal.signal(s, h)
     if not report_path.exists():
-        print(f"gyre run: the job ended (exit {rc}) without a report; see the messages above", file=sys.stderr)
+        said = failed_rank.since(run_dir, started)  # also when mpiexec ended before forwarding them
+        print(f"gyre run: the job ended (exit {rc}) without a report; "
+              + ("; ".join(said) if said else "see the messages above"), file=sys.stderr)
         return rc or 1
     report = json.loads(report_path.read_text())
     print_report(report)

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from gyre.cell.mpi_link import HeadLink, init_mpi
+from gyre.cluster import failed_rank
 from gyre.cluster.placement import cell_placement
 from gyre.cluster.preflight import preflight
 from gyre.config import ConfigError, default_tiny_dir, initial_model, load_config
@@ -75,9 +76,10 @@ def _or_abort(comm, who: str, body, run_dir: Path) -> int:
         raise
     except BaseException as e:  # noqa: BLE001 - any failure must end the job, not hang it
         where = _traceback_file(run_dir, who, comm.Get_rank())
-        print(f"gyre: the {who} (rank {comm.Get_rank()}) failed: {type(e).__name__}: "
-              f"{str(e).splitlines()[0] if str(e) else ''}{f' (traceback: {where})' if where else ''}",
-              file=sys.stderr, flush=True)
+        line = (f"the {who} (rank {comm.Get_rank()}) failed: {type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}{f' (traceback: {where})' if where else ''}")
+        print(f"gyre: {line}", file=sys.stderr, flush=True)
+        failed_rank.record(run_dir, who, comm.Get_rank(), line)  # mpiexec may end before forwarding it
         comm.Abort(1)
         return 1
 
