@@ -147,7 +147,9 @@ def test_sleeping_forever_is_killed_at_the_limit(tmp_path, mode):
     # starts is passed on once the harness exists (test_term_is_enough_for_a_polite_harness) and
     # ends bash before the trap. `pgid` is written after the trap, so a run without it did not test
     # this: 1 s is ample for a sandbox start on a quiet machine (~0.3 s); where it was not (a loaded
-    # machine), the run is repeated once with 5 s, the bound this test used to wait every time.
+    # machine), the run is repeated once with 5 s, the bound this test used to wait every time. A
+    # limit that lands before the trap ends the run by the TERM, or, where the sandbox was still
+    # starting through the 0.5 s grace too (seen beside a busy loop), by the KILL after it.
     for limit_s in (1.0, 5.0):
         t = token()
         command = ["bash", "-c", f"trap '' TERM; echo $$ > pgid; touch progress.py; sleep {t} & sleep {t}; wait"]
@@ -158,7 +160,7 @@ def test_sleeping_forever_is_killed_at_the_limit(tmp_path, mode):
         ws = Path(res.workspace)
         if (ws / "pgid").exists():
             break
-        assert (res.status, res.signal) == ("timeout", "SIGTERM"), res  # the only way to miss the trap
+        assert res.status == "timeout" and res.signal in ("SIGTERM", "SIGKILL"), res  # the only ways to miss the trap
     else:
         pytest.fail("the harness never set its TERM trap within 5 s")
     assert (res.status, res.signal) == ("timeout", "SIGKILL") and "limit" in res.error
