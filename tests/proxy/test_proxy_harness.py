@@ -8,7 +8,6 @@ import json
 import os
 import time
 
-import httpx
 import openai
 import pytest
 
@@ -133,7 +132,7 @@ def test_disconnect_aborts_the_engine_request_and_records_nothing(stack):
     stack.engine.script = [R.encode("slow answer " * 20) + [R.im_end]]
     stack.engine.token_delay_s = 0.2  # ~12 s: longer than the client waits
     # 0.5 s: each attempt reaches the in-process engine within milliseconds (engine.started == 3)
-    client, _ = stack.client(timeout=httpx.Timeout(0.5))
+    client, _ = stack.client(timeout=0.5)  # a float: the SDK builds its own Timeout (openai 3.63 takes httpx2's, not httpx's)
     client = client.with_options(max_retries=2)  # the SDK retries after each timeout
     with pytest.raises(openai.APITimeoutError):
         client.chat.completions.create(model="main", messages=[{"role": "user", "content": "hi"}])
