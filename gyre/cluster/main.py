@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _or_abort(comm, who: str, body, run_dir: Path) -> int:
-    """Run a rank's work; if it raises, say why in one line (the traceback goes to a file) and
+    """Run a rank's work; if it raises, say why in one line (it and the traceback go to files) and
     abort the whole job: the other ranks would otherwise wait for this one forever (under Slurm,
     until the allocation's time limit)."""
     try:
@@ -75,26 +75,11 @@ def _or_abort(comm, who: str, body, run_dir: Path) -> int:
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # noqa: BLE001 - any failure must end the job, not hang it
-        where = _traceback_file(run_dir, who, comm.Get_rank())
-        line = (f"the {who} (rank {comm.Get_rank()}) failed: {type(e).__name__}: "
-                f"{str(e).splitlines()[0] if str(e) else ''}{f' (traceback: {where})' if where else ''}")
+        # the line also goes to run.dir: mpiexec may end before forwarding stderr
+        line = failed_rank.record(run_dir, who, comm.Get_rank(), e)
         print(f"gyre: {line}", file=sys.stderr, flush=True)
-        failed_rank.record(run_dir, who, comm.Get_rank(), line)  # mpiexec may end before forwarding it
         comm.Abort(1)
         return 1
-
-
-def _traceback_file(run_dir: Path, who: str, rank: int) -> str:
-    """The current exception's traceback, for a bug report: <run.dir>/<who><rank>.traceback."""
-    import traceback
-
-    path = run_dir / f"{who}{rank}.traceback"
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        path.write_text(traceback.format_exc())
-        return str(path)
-    except OSError:
-        return ""
 
 
 def run_cell(args: argparse.Namespace) -> int:
